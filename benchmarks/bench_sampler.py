@@ -1,0 +1,102 @@
+"""Prints milliseconds per Sampler step for [256, 151936] float32 logits (not a test).
+
+Usage: python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--iters 3]
+                                           [--device cpu|cuda]
+
+The logits are LM-like (z-scores times 4, so the top 1024 tokens hold ~94% of the mass and
+top-p 0.9 needs no full sort), plus one case where every row's nucleus is wider than the
+candidates (the full-sort fallback) measured on a few rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+
+
+def metadata(n: int, device: torch.device, **fields) -> SamplingMetadata:
+    """Metadata for n unseeded rows at temperature 0.8 with `fields` overridden."""
+    base = dict(
+        temperature=torch.full((n,), 0.8, device=device),
+        all_greedy=False,
+        all_random=True,
+        top_p=None,
+        top_k=None,
+        min_p=None,
+        seeds=[None] * n,
+        output_positions=[7] * n,
+        generator=torch.Generator(device=device).manual_seed(0),
+        no_penalties=True,
+        presence_penalties=None,
+        frequency_penalties=None,
+        repetition_penalties=None,
+        prompt_token_ids=None,
+        output_token_ids=[],
+        min_tokens={},
+        max_num_logprobs=None,
+    )
+    base.update(fields)
+    return SamplingMetadata(**base)
+
+
+def cases(n: int, device: torch.device) -> dict[str, SamplingMetadata]:
+    """The benchmarked configurations by name."""
+    greedy = metadata(n, device, temperature=None, all_greedy=True, all_random=False)
+    return {
+        "greedy": greedy,
+        "temperature only": metadata(n, device),
+        "top-k 50": metadata(n, device, top_k=torch.full((n,), 50, dtype=torch.int32, device=device)),
+        "top-p 0.9": metadata(n, device, top_p=torch.full((n,), 0.9, device=device)),
+        "min-p 0.05": metadata(n, device, min_p=torch.full((n,), 0.05, device=device)),
+        "seeded rows (all)": metadata(n, device, seeds=list(range(n))),
+        "greedy + logprobs 5": metadata(
+            n, device, temperature=None, all_greedy=True, all_random=False, max_num_logprobs=5
+        ),
+    }
+
+
+def timed(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, iters: int) -> float:
+    """Median milliseconds of `iters` steps after one warm-up step."""
+    sampler(logits, md)
+    times = []
+    for _ in range(iters):
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        sampler(logits, md)
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    """Runs every case and prints one line each."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    logits = torch.randn(args.rows, args.vocab, generator=gen, device=device) * 4.0
+    sampler = Sampler()
+    print(f"logits [{args.rows}, {args.vocab}] float32 on {device}, torch threads "
+          f"{torch.get_num_threads()}, median of {args.iters}")
+    for name, md in cases(args.rows, device).items():
+        print(f"{name:>22}: {timed(sampler, logits, md, args.iters):9.1f} ms")
+    few = min(8, args.rows)
+    flat = torch.randn(few, args.vocab, generator=gen, device=device)
+    md = metadata(few, device, top_p=torch.full((few,), 0.9, device=device))
+    ms = timed(sampler, flat, md, args.iters)
+    print(f"{'top-p full-sort rows':>22}: {ms / few:9.1f} ms per row (nucleus > 1024 tokens)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv and installs the project with its test extras. Idempotent: a second run with an
+# unchanged pyproject.toml/setup.py/csrc only checks a stamp file.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.vllm-setup-stamp
+want=$(cat pyproject.toml setup.py CMakeLists.txt csrc/*/* 2>/dev/null | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
+# On a CPU-only machine take the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  .venv/bin/pip install -q torch==2.13.0
+fi
+.venv/bin/pip install -q -e '.[test]'
+echo "$want" > "$stamp"

@@ -1,0 +1,104 @@
+"""Tests vllm/attention/backends/torch_backend.py against naive dense attention."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.utils_attention import ReqStep, allocate_blocks, make_metadata
+from vllm.attention.backends.torch_backend import TorchAttentionBackend
+from vllm.attention.selector import get_attn_backend_cls
+
+
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float
+) -> torch.Tensor:
+    """q [n, H, D] for positions num_cached.., k/v [num_cached + n, Hkv, D] -> [n, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for j in range(q.shape[0]):
+        visible = num_cached + j + 1
+        scores = torch.einsum("hd,lhd->hl", q[j].double(), k[:visible]) * scale
+        out[j] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), v[:visible])
+    return out
+
+
+# (num_cached, num_new) per request: prefills, chunked prefills, decodes, an idle request.
+CASES = {
+    "mixed": [(0, 7), (5, 1), (9, 4), (0, 1), (17, 1), (3, 1), (6, 0), (2, 9)],
+    "decode_only": [(4, 1), (0, 1), (30, 1), (11, 1)],
+    "prefill_only": [(0, 5), (8, 3), (0, 16)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_matches_naive_attention(
+    case: str, num_heads: int, num_kv_heads: int, block_size: int
+) -> None:
+    rng = random.Random(hash((case, num_heads, block_size)) % 1000)
+    torch.manual_seed(rng.randrange(1000))
+    head_size, pad = 8, 3
+    reqs = CASES[case]
+    totals = [c + n for c, n in reqs]
+    block_ids, num_blocks = allocate_blocks(totals, block_size, rng)
+    kv_cache = torch.randn(
+        TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    )
+    # Full K/V history of every request; the cached prefix is placed in the cache up front.
+    hist_k = [torch.randn(t, num_kv_heads, head_size) for t in totals]
+    hist_v = [torch.randn(t, num_kv_heads, head_size) for t in totals]
+    for (cached, _), ids, k, v in zip(reqs, block_ids, hist_k, hist_v):
+        for p in range(cached):
+            kv_cache[0, ids[p // block_size], p % block_size] = k[p]
+            kv_cache[1, ids[p // block_size], p % block_size] = v[p]
+    steps = [ReqStep(c, n, ids) for (c, n), ids in zip(reqs, block_ids)]
+    meta, _ = make_metadata(steps, block_size, pad=pad)
+    n_tok = meta.num_actual_tokens
+    # Padding rows carry random K/V that must never reach the cache.
+    junk = [torch.randn(pad, num_kv_heads, head_size)]
+    key = torch.cat([k[c:] for (c, _), k in zip(reqs, hist_k)] + junk)
+    value = torch.cat([v[c:] for (c, _), v in zip(reqs, hist_v)] + junk)
+    query = torch.randn(n_tok + pad, num_heads, head_size)
+
+    expected_cache = kv_cache.clone()
+    for slot, k, v in zip(meta.slot_mapping[:n_tok].tolist(), key, value):
+        expected_cache[0].view(-1, num_kv_heads, head_size)[slot] = k
+        expected_cache[1].view(-1, num_kv_heads, head_size)[slot] = v
+
+    scale = head_size**-0.5
+    backend = TorchAttentionBackend(num_heads, head_size, num_kv_heads, scale)
+    out = backend.forward(query, key, value, kv_cache, meta)
+
+    assert out.shape == query.shape
+    torch.testing.assert_close(kv_cache, expected_cache, rtol=0, atol=0)
+    start = 0
+    for (cached, new), k, v in zip(reqs, hist_k, hist_v):
+        want = naive_attention(query[start : start + new], k, v, cached, scale)
+        torch.testing.assert_close(out[start : start + new].double(), want, rtol=1e-5, atol=1e-5)
+        start += new
+
+
+def test_padding_slots_are_not_written() -> None:
+    backend = TorchAttentionBackend(2, 4, 2, 0.5)
+    kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(2, 4, 2, 4))
+    meta, _ = make_metadata([ReqStep(0, 3, [1])], block_size=4, pad=2)
+    qkv = torch.ones(5, 2, 4)
+    backend.forward(qkv, qkv, qkv, kv_cache, meta)
+    written = kv_cache.flatten(3, 4).abs().sum(-1) > 0  # [2, num_blocks, block_size]
+    expect = torch.zeros(2, 2, 4, dtype=torch.bool)
+    expect[:, 1, :3] = True
+    assert torch.equal(written, expect)
+
+
+def test_selector() -> None:
+    cpu = torch.device("cpu")
+    assert get_attn_backend_cls("torch", cpu) is TorchAttentionBackend
+    assert get_attn_backend_cls("auto", cpu) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_attn_backend_cls("flash", cpu)

@@ -1,0 +1,123 @@
+"""Oracle: the engine's greedy tokens and per-step logits equal Hugging Face transformers'.
+
+Random tiny Qwen3, Qwen2 and Llama checkpoints run through the whole offline engine (scheduler,
+KV cache, model runner, sampler), plainly, with chunked prefill, with a forced prefix-cache hit,
+and with forced preemption. Each special condition is asserted to have happened.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.utils_models import TINY, build_checkpoint
+from vllm import LLM, SamplingParams
+from vllm.model_executor.model_loader.demo_model import build_demo_model
+
+ARCHS = ["qwen3", "qwen2", "llama"]
+PROMPT_LENS = [3, 7, 12, 20, 5, 33, 1, 17]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return {
+        name: (path := tmp_path_factory.mktemp(name), build_checkpoint(name, path, seed=i))
+        for i, name in enumerate(ARCHS)
+    }
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    return str(build_demo_model("demo-tiny"))
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def _capture_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
+    """Records, per engine request id, the logits row of every sampled token."""
+    runner = llm.llm_engine.engine_core.model_executor.worker.model_runner
+    captured: dict[str, list[torch.Tensor]] = {}
+    original = runner.sample_tokens
+
+    def sample_tokens(grammar_output):
+        step = runner._step
+        if step is not None and step.logits is not None:
+            for i, req_id in enumerate(step.sampled_req_ids):
+                captured.setdefault(req_id, []).append(step.logits[i].clone())
+        return original(grammar_output)
+
+    runner.sample_tokens = sample_tokens
+    return captured
+
+
+def _check_against_hf(hf, prompts, outputs, captured) -> None:
+    for prompt, out in zip(prompts, outputs):
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) == MAX_TOKENS
+        with torch.inference_mode():
+            want = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+        got = torch.stack(captured[out.request_id])
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() < 1e-4
+        assert tokens == want.argmax(-1).tolist()
+
+
+def _engine(path, tokenizer_dir, **kwargs) -> LLM:
+    kwargs.setdefault("max_model_len", 128)
+    return LLM(model=str(path), tokenizer=tokenizer_dir, dtype="float32", **kwargs)
+
+
+def _assert_pool_full(llm: LLM) -> None:
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_plain_and_prefix_cache_hit(arch, checkpoints, tokenizer_dir) -> None:
+    path, hf = checkpoints[arch]
+    llm = _engine(path, tokenizer_dir, block_size=4)
+    captured = _capture_logits(llm)
+    prompts = _prompts(seed=1)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _check_against_hf(hf, prompts, outputs, captured)
+    _assert_pool_full(llm)
+
+    # The same prompts again, plus extensions of them: every one must hit the prefix cache.
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    hits_before = kv.prefix_cache_stats.hits
+    again = [p + [1, 2, 3] for p in prompts]
+    captured.clear()
+    outputs = llm.generate(again, GREEDY, use_tqdm=False)
+    assert kv.prefix_cache_stats.hits - hits_before >= sum(len(p) // 4 * 4 for p in prompts) - 4
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    _check_against_hf(hf, again, outputs, captured)
+    _assert_pool_full(llm)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_and_preemption(arch, checkpoints, tokenizer_dir) -> None:
+    path, hf = checkpoints[arch]
+    # 16 tokens per step forces every prompt over 16 tokens into chunks; 14 blocks of 4 tokens
+    # cannot hold the 8 requests' 146 tokens at once, so the scheduler must preempt.
+    llm = _engine(
+        path, tokenizer_dir, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+        num_gpu_blocks_override=14, enable_prefix_caching=False, max_model_len=48,
+    )
+    captured = _capture_logits(llm)
+    prompts = _prompts(seed=2)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert max(PROMPT_LENS) > 16
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    _check_against_hf(hf, prompts, outputs, captured)
+    _assert_pool_full(llm)
+    llm.shutdown()

@@ -1,0 +1,277 @@
+"""Tests for vllm/_custom_ops.py: native and numpy ops agree with a pure-Python oracle.
+
+Benchmark (not a test): `.venv/bin/python benchmarks/bench_custom_ops.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import vllm._custom_ops as ops
+
+SLOT_IMPLS: dict[str, Callable[..., None]] = {"numpy": ops.compute_slot_mapping_numpy}
+POS_IMPLS: dict[str, Callable[..., None]] = {"numpy": ops.prepare_positions_numpy}
+if ops.HAS_NATIVE:
+    SLOT_IMPLS["native"] = ops.compute_slot_mapping_native
+    POS_IMPLS["native"] = ops.prepare_positions_native
+SLOT_IMPLS["dispatch"] = ops.compute_slot_mapping
+POS_IMPLS["dispatch"] = ops.prepare_positions
+
+
+def has_cxx_toolchain() -> bool:
+    """True when setup.py can build the library: cmake plus some C++ compiler."""
+    cxx = os.environ.get("CXX", "").split()
+    compilers = ([cxx[0]] if cxx else []) + ["c++", "g++", "clang++"]
+    return shutil.which("cmake") is not None and any(shutil.which(c) for c in compilers)
+
+
+def slot_oracle(
+    table: np.ndarray, reqs: np.ndarray, positions: np.ndarray, block_size: int
+) -> list[int]:
+    """Per-token slot computed with Python ints, independent of numpy indexing rules."""
+    return [
+        int(table[int(r)][int(p) // block_size]) * block_size + int(p) % block_size
+        for r, p in zip(reqs.tolist(), positions.tolist())
+    ]
+
+
+def positions_oracle(computed: list[int], scheduled: list[int]) -> tuple[list[int], list[int]]:
+    """Flat (request index, position) lists built token by token."""
+    reqs: list[int] = []
+    positions: list[int] = []
+    for r, (start, count) in enumerate(zip(computed, scheduled)):
+        for k in range(count):
+            reqs.append(r)
+            positions.append(start + k)
+    return reqs, positions
+
+
+def random_batch(
+    rng: np.random.Generator, num_reqs: int, blocks_per_req: int, block_size: int, tokens: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A block table of distinct random block ids and random in-range (request, position) pairs."""
+    num_blocks = num_reqs * blocks_per_req
+    table = rng.permutation(num_blocks).astype(np.int32).reshape(num_reqs, blocks_per_req)
+    reqs = rng.integers(0, num_reqs, size=tokens, dtype=np.int32)
+    positions = rng.integers(0, blocks_per_req * block_size, size=tokens, dtype=np.int64)
+    return table, reqs, positions
+
+
+def test_native_library_builds_when_toolchain_exists() -> None:
+    """A silently failed build must fail here, not just make everything slower."""
+    if not has_cxx_toolchain():
+        assert ops.HAS_NATIVE == (ops.find_library() is not None and not ops.native_disabled())
+        return
+    path = ops.find_library()
+    assert path is not None, "cmake and a C++ compiler exist but vllm/_C* was not built"
+    assert ops.load_library(path) is not None
+    assert ops.HAS_NATIVE or ops.native_disabled()
+
+
+@pytest.mark.parametrize("impl", sorted(SLOT_IMPLS))
+@pytest.mark.parametrize("block_size", [1, 16, 32, 256])
+def test_slot_mapping_matches_oracle(impl: str, block_size: int) -> None:
+    rng = np.random.default_rng(block_size)
+    table, reqs, positions = random_batch(rng, 64, 9, block_size, 2000)
+    out = np.full(len(reqs), -7, dtype=np.int64)
+    SLOT_IMPLS[impl](table, reqs, positions, block_size, out)
+    assert out.tolist() == slot_oracle(table, reqs, positions, block_size)
+
+
+@pytest.mark.parametrize("block_size", [3, 16, 64])
+def test_slot_mapping_native_equals_numpy(block_size: int) -> None:
+    rng = np.random.default_rng(100 + block_size)
+    for tokens in (0, 1, 257, 8192):
+        table, reqs, positions = random_batch(rng, 300, 17, block_size, tokens)
+        results = []
+        for fn in SLOT_IMPLS.values():
+            out = np.zeros(tokens, dtype=np.int64)
+            fn(table, reqs, positions, block_size, out)
+            results.append(out)
+        for other in results[1:]:
+            np.testing.assert_array_equal(other, results[0])
+
+
+@pytest.mark.parametrize("impl", sorted(SLOT_IMPLS))
+def test_slot_mapping_large_slots_do_not_overflow_int32(impl: str) -> None:
+    block_size = 1024
+    table = np.array([[2**30, 5]], dtype=np.int32)
+    reqs = np.zeros(3, dtype=np.int32)
+    positions = np.array([0, 1023, 1025], dtype=np.int64)
+    out = np.zeros(3, dtype=np.int64)
+    SLOT_IMPLS[impl](table, reqs, positions, block_size, out)
+    assert out.tolist() == [2**40, 2**40 + 1023, 5 * 1024 + 1]
+
+
+@pytest.mark.parametrize("impl", sorted(SLOT_IMPLS))
+def test_slot_mapping_empty_batch(impl: str) -> None:
+    table = np.zeros((0, 4), dtype=np.int32)
+    out = np.zeros(0, dtype=np.int64)
+    SLOT_IMPLS[impl](table, np.zeros(0, np.int32), np.zeros(0, np.int64), 16, out)
+    assert out.shape == (0,)
+
+
+@pytest.mark.parametrize("impl", sorted(SLOT_IMPLS))
+@pytest.mark.parametrize(
+    ("req", "pos", "field"),
+    [(2, 0, "req_indices"), (-1, 0, "req_indices"), (0, -1, "positions"), (0, 64, "positions")],
+)
+def test_slot_mapping_out_of_range_raises_and_leaves_out(
+    impl: str, req: int, pos: int, field: str
+) -> None:
+    table = np.arange(8, dtype=np.int32).reshape(2, 4)  # 2 requests x 4 blocks of 16 tokens
+    reqs = np.array([0, req], dtype=np.int32)
+    positions = np.array([5, pos], dtype=np.int64)
+    out = np.full(2, -1, dtype=np.int64)
+    with pytest.raises(ValueError, match=field):
+        SLOT_IMPLS[impl](table, reqs, positions, 16, out)
+    assert out.tolist() == [-1, -1]
+
+
+@pytest.mark.parametrize("impl", sorted(SLOT_IMPLS))
+def test_slot_mapping_bad_arguments_raise(impl: str) -> None:
+    fn = SLOT_IMPLS[impl]
+    table = np.zeros((2, 4), dtype=np.int32)
+    reqs = np.zeros(3, dtype=np.int32)
+    positions = np.zeros(3, dtype=np.int64)
+    out = np.zeros(3, dtype=np.int64)
+    cases: list[tuple[tuple[object, ...], str]] = [
+        ((table.astype(np.int64), reqs, positions, 16, out), "block_table"),
+        ((np.asfortranarray(np.zeros((2, 4), np.int32)), reqs, positions, 16, out), "block_table"),
+        ((table[:, ::2], reqs, positions, 16, out), "block_table"),
+        ((table.ravel(), reqs, positions, 16, out), "block_table"),
+        ((table, reqs.astype(np.int64), positions, 16, out), "req_indices"),
+        ((table, reqs.tolist(), positions, 16, out), "req_indices"),
+        ((table, reqs, positions.astype(np.int32), 16, out), "positions"),
+        ((table, reqs, positions[:2], 16, out), "positions"),
+        ((table, reqs, np.zeros(6, np.int64)[::2], 16, out), "positions"),
+        ((table, reqs, positions, 16, out.astype(np.int32)), "out"),
+        ((table, reqs, positions, 16, out[:2]), "out"),
+        ((table, reqs, positions, 0, out), "block_size"),
+        ((table, reqs, positions, 16.0, out), "block_size"),
+    ]
+    readonly = out.copy()
+    readonly.flags.writeable = False
+    cases.append(((table, reqs, positions, 16, readonly), "out"))
+    for args, field in cases:
+        with pytest.raises(ValueError, match=field):
+            fn(*args)
+
+
+@pytest.mark.parametrize("impl", sorted(POS_IMPLS))
+def test_prepare_positions_matches_oracle(impl: str) -> None:
+    rng = np.random.default_rng(7)
+    for num_reqs in (0, 1, 5, 300):
+        computed = rng.integers(0, 5000, size=num_reqs, dtype=np.int32)
+        # Zero counts included: an unscheduled request contributes nothing.
+        scheduled = rng.integers(0, 40, size=num_reqs, dtype=np.int32)
+        total = int(scheduled.sum())
+        out_reqs = np.full(total, -1, dtype=np.int32)
+        out_pos = np.full(total, -1, dtype=np.int64)
+        POS_IMPLS[impl](computed, scheduled, out_reqs, out_pos)
+        want_reqs, want_pos = positions_oracle(computed.tolist(), scheduled.tolist())
+        assert out_reqs.tolist() == want_reqs
+        assert out_pos.tolist() == want_pos
+
+
+def test_prepare_positions_native_equals_numpy() -> None:
+    rng = np.random.default_rng(11)
+    for num_reqs, max_count in ((1, 8192), (256, 1), (1024, 16), (3, 0)):
+        computed = rng.integers(0, 100_000, size=num_reqs, dtype=np.int32)
+        scheduled = rng.integers(0, max_count + 1, size=num_reqs, dtype=np.int32)
+        total = int(scheduled.sum())
+        results = []
+        for fn in POS_IMPLS.values():
+            out_reqs = np.zeros(total, dtype=np.int32)
+            out_pos = np.zeros(total, dtype=np.int64)
+            fn(computed, scheduled, out_reqs, out_pos)
+            results.append((out_reqs, out_pos))
+        for reqs, pos in results[1:]:
+            np.testing.assert_array_equal(reqs, results[0][0])
+            np.testing.assert_array_equal(pos, results[0][1])
+
+
+@pytest.mark.parametrize("impl", sorted(POS_IMPLS))
+def test_prepare_positions_then_slot_mapping(impl: str) -> None:
+    """The two ops chained as the runner uses them give each token its own slot."""
+    block_size = 16
+    computed = np.array([0, 40, 7], dtype=np.int32)
+    scheduled = np.array([20, 1, 9], dtype=np.int32)
+    table = np.array([[3, 4, 0, 0], [9, 1, 2, 0], [5, 0, 0, 0]], dtype=np.int32)
+    reqs = np.zeros(30, dtype=np.int32)
+    positions = np.zeros(30, dtype=np.int64)
+    POS_IMPLS[impl](computed, scheduled, reqs, positions)
+    out = np.zeros(30, dtype=np.int64)
+    SLOT_IMPLS[impl](table, reqs, positions, block_size, out)
+    want = (
+        [3 * 16 + p for p in range(16)] + [4 * 16 + p for p in range(4)]
+        + [2 * 16 + 8] + [5 * 16 + p for p in range(7, 16)]
+    )
+    assert out.tolist() == want
+
+
+@pytest.mark.parametrize("impl", sorted(POS_IMPLS))
+def test_prepare_positions_bad_arguments_raise(impl: str) -> None:
+    fn = POS_IMPLS[impl]
+    computed = np.array([0, 3], dtype=np.int32)
+    scheduled = np.array([2, 1], dtype=np.int32)
+    reqs = np.zeros(3, dtype=np.int32)
+    pos = np.zeros(3, dtype=np.int64)
+    cases: list[tuple[tuple[object, ...], str]] = [
+        ((computed.astype(np.int64), scheduled, reqs, pos), "num_computed_tokens"),
+        ((computed, scheduled.astype(np.int64), reqs, pos), "num_scheduled"),
+        ((computed, scheduled[:1], reqs, pos), "num_scheduled"),
+        ((computed, np.zeros(4, np.int32)[::2], reqs, pos), "num_scheduled"),
+        ((computed, scheduled, reqs.astype(np.int64), pos), "out_req_indices"),
+        ((computed, scheduled, reqs, pos.astype(np.int32)), "out_positions"),
+        ((computed, scheduled, reqs, pos[:2]), "out_positions"),
+        ((computed, scheduled, np.zeros(4, np.int32), np.zeros(4, np.int64)), "sum"),
+        ((computed, np.array([2, -1], np.int32), np.zeros(1, np.int32),
+          np.zeros(1, np.int64)), "negative"),
+        ((np.array([-5, 0], np.int32), scheduled, reqs, pos), "negative"),
+    ]
+    for args, field in cases:
+        with pytest.raises(ValueError, match=field):
+            fn(*args)
+    # Errors are raised before anything is written.
+    assert reqs.tolist() == [0, 0, 0] and pos.tolist() == [0, 0, 0]
+
+
+def load_fresh_module(name: str) -> object:
+    """Executes vllm/_custom_ops.py again as a new module, re-reading the environment."""
+    spec = importlib.util.spec_from_file_location(name, ops.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_disable_env_falls_back_to_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_DISABLE_NATIVE", "1")
+    fresh = load_fresh_module("custom_ops_disabled")
+    assert fresh.HAS_NATIVE is False
+    with pytest.raises(RuntimeError):
+        fresh.compute_slot_mapping_native(
+            np.zeros((1, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64), 16,
+            np.zeros(0, np.int64),
+        )
+    table = np.array([[4, 6]], dtype=np.int32)
+    out = np.zeros(2, dtype=np.int64)
+    fresh.compute_slot_mapping(table, np.zeros(2, np.int32), np.array([1, 17], np.int64), 16, out)
+    assert out.tolist() == [4 * 16 + 1, 6 * 16 + 1]
+
+
+def test_missing_or_broken_library_is_tolerated(tmp_path: Path) -> None:
+    assert ops.find_library(tmp_path) is None
+    broken = tmp_path / "_C.so"
+    broken.write_bytes(b"not an ELF file")
+    assert ops.find_library(tmp_path) == broken
+    with pytest.warns(RuntimeWarning, match="ignoring native library"):
+        assert ops.load_library(broken) is None

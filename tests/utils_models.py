@@ -1,0 +1,73 @@
+"""Random tiny Hugging Face checkpoints shared by model and engine tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def hf_config(name: str):
+    """A tiny transformers config for 'qwen3', 'qwen2', 'llama' or 'llama3_rope'."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if name == "qwen3":
+        # head_dim * heads != hidden_size on purpose.
+        return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True,
+                           architectures=["Qwen3ForCausalLM"])
+    if name == "qwen2":
+        return Qwen2Config(**TINY, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    if name == "llama":
+        return LlamaConfig(**TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    if name == "llama3_rope":
+        return LlamaConfig(**TINY, tie_word_embeddings=True, rope_scaling=dict(LLAMA3_ROPE),
+                           architectures=["LlamaForCausalLM"])
+    raise AssertionError(name)
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights of order-one activations, so a 1e-4 logit tolerance is meaningful."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.1 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[1] ** 0.5)
+
+
+def build_checkpoint(name: str, path: Path, seed: int):
+    """Saves a random tiny checkpoint of architecture `name` to path; returns the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_config(
+        hf_config(name), attn_implementation="eager", dtype=torch.float32
+    )
+    randomize(hf, seed)
+    hf.eval()
+    hf.save_pretrained(path)
+    return hf

@@ -1,0 +1,287 @@
+"""CPU ops that build the model runner's flat varlen inputs, native when possible.
+
+The native versions live in csrc/cpu/prepare_inputs.cpp, built by setup.py into vllm/_C<suffix>
+and loaded here with ctypes. Without that library, or with VLLM_DISABLE_NATIVE=1, the public
+functions run numpy implementations with the same results and the same errors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+# Must equal kAbiVersion in csrc/cpu/prepare_inputs.cpp; a library with another version is stale.
+ABI_VERSION = 1
+
+_STATUS_MESSAGES = {
+    1: "req_indices: a request index is outside the block table's rows",
+    2: "positions: a position is negative or past the last block of its block table row",
+    3: "block_size: must be positive",
+    4: "num_scheduled/num_computed_tokens: counts must not be negative",
+    5: "out_req_indices/out_positions: length must equal the sum of num_scheduled",
+}
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+def find_library(package_dir: Path | None = None) -> Path | None:
+    """Returns the path of the built _C library in package_dir (default: this package), or None."""
+    directory = package_dir if package_dir is not None else Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = directory / f"_C{suffix}"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_library(path: Path) -> ctypes.CDLL | None:
+    """Loads the native library at path and declares its signatures.
+
+    Returns None (with a RuntimeWarning) when the file cannot be loaded, lacks a symbol, or was
+    built for another ABI_VERSION, so a broken build degrades to the numpy fallbacks.
+    """
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.vllm_native_abi_version.restype = ctypes.c_int32
+        lib.vllm_native_abi_version.argtypes = []
+        version = lib.vllm_native_abi_version()
+        if version != ABI_VERSION:
+            raise OSError(f"ABI version {version}, expected {ABI_VERSION} (stale build?)")
+        lib.vllm_compute_slot_mapping.restype = ctypes.c_int32
+        lib.vllm_compute_slot_mapping.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P]
+        lib.vllm_prepare_positions.restype = ctypes.c_int32
+        lib.vllm_prepare_positions.argtypes = [_P, _P, _I64, _P, _P, _I64]
+    except (OSError, AttributeError) as exc:
+        warnings.warn(f"ignoring native library {path}: {exc}", RuntimeWarning, stacklevel=2)
+        return None
+    return lib
+
+
+def native_disabled() -> bool:
+    """Returns True when the environment asks for the numpy fallbacks (VLLM_DISABLE_NATIVE=1)."""
+    return os.environ.get("VLLM_DISABLE_NATIVE", "0").strip().lower() in ("1", "true", "yes")
+
+
+def _load_default() -> ctypes.CDLL | None:
+    if native_disabled():
+        return None
+    path = find_library()
+    return load_library(path) if path is not None else None
+
+
+# Loaded once at import; never reassigned.
+_LIB: ctypes.CDLL | None = _load_default()
+HAS_NATIVE: bool = _LIB is not None
+
+
+def _check(name: str, array: object, dtype: type, ndim: int, writeable: bool = False) -> np.ndarray:
+    """Returns array if a C-contiguous numpy array of dtype and ndim, else raises ValueError."""
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array, got {type(array).__name__}")
+    if array.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {np.dtype(dtype)}, got {array.dtype}")
+    if array.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimension(s), got shape {array.shape}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{name}: must be C-contiguous")
+    if writeable and not array.flags.writeable:
+        raise ValueError(f"{name}: must be writeable")
+    return array
+
+
+def _check_slot_mapping_args(
+    block_table: np.ndarray,
+    req_indices: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+) -> None:
+    _check("block_table", block_table, np.int32, 2)
+    _check("req_indices", req_indices, np.int32, 1)
+    _check("positions", positions, np.int64, 1)
+    _check("out", out, np.int64, 1, writeable=True)
+    n = req_indices.shape[0]
+    if positions.shape[0] != n:
+        raise ValueError(f"positions: length {positions.shape[0]} != len(req_indices) {n}")
+    if out.shape[0] != n:
+        raise ValueError(f"out: length {out.shape[0]} != len(req_indices) {n}")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise ValueError(f"block_size: expected an int, got {type(block_size).__name__}")
+    if block_size <= 0:
+        raise ValueError(f"block_size: must be positive, got {block_size}")
+
+
+def _check_prepare_positions_args(
+    num_computed_tokens: np.ndarray,
+    num_scheduled: np.ndarray,
+    out_req_indices: np.ndarray,
+    out_positions: np.ndarray,
+) -> None:
+    _check("num_computed_tokens", num_computed_tokens, np.int32, 1)
+    _check("num_scheduled", num_scheduled, np.int32, 1)
+    _check("out_req_indices", out_req_indices, np.int32, 1, writeable=True)
+    _check("out_positions", out_positions, np.int64, 1, writeable=True)
+    if num_scheduled.shape[0] != num_computed_tokens.shape[0]:
+        raise ValueError(
+            f"num_scheduled: length {num_scheduled.shape[0]} != "
+            f"len(num_computed_tokens) {num_computed_tokens.shape[0]}"
+        )
+    if out_positions.shape[0] != out_req_indices.shape[0]:
+        raise ValueError(
+            f"out_positions: length {out_positions.shape[0]} != "
+            f"len(out_req_indices) {out_req_indices.shape[0]}"
+        )
+
+
+def _raise_status(status: int) -> None:
+    if status != 0:
+        raise ValueError(_STATUS_MESSAGES.get(status, f"native op failed with status {status}"))
+
+
+def compute_slot_mapping_numpy(
+    block_table: np.ndarray,
+    req_indices: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+) -> None:
+    """Numpy version of compute_slot_mapping (same arguments, results, and errors)."""
+    _check_slot_mapping_args(block_table, req_indices, positions, block_size, out)
+    if req_indices.shape[0] == 0:
+        return
+    num_rows, num_cols = block_table.shape
+    if req_indices.min() < 0 or req_indices.max() >= num_rows:
+        _raise_status(1)
+    if positions.min() < 0 or positions.max() >= num_cols * block_size:
+        _raise_status(2)
+    blocks = positions // block_size
+    # int64 before multiplying: block id * block_size can exceed int32.
+    np.multiply(block_table[req_indices, blocks], block_size, out=out, dtype=np.int64)
+    out += positions - blocks * block_size
+
+
+def compute_slot_mapping_native(
+    block_table: np.ndarray,
+    req_indices: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+) -> None:
+    """Native version of compute_slot_mapping; raises RuntimeError if the library is not loaded."""
+    if _LIB is None:
+        raise RuntimeError("vllm native library is not loaded (HAS_NATIVE is False)")
+    _check_slot_mapping_args(block_table, req_indices, positions, block_size, out)
+    status = _LIB.vllm_compute_slot_mapping(
+        block_table.ctypes.data,
+        block_table.shape[0],
+        block_table.shape[1],
+        req_indices.ctypes.data,
+        positions.ctypes.data,
+        req_indices.shape[0],
+        int(block_size),
+        out.ctypes.data,
+    )
+    _raise_status(status)
+
+
+def prepare_positions_numpy(
+    num_computed_tokens: np.ndarray,
+    num_scheduled: np.ndarray,
+    out_req_indices: np.ndarray,
+    out_positions: np.ndarray,
+) -> None:
+    """Numpy version of prepare_positions (same arguments, results, and errors)."""
+    _check_prepare_positions_args(
+        num_computed_tokens, num_scheduled, out_req_indices, out_positions
+    )
+    num_reqs = num_scheduled.shape[0]
+    if num_reqs and (num_scheduled.min() < 0 or num_computed_tokens.min() < 0):
+        _raise_status(4)
+    counts = num_scheduled.astype(np.int64)
+    if int(counts.sum()) != out_positions.shape[0]:
+        _raise_status(5)
+    req_ids = np.repeat(np.arange(num_reqs, dtype=np.int32), counts)
+    out_req_indices[:] = req_ids
+    # Position of flat token t of request r: num_computed[r] + (t - first flat index of r).
+    first = np.cumsum(counts) - counts
+    offsets = (num_computed_tokens.astype(np.int64) - first)[req_ids]
+    np.add(np.arange(out_positions.shape[0], dtype=np.int64), offsets, out=out_positions)
+
+
+def prepare_positions_native(
+    num_computed_tokens: np.ndarray,
+    num_scheduled: np.ndarray,
+    out_req_indices: np.ndarray,
+    out_positions: np.ndarray,
+) -> None:
+    """Native version of prepare_positions; raises RuntimeError if the library is not loaded."""
+    if _LIB is None:
+        raise RuntimeError("vllm native library is not loaded (HAS_NATIVE is False)")
+    _check_prepare_positions_args(
+        num_computed_tokens, num_scheduled, out_req_indices, out_positions
+    )
+    status = _LIB.vllm_prepare_positions(
+        num_computed_tokens.ctypes.data,
+        num_scheduled.ctypes.data,
+        num_scheduled.shape[0],
+        out_req_indices.ctypes.data,
+        out_positions.ctypes.data,
+        out_positions.shape[0],
+    )
+    _raise_status(status)
+
+
+SlotMappingFn = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], None]
+PreparePositionsFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+
+_compute_slot_mapping: SlotMappingFn = (
+    compute_slot_mapping_native if HAS_NATIVE else compute_slot_mapping_numpy
+)
+_prepare_positions: PreparePositionsFn = (
+    prepare_positions_native if HAS_NATIVE else prepare_positions_numpy
+)
+
+
+def compute_slot_mapping(
+    block_table: np.ndarray,
+    req_indices: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+) -> None:
+    """Writes the KV-cache slot of every flat token into out.
+
+    out[i] = block_table[req_indices[i], positions[i] // block_size] * block_size
+             + positions[i] % block_size.
+    block_table: int32 [num_rows, blocks_per_row], C-contiguous; req_indices: int32 [T];
+    positions: int64 [T]; out: int64 [T], writeable. Uses the native library when HAS_NATIVE.
+    Raises ValueError for a wrong dtype, shape, or contiguity, a non-positive block_size, a request
+    index outside the table, or a negative position or one past its row's last block; out is
+    untouched then.
+    """
+    _compute_slot_mapping(block_table, req_indices, positions, block_size, out)
+
+
+def prepare_positions(
+    num_computed_tokens: np.ndarray,
+    num_scheduled: np.ndarray,
+    out_req_indices: np.ndarray,
+    out_positions: np.ndarray,
+) -> None:
+    """Expands per-request token ranges into flat per-token request indices and positions.
+
+    Request r contributes tokens num_computed_tokens[r] .. num_computed_tokens[r] +
+    num_scheduled[r] - 1, in request order: out_req_indices gets r and out_positions the token
+    position. num_computed_tokens, num_scheduled: int32 [R]; out_req_indices: int32 [T];
+    out_positions: int64 [T], where T must equal sum(num_scheduled). Uses the native library when
+    HAS_NATIVE. Raises ValueError for a wrong dtype, shape, or contiguity, a negative count or
+    start, or T != sum(num_scheduled); the outputs are untouched then.
+    """
+    _prepare_positions(num_computed_tokens, num_scheduled, out_req_indices, out_positions)

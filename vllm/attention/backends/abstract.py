@@ -1,0 +1,76 @@
+"""The attention interface every backend implements.
+
+The KV cache of one layer is a tensor of shape
+``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 holds keys, 1 values).
+A batch is flat and variable-length: request i owns query tokens
+``query_start_loc[i]:query_start_loc[i+1]`` and, after this step, ``seq_lens[i]`` tokens
+of context in the cache (the new tokens are the last ones of that context).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat varlen description of one forward pass, shared by all layers."""
+
+    # Real tokens in the input; inputs may be padded past this (e.g. for CUDA graphs).
+    num_actual_tokens: int
+    # Number of requests in the batch.
+    num_reqs: int
+    # Longest query (new tokens) of any request in the batch.
+    max_query_len: int
+    # Longest context (cached + new tokens) of any request in the batch.
+    max_seq_len: int
+    # [num_reqs + 1] int32 on the device: prefix sums of new tokens per request.
+    query_start_loc: torch.Tensor
+    # [num_reqs] int32 on the device: context length per request including new tokens.
+    seq_lens: torch.Tensor
+    # [num_reqs, max_blocks_per_req] int32 on the device: physical block ids per request.
+    block_table: torch.Tensor
+    # [num_tokens] int64 on the device: cache slot (block * block_size + offset) per token,
+    # -1 for padding tokens whose K/V must not be written.
+    slot_mapping: torch.Tensor
+    # CPU copies of query_start_loc and seq_lens, so backends can loop without a device sync.
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+
+
+class AttentionBackend(ABC):
+    """One attention implementation; a model holds one instance per attention layer."""
+
+    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Writes the new key/value into kv_cache at metadata.slot_mapping, then returns causal
+        attention output for every query token.
+
+        query: [num_tokens, num_heads, head_size]; key, value: [num_tokens, num_kv_heads,
+        head_size]; returns [num_tokens, num_heads, head_size]. Rows past
+        metadata.num_actual_tokens are padding: their output is unspecified.
+        Side effect: kv_cache is modified in place.
+        """

@@ -1,0 +1,141 @@
+"""Exact paged attention in plain torch: the CPU backend and the reference for the others."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores key/value [N, Hkv, D] at the flat cache slots given per token.
+
+    Side effect: modifies kv_cache in place; tokens whose slot is -1 are not written.
+    """
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
+    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reads the first ``length`` cached positions of sequences from their blocks.
+
+    block_ids: [B, nb] physical block ids; returns keys and values [B, Hkv, length, D].
+    """
+    batch, nb = block_ids.shape
+    ids = block_ids.long()
+    flat = (batch, nb * kv_cache.shape[2], *kv_cache.shape[3:])
+    # Keys and values are gathered separately: one [2, ...] gather is markedly slower on CPU.
+    k = kv_cache[0][ids].view(flat)[:, :length].transpose(1, 2)
+    v = kv_cache[1][ids].view(flat)[:, :length].transpose(1, 2)
+    return k, v
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged causal attention with grouped-query support, built on scaled_dot_product_attention.
+
+    Decode requests (one new token) run together as one padded, masked batch; other requests
+    run one at a time.
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """See AttentionBackend.forward. Side effect: writes key/value into kv_cache."""
+        n = metadata.num_actual_tokens
+        write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        out = torch.zeros_like(query)
+        starts = metadata.query_start_loc_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        decodes: list[int] = []
+        for i in range(metadata.num_reqs):
+            query_len = starts[i + 1] - starts[i]
+            if query_len == 1:
+                decodes.append(i)
+            elif query_len > 1:
+                self._prefill(query, kv_cache, metadata, out, i, starts[i], query_len, seq_lens[i])
+        if decodes:
+            self._decode(query, kv_cache, metadata, out, decodes, starts, seq_lens)
+        return out
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,
+        req: int,
+        start: int,
+        query_len: int,
+        seq_len: int,
+    ) -> None:
+        block_size = kv_cache.shape[2]
+        num_blocks = -(-seq_len // block_size)
+        k, v = gather_kv(kv_cache, metadata.block_table[req : req + 1, :num_blocks], seq_len)
+        q = query[start : start + query_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        context = seq_len - query_len
+        mask = None
+        if context > 0:
+            # New token j sits at position context + j and sees every position up to it.
+            rows = torch.arange(query_len, device=q.device)[:, None] + context
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
+        o = self._sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, is_causal=mask is None)
+        out[start : start + query_len] = o[0].transpose(0, 1)
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        out: torch.Tensor,
+        reqs: list[int],
+        starts: list[int],
+        seq_lens: list[int],
+    ) -> None:
+        device = query.device
+        block_size = kv_cache.shape[2]
+        lens = [seq_lens[i] for i in reqs]
+        longest = max(lens)
+        num_blocks = -(-longest // block_size)
+        token_idx = torch.tensor([starts[i] for i in reqs], dtype=torch.long).to(device)
+        req_idx = torch.tensor(reqs, dtype=torch.long).to(device)
+        lens_t = torch.tensor(lens, dtype=torch.long).to(device)
+        # Rows of shorter requests may hold stale or invalid ids past their end; they are masked.
+        block_ids = metadata.block_table[req_idx, :num_blocks].clamp(min=0)
+        k, v = gather_kv(kv_cache, block_ids, longest)
+        q = query[token_idx].unsqueeze(2)  # [B, H, 1, D]
+        mask = (torch.arange(longest, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
+        o = self._sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, is_causal=False)
+        out.index_copy_(0, token_idx, o.squeeze(2))
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )

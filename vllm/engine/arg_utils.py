@@ -1,0 +1,168 @@
+"""EngineArgs: one dataclass from which the CLI flags and the VllmConfig are made."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+    VllmConfig,
+)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """Parses '4GiB', '512M', '1e9'-free integers like '1073741824' into bytes."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {value!r} (e.g. 4GiB, 512MiB)")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * _UNITS[unit if unit != "B" else ""])
+
+
+def _help(text: str, **kw: Any) -> dict[str, Any]:
+    return {"help": text, **kw}
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option; each field is a CLI flag named after it (`--max-model-len`)."""
+
+    model: str | None = field(
+        default=None, metadata=_help("Model directory, or 'demo' / 'demo-tiny' (default: demo).")
+    )
+    tokenizer: str | None = field(default=None, metadata=_help("Tokenizer directory."))
+    dtype: str = field(default="auto", metadata=_help("auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16."))
+    seed: int = field(default=0, metadata=_help("Seed for dummy weights and unseeded sampling."))
+    max_model_len: int | None = field(default=None, metadata=_help("Longest prompt + output."))
+    load_format: str = field(default="auto", metadata=_help("auto, safetensors or dummy (random weights)."))
+    enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
+    attention_backend: str = field(default="auto", metadata=_help("auto, torch or triton."))
+    served_model_name: str | None = field(default=None, metadata=_help("Model name in the API."))
+    block_size: int = field(default=16, metadata=_help("Tokens per KV block."))
+    enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prefixes."))
+    kv_cache_memory: int | None = field(
+        default=None, metadata=_help("KV cache size on CPU, e.g. 2GiB.", type=parse_bytes)
+    )
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help("GPU memory fraction (CUDA)."))
+    num_gpu_blocks_override: int | None = field(default=None, metadata=_help("Force the number of KV blocks."))
+    max_num_seqs: int = field(default=256, metadata=_help("Most requests in one step."))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_help("Token budget of one step."))
+    async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass."))
+    distributed_executor_backend: str = field(default="uni", metadata=_help("uni or mp."))
+    structured_outputs_config: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=_help("JSON, e.g. '{\"backend\": \"xgrammar\"}'; or dotted flags "
+                       "--structured-outputs-config.backend xgrammar.", type=json.loads),
+    )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Adds one flag per field (booleans get --x/--no-x)."""
+        for f in dataclasses.fields(EngineArgs):
+            if f.name == "model":
+                continue  # positional in `vllm serve`, --model elsewhere
+            flag = "--" + f.name.replace("_", "-")
+            kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help")}
+            if f.type in ("bool",):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = f.metadata.get("type") or _scalar_type(f.type)
+            parser.add_argument(flag, dest=f.name, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Builds EngineArgs from parsed flags (missing flags keep their defaults)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def create_engine_config(self) -> VllmConfig:
+        """Validates the options and returns the VllmConfig. Raises ValueError naming the flag."""
+        model_config = ModelConfig(
+            model=self.model or "demo",
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+            load_format=self.load_format,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
+            served_model_name=self.served_model_name,
+        )
+        so_options = dict(self.structured_outputs_config or {})
+        allowed = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
+        unknown = set(so_options) - allowed
+        if unknown:
+            raise ValueError(
+                f"--structured-outputs-config: unknown option(s) {sorted(unknown)}; "
+                f"known: {sorted(allowed)}"
+            )
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=model_config.max_model_len,
+                async_scheduling=self.async_scheduling,
+            ),
+            parallel_config=ParallelConfig(
+                distributed_executor_backend=self.distributed_executor_backend
+            ),
+            structured_outputs_config=StructuredOutputsConfig(**so_options),
+        )
+
+
+def _scalar_type(annotation: str):
+    if annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    return str
+
+
+def merge_dotted_args(argv: list[str]) -> list[str]:
+    """Rewrites `--structured-outputs-config.KEY VALUE` (or `=VALUE`) into one JSON flag."""
+    out: list[str] = []
+    dotted: dict[str, Any] = {}
+    i = 0
+    prefix = "--structured-outputs-config."
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(prefix):
+            key, _, value = arg[len(prefix):].partition("=")
+            if not _:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{arg}: missing value")
+                value = argv[i + 1]
+                i += 1
+            try:
+                dotted[key.replace("-", "_")] = json.loads(value)
+            except json.JSONDecodeError:
+                dotted[key.replace("-", "_")] = value
+        else:
+            out.append(arg)
+        i += 1
+    if dotted:
+        out += ["--structured-outputs-config", json.dumps(dotted)]
+    return out

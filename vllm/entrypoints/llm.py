@@ -1,0 +1,107 @@
+"""The offline API: `LLM(...).generate(prompts, sampling_params)` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.llm_engine import LLMEngine
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. `LLM()` with no model runs the built-in demo model.
+
+    Keyword arguments are EngineArgs fields (max_model_len, max_num_seqs, async_scheduling, ...).
+    Raises ValueError for invalid options or an unusable model directory.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates completions for the prompts, in prompt order.
+
+        Every prompt is validated before any is queued: a ValueError leaves the engine as it was.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params_list)} for {len(prompts)} prompts"
+                )
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of conversations."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        processor = self.llm_engine.processor
+        prompts = [processor.apply_chat_template(c, **template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(
+        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        # Validate everything first so a bad prompt queues nothing.
+        processed = [
+            engine.processor.process(str(next(self._counter)), prompt, params)
+            for prompt, params in zip(prompts, params_list)
+        ]
+        ids = [core.request_id for _, core in processed]
+        try:
+            for (text, core), params in zip(processed, params_list):
+                engine.add_processed_request(text, core, params)
+            finished: dict[str, RequestOutput] = {}
+            bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        return [finished[i] for i in ids]
+
+    def shutdown(self) -> None:
+        """Stops the engine and its workers."""
+        self.llm_engine.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.llm_engine.shutdown()
+        except Exception:
+            pass

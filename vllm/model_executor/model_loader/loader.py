@@ -1,0 +1,51 @@
+"""Builds a model from a ModelConfig and fills its weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from vllm.attention.selector import get_attn_backend_cls
+from vllm.config import ModelConfig
+from vllm.model_executor.model_loader.weight_utils import (
+    fill_dummy_weights,
+    iterate_safetensors,
+)
+from vllm.model_executor.models.registry import get_model_class
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Creating parameters directly in the target dtype avoids a full-precision copy of the model.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(model_config: ModelConfig) -> nn.Module:
+    """Returns the model for model_config in eval mode, on its device, in its dtype.
+
+    load_format "auto"/"safetensors" reads the checkpoint in model_dir; "dummy" fills seeded
+    random weights from model_config.seed. Raises ValueError for an unsupported architecture,
+    a missing, unknown or misshapen checkpoint tensor, or an unknown load format.
+    """
+    hf_config = model_config.hf_config
+    model_cls = get_model_class(list(getattr(hf_config, "architectures", None) or []))
+    backend_cls = get_attn_backend_cls(model_config.attention_backend, model_config.device)
+    with _default_dtype(model_config.torch_dtype), torch.device(model_config.device):
+        model = model_cls(hf_config, backend_cls)
+    if model_config.load_format == "dummy":
+        fill_dummy_weights(model, model_config.seed)
+    elif model_config.load_format in ("auto", "safetensors"):
+        model.load_weights(iterate_safetensors(model_config.model_dir))
+    else:
+        raise ValueError(
+            f"load_format: {model_config.load_format!r} is not one of auto, safetensors, dummy"
+        )
+    return model.eval()

@@ -1,0 +1,37 @@
+"""Maps Hugging Face architecture names to model classes."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def _classes() -> dict[str, type[nn.Module]]:
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+
+    return {
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    }
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names get_model_class accepts."""
+    return sorted(_classes())
+
+
+def get_model_class(architectures: list[str]) -> type[nn.Module]:
+    """Returns the class for the first supported name in a config's ``architectures``.
+
+    Raises ValueError naming the given architectures when none is supported.
+    """
+    classes = _classes()
+    for arch in architectures or []:
+        if arch in classes:
+            return classes[arch]
+    raise ValueError(
+        f"architectures: {list(architectures or [])} not supported; "
+        f"supported: {', '.join(sorted(classes))}"
+    )

@@ -1,0 +1,151 @@
+"""Per-request generation parameters. All validation of user-supplied values lives here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint. Exactly one of the constraint fields must be set."""
+
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in self._CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if not set_:
+            raise ValueError(
+                "structured_outputs: exactly one of json, json_object, regex, choice, grammar, "
+                "structural_tag must be set, got none"
+            )
+        if len(set_) > 1:
+            raise ValueError(
+                f"structured_outputs: exactly one constraint may be set, got {', '.join(set_)}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json: must be a JSON schema (dict or string)")
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from e
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, list)
+                or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)
+            ):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """The name of the constraint that is set."""
+        return next(n for n in self._CONSTRAINTS if getattr(self, n) not in (None, False))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class SamplingParams:
+    """How to generate tokens for one request (OpenAI-compatible semantics)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    # Filled by the engine from the model, not by users.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}")
+        if self.temperature < 0.0:
+            raise bad("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be 0 or -1 (disabled) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(
+                "min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            raise bad("prompt_logprobs", "is not supported")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def update_from_model(self, eos_token_ids: list[int]) -> None:
+        """Records the stop token ids the engine must check (EOS unless ignored, plus user ids)."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(eos_token_ids)
+        self.all_stop_token_ids = ids

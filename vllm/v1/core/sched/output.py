@@ -1,0 +1,85 @@
+"""What the scheduler tells the model runner each step, and the grammar bitmask for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen yet (first schedule)."""
+
+    # The request's id.
+    req_id: str
+    # Prompt token ids.
+    prompt_token_ids: list[int]
+    # Sampling parameters (the runner reads seeds, penalties, logprobs, min_tokens from them).
+    sampling_params: SamplingParams
+    # Physical KV block ids the request owns, in order.
+    block_ids: list[int]
+    # Tokens already in the KV cache (prefix-cache hit) before this step.
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner has seen before, as parallel lists (one entry per request)."""
+
+    # Request ids.
+    req_ids: list[str] = field(default_factory=list)
+    # True where the request was preempted and is scheduled again: the runner rebuilds it.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Block ids appended to the request this step (a resumed request gets all of its blocks).
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    # Tokens in the KV cache before this step.
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Every known token (prompt + outputs) of a resumed request, keyed by id; others are absent.
+    resumed_req_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Output tokens generated so far by a resumed request (the runner needs them for penalties).
+    resumed_num_output_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: which requests run and how many tokens each computes."""
+
+    # Requests scheduled for the first time.
+    scheduled_new_reqs: list[NewRequestData]
+    # Requests scheduled before (running, or resumed after preemption).
+    scheduled_cached_reqs: CachedRequestData
+    # Tokens to compute this step per request id (new + cached).
+    num_scheduled_tokens: dict[str, int]
+    # Sum of num_scheduled_tokens.
+    total_num_scheduled_tokens: int
+    # Requests finished or aborted since the previous step: the runner drops their state.
+    finished_req_ids: set[str]
+    # Requests preempted this step: the runner drops their state until they are resumed.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # True when any scheduled request has a grammar (a bitmask may be needed).
+    has_structured_output_requests: bool = False
+    # True when a scheduled structured request still waits for a token of an in-flight step,
+    # so its bitmask (and sampling) must wait for that step's update_from_output.
+    pending_structured_output_tokens: bool = False
+    # Requests whose token this step is sampled (prefill finished or decoding), in batch order
+    # of scheduling. Partial prefills are absent.
+    sampled_req_ids: list[str] = field(default_factory=list)
+    # Monotonic step counter (debugging and batch-queue bookkeeping).
+    step_id: int = 0
+
+
+@dataclass
+class GrammarOutput:
+    """Token bitmasks for the constrained requests of one step."""
+
+    # Constrained request ids, one per bitmask row, in this order.
+    structured_output_request_ids: list[str]
+    # int32 [len(ids), ceil(vocab_size / 32)]: bit j of word w allows token 32 * w + j.
+    grammar_bitmask: np.ndarray

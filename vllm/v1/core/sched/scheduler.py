@@ -1,0 +1,393 @@
+"""The synchronous scheduler: one token budget per step shared by decodes and chunked prefills."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from vllm.config import VllmConfig
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import (
+    CachedRequestData,
+    GrammarOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, in FCFS order.
+
+    Running requests are served first (their next token, or the rest of a chunked prefill);
+    waiting requests are admitted while the token budget, `max_num_seqs` and free KV blocks
+    allow. When blocks run out, the most recently admitted running request is preempted and
+    recomputed later.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_manager: KVCacheManager,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
+        self.config = vllm_config
+        sched = vllm_config.scheduler_config
+        self.max_num_seqs = sched.max_num_seqs
+        self.max_num_batched_tokens = sched.max_num_batched_tokens
+        self.max_model_len = sched.max_model_len
+        self.compile_timeout_s = vllm_config.structured_outputs_config.compile_timeout_s
+        self.kv_cache_manager = kv_cache_manager
+        self.structured_output_manager = structured_output_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner must drop them.
+        self.finished_req_ids: set[str] = set()
+        # Outputs for requests that ended outside update_from_output (compile errors).
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+        self._step_id = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request; starts compiling its grammar in the background if it has one."""
+        self.requests[request.request_id] = request
+        if request.use_structured_output:
+            assert self.structured_output_manager is not None
+            self.structured_output_manager.grammar_init(request)
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Ends the given requests (e.g. aborts) and frees their blocks and grammars.
+
+        Unknown or already finished ids are ignored.
+        """
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+            else:
+                try:
+                    self.waiting.remove(request)
+                except ValueError:
+                    pass
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request.request_id)
+        if request.use_structured_output and self.structured_output_manager is not None:
+            self.structured_output_manager.clear(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_requests(self) -> bool:
+        """True while there is anything to schedule or report (including finished ids)."""
+        return self.has_unfinished_requests() or bool(self.finished_req_ids) or bool(
+            self._pending_outputs
+        )
+
+    # ------------------------------------------------------------------ schedule
+
+    def _num_new_tokens(self, request: Request) -> int:
+        """Tokens the request could compute now, before the budget (0: nothing to do)."""
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
+    def _can_sample_more(self, request: Request) -> bool:
+        """False when every token the request may still produce is already sampled or in flight."""
+        produced = request.num_output_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None and produced >= max_tokens:
+            return False
+        return request.num_tokens + request.num_output_placeholders < self.max_model_len
+
+    def schedule(self) -> SchedulerOutput:
+        """Builds the next step. Side effects: allocates KV blocks, may preempt requests,
+        admits waiting requests, and advances num_computed_tokens of every scheduled request."""
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: list[Request] = []
+        scheduled_running: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(self._num_new_tokens(request), budget)
+            samples = num_new == self._num_new_tokens(request)
+            if num_new <= 0 or (samples and not self._can_sample_more(request)):
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request.request_id,
+                    request.num_computed_tokens,
+                    num_new,
+                    request.all_token_ids,
+                )
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled_running.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached.req_ids.append(request.request_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append(new_blocks)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            i += 1
+
+        skipped: list[Request] = []
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                request = self.waiting[0]
+                if not self._ready_to_admit(request):
+                    if request.is_finished():
+                        self.waiting.popleft()
+                    else:
+                        skipped.append(self.waiting.popleft())
+                    continue
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(
+                    request.request_id, request.all_token_ids
+                )
+                num_new = min(request.num_tokens - num_hit, budget)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks
+                )
+                if new_blocks is None:
+                    break
+                self.waiting.popleft()
+                request.num_computed_tokens = num_hit
+                if request.status == RequestStatus.PREEMPTED:
+                    cached.req_ids.append(request.request_id)
+                    cached.resumed_from_preemption.append(True)
+                    cached.new_block_ids.append(
+                        self.kv_cache_manager.get_block_ids(request.request_id)
+                    )
+                    cached.num_computed_tokens.append(num_hit)
+                    cached.resumed_req_token_ids[request.request_id] = list(request.all_token_ids)
+                    cached.resumed_num_output_tokens[request.request_id] = (
+                        request.num_output_tokens
+                    )
+                else:
+                    request.num_cached_tokens = num_hit
+                    new_reqs.append(
+                        NewRequestData(
+                            req_id=request.request_id,
+                            prompt_token_ids=request.prompt_token_ids,
+                            sampling_params=request.sampling_params,
+                            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                            num_computed_tokens=num_hit,
+                        )
+                    )
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled_running.append(request)
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+        sampled: list[str] = []
+        has_structured = False
+        pending_structured = False
+        for request in scheduled_running:
+            n = num_scheduled[request.request_id]
+            if request.num_computed_tokens + n == request.num_tokens + request.num_output_placeholders:
+                sampled.append(request.request_id)
+                if request.use_structured_output:
+                    has_structured = True
+                    pending_structured |= request.num_output_placeholders > 0
+        self._step_id += 1
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+            has_structured_output_requests=has_structured,
+            pending_structured_output_tokens=pending_structured,
+            sampled_req_ids=sampled,
+            step_id=self._step_id,
+        )
+        self.finished_req_ids = set()
+        self._update_after_schedule(output)
+        return output
+
+    def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        for req_id, n in output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+
+    def _ready_to_admit(self, request: Request) -> bool:
+        """False while a waiting request cannot start yet; finishes it if its grammar failed."""
+        if request.status == RequestStatus.WAITING_FOR_FSM:
+            so_request = request.structured_output_request
+            assert so_request is not None
+            if not so_request.poll(self.compile_timeout_s):
+                if so_request.failed:
+                    self._finish_with_error(request, so_request.error or "grammar failed")
+                return False
+            request.status = RequestStatus.WAITING
+        # A preempted request whose sampled tokens are still in flight resumes once they land.
+        return request.num_output_placeholders == 0
+
+    def _finish_with_error(self, request: Request, message: str) -> None:
+        logger.warning("request %s failed: %s", request.request_id, message)
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error_message = message
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finish_reason(),
+                error=message,
+            )
+        )
+        if request in self.running:
+            self.running.remove(request)
+        self._free_request(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ grammar
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """Bitmasks for the constrained requests that sample this step, or None if there are none.
+
+        Requests that finished since the step was scheduled are left out: their rows stay
+        unmasked and their tokens are dropped anyway.
+        """
+        if not scheduler_output.has_structured_output_requests:
+            return None
+        ids = [
+            req_id
+            for req_id in scheduler_output.sampled_req_ids
+            if (r := self.requests.get(req_id)) is not None and r.use_structured_output
+        ]
+        if not ids:
+            return None
+        assert self.structured_output_manager is not None
+        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, ids)
+        return GrammarOutput(structured_output_request_ids=ids, grammar_bitmask=bitmask.copy())
+
+    # ------------------------------------------------------------------ outputs
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Appends sampled tokens, advances grammars, applies stop checks, and frees finished
+        requests. Returns one output per request that produced a token or finished; tokens for
+        requests that already finished or were aborted are dropped."""
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        logprobs = model_runner_output.logprobs
+        for idx, req_id in enumerate(model_runner_output.req_ids):
+            token_ids = model_runner_output.sampled_token_ids[idx]
+            if not token_ids:
+                continue
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # finished or aborted while this step was in flight
+            self._release_placeholders(request, len(token_ids))
+            new_ids = self._append_and_check(request, token_ids)
+            out = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_ids,
+                finish_reason=request.get_finish_reason(),
+                stop_reason=request.stop_reason,
+                error=request.error_message,
+                num_cached_tokens=request.num_cached_tokens,
+            )
+            if logprobs is not None and request.sampling_params.logprobs is not None:
+                n = len(new_ids)
+                out.new_logprobs_token_ids = [logprobs.token_ids[idx]][:n]
+                out.new_logprobs = [logprobs.logprobs[idx]][:n]
+                out.new_logprobs_ranks = [logprobs.ranks[idx]][:n]
+            outputs.append(out)
+            if request.is_finished():
+                if request in self.running:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                self._free_request(request)
+        return outputs
+
+    def _release_placeholders(self, request: Request, num_tokens: int) -> None:
+        """Async scheduling hook: in-flight tokens became real."""
+
+    def _append_and_check(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Appends tokens one by one until a stop condition; returns the ones kept."""
+        params = request.sampling_params
+        kept: list[int] = []
+        for token in token_ids:
+            grammar = (
+                request.structured_output_request.grammar
+                if request.structured_output_request is not None
+                else None
+            )
+            if grammar is not None and not grammar.accept_tokens(request.request_id, [token]):
+                message = f"sampled token {token} was rejected by the request's grammar"
+                logger.error("request %s: %s (engine bug)", request.request_id, message)
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error_message = message
+                break
+            request.append_output_token_ids([token])
+            kept.append(token)
+            if token in params.all_stop_token_ids and request.num_output_tokens >= params.min_tokens:
+                request.status = RequestStatus.FINISHED_STOPPED
+                if token in params.stop_token_ids:
+                    request.stop_reason = token
+                break
+            if grammar is not None and grammar.is_terminated():
+                request.status = RequestStatus.FINISHED_STOPPED
+                break
+            if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+            if request.num_tokens >= self.max_model_len:
+                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+        return kept
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests that ended outside a step (e.g. grammar compile failures)."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def make_stats(self) -> dict[str, float]:
+        """Scheduler gauges for metrics."""
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "num_preemptions": self.num_preemptions,
+        }

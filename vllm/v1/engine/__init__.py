@@ -1,0 +1,44 @@
+"""Typed messages between the front end (LLM / AsyncLLM) and the engine core."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A validated, tokenized request entering the engine core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # SamplingParams as a plain dict (the core rebuilds the dataclass).
+    sampling_params: dict
+    arrival_time: float
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """New tokens (and maybe the end) of one request after one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: [sampled, top-k...] ids and logprobs, and the sampled token's rank.
+    new_logprobs_token_ids: list[list[int]] | None = None
+    new_logprobs: list[list[float]] | None = None
+    new_logprobs_ranks: list[int] | None = None
+    finish_reason: str | None = None
+    # Stop token id that ended the request, if any.
+    stop_reason: int | str | None = None
+    # Why a request ended with finish_reason "error".
+    error: str | None = None
+    # Prompt tokens served from the prefix cache (set on the first output).
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Everything one engine step produced."""
+
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0

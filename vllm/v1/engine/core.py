@@ -1,0 +1,153 @@
+"""The engine core: scheduler + executor, stepped by `step` or `step_with_batch_queue`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future
+
+from vllm.config import VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_output(output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelRunnerOutput:
+    """Waits for an async output's host copy, if it is one."""
+    if isinstance(output, AsyncModelRunnerOutput):
+        return output.get_output()
+    return output
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; one call to a step function runs (part of) a step."""
+
+    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None):
+        self.config = vllm_config
+        executor_class = executor_class or Executor.get_class(vllm_config)
+        self.model_executor = executor_class(vllm_config)
+        try:
+            num_blocks = self.model_executor.determine_num_blocks()
+            self.model_executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
+        self.num_blocks = num_blocks
+        cache = vllm_config.cache_config
+        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.structured_output_manager = StructuredOutputManager(vllm_config)
+        scheduler_cls = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
+        self.scheduler: Scheduler = scheduler_cls(vllm_config, kv, self.structured_output_manager)
+        self.eos_token_ids = vllm_config.model_config.eos_token_ids
+        # (scheduler output, execute future, sample future or None when deferred)
+        self.batch_queue: deque[tuple[SchedulerOutput, Future, Future | None]] = deque()
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest | Request) -> None:
+        """Admits a request into the scheduler's waiting queue."""
+        if isinstance(request, EngineCoreRequest):
+            params = SamplingParams(**request.sampling_params)
+            request = Request(
+                request.request_id, request.prompt_token_ids, params, request.arrival_time
+            )
+        request.sampling_params.update_from_model(self.eos_token_ids)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Ends requests; their in-flight tokens are dropped when they arrive."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self) -> tuple[list[EngineCoreOutput], bool]:
+        """One synchronous step: schedule, forward (bitmask computed meanwhile), sample,
+        update. Returns the outputs and whether the model ran."""
+        if not self.scheduler.has_requests():
+            return self.scheduler.take_pending_outputs(), False
+        so = self.scheduler.schedule()
+        exec_future = self.model_executor.execute_model(so, non_block=True)
+        grammar_output = self.scheduler.get_grammar_bitmask(so)
+        exec_future.result()
+        output = resolve_output(self.model_executor.sample_tokens(grammar_output))
+        outputs = self.scheduler.update_from_output(so, output)
+        return outputs, so.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
+        """One call of the overlapped loop (DESIGN.md section 4).
+
+        Schedules and launches a new batch when there is work and room in the queue; returns
+        early (None) while the queue is not full and more could be scheduled; otherwise
+        finishes the oldest batch, and only then computes the deferred batch's bitmask.
+        """
+        scheduled = False
+        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.batch_queue_size:
+            so = self.scheduler.schedule()
+            if so.total_num_scheduled_tokens > 0:
+                scheduled = True
+                exec_future = self.model_executor.execute_model(so, non_block=True)
+                sample_future = None
+                if not so.pending_structured_output_tokens:
+                    grammar_output = self.scheduler.get_grammar_bitmask(so)
+                    sample_future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+                self.batch_queue.appendleft((so, exec_future, sample_future))
+                if (
+                    len(self.batch_queue) < self.batch_queue_size
+                    and sample_future is not None
+                    and self.scheduler.has_unfinished_requests()
+                ):
+                    return None, True
+            else:
+                # Nothing ran: the runner hears about these finished requests next step.
+                self.scheduler.finished_req_ids |= so.finished_req_ids
+        if not self.batch_queue:
+            return self.scheduler.take_pending_outputs() or None, scheduled
+
+        so, exec_future, sample_future = self.batch_queue.pop()
+        deferred = None
+        if sample_future is None:
+            # The deferred batch itself, now that nothing older is in flight. The worker runs
+            # calls in order, so sampling follows the forward without waiting on it here.
+            sample_future = self.model_executor.sample_tokens(
+                self.scheduler.get_grammar_bitmask(so), non_block=True
+            )
+        elif self.batch_queue and self.batch_queue[-1][2] is None:
+            deferred = self.batch_queue.pop()
+        output = resolve_output(sample_future.result())
+        exec_future.result()  # already done; re-raises a forward-pass error
+        outputs = self.scheduler.update_from_output(so, output)
+        if deferred is not None:
+            d_so, d_exec, _ = deferred
+            grammar_output = self.scheduler.get_grammar_bitmask(d_so)
+            d_sample = self.model_executor.sample_tokens(grammar_output, non_block=True)
+            self.batch_queue.append((d_so, d_exec, d_sample))
+        return outputs, True
+
+    def shutdown(self) -> None:
+        """Stops the executor and the grammar compiler threads."""
+        self.model_executor.shutdown()
+        self.structured_output_manager.shutdown()
+
+    def stats(self) -> dict[str, float]:
+        """Scheduler gauges plus time of the snapshot."""
+        stats = self.scheduler.make_stats()
+        stats["timestamp"] = time.time()
+        return stats
+
+    def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())

@@ -1,0 +1,88 @@
+"""The in-process engine behind the offline LLM: processors around an EngineCore, no IPC."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import msgspec
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.engine.processor import InputProcessor, params_to_dict
+
+
+class LLMEngine:
+    """Adds requests, steps the engine core, and returns finished/updated RequestOutputs."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+        self.engine_core = EngineCore(vllm_config)
+        self.processor = InputProcessor(
+            vllm_config, self.tokenizer, self.engine_core.structured_output_manager
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams,
+    ) -> None:
+        """Validates and queues a request. Raises ValueError on bad input; nothing is queued."""
+        text, core_request = self.processor.process(request_id, prompt, params)
+        self.add_processed_request(text, core_request, params)
+
+    def add_processed_request(
+        self, text: str | None, core_request: EngineCoreRequest, params: SamplingParams
+    ) -> None:
+        """Queues a request that InputProcessor.process already validated."""
+        request_id = core_request.request_id
+        child_ids = self.output_processor.add_request(
+            request_id, text, core_request.prompt_token_ids, params
+        )
+        for i, child_id in enumerate(child_ids):
+            child_params = params
+            if len(child_ids) > 1 and params.seed is not None:
+                # Distinct seeds, or all n samples would be the same sequence.
+                child_params = dataclasses.replace(params, seed=params.seed + i)
+            self.engine_core.add_request(
+                msgspec.structs.replace(
+                    core_request, request_id=child_id, sampling_params=params_to_dict(child_params)
+                )
+            )
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Aborts requests by their user-facing ids."""
+        engine_ids = [cid for rid in request_ids for cid in self.output_processor.abort_request(rid)]
+        self.engine_core.abort_requests(engine_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns outputs of requests that changed."""
+        outputs, executed = self.engine_core.step_fn()
+        if not outputs:
+            if not executed:
+                time.sleep(0.001)  # e.g. every request waits for its grammar to compile
+            return []
+        results, to_abort = self.output_processor.process_outputs(outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        return results
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,179 @@
+"""Turns EngineCoreOutputs into RequestOutputs: detokenization, stop strings, n > 1 fan-in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.detokenizer import IncrementalDetokenizer, find_stop_string
+from vllm.v1.engine import EngineCoreOutput
+
+
+@dataclass
+class _SeqState:
+    """One generated sequence (a child request when n > 1)."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    # Text length already handed to a streaming consumer.
+    num_streamed_chars: int = 0
+    num_streamed_tokens: int = 0
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            error=self.error,
+        )
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_SeqState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """Engine-side id of sequence `index` of a request (the id itself when n == 1)."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    """Keeps per-request text state in the front end and builds RequestOutputs."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        # child id -> (parent id, seq index)
+        self._children: dict[str, tuple[str, int]] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[str]:
+        """Registers a request; returns the engine-side ids of its n sequences."""
+        seqs = []
+        ids = []
+        for i in range(params.n):
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, params.skip_special_tokens, prompt_token_ids
+                )
+            seqs.append(
+                _SeqState(
+                    index=i,
+                    params=params,
+                    detokenizer=detok,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
+            child = child_request_id(request_id, i, params.n)
+            self._children[child] = (request_id, i)
+            ids.append(child)
+        self._requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, seqs)
+        return ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forgets a request; returns the engine-side ids to abort."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return []
+        ids = [child_request_id(request_id, s.index, len(state.seqs)) for s in state.seqs]
+        for child in ids:
+            self._children.pop(child, None)
+        return ids
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Applies one step's outputs. Returns the updated requests' outputs and the
+        engine-side ids that stopped on a stop string (the engine must abort them)."""
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            parent = self._children.get(out.request_id)
+            if parent is None:
+                continue  # aborted here already
+            state = self._requests[parent[0]]
+            seq = state.seqs[parent[1]]
+            if seq.finish_reason is not None:
+                continue
+            if out.num_cached_tokens:
+                state.num_cached_tokens = out.num_cached_tokens
+            if self._update_seq(seq, out):
+                to_abort.append(out.request_id)
+            if seq.finish_reason is not None:
+                self._children.pop(out.request_id, None)
+            touched[state.request_id] = state
+        results = []
+        for state in touched.values():
+            finished = state.finished
+            if finished:
+                del self._requests[state.request_id]
+            results.append(
+                RequestOutput(
+                    request_id=state.request_id,
+                    prompt=state.prompt,
+                    prompt_token_ids=state.prompt_token_ids,
+                    outputs=[s.completion() for s in state.seqs],
+                    finished=finished,
+                    num_cached_tokens=state.num_cached_tokens,
+                )
+            )
+        return results, to_abort
+
+    def _update_seq(self, seq: _SeqState, out: EngineCoreOutput) -> bool:
+        """Returns True when a stop string ended the sequence (the engine still runs it)."""
+        params = seq.params
+        seq.token_ids.extend(out.new_token_ids)
+        if seq.logprobs is not None and out.new_logprobs is not None:
+            for ids, lps in zip(out.new_logprobs_token_ids or [], out.new_logprobs):
+                seq.logprobs.append(dict(zip(ids, lps)))
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lps[0]
+        stopped_by_string = False
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.update(out.new_token_ids)
+            if out.finished:
+                delta += seq.detokenizer.flush()
+            seq.text += delta
+            if params.stop and delta:
+                hit = find_stop_string(
+                    seq.text, len(delta), params.stop, params.include_stop_str_in_output
+                )
+                if hit is not None:
+                    stop_str, keep = hit
+                    seq.text = seq.text[:keep]
+                    seq.finish_reason = "stop"
+                    seq.stop_reason = stop_str
+                    return not out.finished
+        if out.finished:
+            seq.finish_reason = out.finish_reason
+            seq.stop_reason = out.stop_reason
+            seq.error = out.error
+        return stopped_by_string

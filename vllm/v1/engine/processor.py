@@ -1,0 +1,99 @@
+"""Turns user input (text or token ids, chat messages, SamplingParams) into EngineCoreRequests."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from vllm.config import VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine import EngineCoreRequest
+
+
+class InputProcessor:
+    """Validates and tokenizes requests before they enter the engine core.
+
+    `structured_output_manager` compiles each constraint once here, so a bad schema, regex or
+    grammar is a ValueError to the caller and never reaches the engine core.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, tokenizer, structured_output_manager) -> None:
+        self.config = vllm_config
+        self.tokenizer = tokenizer
+        self.structured_output_manager = structured_output_manager
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.vocab_size = vllm_config.model_config.vocab_size
+
+    def tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids). Raises ValueError on bad input."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
+            return None, list(prompt)
+        raise ValueError("prompt: must be a string, a list of token ids, or a dict")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """Renders chat messages with the model's chat template (generation prompt added)."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}]: each message needs a 'role' and 'content'")
+        kwargs.setdefault("add_generation_prompt", True)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Validates one request and returns (prompt text, engine request).
+
+        Raises ValueError for an empty or too-long prompt and invalid structured outputs.
+        """
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate within "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if params.structured_outputs is not None:
+            self.structured_output_manager.validate(params.structured_outputs)
+        return text, EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=msgspec.to_builtins(params_to_dict(params)),
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+
+
+def params_to_dict(params: SamplingParams) -> dict[str, Any]:
+    """SamplingParams as plain data for a process boundary."""
+    out: dict[str, Any] = {}
+    for name in SamplingParams.__dataclass_fields__:
+        if name == "all_stop_token_ids":
+            continue
+        value = getattr(params, name)
+        if name == "structured_outputs" and value is not None:
+            value = value.to_dict()
+        out[name] = value
+    return out

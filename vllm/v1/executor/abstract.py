@@ -1,0 +1,70 @@
+"""The executor interface: how the engine core reaches its workers."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
+
+
+class Executor(ABC):
+    """Runs model steps on one or more workers. With non_block=True a call returns a Future
+    resolved in call order; otherwise it blocks and returns the result."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+
+    @staticmethod
+    def get_class(vllm_config: VllmConfig) -> type[Executor]:
+        """The executor class named by --distributed-executor-backend."""
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        if backend == "mp":
+            from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        return UniProcExecutor
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.vllm_config.max_concurrent_batches
+
+    @abstractmethod
+    def collective_rpc(
+        self, method: str, args: tuple = (), non_block: bool = False
+    ) -> list[Any] | Future:
+        """Calls a Worker method on every worker; returns the output rank's result list."""
+
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold."""
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the KV cache on every worker."""
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    @abstractmethod
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> None | Future:
+        """Starts the forward pass of one step."""
+
+    @abstractmethod
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        """Samples the step started last; the result (or Future's result) is a
+        ModelRunnerOutput with every host copy finished."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raises RuntimeError if a worker has died."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stops the workers and frees their resources. Idempotent."""

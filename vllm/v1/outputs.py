@@ -1,0 +1,40 @@
+"""What the model runner returns to the engine core."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled row: [sampled token, top-k tokens...] ids and logprobs, and the sampled rank."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens of one step, in the runner's batch order."""
+
+    # Request ids in batch order.
+    req_ids: list[str]
+    # Request id -> index into req_ids.
+    req_id_to_index: dict[str, int]
+    # Sampled tokens per request (empty list for a partial prefill).
+    sampled_token_ids: list[list[int]]
+    # Logprobs per request index, or None when no request asked for them.
+    logprobs: LogprobsLists | None = None
+
+
+class AsyncModelRunnerOutput(ABC):
+    """A ModelRunnerOutput whose device-to-host copy may still be in flight."""
+
+    @abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """Waits for this step's copy only, then returns the output."""
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

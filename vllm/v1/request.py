@@ -1,0 +1,113 @@
+"""The engine core's view of one request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
+
+from vllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm.v1.structured_output.request import StructuredOutputRequest
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Values above PREEMPTED are finished."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # its grammar is still compiling
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Token state of one request inside the engine core (prompt, outputs, progress)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        # Prompt + confirmed outputs. Under async scheduling tokens still being sampled are
+        # not here; they are counted in num_output_placeholders.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # Tokens whose KV is in the cache (or scheduled to be, within the current step).
+        self.num_computed_tokens = 0
+        # Tokens scheduled for sampling whose values the scheduler has not seen yet.
+        self.num_output_placeholders = 0
+        self.num_preemptions = 0
+        # Prompt tokens served from the prefix cache at first admission.
+        self.num_cached_tokens = 0
+        # Why a stopped request stopped: the stop token id or stop string, if any.
+        self.stop_reason: int | str | None = None
+        # Human-readable cause for FINISHED_ERROR.
+        self.error_message: str | None = None
+        self.structured_output_request: StructuredOutputRequest | None = None
+        if sampling_params.structured_outputs is not None:
+            from vllm.v1.structured_output.request import StructuredOutputRequest
+
+            self.structured_output_request = StructuredOutputRequest(
+                sampling_params.structured_outputs
+            )
+        self.status = (
+            RequestStatus.WAITING_FOR_FSM
+            if self.structured_output_request is not None
+            else RequestStatus.WAITING
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Confirmed tokens: prompt plus sampled outputs the scheduler has seen."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        """Appends sampled tokens to the outputs and the full token list."""
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def get_finish_reason(self) -> str | None:
+        return self.status.finish_reason

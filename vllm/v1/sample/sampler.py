@@ -1,0 +1,329 @@
+"""The token sampler: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs.
+
+Order per row: min_tokens ban -> penalties -> greedy rows take the argmax -> random rows:
+temperature -> top-k -> top-p -> min-p -> exponential race (see ops/race.py).
+
+Rows are processed in chunks: on a CPU a few rows at a time so the vocabulary-sized
+temporaries stay in cache (large fresh tensors cost page faults and memory bandwidth), on
+other devices the whole batch at once. Every row's result depends on that row alone.
+
+Device syncs (only on non-CPU devices; on a CPU they cost nothing): with top-k, reading the
+largest k to size torch.topk; with top-k or top-p, finding the rows whose kept set is not
+inside the candidates (they get a full sort). The common paths (greedy, temperature, min-p,
+penalties, logprobs) never sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm.v1.sample.metadata import GREEDY_TEMPERATURE, SamplingMetadata
+from vllm.v1.sample.ops.penalties import apply_penalties, ban_tokens, pad_token_lists
+from vllm.v1.sample.ops.race import race_blocks, race_candidates, seeded_key
+from vllm.v1.sample.ops.topk_topp import (
+    candidates,
+    min_p_threshold,
+    sorted_candidates,
+)
+
+# Candidates taken by torch.topk for top-p rows; rows whose nucleus is larger get a full sort.
+TOP_P_CANDIDATES = 1024
+# Tokens per block in the two-level race (about sqrt of a 150k vocabulary).
+RACE_BLOCK = 512
+# CPU chunk size in logits elements (about 4 MiB of float32).
+CPU_CHUNK_ELEMENTS = 1 << 20
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one step: column 0 is the sampled token, columns 1..k the top-k."""
+
+    token_ids: torch.Tensor  # [N, k + 1] int64
+    logprobs: torch.Tensor  # [N, k + 1] float32
+    ranks: torch.Tensor  # [N] int64: 1 + number of tokens with a strictly higher logprob
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled token per row, and the logprobs when the metadata asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None
+
+
+@dataclass
+class _Rows:
+    """The per-row parameters of one chunk of rows [lo, hi)."""
+
+    lo: int
+    hi: int
+    inv_temperature: torch.Tensor | None  # [n]; 1 on greedy rows; None when all greedy
+    greedy: torch.Tensor | None  # [n] bool; None when no row is greedy
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    keys: torch.Tensor | None  # [n, 2] int64 noise keys
+
+
+class Sampler(nn.Module):
+    """Samples one token per row of a [N, V] float32 logits tensor (CPU or CUDA)."""
+
+    def __init__(
+        self,
+        top_p_candidates: int = TOP_P_CANDIDATES,
+        race_block: int = RACE_BLOCK,
+        chunk_rows: int | None = None,
+    ) -> None:
+        """`chunk_rows` overrides the rows per chunk (default: ~4 MiB on CPU, all otherwise)."""
+        super().__init__()
+        if top_p_candidates < 1:
+            raise ValueError(f"top_p_candidates: must be positive, got {top_p_candidates}")
+        if race_block < 1:
+            raise ValueError(f"race_block: must be positive, got {race_block}")
+        if chunk_rows is not None and chunk_rows < 1:
+            raise ValueError(f"chunk_rows: must be positive, got {chunk_rows}")
+        self.top_p_candidates = top_p_candidates
+        self.race_block = race_block
+        self.chunk_rows = chunk_rows
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Samples a token per row; `logits` is not modified.
+
+        Raises ValueError on a logits tensor that is not [N, V] floating point or on
+        metadata that does not match it."""
+        if logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError(
+                f"logits: expected a [N, V] floating tensor, got {tuple(logits.shape)} {logits.dtype}"
+            )
+        n, vocab = logits.shape
+        metadata.validate(n, vocab)
+        dev = logits.device
+        keys = None if metadata.all_greedy else _noise_keys(metadata, n, dev)
+        k = metadata.max_num_logprobs
+        tokens = torch.empty(n, dtype=torch.int64, device=dev)
+        lp = None
+        if k is not None:
+            lp = LogprobsTensors(
+                torch.empty((n, k + 1), dtype=torch.int64, device=dev),
+                torch.empty((n, k + 1), dtype=torch.float32, device=dev),
+                torch.empty(n, dtype=torch.int64, device=dev),
+            )
+        bans = _bans(metadata)
+        step = self._chunk_rows(n, vocab, dev)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            raw = logits[lo:hi].float()
+            x = self._edit(raw, metadata, bans, lo, hi)
+            tokens[lo:hi] = self._sample(x, _rows(metadata, keys, lo, hi))
+            if lp is not None:
+                _logprobs(raw, tokens[lo:hi], k, lp, lo, hi)
+        return SamplerOutput(tokens, lp)
+
+    def _chunk_rows(self, n: int, vocab: int, dev: torch.device) -> int:
+        if self.chunk_rows is not None:
+            return self.chunk_rows
+        if dev.type != "cpu":
+            return max(n, 1)
+        return max(1, CPU_CHUNK_ELEMENTS // max(vocab, 1))
+
+    def _edit(
+        self,
+        raw: torch.Tensor,
+        md: SamplingMetadata,
+        bans: dict[int, list[int]],
+        lo: int,
+        hi: int,
+    ) -> torch.Tensor:
+        """The chunk's logits after the min_tokens ban and penalties (a copy if edited)."""
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for row in range(lo, hi) if bans else ():
+            ids = bans.get(row)
+            if ids:
+                ban_rows += [row - lo] * len(ids)
+                ban_ids += ids
+        penalize = not md.no_penalties and any(
+            t is not None
+            for t in (md.presence_penalties, md.frequency_penalties, md.repetition_penalties)
+        )
+        if not ban_rows and not penalize:
+            return raw
+        x = raw.clone()
+        ban_tokens(x, ban_rows, ban_ids)
+        if not penalize:
+            return x
+        vocab = x.shape[1]
+        out_ids = pad_token_lists(md.output_token_ids[lo:hi], vocab, x.device)
+        prompt = md.prompt_token_ids[lo:hi] if md.prompt_token_ids is not None else None
+        return apply_penalties(
+            x,
+            prompt,
+            out_ids,
+            _slice(md.repetition_penalties, lo, hi),
+            _slice(md.frequency_penalties, lo, hi),
+            _slice(md.presence_penalties, lo, hi),
+        )
+
+    def _sample(self, x: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """Token per row of the edited chunk logits x [n, V]."""
+        greedy = None if rows.inv_temperature is not None and rows.greedy is None else x.argmax(1)
+        if rows.inv_temperature is None:
+            return greedy
+        if rows.greedy is not None and not _maybe_any(rows.greedy.logical_not()):
+            return greedy
+        sampled = self._random(x, rows)
+        if greedy is None:
+            return sampled
+        return torch.where(rows.greedy, greedy, sampled)
+
+    def _random(self, x: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """Temperature, filters and the race for every row of x (greedy rows too: cheaper
+        than compacting, and their result is discarded)."""
+        n, vocab = x.shape
+        top = x.amax(dim=1, keepdim=True)
+        # Rows that are all -inf would give nan; their (meaningless) token comes out finite.
+        top = torch.where(top > float("-inf"), top, torch.zeros_like(top))
+        # z = (x - max) / T: max is exactly 0, so exp(z) cannot overflow and min-p is log(min_p).
+        z = (x - top).mul_(rows.inv_temperature[:, None])
+        min_t = None if rows.min_p is None else min_p_threshold(rows.min_p)
+        if min_t is not None and not _maybe_any(min_t > float("-inf")):
+            min_t = None
+        filtered = _filtered_rows(rows, vocab)
+        out = None
+        if filtered is None or _maybe_any(~filtered):
+            out = race_blocks(z, min_t, rows.keys, self.race_block)
+        if filtered is not None and _maybe_any(filtered):
+            picked = self._race_filtered(z, rows, min_t)
+            out = picked if out is None else torch.where(filtered, picked, out)
+        return out
+
+    def _race_filtered(
+        self, z: torch.Tensor, rows: _Rows, min_t: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Race of the rows with top-k/top-p over their candidates (other rows: ignored)."""
+        n, vocab = z.shape
+        top_k = rows.top_k
+        top_p = rows.top_p
+        if top_p is not None and not _maybe_any(top_p < 1.0):
+            top_p = None
+        num = 0
+        if top_k is not None:
+            active = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.zeros_like(top_k))
+            # Sync on non-CPU devices: torch.topk needs a Python int. One more than the largest
+            # k lets `complete` see whether the k-th value ties with the next one.
+            num = int(active.max()) + 1
+        if top_p is not None:
+            num = max(num, self.top_p_candidates)
+        full_lse = None
+        if top_p is not None and (top_k is None or _maybe_any((top_k <= 0) | (top_k >= vocab))):
+            full_lse = torch.logsumexp(z, dim=1)
+        cand = candidates(z, top_k, top_p, full_lse, num)
+        picked = race_candidates(cand.values, cand.token_ids, _max(cand.threshold, min_t), rows.keys)
+        filtered = _filtered_rows(rows, vocab)
+        # Sync on non-CPU devices: which rows need the exact full-sort fallback.
+        redo = (filtered & ~cand.complete).nonzero().squeeze(1)
+        if redo.numel() == 0:
+            return picked
+        full = sorted_candidates(
+            z[redo],
+            _take(top_k, redo),
+            _take(top_p, redo),
+            None if full_lse is None else full_lse[redo],
+        )
+        again = race_candidates(
+            full.values, full.token_ids, _max(full.threshold, _take(min_t, redo)), rows.keys[redo]
+        )
+        return picked.index_copy(0, redo, again)
+
+
+def _bans(md: SamplingMetadata) -> dict[int, list[int]]:
+    """Row -> token ids banned this step by min_tokens."""
+    return {
+        row: sorted(stop_ids)
+        for row, (min_tokens, stop_ids) in md.min_tokens.items()
+        if md.output_positions[row] < min_tokens and stop_ids
+    }
+
+
+def _noise_keys(md: SamplingMetadata, n: int, dev: torch.device) -> torch.Tensor:
+    """[n, 2] int64 keys: seeded rows mix (seed, position); the rest come from the generator
+    in one batched draw."""
+    seeded = [i for i, s in enumerate(md.seeds) if s is not None]
+    if len(seeded) < n:
+        gen = md.generator
+        gen_dev = gen.device if gen is not None else torch.device("cpu")
+        keys = torch.randint(
+            0, 1 << 32, (n, 2), generator=gen, device=gen_dev, dtype=torch.int64
+        ).to(dev)
+    else:
+        keys = torch.empty((n, 2), dtype=torch.int64, device=dev)
+    if seeded:
+        words = [seeded_key(md.seeds[i], md.output_positions[i]) for i in seeded]
+        idx = torch.tensor(seeded, dtype=torch.int64).to(dev, non_blocking=True)
+        keys.index_copy_(0, idx, torch.tensor(words, dtype=torch.int64).to(dev, non_blocking=True))
+    return keys
+
+
+def _rows(md: SamplingMetadata, keys: torch.Tensor | None, lo: int, hi: int) -> _Rows:
+    inv = greedy = None
+    if md.temperature is not None and not md.all_greedy:
+        t = md.temperature[lo:hi].float()
+        if not md.all_random:
+            greedy = t < GREEDY_TEMPERATURE
+        inv = torch.where(t < GREEDY_TEMPERATURE, torch.ones_like(t), 1.0 / t)
+    return _Rows(
+        lo,
+        hi,
+        inv,
+        greedy,
+        _slice(md.top_k, lo, hi),
+        _slice(md.top_p, lo, hi),
+        _slice(md.min_p, lo, hi),
+        None if keys is None else keys[lo:hi],
+    )
+
+
+def _filtered_rows(rows: _Rows, vocab: int) -> torch.Tensor | None:
+    """[n] bool: rows with an active top-k or top-p; None when the batch has neither."""
+    mask = None
+    if rows.top_k is not None:
+        mask = (rows.top_k > 0) & (rows.top_k < vocab)
+    if rows.top_p is not None:
+        p = rows.top_p < 1.0
+        mask = p if mask is None else mask | p
+    return mask
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, k: int, out: LogprobsTensors, lo: int, hi: int
+) -> None:
+    """Fills rows [lo, hi) of `out` from the unedited logits. Side effect: writes `out`."""
+    lp = torch.log_softmax(raw, dim=1)
+    chosen = lp.gather(1, tokens[:, None])
+    out.token_ids[lo:hi, 0] = tokens
+    out.logprobs[lo:hi, 0] = chosen.squeeze(1)
+    out.ranks[lo:hi] = (lp > chosen).sum(dim=1) + 1
+    if k > 0:
+        vals, ids = torch.topk(lp, k, dim=1)
+        out.token_ids[lo:hi, 1:] = ids
+        out.logprobs[lo:hi, 1:] = vals
+
+
+def _maybe_any(mask: torch.Tensor) -> bool:
+    """mask.any() on a CPU; True elsewhere (a conservative answer that needs no sync)."""
+    return bool(mask.any()) if mask.device.type == "cpu" else True
+
+
+def _slice(t: torch.Tensor | None, lo: int, hi: int) -> torch.Tensor | None:
+    return None if t is None else t[lo:hi]
+
+
+def _take(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[idx]
+
+
+def _max(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return a if b is None else torch.maximum(a, b)

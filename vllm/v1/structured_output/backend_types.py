@@ -1,0 +1,90 @@
+"""The two interfaces a structured-output backend implements: one per engine, one per request."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+
+from vllm.sampling_params import StructuredOutputsParams
+
+
+class StructuredOutputGrammar(ABC):
+    """The matcher state of one request's constraint.
+
+    Bitmask rows are int32 words; bit j of word w allows token 32 * w + j.
+    """
+
+    @abstractmethod
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        """Advances the state by `tokens` in order.
+
+        Returns False at the first token the grammar rejects (or any token after termination);
+        the tokens before it stay accepted and the rejected one leaves the state unchanged.
+        """
+
+    @abstractmethod
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """Returns the longest prefix of `tokens` the grammar would accept. The state is unchanged."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` accepted tokens.
+
+        Raises ValueError if `num_tokens` is negative or more than were accepted.
+        """
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Writes the allowed next tokens into `bitmask[row]` (all allowed once terminated)."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once the grammar has accepted a stop token: nothing more may follow."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Returns to the initial state, as if no token had been accepted."""
+
+    @property
+    @abstractmethod
+    def num_processed_tokens(self) -> int:
+        """How many tokens the grammar has accepted (and not rolled back)."""
+
+
+class StructuredOutputBackend(ABC):
+    """Compiles constraints for one engine (one tokenizer, one vocabulary)."""
+
+    #: Rows of a bitmask hold ceil(vocab_size / 32) words.
+    vocab_size: int
+
+    @abstractmethod
+    def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        """Compiles `params` into a fresh grammar in its initial state.
+
+        Raises ValueError naming the field when the schema, regex, grammar, choice or
+        structural tag is invalid or uses a feature the backend cannot enforce.
+        """
+
+    def allocate_token_bitmask(self, max_num_seqs: int) -> np.ndarray:
+        """Returns an int32 bitmask of `max_num_seqs` rows, every token allowed."""
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be at least 1, got {max_num_seqs}")
+        return np.full((max_num_seqs, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
+
+    def fill_bitmasks(
+        self, grammars: Sequence[StructuredOutputGrammar | None], bitmask: np.ndarray
+    ) -> None:
+        """Fills `bitmask[i]` from `grammars[i]` for every i; a None grammar allows every token.
+
+        Backends override this to fill the whole batch in one native call.
+        """
+        for row, grammar in enumerate(grammars):
+            if grammar is None:
+                bitmask[row] = -1
+            else:
+                grammar.fill_bitmask(bitmask, row)
+
+    def destroy(self) -> None:
+        """Releases the backend's resources (caches, threads). It is unusable afterwards."""

@@ -1,0 +1,79 @@
+"""One request's constraint: its compile job, then its grammar."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+
+class StructuredOutputRequest:
+    """Tracks the compilation of one request's constraint and holds the resulting grammar.
+
+    The manager submits the compile job (`future`); the scheduler calls `poll` until the
+    grammar is ready or the request has failed (`error` says why).
+    """
+
+    def __init__(self, params: StructuredOutputsParams) -> None:
+        self.params = params
+        self.grammar: StructuredOutputGrammar | None = None
+        # Why the request cannot run (compile error or timeout); None while all is well.
+        self.error: str | None = None
+        self.future: Future[StructuredOutputGrammar] | None = None
+        # time.monotonic() when a worker began compiling: time spent queued behind other
+        # compiles (or building the backend) does not count against the timeout.
+        self.compile_started_at: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        """True when the grammar will never be ready (see `error`)."""
+        return self.error is not None
+
+    @property
+    def ready(self) -> bool:
+        """True when the grammar is compiled and usable."""
+        return self.grammar is not None
+
+    def mark_started(self) -> None:
+        """Records that a worker began compiling now (called from the worker thread)."""
+        self.compile_started_at = time.monotonic()
+
+    def poll(self, timeout_s: float) -> bool:
+        """Returns True once the grammar is ready.
+
+        Side effects: takes the grammar from a finished compile job; on a compile error, or
+        when compiling has run for more than `timeout_s` seconds, sets `error` and returns False
+        (the job is abandoned; its result is dropped).
+        """
+        if self.grammar is not None:
+            return True
+        if self.error is not None or self.future is None:
+            return False
+        future = self.future
+        if future.done():
+            self.future = None
+            try:
+                self.grammar = future.result()
+            except ValueError as e:
+                self.error = str(e)
+            except Exception as e:  # an engine bug must fail this request, not the engine
+                self.error = f"structured_outputs: compiling the grammar failed: {e!r}"
+            return self.grammar is not None
+        started = self.compile_started_at
+        if started is not None and time.monotonic() - started > timeout_s:
+            future.cancel()
+            self.future = None
+            self.error = (
+                f"structured_outputs.{self.params.kind}: compiling the grammar took longer than "
+                f"{timeout_s:g} s (--structured-outputs-config.compile_timeout_s)"
+            )
+        return False
+
+    def release(self) -> None:
+        """Drops the grammar and abandons any compile job (the request is finished)."""
+        if self.future is not None:
+            self.future.cancel()
+            self.future = None
+        self.grammar = None

@@ -1,0 +1,401 @@
+"""The model runner: builds flat varlen inputs from a SchedulerOutput, runs the model, samples.
+
+`execute_model` runs the forward pass and keeps the logits of the rows that sample this step;
+`sample_tokens` applies the grammar bitmask (if any) and samples. Between the two, the engine
+computes the bitmask on the CPU while the forward runs.
+
+Sampled ids stay on the device: the next step's input for a request whose newest token is not
+on the host yet is copied from `last_token` on the device, so building a step never waits for
+the previous one (this is what makes async scheduling possible).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm import _custom_ops as ops
+from vllm.attention.backends.abstract import AttentionMetadata
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+)
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+
+logger = logging.getLogger(__name__)
+
+# CPU GEMMs give row results that depend on the row count below ~12 rows; padding every
+# matmul to at least this many rows makes a request's numbers independent of its batch, which
+# async = sync equivalence relies on.
+_CPU_MIN_ROWS = 16
+
+
+@dataclass
+class _Step:
+    """What execute_model leaves for sample_tokens."""
+
+    req_ids: list[str]  # scheduled requests, batch order
+    sampled_rows: list[int]  # batch rows that sample, batch order
+    sampled_req_ids: list[str]
+    logits: torch.Tensor | None  # [len(sampled_rows), vocab] float32
+
+
+class _SampledTokens:
+    """A step's sampled ids (and logprobs) with their device-to-host copy in flight."""
+
+    def __init__(self, req_ids: list[str], out: SamplerOutput, copy_stream) -> None:
+        self.req_ids = req_ids
+        self._event = None
+        tensors = [out.sampled_token_ids]
+        if out.logprobs is not None:
+            tensors += [out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks]
+        if copy_stream is None:
+            self._host = tensors
+            return
+        # Copy on a side stream so the compute stream can start the next forward at once.
+        main = torch.cuda.current_stream()
+        copy_stream.wait_stream(main)
+        with torch.cuda.stream(copy_stream):
+            self._host = [t.to("cpu", non_blocking=True) for t in tensors]
+            for t in tensors:
+                t.record_stream(copy_stream)
+            self._event = torch.cuda.Event()
+            self._event.record(copy_stream)
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+    def token_lists(self) -> list[int]:
+        self.wait()
+        return self._host[0].tolist()
+
+    def logprobs(self) -> LogprobsLists | None:
+        self.wait()
+        if len(self._host) == 1:
+            return None
+        ids, lps, ranks = self._host[1:]
+        return LogprobsLists(ids.tolist(), lps.tolist(), ranks.tolist())
+
+
+class _AsyncOutput(AsyncModelRunnerOutput):
+    def __init__(self, req_ids: list[str], sampled_req_ids: list[str], sampled: _SampledTokens):
+        self._req_ids = req_ids
+        self._sampled_req_ids = sampled_req_ids
+        self._sampled = sampled
+
+    def get_output(self) -> ModelRunnerOutput:
+        tokens = dict(zip(self._sampled_req_ids, self._sampled.token_lists()))
+        lp = self._sampled.logprobs()
+        if lp is not None:
+            # Rows of the sampler output follow sampled_req_ids; the output follows req_ids.
+            order = {r: i for i, r in enumerate(self._sampled_req_ids)}
+            idx = [order.get(r) for r in self._req_ids]
+            lp = LogprobsLists(
+                [lp.token_ids[i] if i is not None else [] for i in idx],
+                [lp.logprobs[i] if i is not None else [] for i in idx],
+                [lp.ranks[i] if i is not None else 0 for i in idx],
+            )
+        return ModelRunnerOutput(
+            req_ids=self._req_ids,
+            req_id_to_index={r: i for i, r in enumerate(self._req_ids)},
+            sampled_token_ids=[[tokens[r]] if r in tokens else [] for r in self._req_ids],
+            logprobs=lp,
+        )
+
+
+class GPUModelRunner:
+    """Runs one model on one device (CUDA when present, else CPU) for the engine core."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.config = vllm_config
+        mc = vllm_config.model_config
+        self.device = mc.device
+        self.dtype = mc.torch_dtype
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.async_scheduling = vllm_config.scheduler_config.async_scheduling
+        self.vocab_size = mc.vocab_size
+        self.min_rows = _CPU_MIN_ROWS if self.device.type == "cpu" else 1
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.input_batch = InputBatch(self.max_num_reqs, mc.max_model_len, self.block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        # Newest sampled token per batch row, kept on the device (see module docstring).
+        self.last_token = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=self.device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(mc.seed)
+        self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self._unsettled: deque[_SampledTokens] = deque()
+        self._step: _Step | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def load_model(self) -> None:
+        """Builds the model and loads its weights onto the device."""
+        from vllm.model_executor.model_loader.loader import get_model
+
+        self.model = get_model(self.config.model_config)
+
+    def kv_cache_block_bytes(self) -> int:
+        """Bytes one KV block takes across all layers."""
+        assert self.model is not None
+        per_token = 2 * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
+        return self.model.num_layers * self.block_size * per_token
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates the paged KV cache (zeroed: padded attention reads must not see NaNs)."""
+        assert self.model is not None
+        shape = self.model.attn_backend_cls.kv_cache_shape(
+            num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim
+        )
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.model.num_layers)
+        ]
+
+    # ------------------------------------------------------------------ state
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self._remove_row(req_id)
+        for req_id in so.preempted_req_ids:
+            self._remove_row(req_id)
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add(state)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed_from_preemption[i]:
+                tokens = cached.resumed_req_token_ids[req_id]
+                num_out = cached.resumed_num_output_tokens[req_id]
+                state.output_token_ids = tokens[len(tokens) - num_out :]
+                state.num_output_tokens = num_out
+                state.block_ids = list(cached.new_block_ids[i])
+                self._remove_row(req_id)
+                batch.add(state)
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+                row = batch.req_id_to_index[req_id]
+                batch.append_blocks(row, cached.new_block_ids[i])
+                batch.num_computed_tokens[row] = state.num_computed_tokens
+
+    def _remove_row(self, req_id: str) -> None:
+        moved = self.input_batch.remove(req_id)
+        if moved is not None:
+            src, dst = moved
+            self.last_token[dst] = self.last_token[src]
+
+    def _settle(self, block: bool) -> None:
+        """Moves sampled token values that reached the host into the request states."""
+        while self._unsettled and (block or self._unsettled[0].ready()):
+            sampled = self._unsettled.popleft()
+            for req_id, token in zip(sampled.req_ids, sampled.token_lists()):
+                state = self.requests.get(req_id)
+                if state is None:
+                    continue
+                state.output_token_ids.append(token)
+                row = self.input_batch.req_id_to_index.get(req_id)
+                if row is not None and self.input_batch.states[row] is state:
+                    self.input_batch.append_tokens(row, [token])
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> None:
+        """Runs the forward pass of one step and keeps the logits of the sampling rows."""
+        self._update_states(so)
+        batch = self.input_batch
+        if so.total_num_scheduled_tokens == 0:
+            self._step = _Step([], [], [], None)
+            return None
+        rows = [r for r, req_id in enumerate(batch.req_ids) if req_id in so.num_scheduled_tokens]
+        req_ids = [batch.req_ids[r] for r in rows]
+        rows_np = np.asarray(rows, dtype=np.int32)
+        num_sched = np.asarray([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
+        starts = batch.num_computed_tokens[rows_np]
+        num_tokens = int(num_sched.sum())
+        padded = max(num_tokens, self.min_rows)
+
+        local_idx = np.empty(num_tokens, dtype=np.int32)
+        positions = np.zeros(padded, dtype=np.int64)
+        ops.prepare_positions(starts, num_sched, local_idx, positions[:num_tokens])
+        req_indices = rows_np[local_idx]
+        token_ids = np.zeros(padded, dtype=np.int64)
+        known = positions[:num_tokens] < batch.num_known_tokens[req_indices]
+        token_ids[:num_tokens] = np.where(
+            known, batch.token_ids[req_indices, np.minimum(positions[:num_tokens], batch.token_ids.shape[1] - 1)], 0
+        )
+        slot_mapping = np.full(padded, -1, dtype=np.int64)
+        ops.compute_slot_mapping(
+            batch.block_table, req_indices, positions[:num_tokens], self.block_size,
+            slot_mapping[:num_tokens],
+        )
+        cu = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(num_sched, out=cu[1:])
+        seq_lens = (starts + num_sched).astype(np.int32)
+
+        dev = self.device
+        input_ids = torch.from_numpy(token_ids).to(dev, non_blocking=True)
+        # Device-side feedback: tokens not on the host yet come from the previous samples.
+        unknown = np.nonzero(~known)[0]
+        if len(unknown):
+            src = torch.from_numpy(req_indices[unknown].astype(np.int64)).to(dev, non_blocking=True)
+            dst = torch.from_numpy(unknown.astype(np.int64)).to(dev, non_blocking=True)
+            input_ids[dst] = self.last_token[src]
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=len(rows),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(cu).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
+            block_table=torch.from_numpy(batch.block_table[rows_np]).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc_cpu=torch.from_numpy(cu),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
+        )
+        assert self.model is not None
+        hidden = self.model(
+            input_ids, torch.from_numpy(positions).to(dev, non_blocking=True), self.kv_caches,
+            metadata,
+        )
+        batch.num_computed_tokens[rows_np] = seq_lens
+
+        sampled = set(so.sampled_req_ids)
+        pick = [i for i, r in enumerate(req_ids) if r in sampled]
+        logits = None
+        if pick:
+            last = cu[1:][pick] - 1
+            idx = np.zeros(max(len(pick), self.min_rows), dtype=np.int64)
+            idx[: len(pick)] = last
+            logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(dev)])[: len(pick)]
+        self._step = _Step(
+            req_ids=req_ids,
+            sampled_rows=[rows[i] for i in pick],
+            sampled_req_ids=[req_ids[i] for i in pick],
+            logits=logits,
+        )
+        self._settle(block=False)
+        return None
+
+    # ------------------------------------------------------------------ sampling
+
+    @torch.inference_mode()
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Samples the rows kept by execute_model. Applies the grammar bitmask to the
+        constrained rows only. Side effect: the sampled ids become next step's inputs."""
+        step = self._step
+        assert step is not None, "sample_tokens called without execute_model"
+        self._step = None
+        if step.logits is None:
+            out = ModelRunnerOutput(
+                req_ids=step.req_ids,
+                req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+                sampled_token_ids=[[] for _ in step.req_ids],
+            )
+            return out if step.req_ids else EMPTY_MODEL_RUNNER_OUTPUT
+        logits = step.logits
+        if grammar_output is not None:
+            from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+            apply_grammar_bitmask(
+                logits, grammar_output, {r: i for i, r in enumerate(step.sampled_req_ids)}
+            )
+        states = [self.input_batch.states[r] for r in step.sampled_rows]
+        metadata = self._sampling_metadata(states)
+        result = self.sampler(logits, metadata)
+        rows = torch.tensor(step.sampled_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.last_token.index_copy_(0, rows, result.sampled_token_ids)
+        for state in states:
+            state.num_output_tokens += 1
+        sampled = _SampledTokens(step.sampled_req_ids, result, self.copy_stream)
+        self._unsettled.append(sampled)
+        output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled)
+        return output if self.async_scheduling else output.get_output()
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        dev = self.device
+        params = [s.sampling_params for s in states]
+        greedy = [p.greedy for p in params]
+        all_greedy = all(greedy)
+
+        def column(values: list, default, dtype) -> torch.Tensor | None:
+            if all(v == default for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        no_penalties = all(
+            p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+            for p in params
+        )
+        prompt_ids = None
+        output_ids: list[list[int]] = []
+        if not no_penalties:
+            self._settle(block=True)
+            width = max(len(s.prompt_token_ids) for s in states)
+            padded = np.full((len(states), width), self.vocab_size, dtype=np.int64)
+            for i, s in enumerate(states):
+                padded[i, : len(s.prompt_token_ids)] = s.prompt_token_ids
+            prompt_ids = torch.from_numpy(padded).to(dev, non_blocking=True)
+            output_ids = [list(s.output_token_ids) for s in states]
+        min_tokens = {
+            i: (p.min_tokens, set(p.all_stop_token_ids))
+            for i, (p, s) in enumerate(zip(params, states))
+            if s.num_output_tokens < p.min_tokens and p.all_stop_token_ids
+        }
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingMetadata(
+            temperature=None
+            if all_greedy
+            else torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev),
+            all_greedy=all_greedy,
+            all_random=not any(greedy),
+            top_p=column([p.top_p for p in params], 1.0, torch.float32),
+            top_k=column([p.top_k for p in params], 0, torch.int32),
+            min_p=column([p.min_p for p in params], 0.0, torch.float32),
+            seeds=[p.seed for p in params],
+            output_positions=[s.num_output_tokens for s in states],
+            generator=self.generator,
+            no_penalties=no_penalties,
+            presence_penalties=None
+            if no_penalties
+            else torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(dev),
+            frequency_penalties=None
+            if no_penalties
+            else torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).to(dev),
+            repetition_penalties=None
+            if no_penalties
+            else torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32).to(dev),
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+            min_tokens=min_tokens,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )

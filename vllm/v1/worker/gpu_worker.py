@@ -1,0 +1,68 @@
+"""A worker owns one device and its model runner."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+_GiB = 1 << 30
+# CPU default for the KV cache when --kv-cache-memory is not given.
+_DEFAULT_CPU_KV_BYTES = 2 * _GiB
+
+
+class Worker:
+    """Loads the model, sizes and allocates the KV cache, and runs steps."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.config = vllm_config
+        self.model_runner = GPUModelRunner(vllm_config)
+
+    def load_model(self) -> None:
+        """Loads the model weights onto the device."""
+        self.model_runner.load_model()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks fit in the memory the configuration allows.
+
+        Raises ValueError when the cache cannot hold one max_model_len sequence.
+        """
+        cache = self.config.cache_config
+        block_bytes = self.model_runner.kv_cache_block_bytes()
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        elif self.model_runner.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            # Keep headroom for activations and the sampler's vocabulary-sized temporaries.
+            budget = total * cache.gpu_memory_utilization - (total - free) - _GiB
+            num_blocks = int(budget // block_bytes)
+        else:
+            sched = self.config.scheduler_config
+            wanted = sched.max_num_seqs * sched.max_model_len * block_bytes // cache.block_size
+            budget = cache.kv_cache_memory or min(_DEFAULT_CPU_KV_BYTES, wanted)
+            num_blocks = int(budget // block_bytes)
+        max_len = self.config.model_config.max_model_len
+        if num_blocks * cache.block_size < max_len:
+            raise ValueError(
+                f"--kv-cache-memory/--gpu-memory-utilization: the KV cache holds "
+                f"{max(num_blocks, 0) * cache.block_size} tokens, fewer than --max-model-len "
+                f"({max_len}); give the cache more memory or lower --max-model-len"
+            )
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocates num_blocks KV blocks on the device."""
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        """Runs the forward pass of one step."""
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Samples the step started by the last execute_model."""
+        return self.model_runner.sample_tokens(grammar_output)
