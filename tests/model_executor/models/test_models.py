@@ -12,62 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.utils_attention import ReqStep, allocate_blocks, make_metadata
+from tests.utils_models import LLAMA3_ROPE, TINY, build_checkpoint, hf_config as _hf_config
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.registry import get_model_class
-
-TINY = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-)
-LLAMA3_ROPE = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 16,
-}
-
-
-def _hf_config(name: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    if name == "qwen3":
-        # head_dim * heads != hidden_size on purpose.
-        return Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True,
-                           architectures=["Qwen3ForCausalLM"])
-    if name == "qwen2":
-        return Qwen2Config(**TINY, tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
-    if name == "llama":
-        return LlamaConfig(**TINY, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    if name == "llama3_rope":
-        return LlamaConfig(**TINY, tie_word_embeddings=True, rope_scaling=dict(LLAMA3_ROPE),
-                           architectures=["LlamaForCausalLM"])
-    raise AssertionError(name)
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights of order-one activations, so a 1e-4 logit tolerance is meaningful."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * noise)
-            elif p.dim() == 1:
-                p.copy_(0.1 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise / p.shape[1] ** 0.5)
-
 
 CHECKPOINTS = ["qwen3", "qwen2", "llama", "llama3_rope", "qwen3_sharded"]
 
@@ -75,18 +23,10 @@ CHECKPOINTS = ["qwen3", "qwen2", "llama", "llama3_rope", "qwen3_sharded"]
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     """name -> (checkpoint dir, Hugging Face model with the same weights)."""
-    from transformers import AutoModelForCausalLM
-
     out = {}
     for i, name in enumerate(["qwen3", "qwen2", "llama", "llama3_rope"]):
-        hf = AutoModelForCausalLM.from_config(
-            _hf_config(name), attn_implementation="eager", dtype=torch.float32
-        )
-        _randomize(hf, seed=i)
-        hf.eval()
         path = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(path)
-        out[name] = (path, hf)
+        out[name] = (path, build_checkpoint(name, path, seed=i))
     path = tmp_path_factory.mktemp("qwen3_sharded")
     out["qwen3"][1].save_pretrained(path, max_shard_size="30KB")
     assert (path / "model.safetensors.index.json").is_file()

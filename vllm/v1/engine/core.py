@@ -32,7 +32,12 @@ def resolve_output(output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelR
 class EngineCore:
     """Owns the scheduler and the executor; one call to a step function runs (part of) a step."""
 
-    def __init__(self, vllm_config: VllmConfig, executor_class: type[Executor] | None = None):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        executor_class: type[Executor] | None = None,
+        tokenizer=None,
+    ) -> None:
         self.config = vllm_config
         executor_class = executor_class or Executor.get_class(vllm_config)
         self.model_executor = executor_class(vllm_config)
@@ -45,7 +50,7 @@ class EngineCore:
         self.num_blocks = num_blocks
         cache = vllm_config.cache_config
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.structured_output_manager = StructuredOutputManager(vllm_config)
+        self.structured_output_manager = StructuredOutputManager(vllm_config, tokenizer)
         scheduler_cls = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(vllm_config, kv, self.structured_output_manager)
         self.eos_token_ids = vllm_config.model_config.eos_token_ids

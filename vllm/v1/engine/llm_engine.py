@@ -25,7 +25,7 @@ class LLMEngine:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
-        self.engine_core = EngineCore(vllm_config)
+        self.engine_core = EngineCore(vllm_config, tokenizer=self.tokenizer)
         self.processor = InputProcessor(
             vllm_config, self.tokenizer, self.engine_core.structured_output_manager
         )

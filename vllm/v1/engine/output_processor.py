@@ -27,6 +27,8 @@ class _SeqState:
     # Text length already handed to a streaming consumer.
     num_streamed_chars: int = 0
     num_streamed_tokens: int = 0
+    # The finish has been handed to a streaming consumer.
+    finish_streamed: bool = False
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -40,6 +42,43 @@ class _SeqState:
             error=self.error,
         )
 
+    def take_delta(self) -> CompletionOutput | None:
+        """What changed since the last call (None: nothing to report yet).
+
+        While unfinished, the last max(len(stop)) - 1 characters are held back when a stop
+        string could still complete there and cut them off, so the deltas always concatenate
+        to the final text.
+        """
+        done = self.finish_reason is not None
+        end = len(self.text)
+        if not done and self.params.stop and not self.params.include_stop_str_in_output:
+            hold = max(len(s) for s in self.params.stop) - 1
+            end = max(self.num_streamed_chars, end - hold)
+        num_tokens = len(self.token_ids)
+        if (
+            end == self.num_streamed_chars
+            and num_tokens == self.num_streamed_tokens
+            and (not done or self.finish_streamed)
+        ):
+            return None
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.logprobs[self.num_streamed_tokens:]
+        out = CompletionOutput(
+            index=self.index,
+            text=self.text[self.num_streamed_chars:end],
+            token_ids=self.token_ids[self.num_streamed_tokens:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            error=self.error,
+        )
+        self.num_streamed_chars = end
+        self.num_streamed_tokens = num_tokens
+        self.finish_streamed = done
+        return out
+
 
 @dataclass
 class _RequestState:
@@ -48,6 +87,8 @@ class _RequestState:
     prompt_token_ids: list[int]
     seqs: list[_SeqState]
     num_cached_tokens: int = 0
+    # Report only what changed since the last output (for streaming).
+    delta: bool = False
 
     @property
     def finished(self) -> bool:
@@ -71,8 +112,13 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
         params: SamplingParams,
+        delta: bool = False,
     ) -> list[str]:
-        """Registers a request; returns the engine-side ids of its n sequences."""
+        """Registers a request; returns the engine-side ids of its n sequences.
+
+        With `delta`, each RequestOutput of this request carries only the sequences that
+        changed, each with only its new text, tokens and logprobs.
+        """
         seqs = []
         ids = []
         for i in range(params.n):
@@ -93,7 +139,9 @@ class OutputProcessor:
             child = child_request_id(request_id, i, params.n)
             self._children[child] = (request_id, i)
             ids.append(child)
-        self._requests[request_id] = _RequestState(request_id, prompt, prompt_token_ids, seqs)
+        self._requests[request_id] = _RequestState(
+            request_id, prompt, prompt_token_ids, seqs, delta=delta
+        )
         return ids
 
     def has_unfinished_requests(self) -> bool:
@@ -136,12 +184,18 @@ class OutputProcessor:
             finished = state.finished
             if finished:
                 del self._requests[state.request_id]
+            if state.delta:
+                completions = [c for s in state.seqs if (c := s.take_delta()) is not None]
+                if not completions and not finished:
+                    continue
+            else:
+                completions = [s.completion() for s in state.seqs]
             results.append(
                 RequestOutput(
                     request_id=state.request_id,
                     prompt=state.prompt,
                     prompt_token_ids=state.prompt_token_ids,
-                    outputs=[s.completion() for s in state.seqs],
+                    outputs=completions,
                     finished=finished,
                     num_cached_tokens=state.num_cached_tokens,
                 )

@@ -41,7 +41,8 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None
     # Per row, the tokens sampled so far; only needed when penalties are used.
     output_token_ids: list[list[int]]
-    # Row -> (min_tokens, stop token ids): the ids are banned while output_positions[row] < min_tokens.
+    # Row -> (min_tokens, stop token ids): the ids are banned while
+    # output_positions[row] < min_tokens.
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
     # None = no logprobs this step; k >= 0 = the sampled token's logprob plus the top k.
     max_num_logprobs: int | None = None
@@ -75,16 +76,18 @@ class SamplingMetadata:
                     raise bad(name, f"expected shape ({num_rows},), got {tuple(t.shape)}")
             p = self.prompt_token_ids
             if p is not None and (p.dim() != 2 or p.shape[0] != num_rows):
-                raise bad("prompt_token_ids", f"expected shape ({num_rows}, L), got {tuple(p.shape)}")
+                raise bad(
+                    "prompt_token_ids", f"expected shape ({num_rows}, L), got {tuple(p.shape)}"
+                )
             if len(self.output_token_ids) != num_rows:
                 raise bad(
                     "output_token_ids",
                     f"expected {num_rows} entries, got {len(self.output_token_ids)}",
                 )
-        for row, (_, stop_ids) in self.min_tokens.items():
+        for row in self.min_tokens:
             if not 0 <= row < num_rows:
                 raise bad("min_tokens", f"row {row} is outside the batch of {num_rows}")
-            if any(not 0 <= t < vocab_size for t in stop_ids):
-                raise bad("min_tokens", f"row {row} has a stop id outside [0, {vocab_size})")
         if self.max_num_logprobs is not None and not 0 <= self.max_num_logprobs <= vocab_size:
-            raise bad("max_num_logprobs", f"must be in [0, {vocab_size}], got {self.max_num_logprobs}")
+            raise bad(
+                "max_num_logprobs", f"must be in [0, {vocab_size}], got {self.max_num_logprobs}"
+            )

@@ -56,10 +56,8 @@ class SamplerOutput:
 
 @dataclass
 class _Rows:
-    """The per-row parameters of one chunk of rows [lo, hi)."""
+    """The per-row parameters of one chunk of rows."""
 
-    lo: int
-    hi: int
     inv_temperature: torch.Tensor | None  # [n]; 1 on greedy rows; None when all greedy
     greedy: torch.Tensor | None  # [n] bool; None when no row is greedy
     top_k: torch.Tensor | None
@@ -96,7 +94,8 @@ class Sampler(nn.Module):
         metadata that does not match it."""
         if logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(
-                f"logits: expected a [N, V] floating tensor, got {tuple(logits.shape)} {logits.dtype}"
+                "logits: expected a [N, V] floating tensor, "
+                f"got {tuple(logits.shape)} {logits.dtype}"
             )
         n, vocab = logits.shape
         metadata.validate(n, vocab)
@@ -111,7 +110,7 @@ class Sampler(nn.Module):
                 torch.empty((n, k + 1), dtype=torch.float32, device=dev),
                 torch.empty(n, dtype=torch.int64, device=dev),
             )
-        bans = _bans(metadata)
+        bans = _bans(metadata, vocab)
         step = self._chunk_rows(n, vocab, dev)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
@@ -169,15 +168,14 @@ class Sampler(nn.Module):
 
     def _sample(self, x: torch.Tensor, rows: _Rows) -> torch.Tensor:
         """Token per row of the edited chunk logits x [n, V]."""
-        greedy = None if rows.inv_temperature is not None and rows.greedy is None else x.argmax(1)
         if rows.inv_temperature is None:
+            return x.argmax(dim=1)
+        if rows.greedy is None:
+            return self._random(x, rows)
+        greedy = x.argmax(dim=1)
+        if not _maybe_any(~rows.greedy):
             return greedy
-        if rows.greedy is not None and not _maybe_any(rows.greedy.logical_not()):
-            return greedy
-        sampled = self._random(x, rows)
-        if greedy is None:
-            return sampled
-        return torch.where(rows.greedy, greedy, sampled)
+        return torch.where(rows.greedy, greedy, self._random(x, rows))
 
     def _random(self, x: torch.Tensor, rows: _Rows) -> torch.Tensor:
         """Temperature, filters and the race for every row of x (greedy rows too: cheaper
@@ -219,9 +217,12 @@ class Sampler(nn.Module):
             num = max(num, self.top_p_candidates)
         full_lse = None
         if top_p is not None and (top_k is None or _maybe_any((top_k <= 0) | (top_k >= vocab))):
-            full_lse = torch.logsumexp(z, dim=1)
+            # z <= 0 with a 0 in every row: the plain sum cannot overflow or vanish.
+            full_lse = torch.exp(z).sum(dim=1).log()
         cand = candidates(z, top_k, top_p, full_lse, num)
-        picked = race_candidates(cand.values, cand.token_ids, _max(cand.threshold, min_t), rows.keys)
+        picked = race_candidates(
+            cand.values, cand.token_ids, _max(cand.threshold, min_t), rows.keys
+        )
         filtered = _filtered_rows(rows, vocab)
         # Sync on non-CPU devices: which rows need the exact full-sort fallback.
         redo = (filtered & ~cand.complete).nonzero().squeeze(1)
@@ -239,13 +240,15 @@ class Sampler(nn.Module):
         return picked.index_copy(0, redo, again)
 
 
-def _bans(md: SamplingMetadata) -> dict[int, list[int]]:
-    """Row -> token ids banned this step by min_tokens."""
-    return {
-        row: sorted(stop_ids)
-        for row, (min_tokens, stop_ids) in md.min_tokens.items()
-        if md.output_positions[row] < min_tokens and stop_ids
-    }
+def _bans(md: SamplingMetadata, vocab: int) -> dict[int, list[int]]:
+    """Row -> token ids banned this step by min_tokens. Ids outside the vocabulary can never
+    be sampled, so they need no ban (and must not fail a whole batch)."""
+    bans = {}
+    for row, (min_tokens, stop_ids) in md.min_tokens.items():
+        ids = sorted(t for t in stop_ids if 0 <= t < vocab)
+        if md.output_positions[row] < min_tokens and ids:
+            bans[row] = ids
+    return bans
 
 
 def _noise_keys(md: SamplingMetadata, n: int, dev: torch.device) -> torch.Tensor:
@@ -275,8 +278,6 @@ def _rows(md: SamplingMetadata, keys: torch.Tensor | None, lo: int, hi: int) -> 
             greedy = t < GREEDY_TEMPERATURE
         inv = torch.where(t < GREEDY_TEMPERATURE, torch.ones_like(t), 1.0 / t)
     return _Rows(
-        lo,
-        hi,
         inv,
         greedy,
         _slice(md.top_k, lo, hi),

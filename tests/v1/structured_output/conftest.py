@@ -1,0 +1,45 @@
+"""Shared fixtures: the demo model's real Qwen tokenizer and one xgrammar backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm.model_executor.model_loader.demo_model import build_demo_model
+from vllm.transformers_utils.tokenizer import get_tokenizer
+
+from .walker import WalkVocab, token_bytes
+
+# The demo model's vocabulary facts (FACTS.md): generation EOS ids and lm-head size.
+EOS_IDS = [151645, 151643]
+VOCAB_SIZE = 151_936
+
+
+@pytest.fixture(scope="session")
+def demo_dir() -> Path:
+    """The demo-tiny model directory (built once, cached)."""
+    return build_demo_model("demo-tiny")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(demo_dir: Path) -> Any:
+    """The demo model's tokenizer (Qwen's vocabulary)."""
+    return get_tokenizer(demo_dir)
+
+
+@pytest.fixture(scope="session")
+def backend(tokenizer: Any) -> Any:
+    """One xgrammar backend for the demo vocabulary."""
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    backend = XgrammarBackend(tokenizer, VOCAB_SIZE, EOS_IDS)
+    yield backend
+    backend.destroy()
+
+
+@pytest.fixture(scope="session")
+def walk_vocab(tokenizer: Any) -> WalkVocab:
+    """Token classes for random walks over the demo vocabulary."""
+    return WalkVocab.build(token_bytes(tokenizer), VOCAB_SIZE, EOS_IDS)

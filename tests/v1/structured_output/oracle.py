@@ -1,0 +1,55 @@
+"""The grammar oracle (DESIGN.md section 8) for engine-level tests.
+
+Every token of a structured output must be accepted by a fresh matcher, and an output that
+finished with reason "stop" must satisfy its constraint checked independently of xgrammar's
+matcher where possible: jsonschema for JSON, re.fullmatch for regexes, membership for choices.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+
+import jsonschema
+
+from vllm.outputs import CompletionOutput
+from vllm.sampling_params import StructuredOutputsParams
+
+_EOS_IDS = (151645, 151643)
+_VOCAB_SIZE = 151_936
+
+
+@functools.lru_cache(maxsize=4)
+def _backend(tokenizer: Any):
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    return XgrammarBackend(tokenizer, _VOCAB_SIZE, list(_EOS_IDS))
+
+
+def check_structured_output(
+    params: StructuredOutputsParams, completion: CompletionOutput, tokenizer: Any
+) -> None:
+    """Asserts the oracle for one completion of a demo-vocabulary model."""
+    assert completion.finish_reason != "error", completion.error
+    grammar = _backend(tokenizer).compile_grammar(params)
+    assert grammar.accept_tokens("oracle", list(completion.token_ids)), completion.token_ids
+    if completion.finish_reason != "stop":
+        return
+    text = completion.text
+    kind = params.kind
+    if kind == "json":
+        schema = params.json if isinstance(params.json, dict) else json.loads(params.json)
+        jsonschema.validate(json.loads(text), schema)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(params.regex, text), text
+    elif kind == "choice":
+        assert text in params.choice, text
+    elif kind == "grammar":
+        from xgrammar import Grammar
+        from xgrammar.testing import _is_grammar_accept_string
+
+        assert _is_grammar_accept_string(Grammar.from_ebnf(params.grammar), text), text

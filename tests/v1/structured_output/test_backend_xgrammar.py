@@ -1,0 +1,271 @@
+"""The xgrammar backend against independent oracles, with the demo model's Qwen vocabulary."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output.backend_xgrammar import (
+    XgrammarBackend,
+    find_lookaround,
+    prepare_json_schema,
+)
+
+from .conftest import EOS_IDS, VOCAB_SIZE
+from .schemas import ALL_CASES, CHOICES, INVALID, JSON_SCHEMAS, Case
+from .walker import WalkVocab, allowed_token_ids, random_walk
+
+FIRST_ADDED_ID = 151_643  # Qwen's added tokens start here; the tokenizer ends at 151,668.
+SPACE, NEWLINE, TAB = 220, 198, 197
+
+
+def _rng(name: str, salt: int) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(name.encode()) * 7 + salt)
+
+
+def _allowed(grammar: Any) -> np.ndarray:
+    bitmask = np.zeros((1, (VOCAB_SIZE + 31) // 32), dtype=np.int32)
+    grammar.fill_bitmask(bitmask, 0)
+    return allowed_token_ids(bitmask[0], VOCAB_SIZE)
+
+
+def _forbidden_allowed(ids: np.ndarray) -> list[int]:
+    """Allowed ids that are Qwen added tokens (other than stops) or past the tokenizer."""
+    return [int(i) for i in ids if i >= FIRST_ADDED_ID and i not in EOS_IDS]
+
+
+def _whitespace_outside_strings(text: str) -> bool:
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c.isspace():
+            return True
+    return False
+
+
+def test_corpus_is_large_enough() -> None:
+    assert len(JSON_SCHEMAS) >= 40
+    assert len({name for name, _ in JSON_SCHEMAS}) == len(JSON_SCHEMAS)
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
+def test_random_walks_satisfy_the_constraint(
+    case: Case, backend: XgrammarBackend, tokenizer: Any, walk_vocab: WalkVocab
+) -> None:
+    json_kind = "json" in case.params or "json_object" in case.params
+    for compact in (False, True) if json_kind else (False,):
+        params = case.make_params(disable_any_whitespace=compact)
+        grammar = backend.compile_grammar(params)
+        tokens, stopped = random_walk(grammar, walk_vocab, _rng(case.name, compact))
+        assert stopped, f"walk did not finish: {tokenizer.decode(tokens)!r}"
+        assert grammar.is_terminated()
+        assert tokens[-1] in EOS_IDS
+        body = tokens[:-1]
+        assert not _forbidden_allowed(np.array(body, dtype=np.int64)), body
+        text = tokenizer.decode(body, skip_special_tokens=False)
+        case.check(text)
+        if compact:
+            assert not _whitespace_outside_strings(text), text
+        fresh = backend.compile_grammar(params)
+        assert fresh.accept_tokens("fresh", tokens)
+        assert fresh.is_terminated() and fresh.num_processed_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("name,choices", CHOICES, ids=[n for n, _ in CHOICES])
+def test_choice_accepts_exactly_its_members(
+    name: str, choices: list[str], backend: XgrammarBackend, tokenizer: Any
+) -> None:
+    grammar = backend.compile_grammar(StructuredOutputsParams(choice=choices))
+    for member in choices:
+        grammar.reset()
+        tokens = tokenizer.encode(member, add_special_tokens=False)
+        assert grammar.accept_tokens("r", tokens + [EOS_IDS[0]]), member
+        assert grammar.is_terminated()
+    for outsider in [choices[0] + "x", "zz" + choices[-1]]:
+        if outsider in choices:
+            continue
+        grammar.reset()
+        tokens = tokenizer.encode(outsider, add_special_tokens=False)
+        assert not grammar.accept_tokens("r", tokens + [EOS_IDS[0]]), outsider
+
+
+def test_masked_tokens_never_allowed(backend: XgrammarBackend, tokenizer: Any) -> None:
+    # At positions where nearly any text is allowed (inside JSON strings, free regex, any-char
+    # grammar), Qwen's control tokens and the ids past the tokenizer stay masked.
+    cases = [
+        ({"json": {"type": "object", "properties": {"s": {"type": "string"}}}}, '{"s": "ab'),
+        ({"json_object": True}, '{"k": "v'),
+        ({"regex": ".{0,20}"}, "hi "),
+        ({"grammar": 'root ::= [^"]*'}, "x"),
+    ]
+    for params, prefix in cases:
+        grammar = backend.compile_grammar(StructuredOutputsParams(**params))
+        assert grammar.accept_tokens("r", tokenizer.encode(prefix, add_special_tokens=False))
+        allowed = _allowed(grammar)
+        assert len(allowed) > 100_000, params  # free text really is allowed here
+        assert _forbidden_allowed(allowed) == [], params
+        before = grammar.num_processed_tokens
+        for control in (151644, 151646, 151657, 151667, 151668, 151700, VOCAB_SIZE - 1):
+            assert not grammar.accept_tokens("r", [control])
+        assert grammar.num_processed_tokens == before
+        assert np.array_equal(_allowed(grammar), allowed)
+    assert backend.masked_token_ids >= set(range(151669, VOCAB_SIZE))
+    assert backend.masked_token_ids.isdisjoint(EOS_IDS)
+
+
+def test_only_stop_tokens_after_a_complete_value(backend: XgrammarBackend, tokenizer: Any) -> None:
+    params = StructuredOutputsParams(json={"type": "boolean"}, disable_any_whitespace=True)
+    grammar = backend.compile_grammar(params)
+    assert grammar.accept_tokens("r", tokenizer.encode("true", add_special_tokens=False))
+    assert sorted(_allowed(grammar).tolist()) == sorted(EOS_IDS)
+
+
+def test_compact_json_forbids_whitespace(backend: XgrammarBackend, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}
+    steps = ["{", '"a"', ":", "1", ","]
+    for compact in (False, True):
+        grammar = backend.compile_grammar(
+            StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
+        )
+        for piece in steps:
+            assert grammar.accept_tokens("r", tokenizer.encode(piece, add_special_tokens=False))
+            allowed = set(_allowed(grammar).tolist())
+            assert (not compact) == bool({SPACE, NEWLINE, TAB} & allowed), (compact, piece)
+
+
+def test_engine_wide_disable_any_whitespace(tokenizer: Any) -> None:
+    compact = XgrammarBackend(tokenizer, VOCAB_SIZE, EOS_IDS, disable_any_whitespace=True)
+    grammar = compact.compile_grammar(StructuredOutputsParams(json={"type": "object"}))
+    assert grammar.accept_tokens("r", tokenizer.encode("{", add_special_tokens=False))
+    assert not {SPACE, NEWLINE, TAB} & set(_allowed(grammar).tolist())
+    compact.destroy()
+
+
+def test_accept_reject_validate_rollback_reset(backend: XgrammarBackend, tokenizer: Any) -> None:
+    grammar = backend.compile_grammar(StructuredOutputsParams(regex="abc[0-9]{2}"))
+    ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "abc12"]
+    wrong = tokenizer.encode("z", add_special_tokens=False)[0]
+    start = _allowed(grammar)
+
+    assert grammar.validate_tokens(ids[:2] + [wrong] + ids[2:]) == ids[:2]
+    assert grammar.validate_tokens(ids + [EOS_IDS[0], wrong]) == ids + [EOS_IDS[0]]
+    assert grammar.num_processed_tokens == 0 and np.array_equal(_allowed(grammar), start)
+
+    assert not grammar.accept_tokens("r", ids[:2] + [wrong, ids[2]])
+    assert grammar.num_processed_tokens == 2  # the prefix stays; the rejected token does not
+    after_two = _allowed(grammar)
+    assert grammar.accept_tokens("r", ids[2:4])
+    grammar.rollback(2)
+    assert grammar.num_processed_tokens == 2 and np.array_equal(_allowed(grammar), after_two)
+    with pytest.raises(ValueError, match="rollback"):
+        grammar.rollback(3)
+
+    assert grammar.accept_tokens("r", ids[2:] + [EOS_IDS[1]])
+    assert grammar.is_terminated()
+    bitmask = np.zeros((2, (VOCAB_SIZE + 31) // 32), dtype=np.int32)
+    grammar.fill_bitmask(bitmask, 1)
+    assert (bitmask[1] == -1).all() and (bitmask[0] == 0).all()
+    assert not grammar.accept_tokens("r", [ids[0]])
+    assert grammar.validate_tokens([ids[0]]) == []
+    grammar.rollback(1)
+    assert not grammar.is_terminated()
+    assert sorted(_allowed(grammar).tolist()) == sorted(EOS_IDS)
+
+    grammar.reset()
+    assert grammar.num_processed_tokens == 0 and np.array_equal(_allowed(grammar), start)
+
+
+def test_structural_tag_enforces_tag_content(backend: XgrammarBackend, tokenizer: Any) -> None:
+    tag = next(c for c in ALL_CASES if c.name == "structural_tag_legacy_triggers").params
+    grammar = backend.compile_grammar(StructuredOutputsParams(**tag))
+    good = tokenizer.encode("call <f>7</f> done", add_special_tokens=False)
+    assert grammar.accept_tokens("r", good + [EOS_IDS[0]])
+    grammar.reset()
+    assert not grammar.accept_tokens("r", tokenizer.encode("call <f>x", add_special_tokens=False))
+
+
+@pytest.mark.parametrize("name,params,fragment", INVALID, ids=[n for n, _, _ in INVALID])
+def test_invalid_constraints_raise_clear_errors(
+    name: str, params: dict[str, Any], fragment: str, backend: XgrammarBackend
+) -> None:
+    field = next(iter(params))
+    with pytest.raises(ValueError) as info:
+        backend.compile_grammar(StructuredOutputsParams(**params))
+    message = str(info.value)
+    assert message.startswith(f"structured_outputs.{field}"), message
+    assert fragment in message, message
+    assert "/project/cpp" not in message  # no native log prefix
+
+
+def test_two_constraints_are_rejected_by_the_params() -> None:
+    with pytest.raises(ValueError, match="json, regex"):
+        StructuredOutputsParams(json={"type": "integer"}, regex="a")
+    with pytest.raises(ValueError, match="none"):
+        StructuredOutputsParams()
+
+
+def test_prepare_json_schema_rewrites_a_copy() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            # Property names that are also keywords must not be mistaken for keywords.
+            "not": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "if": {"type": "string", "maxLength": 3},
+            "open": {"type": "object", "additionalProperties": True},
+        },
+        "$defs": {"d": {"type": "object"}},
+    }
+    original = json.loads(json.dumps(schema))
+    out = prepare_json_schema(schema, disable_additional_properties=True)
+    assert schema == original
+    assert out["additionalProperties"] is False
+    assert out["properties"]["not"]["additionalProperties"] is False
+    assert out["properties"]["open"]["additionalProperties"] is True
+    assert out["$defs"]["d"]["additionalProperties"] is False
+    bounded = out["properties"]["if"]
+    assert "maxLength" not in bounded and bounded["pattern"].endswith("{0,3}$")
+    kept = prepare_json_schema(schema)
+    assert "additionalProperties" not in kept and "additionalProperties" not in kept["$defs"]["d"]
+
+
+def test_bounded_strings_exclude_raw_control_characters(
+    backend: XgrammarBackend, tokenizer: Any
+) -> None:
+    # xgrammar 0.2.9 alone lets a raw tab into {"maxLength": n} strings (invalid JSON).
+    grammar = backend.compile_grammar(
+        StructuredOutputsParams(json={"type": "string", "minLength": 1, "maxLength": 4})
+    )
+    assert grammar.accept_tokens("r", tokenizer.encode('"', add_special_tokens=False))
+    assert not grammar.accept_tokens("r", [TAB])
+    assert grammar.accept_tokens("r", tokenizer.encode("ab", add_special_tokens=False))
+
+
+@pytest.mark.parametrize(
+    "regex,expected",
+    [
+        ("(?=a)a", "(?="),
+        ("x(?<!y)", "(?<!"),
+        (r"\(?=a", None),
+        ("[(?=]", None),
+        ("[]](?!b)", "(?!"),
+        ("(?:ab)+", None),
+    ],
+)
+def test_find_lookaround(regex: str, expected: str | None) -> None:
+    assert find_lookaround(regex) == expected
+
+
+def test_allocate_token_bitmask(backend: XgrammarBackend) -> None:
+    bitmask = backend.allocate_token_bitmask(3)
+    assert bitmask.shape == (3, 4748) and bitmask.dtype == np.int32
+    assert (bitmask == -1).all()
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        backend.allocate_token_bitmask(0)

@@ -1,0 +1,397 @@
+"""AsyncLLM: the asyncio front end of an engine core running in another process."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.core_client import EngineCoreClient, EngineDeadError
+from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.engine.output_processor import OutputProcessor
+from vllm.v1.engine.processor import InputProcessor, params_to_dict
+from vllm.v1.metrics.prometheus import PrometheusMetrics
+from vllm.v1.metrics.stats import RequestStateStats
+from vllm.v1.structured_output import StructuredOutputManager
+
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of RequestOutputs.
+
+    Outputs that pile up before the consumer takes them are merged (delta outputs are
+    concatenated, cumulative ones replaced by the newest), so a slow consumer costs no memory.
+    Iterating raises EngineDeadError if the engine dies first. Leaving the iteration early
+    (break, cancellation, client gone) aborts the request in the engine.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, delta: bool) -> None:
+        self.request_id = request_id
+        self.delta = delta
+        self.finished = False
+        self._engine = engine
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        """Queues an output (merging with one not yet taken)."""
+        if self._pending is None:
+            self._pending = output
+        elif self.delta:
+            _merge_delta(self._pending, output)
+        else:
+            self._pending = output
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Ends the stream with `error` (raised to the consumer after queued outputs)."""
+        self._error = error
+        self._ready.set()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            while self._pending is None:
+                if self._error is not None:
+                    self.finished = True
+                    raise self._error
+                await self._ready.wait()
+                self._ready.clear()
+        except BaseException:
+            # Cancelled while waiting (the client went away): stop the work in the engine.
+            if not self.finished:
+                self.abort()
+            raise
+        output, self._pending = self._pending, None
+        if output.finished:
+            self.finished = True
+        return output
+
+    def abort(self) -> None:
+        """Aborts the request in the engine unless it already finished. Never blocks."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort_now(self.request_id)
+
+    async def aclose(self) -> None:
+        """Aborts the request unless it finished (for `contextlib.aclosing`)."""
+        self.abort()
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason = c.finish_reason
+        old.stop_reason = c.stop_reason
+        old.error = c.error
+    into.outputs.sort(key=lambda c: c.index)
+    into.finished = new.finished
+    into.num_cached_tokens = new.num_cached_tokens
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """What the front end keeps about one live request."""
+
+    stream: RequestStream
+    child_ids: list[str]
+    stats: RequestStateStats
+
+
+class AsyncLLM:
+    """Validates and tokenizes requests here, runs them in an engine-core process, and
+    streams detokenized outputs back.
+
+    The constructor starts the engine process and blocks until it is ready; it raises
+    ValueError or RuntimeError with the engine's message when that fails.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        log_requests: bool = False,
+        metrics: PrometheusMetrics | None = None,
+        startup_timeout_s: float | None = None,
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.log_requests = log_requests
+        self.metrics = metrics
+        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
+        # Its own manager: compile checks run here, before the engine ever sees a request.
+        self.structured_output_manager = StructuredOutputManager(vllm_config, self.tokenizer)
+        self.processor = InputProcessor(vllm_config, self.tokenizer, self.structured_output_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        # One thread: compiles must not block the event loop, and xgrammar uses threads itself.
+        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="compile-check")
+        self._requests: dict[str, _Tracked] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._dead_reason: str | None = None
+        self._shut_down = False
+        self.last_stats: EngineCoreStats | None = None
+        self.engine_core = EngineCoreClient(vllm_config, startup_timeout_s=startup_timeout_s)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        """Builds the config (ValueError naming the bad flag) and starts the engine."""
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    # ------------------------------------------------------------------ health
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine core is gone (every request fails from then on)."""
+        return self._dead_reason is not None or self.engine_core.dead_reason is not None
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is gone, or None."""
+        return self._dead_reason or self.engine_core.dead_reason
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the engine core serves."""
+        return not self._shut_down and not self.errored
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests admitted and not yet finished or aborted."""
+        return len(self._requests)
+
+    def _ensure_started(self) -> None:
+        if self._shut_down:
+            raise EngineDeadError("the engine is shut down")
+        self.engine_core.start(self._on_outputs, self._on_stats, self._on_dead)
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "the engine core is gone")
+
+    # ------------------------------------------------------------------ requests
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict[str, Any],
+        params: SamplingParams,
+        delta: bool = False,
+    ) -> RequestStream:
+        """Validates, tokenizes and admits a request; returns the stream of its outputs.
+
+        Raises ValueError (bad prompt, parameters or constraint; too long for the context;
+        duplicate request id) before anything reaches the engine, and EngineDeadError when the
+        engine is gone.
+        """
+        self._ensure_started()
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        arrival = time.monotonic()
+        so = params.structured_outputs
+        if so is not None:
+            # Compile off the event loop; the processor's own check below is then a cache hit.
+            loop = asyncio.get_running_loop()
+            start = time.perf_counter()
+            await loop.run_in_executor(self._compile_pool, self.structured_output_manager.validate, so)
+            if self.metrics is not None:
+                self.metrics.record_compile(so.kind, time.perf_counter() - start)
+            self._ensure_started()
+            if request_id in self._requests:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
+        text, core_request = self.processor.process(request_id, prompt, params, arrival)
+        num_prompt = len(core_request.prompt_token_ids)
+        max_len = self.model_config.max_model_len
+        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
+            raise ValueError(
+                f"max_tokens: this model's maximum context length is {max_len} tokens; the "
+                f"prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}, "
+                f"{num_prompt + params.max_tokens} in all"
+            )
+        return self._admit(text, core_request, params, delta, arrival)
+
+    def _admit(
+        self,
+        text: str | None,
+        core_request: EngineCoreRequest,
+        params: SamplingParams,
+        delta: bool,
+        arrival: float,
+    ) -> RequestStream:
+        request_id = core_request.request_id
+        stream = RequestStream(self, request_id, delta)
+        child_ids = self.output_processor.add_request(
+            request_id, text, core_request.prompt_token_ids, params, delta=delta
+        )
+        stats = RequestStateStats(arrival, len(core_request.prompt_token_ids), num_seqs=params.n)
+        self._requests[request_id] = _Tracked(stream, child_ids, stats)
+        for child in child_ids:
+            self._child_to_parent[child] = request_id
+        try:
+            for i, child in enumerate(child_ids):
+                child_params = params
+                if len(child_ids) > 1 and params.seed is not None:
+                    # Distinct seeds, or all n samples would be the same sequence.
+                    child_params = dataclasses.replace(params, seed=params.seed + i)
+                self.engine_core.add_request(
+                    msgspec.structs.replace(
+                        core_request,
+                        request_id=child,
+                        sampling_params=params_to_dict(child_params),
+                    )
+                )
+        except EngineDeadError:
+            self._forget(request_id)
+            self.output_processor.abort_request(request_id)
+            raise
+        if self.log_requests:
+            logger.info(
+                "Received request %s: %d prompt tokens, params=%s",
+                request_id, len(core_request.prompt_token_ids), params,
+            )
+        self._update_gauge()
+        return stream
+
+    async def generate(
+        self,
+        prompt: str | list[int] | dict[str, Any],
+        sampling_params: SamplingParams,
+        request_id: str,
+        delta: bool = False,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yields the request's outputs as they are produced (cumulative unless `delta`);
+        the last has `finished` set.
+
+        Raises ValueError on bad input and EngineDeadError if the engine dies. Closing or
+        cancelling the generator before the end aborts the request in the engine.
+        """
+        stream = await self.add_request(request_id, prompt, sampling_params, delta=delta)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts a request (no-op when unknown or finished)."""
+        self.abort_now(request_id)
+
+    def abort_now(self, request_id: str) -> None:
+        """Synchronous abort, safe in `finally` blocks of cancelled tasks. Never blocks."""
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            return
+        tracked.stream.finished = True
+        engine_ids = self.output_processor.abort_request(request_id)
+        self._forget(request_id, finish_reason="abort")
+        self.engine_core.abort_requests(engine_ids)
+        if self.log_requests:
+            logger.info("Aborted request %s", request_id)
+
+    def _forget(self, request_id: str, finish_reason: str | None = None) -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return
+        for child in tracked.child_ids:
+            self._child_to_parent.pop(child, None)
+        if finish_reason is not None and self.metrics is not None:
+            self.metrics.record_finished(tracked.stats.finish(finish_reason, time.monotonic()))
+        self._update_gauge()
+
+    def _update_gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_num_frontend_requests(len(self._requests))
+
+    # ------------------------------------------------------------------ engine callbacks
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        if self.metrics is not None:
+            for out in outputs.outputs:
+                parent = self._child_to_parent.get(out.request_id)
+                if parent is None or not out.new_token_ids:
+                    continue
+                stats = self._requests[parent].stats
+                ttft = stats.on_tokens(len(out.new_token_ids), now)
+                if ttft is not None:
+                    self.metrics.record_first_token(ttft, stats.num_prompt_tokens)
+                self.metrics.record_generation_tokens(len(out.new_token_ids))
+        results, to_abort = self.output_processor.process_outputs(outputs.outputs)
+        if to_abort:
+            self.engine_core.abort_requests(to_abort)
+        for result in results:
+            tracked = self._requests.get(result.request_id)
+            if tracked is None:
+                continue
+            tracked.stream.put(result)
+            if result.finished:
+                reason = _request_finish_reason(result.outputs)
+                self._forget(result.request_id, finish_reason=reason)
+
+    def _on_stats(self, stats: EngineCoreStats) -> None:
+        self.last_stats = stats
+        if self.metrics is not None:
+            self.metrics.record_engine_stats(stats)
+
+    def _on_dead(self, reason: str) -> None:
+        self._dead_reason = reason
+        if self.metrics is not None:
+            self.metrics.record_engine_dead()
+        error = EngineDeadError(reason)
+        for request_id in list(self._requests):
+            tracked = self._requests[request_id]
+            self.output_processor.abort_request(request_id)
+            self._forget(request_id, finish_reason="error")
+            tracked.stream.fail(error)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        """Stops the engine process and fails requests still in flight. Idempotent."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        error = EngineDeadError("the engine is shutting down")
+        for request_id in list(self._requests):
+            tracked = self._requests[request_id]
+            self.output_processor.abort_request(request_id)
+            self._forget(request_id, finish_reason="abort")
+            tracked.stream.fail(error)
+        self.engine_core.shutdown()
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self.structured_output_manager.shutdown()
+
+
+def _request_finish_reason(outputs: list[CompletionOutput]) -> str:
+    """The reason a whole request ended: error beats abort beats length beats stop."""
+    reasons = {c.finish_reason for c in outputs}
+    for reason in ("error", "abort", "length", "stop"):
+        if reason in reasons:
+            return reason
+    return next(iter(reasons), None) or "stop"

@@ -1,0 +1,246 @@
+"""The engine core in its own process: a busy loop between two ZMQ sockets."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.messages import (
+    EngineCoreError,
+    EngineCoreHandshake,
+    EngineCoreStats,
+    OutputType,
+    RequestType,
+)
+
+logger = logging.getLogger(__name__)
+
+# While busy, gauges go out at most this often; an idle engine always sends a last snapshot.
+STATS_INTERVAL_S = 0.1
+# With work that cannot run yet (grammars compiling), wait this long for input between polls.
+NO_PROGRESS_WAIT_MS = 1
+
+
+class EngineCoreProc:
+    """Runs an EngineCore fed by an input socket; publishes outputs and stats on another.
+
+    Blocks on the input socket (and the parent's sentinel) while it has no work, so an idle
+    engine uses no CPU. Exits its loop on a SHUTDOWN message, SIGTERM, or when the parent
+    process dies.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        input_address: str,
+        output_address: str,
+        parent_sentinel: int | None = None,
+    ) -> None:
+        self.engine_core = EngineCore(vllm_config)
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PULL)
+        self._input.setsockopt(zmq.RCVHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.connect(input_address)
+        self._output = self._ctx.socket(zmq.PUSH)
+        self._output.setsockopt(zmq.SNDHWM, 0)
+        # Pending outputs get a moment to leave when the loop ends.
+        self._output.setsockopt(zmq.LINGER, 2000)
+        self._output.connect(output_address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._input, zmq.POLLIN)
+        self._parent_sentinel = parent_sentinel
+        if parent_sentinel is not None:
+            self._poller.register(parent_sentinel, zmq.POLLIN)
+        self._add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self._abort_decoder = msgspec.msgpack.Decoder(list[str])
+        self._encoder = msgspec.msgpack.Encoder()
+        self._running = True
+        self._num_aborted = 0
+        self._last_stats: EngineCoreStats | None = None
+        self._last_stats_time = 0.0
+
+    # ------------------------------------------------------------------ loop
+
+    def run_busy_loop(self) -> None:
+        """Serves until shutdown. Raises whatever an engine step raises (after reporting it)."""
+        core = self.engine_core
+        try:
+            while self._running:
+                if not core.has_work():
+                    self._send_stats(force=True)
+                    self._handle_input(timeout_ms=None)
+                    continue
+                self._handle_input(timeout_ms=0)
+                if not self._running or not core.has_work():
+                    continue
+                outputs, executed = core.step_fn()
+                if outputs:
+                    self._send_outputs(outputs)
+                elif not executed:
+                    self._handle_input(timeout_ms=NO_PROGRESS_WAIT_MS)
+                self._send_stats(force=False)
+        except Exception as e:
+            self._report_error(e)
+            raise
+
+    def _handle_input(self, timeout_ms: int | None) -> None:
+        """Waits up to timeout_ms (None: forever) for input, then drains every queued message."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._parent_sentinel is not None and self._parent_sentinel in events:
+            logger.warning("engine core: the API server process died; shutting down")
+            self._running = False
+            return
+        if self._input not in events:
+            return
+        while True:
+            try:
+                kind, payload = self._input.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._dispatch(bytes(kind.buffer), payload.buffer)
+            if not self._running:
+                return
+
+    def _dispatch(self, kind: bytes, payload: memoryview) -> None:
+        if kind == RequestType.ADD.value:
+            self.engine_core.add_request(self._add_decoder.decode(payload))
+        elif kind == RequestType.ABORT.value:
+            ids = self._abort_decoder.decode(payload)
+            live = self.engine_core.scheduler.requests
+            self._num_aborted += sum(1 for i in ids if i in live)
+            self.engine_core.abort_requests(ids)
+        elif kind == RequestType.SHUTDOWN.value:
+            self._running = False
+        else:
+            logger.error("engine core: unknown message type %r ignored", kind)
+
+    # ------------------------------------------------------------------ output
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        msg = EngineCoreOutputs(outputs=outputs, timestamp=time.time())
+        self._output.send_multipart([OutputType.OUTPUTS.value, self._encoder.encode(msg)])
+
+    def make_stats(self) -> EngineCoreStats:
+        """The current gauges and counters."""
+        core = self.engine_core
+        kv = core.scheduler.kv_cache_manager
+        stats = core.stats()
+        prefix = kv.prefix_cache_stats
+        return EngineCoreStats(
+            num_running=int(stats["num_running"]),
+            num_waiting=int(stats["num_waiting"]),
+            kv_cache_usage=float(stats["kv_cache_usage"]),
+            num_free_blocks=int(kv.num_free_blocks),
+            num_blocks=int(kv.num_blocks),
+            num_preemptions=int(stats["num_preemptions"]),
+            prefix_cache_queries=int(prefix.queries),
+            prefix_cache_hits=int(prefix.hits),
+            num_aborted_requests=self._num_aborted,
+            timestamp=time.time(),
+        )
+
+    def _send_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats_time < STATS_INTERVAL_S:
+            return
+        stats = self.make_stats()
+        self._last_stats_time = now
+        if stats.same_as(self._last_stats):
+            return
+        self._last_stats = stats
+        self._output.send_multipart([OutputType.STATS.value, self._encoder.encode(stats)])
+
+    def _report_error(self, e: BaseException) -> None:
+        message = f"engine core died: {type(e).__name__}: {e}"
+        logger.error("%s\n%s", message, traceback.format_exc())
+        try:
+            payload = self._encoder.encode(EngineCoreError(message=message))
+            self._output.send_multipart([OutputType.ERROR.value, payload], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def shutdown(self) -> None:
+        """Stops the engine (workers, grammar threads) and closes the sockets. Idempotent."""
+        self._running = False
+        try:
+            self.engine_core.shutdown()
+        finally:
+            self._input.close(linger=0)
+            self._output.close()
+            self._ctx.term()
+
+
+def run_engine_core(
+    vllm_config: VllmConfig,
+    input_address: str,
+    output_address: str,
+    handshake: Connection,
+) -> None:
+    """Entry point of the engine-core process (started with multiprocessing spawn).
+
+    Sends an EngineCoreHandshake over `handshake` once the engine is built (or failed to
+    build), then serves until told to stop. Exits with status 1 when startup or a step fails.
+    """
+    # Its own process group: a terminal's Ctrl-C reaches only the API server, which shuts
+    # this process down in order, and the client can kill the whole tree (workers too).
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s [engine core] %(message)s"
+    )
+    parent = multiprocessing.parent_process()
+    proc: EngineCoreProc | None = None
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        proc = EngineCoreProc(
+            vllm_config,
+            input_address,
+            output_address,
+            parent.sentinel if parent is not None else None,
+        )
+    except BaseException as e:  # report every startup failure instead of leaving a hang
+        logger.error("engine core failed to start:\n%s", traceback.format_exc())
+        _send_handshake(handshake, encoder, EngineCoreHandshake(
+            ok=False, error_type=type(e).__name__, error=str(e) or repr(e)
+        ))
+        raise SystemExit(1) from None
+    _send_handshake(handshake, encoder, EngineCoreHandshake(
+        ok=True, num_blocks=int(proc.engine_core.scheduler.kv_cache_manager.num_blocks)
+    ))
+    status = 0
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except Exception:
+        status = 1
+    finally:
+        proc.shutdown()
+    raise SystemExit(status)
+
+
+def _send_handshake(conn: Connection, encoder: msgspec.msgpack.Encoder,
+                    msg: EngineCoreHandshake) -> None:
+    try:
+        conn.send_bytes(encoder.encode(msg))
+    except OSError:
+        pass  # the parent is gone; nothing to tell
+    finally:
+        conn.close()
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)

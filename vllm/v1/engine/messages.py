@@ -1,0 +1,68 @@
+"""Messages between the engine-core process and its client, besides requests and outputs.
+
+Every ZMQ message is two frames: a one-byte type tag, then a msgspec-msgpack payload.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class RequestType(bytes, enum.Enum):
+    """Client -> engine core."""
+
+    ADD = b"\x00"  # payload: EngineCoreRequest
+    ABORT = b"\x01"  # payload: list[str] of engine-side request ids
+    SHUTDOWN = b"\x02"  # payload: empty
+
+
+class OutputType(bytes, enum.Enum):
+    """Engine core -> client."""
+
+    OUTPUTS = b"\x00"  # payload: EngineCoreOutputs
+    STATS = b"\x01"  # payload: EngineCoreStats
+    ERROR = b"\x02"  # payload: EngineCoreError (the loop died; the process exits next)
+
+
+class EngineCoreStats(msgspec.Struct, array_like=True):
+    """A snapshot of the engine core's gauges and cumulative counters."""
+
+    num_running: int
+    num_waiting: int
+    # Fraction of KV blocks owned by requests, in [0, 1].
+    kv_cache_usage: float
+    # Blocks no request owns (free or evictable prefix-cache blocks), and all blocks.
+    num_free_blocks: int
+    num_blocks: int
+    # Cumulative since startup.
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # Aborts that found the request still alive in the engine (cumulative).
+    num_aborted_requests: int
+    timestamp: float
+
+    def same_as(self, other: EngineCoreStats | None) -> bool:
+        """True when every field but the timestamp is equal."""
+        if other is None:
+            return False
+        return msgspec.structs.astuple(self)[:-1] == msgspec.structs.astuple(other)[:-1]
+
+
+class EngineCoreError(msgspec.Struct):
+    """Why the engine core stopped serving (its busy loop raised)."""
+
+    message: str
+
+
+class EngineCoreHandshake(msgspec.Struct):
+    """Sent once over the startup pipe: ready (with facts about the engine) or the error."""
+
+    ok: bool
+    # Set when ok: KV blocks the engine allocated.
+    num_blocks: int = 0
+    # Set when not ok: the exception's type name and message.
+    error_type: str = ""
+    error: str = ""

@@ -1,0 +1,1 @@
+"""Serving metrics: per-request timing stats and their Prometheus collectors."""

@@ -1,0 +1,147 @@
+"""Prometheus collectors for one server: engine gauges and request latency histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.stats import FinishedRequestStats
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0,
+)
+_TPOT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 10.0,
+)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _EngineCollector(Collector):
+    """Exposes the latest engine-core snapshot; counters are the engine's cumulative values."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: EngineCoreStats | None = None
+        self.engine_alive = True
+        self.num_frontend_requests = 0
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:engine_alive", "1 while the engine-core process serves.",
+                    1.0 if self.engine_alive else 0.0)
+        yield gauge("vllm:num_requests_api_server",
+                    "Requests the API server is still tracking (admitted, not yet finished).",
+                    self.num_frontend_requests)
+        s = self.stats
+        if s is None:
+            return
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                    s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks owned by requests (0-1).",
+                    s.kv_cache_usage)
+        yield gauge("vllm:kv_cache_free_blocks",
+                    "KV blocks no request owns (free or evictable prefix-cache blocks).",
+                    s.num_free_blocks)
+        yield gauge("vllm:kv_cache_total_blocks", "KV blocks in the cache.", s.num_blocks)
+        yield counter("vllm:num_preemptions", "Preemptions since startup.", s.num_preemptions)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.prefix_cache_hits)
+        yield counter("vllm:engine_aborted_requests",
+                      "Aborts that ended a request still alive in the engine core.",
+                      s.num_aborted_requests)
+
+
+class PrometheusMetrics:
+    """All metrics of one server, in a registry of its own (rendered by `render`)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
+        labels = ["model_name"]
+        reg = self.registry
+        self._prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=reg
+        ).labels(model_name)
+        self._generation_tokens = Counter(
+            "vllm:generation_tokens", "Tokens generated.", labels, registry=reg
+        ).labels(model_name)
+        self._success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.",
+            labels + ["finished_reason"], registry=reg,
+        )
+        self._model_name = model_name
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self._tpot = Histogram(
+            "vllm:time_per_output_token_seconds", "Mean time per output token of a request.",
+            labels, buckets=_TPOT_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish of a request.", labels,
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self._compile = Histogram(
+            "vllm:structured_output_compile_seconds",
+            "Compile time of structured-output constraints checked before admission.",
+            labels + ["kind"], buckets=_COMPILE_BUCKETS, registry=reg,
+        )
+
+    def record_engine_stats(self, stats: EngineCoreStats) -> None:
+        """Stores the engine's latest snapshot."""
+        self._engine.stats = stats
+
+    def record_engine_dead(self) -> None:
+        """Marks the engine as gone (vllm:engine_alive 0)."""
+        self._engine.engine_alive = False
+
+    def set_num_frontend_requests(self, num: int) -> None:
+        """Sets how many requests the API server is tracking."""
+        self._engine.num_frontend_requests = num
+
+    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        """A request's prefill finished: its TTFT and prompt tokens."""
+        self._ttft.observe(ttft)
+        self._prompt_tokens.inc(num_prompt_tokens)
+
+    def record_generation_tokens(self, num_tokens: int) -> None:
+        """Tokens generated in one step for one request."""
+        self._generation_tokens.inc(num_tokens)
+
+    def record_finished(self, stats: FinishedRequestStats) -> None:
+        """A request ended (including aborts and errors)."""
+        self._success.labels(self._model_name, stats.finish_reason).inc()
+        self._e2e.observe(stats.e2e_latency)
+        if stats.mean_time_per_output_token is not None:
+            self._tpot.observe(stats.mean_time_per_output_token)
+
+    def record_compile(self, kind: str, seconds: float) -> None:
+        """One structured-output compile check (a cache hit is fast)."""
+        self._compile.labels(self._model_name, kind).observe(seconds)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
