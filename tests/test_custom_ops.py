@@ -275,3 +275,61 @@ def test_missing_or_broken_library_is_tolerated(tmp_path: Path) -> None:
     assert ops.find_library(tmp_path) == broken
     with pytest.warns(RuntimeWarning, match="ignoring native library"):
         assert ops.load_library(broken) is None
+
+
+# --------------------------------------------------------------------------- apply_token_bitmask
+
+
+def _random_bitmask(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    """Masks shaped like a grammar's: mostly forbidden words, some full words, some mixed."""
+    words = (vocab + 31) // 32
+    mask = np.zeros((rows, words), dtype=np.int32)
+    mask[:, rng.integers(0, words, max(1, words // 8))] = -1
+    mixed = rng.integers(0, words, max(1, words // 4))
+    mask[:, mixed] = rng.integers(-(2**31), 2**31 - 1, (rows, len(mixed)), dtype=np.int64)
+    return mask
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 4099])
+def test_apply_token_bitmask_agrees_with_xgrammar_and_numpy(vocab: int) -> None:
+    import torch
+    import xgrammar as xgr
+
+    rng = np.random.default_rng(vocab)
+    logits = torch.randn(6, vocab)
+    mask = _random_bitmask(rng, 4, vocab)
+    logit_rows = np.array([5, 0, 3], dtype=np.int64)
+    mask_rows = np.array([2, 0, 3], dtype=np.int64)
+    want = logits.clone()
+    if vocab >= 32:  # xgrammar's kernel aborts the process on smaller vocabularies
+        # With indices, xgrammar masks logits row i with bitmask row i.
+        full = np.full((6, mask.shape[1]), -1, dtype=np.int32)
+        full[logit_rows] = mask[mask_rows]
+        xgr.apply_token_bitmask_inplace(want, torch.from_numpy(full), vocab_size=vocab,
+                                        indices=logit_rows.tolist())
+    else:
+        ops.apply_token_bitmask_numpy(want.numpy(), mask, logit_rows, mask_rows)
+    impls = [ops.apply_token_bitmask_numpy]
+    if ops.HAS_NATIVE:
+        impls.append(ops.apply_token_bitmask_native)
+    for impl in impls:
+        got = logits.clone()
+        impl(got.numpy(), mask, logit_rows, mask_rows)
+        assert torch.equal(got, want), impl.__name__
+    untouched = [1, 2, 4]
+    assert torch.equal(want[untouched], logits[untouched])
+
+
+def test_apply_token_bitmask_rejects_bad_arguments() -> None:
+    logits = np.zeros((2, 64), dtype=np.float32)
+    mask = np.zeros((2, 2), dtype=np.int32)
+    rows = np.array([0, 1], dtype=np.int64)
+    with pytest.raises(ValueError, match="logits"):
+        ops.apply_token_bitmask(logits.astype(np.float64), mask, rows, rows)
+    with pytest.raises(ValueError, match="bitmask"):
+        ops.apply_token_bitmask(logits, np.zeros((2, 1), dtype=np.int32), rows, rows)
+    with pytest.raises(ValueError, match="mask_rows"):
+        ops.apply_token_bitmask(logits, mask, rows, rows[:1])
+    with pytest.raises(ValueError, match="row index"):
+        ops.apply_token_bitmask(logits, mask, np.array([0, 2], dtype=np.int64), rows)
+    assert not logits.any()

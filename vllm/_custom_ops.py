@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 # Must equal kAbiVersion in csrc/cpu/prepare_inputs.cpp; a library with another version is stale.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _STATUS_MESSAGES = {
     1: "req_indices: a request index is outside the block table's rows",
@@ -25,6 +25,7 @@ _STATUS_MESSAGES = {
     3: "block_size: must be positive",
     4: "num_scheduled/num_computed_tokens: counts must not be negative",
     5: "out_req_indices/out_positions: length must equal the sum of num_scheduled",
+    6: "logit_rows/mask_rows: a row index is outside its array",
 }
 
 _P = ctypes.c_void_p
@@ -58,6 +59,8 @@ def load_library(path: Path) -> ctypes.CDLL | None:
         lib.vllm_compute_slot_mapping.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _P]
         lib.vllm_prepare_positions.restype = ctypes.c_int32
         lib.vllm_prepare_positions.argtypes = [_P, _P, _I64, _P, _P, _I64]
+        lib.vllm_apply_token_bitmask.restype = ctypes.c_int32
+        lib.vllm_apply_token_bitmask.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64]
     except (OSError, AttributeError) as exc:
         warnings.warn(f"ignoring native library {path}: {exc}", RuntimeWarning, stacklevel=2)
         return None
@@ -285,3 +288,77 @@ def prepare_positions(
     start, or T != sum(num_scheduled); the outputs are untouched then.
     """
     _prepare_positions(num_computed_tokens, num_scheduled, out_req_indices, out_positions)
+
+
+def _check_bitmask_args(
+    logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
+) -> None:
+    _check("logits", logits, np.float32, 2, writeable=True)
+    _check("bitmask", bitmask, np.int32, 2)
+    _check("logit_rows", logit_rows, np.int64, 1)
+    _check("mask_rows", mask_rows, np.int64, 1)
+    if logit_rows.shape[0] != mask_rows.shape[0]:
+        raise ValueError(
+            f"mask_rows: length {mask_rows.shape[0]} != len(logit_rows) {logit_rows.shape[0]}"
+        )
+    if bitmask.shape[1] * 32 < logits.shape[1]:
+        raise ValueError(
+            f"bitmask: {bitmask.shape[1]} words per row cannot mask {logits.shape[1]} tokens"
+        )
+
+
+def apply_token_bitmask_numpy(
+    logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
+) -> None:
+    """Numpy version of apply_token_bitmask (same arguments, results, and errors)."""
+    _check_bitmask_args(logits, bitmask, logit_rows, mask_rows)
+    if logit_rows.shape[0] == 0:
+        return
+    if not (0 <= logit_rows.min() and logit_rows.max() < logits.shape[0]):
+        _raise_status(6)
+    if not (0 <= mask_rows.min() and mask_rows.max() < bitmask.shape[0]):
+        _raise_status(6)
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask[mask_rows].view(np.uint8), axis=1, bitorder="little")
+    allowed = bits[:, :vocab].astype(bool)
+    rows = logits[logit_rows]
+    rows[~allowed] = -np.inf
+    logits[logit_rows] = rows
+
+
+def apply_token_bitmask_native(
+    logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
+) -> None:
+    """Native version of apply_token_bitmask; raises RuntimeError if the library is not loaded."""
+    if _LIB is None:
+        raise RuntimeError("vllm native library is not loaded (HAS_NATIVE is False)")
+    _check_bitmask_args(logits, bitmask, logit_rows, mask_rows)
+    status = _LIB.vllm_apply_token_bitmask(
+        logits.ctypes.data,
+        logits.shape[0],
+        logits.shape[1],
+        logits.shape[1],
+        bitmask.ctypes.data,
+        bitmask.shape[0],
+        bitmask.shape[1],
+        logit_rows.ctypes.data,
+        mask_rows.ctypes.data,
+        logit_rows.shape[0],
+    )
+    _raise_status(status)
+
+
+def apply_token_bitmask(
+    logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
+) -> None:
+    """Sets logits[logit_rows[i], t] = -inf for every token t that bitmask[mask_rows[i]] forbids.
+
+    logits: float32 [R, V], writeable (e.g. a CPU tensor's .numpy() view); bitmask: int32
+    [M, ceil(V / 32)], bit j of word w allowing token 32 * w + j; logit_rows, mask_rows: int64
+    [N]. Uses the native library when HAS_NATIVE. Raises ValueError for a wrong dtype, shape or
+    contiguity, or a row index out of range; logits are untouched then.
+    """
+    if HAS_NATIVE:
+        apply_token_bitmask_native(logits, bitmask, logit_rows, mask_rows)
+    else:
+        apply_token_bitmask_numpy(logits, bitmask, logit_rows, mask_rows)

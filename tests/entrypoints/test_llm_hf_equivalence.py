@@ -121,3 +121,18 @@ def test_chunked_prefill_and_preemption(arch, checkpoints, tokenizer_dir) -> Non
     _check_against_hf(hf, prompts, outputs, captured)
     _assert_pool_full(llm)
     llm.shutdown()
+
+
+def test_triton_backend_matches_hf(checkpoints, tokenizer_dir) -> None:
+    """The same oracle with the Triton attention kernels (interpreted on a CPU)."""
+    path, hf = checkpoints["qwen3"]
+    llm = _engine(path, tokenizer_dir, block_size=16, attention_backend="triton",
+                  max_num_batched_tokens=16, max_num_seqs=4)
+    model = llm.llm_engine.engine_core.model_executor.worker.model_runner.model
+    assert model.attn_backend_cls.__name__ == "TritonAttentionBackend"
+    captured = _capture_logits(llm)
+    prompts = _prompts(seed=3)[:3]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    _check_against_hf(hf, prompts, outputs, captured)
+    _assert_pool_full(llm)
+    llm.shutdown()

@@ -22,6 +22,7 @@ from .walker import WalkVocab, allowed_token_ids, random_walk
 
 FIRST_ADDED_ID = 151_643  # Qwen's added tokens start here; the tokenizer ends at 151,668.
 SPACE, NEWLINE, TAB = 220, 198, 197
+CONTROL_01 = 189  # the byte 0x01 alone
 
 
 def _rng(name: str, salt: int) -> np.random.Generator:
@@ -230,8 +231,7 @@ def test_prepare_json_schema_rewrites_a_copy() -> None:
     assert out["properties"]["not"]["additionalProperties"] is False
     assert out["properties"]["open"]["additionalProperties"] is True
     assert out["$defs"]["d"]["additionalProperties"] is False
-    bounded = out["properties"]["if"]
-    assert "maxLength" not in bounded and bounded["pattern"].endswith("{0,3}$")
+    assert out["properties"]["if"] == schema["properties"]["if"]
     kept = prepare_json_schema(schema)
     assert "additionalProperties" not in kept and "additionalProperties" not in kept["$defs"]["d"]
 
@@ -239,13 +239,19 @@ def test_prepare_json_schema_rewrites_a_copy() -> None:
 def test_bounded_strings_exclude_raw_control_characters(
     backend: XgrammarBackend, tokenizer: Any
 ) -> None:
-    # xgrammar 0.2.9 alone lets a raw tab into {"maxLength": n} strings (invalid JSON).
-    grammar = backend.compile_grammar(
-        StructuredOutputsParams(json={"type": "string", "minLength": 1, "maxLength": 4})
-    )
-    assert grammar.accept_tokens("r", tokenizer.encode('"', add_special_tokens=False))
-    assert not grammar.accept_tokens("r", [TAB])
-    assert grammar.accept_tokens("r", tokenizer.encode("ab", add_special_tokens=False))
+    # xgrammar 0.2.9 alone lets a raw tab into {"maxLength": n} strings and bounded property
+    # names (invalid JSON).
+    schemas = [
+        ({"type": "string", "minLength": 1, "maxLength": 4}, '"'),
+        ({"type": "object", "propertyNames": {"maxLength": 3}}, '{"'),
+    ]
+    for schema, prefix in schemas:
+        grammar = backend.compile_grammar(StructuredOutputsParams(json=schema))
+        assert grammar.accept_tokens("r", tokenizer.encode(prefix, add_special_tokens=False))
+        allowed = set(_allowed(grammar).tolist())
+        assert not {TAB, NEWLINE, CONTROL_01} & allowed, schema
+        assert not grammar.accept_tokens("r", [TAB])
+        assert grammar.accept_tokens("r", tokenizer.encode("ab", add_special_tokens=False))
 
 
 @pytest.mark.parametrize(

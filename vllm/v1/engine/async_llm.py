@@ -68,29 +68,33 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
         try:
             while self._pending is None:
                 if self._error is not None:
                     self.finished = True
                     raise self._error
+                if self.finished:
+                    raise StopAsyncIteration
                 await self._ready.wait()
                 self._ready.clear()
-        except BaseException:
+        except asyncio.CancelledError:
             # Cancelled while waiting (the client went away): stop the work in the engine.
-            if not self.finished:
-                self.abort()
+            self.abort()
             raise
         output, self._pending = self._pending, None
         if output.finished:
             self.finished = True
         return output
 
+    def end(self) -> None:
+        """Marks the stream as ending after what is queued (the request was aborted)."""
+        self.finished = True
+        self._ready.set()
+
     def abort(self) -> None:
         """Aborts the request in the engine unless it already finished. Never blocks."""
         if not self.finished:
-            self.finished = True
+            self.end()
             self._engine.abort_now(self.request_id)
 
     async def aclose(self) -> None:
@@ -187,6 +191,12 @@ class AsyncLLM:
     def num_unfinished_requests(self) -> int:
         """Requests admitted and not yet finished or aborted."""
         return len(self._requests)
+
+    def start(self) -> None:
+        """Starts listening to the engine in the running event loop (done by the first
+        request otherwise), so that its death is noticed even while no request runs."""
+        if not self._shut_down:
+            self.engine_core.start(self._on_outputs, self._on_stats, self._on_dead)
 
     def _ensure_started(self) -> None:
         if self._shut_down:
@@ -307,7 +317,7 @@ class AsyncLLM:
         tracked = self._requests.get(request_id)
         if tracked is None:
             return
-        tracked.stream.finished = True
+        tracked.stream.end()
         engine_ids = self.output_processor.abort_request(request_id)
         self._forget(request_id, finish_reason="abort")
         self.engine_core.abort_requests(engine_ids)

@@ -9,10 +9,12 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait as wait_for
 
 import msgspec
@@ -63,7 +65,9 @@ class EngineCoreClient:
         self._input = self._sync_ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)  # unbounded queue: sends never block
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(input_address)
+        # Senders connect and receivers bind: a connecting PUSH queues messages even before
+        # (or after) its peer is there, so a send never blocks or fails.
+        self._input.connect(input_address)
         self._async_ctx = zmq.asyncio.Context()
         self._output = self._async_ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.RCVHWM, 0)
@@ -86,7 +90,8 @@ class EngineCoreClient:
         # Runs before multiprocessing's own exit hook, which would wait for the process forever.
         atexit.register(_shutdown_ref, weakref.ref(self))
         try:
-            self.proc.start()
+            with _main_module_hidden():
+                self.proc.start()
             writer.close()
             self._wait_ready(reader, startup_timeout_s)
         except BaseException:
@@ -268,6 +273,31 @@ class EngineCoreClient:
         self._sync_ctx.term()
         self._async_ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Keeps spawn from re-running the parent's main script in the child.
+
+    The child needs nothing from it (its target and arguments live in vllm), and a script
+    without an `if __name__ == "__main__"` guard would otherwise start a second engine.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved_spec = getattr(main, "__spec__", None)
+    had_file = hasattr(main, "__file__")
+    saved_file = getattr(main, "__file__", None)
+    try:
+        main.__spec__ = None
+        if had_file:
+            del main.__file__
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if had_file:
+            main.__file__ = saved_file
 
 
 def _kill_group(pgid: int) -> None:

@@ -14,6 +14,7 @@ import msgspec
 import zmq
 
 from vllm.config import VllmConfig
+from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.messages import (
@@ -47,12 +48,15 @@ class EngineCoreProc:
         output_address: str,
         parent_sentinel: int | None = None,
     ) -> None:
-        self.engine_core = EngineCore(vllm_config)
+        # The engine compiles grammars itself, so it needs the tokenizer's vocabulary.
+        tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+        self.engine_core = EngineCore(vllm_config, tokenizer=tokenizer)
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PULL)
         self._input.setsockopt(zmq.RCVHWM, 0)
         self._input.setsockopt(zmq.LINGER, 0)
-        self._input.connect(input_address)
+        # Receivers bind, senders connect (see EngineCoreClient).
+        self._input.bind(input_address)
         self._output = self._ctx.socket(zmq.PUSH)
         self._output.setsockopt(zmq.SNDHWM, 0)
         # Pending outputs get a moment to leave when the loop ends.

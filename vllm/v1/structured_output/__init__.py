@@ -61,7 +61,10 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> StructuredOutputBackend:
-        """The backend, built on first use (about a second). Raises ValueError without a tokenizer."""
+        """The backend, built on first use (about a second).
+
+        Raises ValueError when the engine has no tokenizer.
+        """
         with self._backend_lock:
             if self._backend is None:
                 self._backend = self._create_backend()
@@ -115,9 +118,9 @@ class StructuredOutputManager:
         """Returns int32 [len(req_ids), ceil(vocab/32)]: row i masks the next token of req_ids[i].
 
         A terminated grammar's row allows every token. The array is a view of a preallocated
-        buffer that stays valid until this method has been called `max_concurrent_batches + 1`
-        more times. Raises ValueError for an unknown request, one without a ready grammar, or
-        more ids than max_num_seqs.
+        buffer that stays intact through the next `max_concurrent_batches` calls (copy it to
+        keep it longer). Raises ValueError for an unknown request, one without a ready grammar,
+        or more ids than max_num_seqs.
         """
         if len(req_ids) > self._max_num_seqs:
             raise ValueError(

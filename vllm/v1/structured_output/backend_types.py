@@ -26,7 +26,7 @@ class StructuredOutputGrammar(ABC):
 
     @abstractmethod
     def validate_tokens(self, tokens: list[int]) -> list[int]:
-        """Returns the longest prefix of `tokens` the grammar would accept. The state is unchanged."""
+        """Returns the longest prefix of `tokens` the grammar would accept; no state change."""
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:

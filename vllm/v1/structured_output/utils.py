@@ -60,10 +60,21 @@ def apply_grammar_bitmask(
     if not rows:
         return
     if max(rows) >= logits.shape[0]:
-        raise ValueError(f"req_id_to_row: row {max(rows)} is outside logits ({logits.shape[0]} rows)")
+        raise ValueError(
+            f"req_id_to_row: row {max(rows)} is outside logits ({logits.shape[0]} rows)"
+        )
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        # The native word-at-a-time loop is ~10x faster than xgrammar's CPU kernel.
+        from vllm import _custom_ops as ops
+
+        index = np.asarray(rows, dtype=np.int64)
+        ops.apply_token_bitmask(logits.numpy(), bitmask, index, index)
+        return
     import xgrammar as xgr  # deferred: runners that never see a grammar never import it
 
     mask = torch.from_numpy(bitmask)
     if logits.device.type != "cpu":
         mask = mask.pin_memory().to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=rows)
+    # Every row constrained: the kernel's whole-batch path is faster than per-index rows.
+    indices = None if len(set(rows)) == logits.shape[0] else rows
+    xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab_size, indices=indices)

@@ -19,6 +19,8 @@ def test_gumbel_noise_has_gumbel_moments_and_no_cross_row_correlation() -> None:
         assert abs(float(row.var()) - math.pi**2 / 6) < 0.03
     corr = torch.corrcoef(g.double())
     assert float((corr - torch.eye(4, dtype=torch.float64)).abs().max()) < 0.01
+    lag1 = torch.corrcoef(torch.stack([g[0, :-1], g[0, 1:]]).double())[0, 1]
+    assert abs(float(lag1)) < 0.01
     # Uniform underneath: P(g <= 0) = exp(-1).
     assert abs(float((g <= 0).double().mean()) - math.exp(-1)) < 0.003
 

@@ -1,0 +1,17 @@
+"""Benchmark structured-output serving against a running `vllm serve` (or any OpenAI-compatible
+server), and check every structured output against its schema, regex, choice or grammar.
+
+Example (server: `vllm serve demo-tiny --structured-outputs-config.disable_any_whitespace true`):
+
+    python benchmarks/benchmark_serving_structured_output.py --model demo-tiny \
+        --dataset json --structured-output-ratio 0.5 --num-prompts 32 --output-len 128
+"""
+
+from __future__ import annotations
+
+import sys
+
+from vllm.benchmarks.structured_output import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Completions and chat completions through the official openai client against `vllm serve`."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+from vllm import __version__
+
+MODEL = "demo-tiny"
+PROMPT = "The quick brown fox jumps over the lazy dog because"
+MESSAGES = [{"role": "user", "content": "Tell me a story about a fox."}]
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(MODEL, "--max-model-len", "512", "--max-num-seqs", "32")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def test_models_health_version(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server.url("/health")).status_code == 200
+    assert httpx.get(server.url("/version")).json() == {"version": __version__}
+
+
+def test_completion_basic(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0)
+    assert len(out.choices) == 1
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 7
+    assert out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 7
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0)
+    assert again.choices[0].text == choice.text  # greedy is deterministic
+
+
+def test_completion_token_prompt_and_echo(server, client):
+    ids = [9707, 1879]  # "Hello world" in Qwen's vocabulary
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True,
+                                    temperature=0)
+    assert out.usage.prompt_tokens == 2
+    assert out.choices[0].text.startswith("Hello world")
+    plain = client.completions.create(model=MODEL, prompt="Hello world", max_tokens=3,
+                                      temperature=0)
+    assert out.choices[0].text == "Hello world" + plain.choices[0].text
+
+
+def test_completion_multiple_prompts_and_n(client):
+    out = client.completions.create(
+        model=MODEL, prompt=["one", "two two"], n=2, max_tokens=4, temperature=1.0, seed=5
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 4 * 4
+    by_index = {c.index: c.text for c in out.choices}
+    # Each of the n samples gets its own seed, so they differ.
+    assert by_index[0] != by_index[1]
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streaming_equals_non_streaming(client, endpoint):
+    kwargs = dict(model=MODEL, max_tokens=24, temperature=1.0, seed=1234)
+    if endpoint == "completions":
+        full = client.completions.create(prompt=PROMPT, **kwargs)
+        stream = client.completions.create(
+            prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        expected = full.choices[0].text
+    else:
+        full = client.chat.completions.create(messages=MESSAGES, **kwargs)
+        stream = client.chat.completions.create(
+            messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        expected = full.choices[0].message.content
+    assert text == expected
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    # include_usage: the last chunk has no choices and the same usage as the full response.
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_basic_and_max_completion_tokens(client):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=5,
+                                         temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.usage.completion_tokens == 5
+    assert out.choices[0].finish_reason == "length"
+    out2 = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                          temperature=0)
+    assert out2.choices[0].message.content == out.choices[0].message.content
+
+
+def test_chat_n_streaming(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=3, max_tokens=6, temperature=1.0, seed=9, stream=True
+    )
+    texts = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    full = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=3, max_tokens=6, temperature=1.0, seed=9
+    )
+    assert {c.index: c.message.content for c in full.choices} == texts
+
+
+def _stop_candidate(text: str) -> str:
+    """A 2-character stop string whose first occurrence is well inside `text`."""
+    for start in range(3, len(text) - 2):
+        s = text[start:start + 2]
+        if s.strip() and text.find(s) == start:
+            return s
+    pytest.fail(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings(client, include, stream):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=1.0, seed=77)
+    text = client.completions.create(**kwargs).choices[0].text
+    stop = _stop_candidate(text)
+    pos = text.find(stop)
+    expected = text[: pos + len(stop)] if include else text[:pos]
+    extra = {"include_stop_str_in_output": include}
+    if stream:
+        chunks = list(client.completions.create(stop=[stop, "\x00never"], stream=True,
+                                                extra_body=extra, **kwargs))
+        got = "".join(c.choices[0].text for c in chunks if c.choices)
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+        assert reasons == ["stop"]
+    else:
+        out = client.completions.create(stop=[stop, "\x00never"], extra_body=extra, **kwargs)
+        got = out.choices[0].text
+        assert out.choices[0].finish_reason == "stop"
+        assert out.choices[0].model_extra["stop_reason"] == stop
+    assert got == expected
+
+
+def test_completion_logprobs(server, client):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, logprobs=3,
+                                    temperature=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and top
+        assert sampled <= 0.0
+        # Greedy: the sampled token is the most likely one.
+        assert math.isclose(sampled, max(top.values()), rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_chat_logprobs_streaming_matches(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=3,
+                  logprobs=True, top_logprobs=4)
+    full = client.chat.completions.create(**kwargs)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 6
+    assert "".join(t.token for t in content) == full.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 4
+        values = [x.logprob for x in t.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert t.logprob <= values[0] + 1e-6
+        assert bytes(t.bytes).decode("utf-8") == t.token
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            if c.logprobs and c.logprobs.content:
+                streamed.extend(c.logprobs.content)
+    assert [(t.token, round(t.logprob, 5)) for t in streamed] == [
+        (t.token, round(t.logprob, 5)) for t in content
+    ]
+
+
+def test_sampling_knobs_accepted(client):
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.8, top_p=0.9, seed=1,
+        presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True,
+                    "min_tokens": 8},
+    )
+    assert out.usage.completion_tokens == 8
+    # top_k=1 is greedy.
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    topk1 = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                      seed=2, extra_body={"top_k": 1})
+    assert topk1.choices[0].text == greedy.choices[0].text

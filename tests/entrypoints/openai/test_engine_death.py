@@ -1,0 +1,76 @@
+"""When the engine-core process dies, the server says so at once and nothing hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from .conftest import descendants, process_alive
+
+MODEL = "demo-tiny"
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(MODEL, "--max-model-len", "512", "--disable-log-requests")
+
+
+def test_engine_death_fails_fast(server):
+    assert httpx.get(server.url("/health"), timeout=10).status_code == 200
+    events: list[str] = []
+    first_chunk = threading.Event()
+    done = threading.Event()
+
+    def stream_forever() -> None:
+        body = {"model": MODEL, "prompt": "go", "max_tokens": 500, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    first_chunk.set()
+        done.set()
+
+    thread = threading.Thread(target=stream_forever, daemon=True)
+    thread.start()
+    assert first_chunk.wait(60)
+    os.kill(server.engine_pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    # The open stream ends with an error event, then [DONE].
+    assert done.wait(10), "the stream did not end after the engine died"
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "engine" in error["message"]
+
+    # Health and new requests fail at once with 5xx in OpenAI's shape.
+    r = httpx.get(server.url("/health"), timeout=10)
+    assert r.status_code == 503
+    for path, body in [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                  "stream": True}),
+    ]:
+        start = time.monotonic()
+        r = httpx.post(server.url(path), json=body, timeout=10)
+        assert time.monotonic() - start < 2.0
+        assert r.status_code == 503
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert time.monotonic() - killed_at < 15
+    m = server.metrics()
+    assert m["vllm:engine_alive"] == 0.0
+    assert m["vllm:num_requests_api_server"] == 0
+    # Bad requests are still 4xx (validation runs before the engine is needed).
+    r = httpx.post(server.url("/v1/completions"), content=b"{", timeout=10)
+    assert r.status_code == 400
+
+    # The server still shuts down cleanly, leaving nothing behind.
+    children = descendants(server.proc.pid)
+    assert server.stop(signal.SIGTERM, timeout_s=30) == 0
+    assert not any(process_alive(p) for p in children)

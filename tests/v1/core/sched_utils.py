@@ -1,0 +1,535 @@
+"""Shared fakes for scheduler and engine-loop tests: configs, requests, a fake model runner
+that checks what the scheduler tells it, and a token-level fake grammar backend."""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
+
+EOS = 151_645  # the demo model's <|im_end|>
+EOS_IDS = [151_645, 151_643]  # the demo model's generation EOS ids
+# The token a FakeGrammar's bitmask leads the FakeRunner to at the end of its sequence.
+GRAMMAR_END = min(EOS_IDS)
+
+# (request id, output index k) -> the token the fake model "samples" as that output.
+TokenPolicy = Callable[[str, int], int]
+
+
+def default_policy(req_id: str, k: int) -> int:
+    """A token that is never a stop token: distinct per output index."""
+    return 1000 + k
+
+
+def demo_model_config() -> ModelConfig:
+    """The ModelConfig of the cheap demo model (built and cached on first use)."""
+    from vllm.model_executor.model_loader.demo_model import build_demo_model
+
+    return ModelConfig(model=str(build_demo_model("demo-tiny")))
+
+
+def make_config(
+    model_config: ModelConfig,
+    *,
+    max_model_len: int = 64,
+    block_size: int = 4,
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    async_scheduling: bool = False,
+    enable_prefix_caching: bool = True,
+) -> VllmConfig:
+    """A VllmConfig over a copy of `model_config` with the given scheduler and cache sizes."""
+    mc = copy.copy(model_config)
+    mc.max_model_len = max_model_len
+    return VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            num_gpu_blocks_override=num_blocks,
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            async_scheduling=async_scheduling,
+        ),
+    )
+
+
+def make_kv(config: VllmConfig) -> KVCacheManager:
+    """A real KVCacheManager sized by the config's cache part."""
+    cache = config.cache_config
+    assert cache.num_gpu_blocks_override is not None
+    return KVCacheManager(
+        cache.num_gpu_blocks_override, cache.block_size, cache.enable_prefix_caching
+    )
+
+
+def make_request(
+    req_id: str,
+    prompt: list[int] | int,
+    *,
+    eos_ids: list[int] | None = None,
+    grammar: str | None = None,
+    **params: object,
+) -> Request:
+    """A Request whose stop ids are set the way the engine sets them.
+
+    `prompt` may be a length (tokens 1..n, distinct per request) or a token list; `grammar`
+    is a FakeBackend spec (space-separated token ids the output must follow).
+    """
+    if isinstance(prompt, int):
+        # Distinct per request id, so that prompts share no prefix-cache blocks by accident.
+        base = 2000 + 64 * (zlib.crc32(req_id.encode()) % 2000)
+        prompt = [base + i for i in range(prompt)]
+    if grammar is not None:
+        params["structured_outputs"] = StructuredOutputsParams(regex=grammar)
+    sp = SamplingParams(temperature=0.0, **params)  # type: ignore[arg-type]
+    sp.update_from_model(EOS_IDS if eos_ids is None else eos_ids)
+    return Request(req_id, prompt, sp)
+
+
+def pool_is_full(kv: KVCacheManager) -> bool:
+    """True when no request owns a block."""
+    return kv.num_free_blocks == kv.num_blocks and all(
+        b.ref_cnt == 0 for b in kv.pool.blocks
+    )
+
+
+def first_allowed(bitmask: np.ndarray, row: int) -> int:
+    """The lowest token id allowed by `bitmask[row]`. Raises ValueError if none is."""
+    words = bitmask[row].view(np.uint32)
+    nz = np.flatnonzero(words)
+    if len(nz) == 0:
+        raise ValueError(f"bitmask row {row} allows no token")
+    w = int(nz[0])
+    word = int(words[w])
+    return 32 * w + (word & -word).bit_length() - 1
+
+
+# ---------------------------------------------------------------------- fake model runner
+
+
+@dataclass
+class _RunnerReq:
+    """What the fake runner knows about one request (as a real runner would)."""
+
+    num_computed: int
+    num_blocks: int
+
+
+@dataclass
+class FakeRunner:
+    """Turns SchedulerOutputs into ModelRunnerOutputs, checking the scheduler's bookkeeping.
+
+    Output k of a request is `policy(req_id, k)`, except that a request named in the step's
+    GrammarOutput gets the lowest token its bitmask row allows, and `force[(req_id, k)]`
+    overrides both. Counting k continues across preemption (it is the index of the output
+    token). Raises AssertionError when a SchedulerOutput contradicts what the runner was told
+    before (computed-token counts, block counts, unknown requests).
+    """
+
+    block_size: int
+    policy: TokenPolicy = default_policy
+    force: dict[tuple[str, int], int] = field(default_factory=dict)
+    reqs: dict[str, _RunnerReq] = field(default_factory=dict)
+    num_sampled: dict[str, int] = field(default_factory=dict)
+    # Every step the runner saw, in order.
+    steps: list[SchedulerOutput] = field(default_factory=list)
+
+    def execute(self, so: SchedulerOutput) -> None:
+        """Applies one step's state changes, as the runner's execute_model would."""
+        self.steps.append(so)
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.reqs.pop(req_id, None)
+            assert req_id not in so.num_scheduled_tokens, f"{req_id} scheduled and dropped"
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.reqs, f"{new.req_id} sent as new twice"
+            assert new.num_computed_tokens % self.block_size == 0
+            self.reqs[new.req_id] = _RunnerReq(new.num_computed_tokens, len(new.block_ids))
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if cached.resumed_from_preemption[i]:
+                assert req_id not in self.reqs, f"{req_id} resumed but never dropped"
+                assert req_id in cached.resumed_req_token_ids
+                self.reqs[req_id] = _RunnerReq(
+                    cached.num_computed_tokens[i], len(cached.new_block_ids[i])
+                )
+                continue
+            assert req_id not in cached.resumed_req_token_ids
+            state = self.reqs[req_id]
+            assert cached.num_computed_tokens[i] == state.num_computed, (
+                f"{req_id}: scheduler says {cached.num_computed_tokens[i]} computed, "
+                f"runner has {state.num_computed}"
+            )
+            state.num_blocks += len(cached.new_block_ids[i])
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        for req_id, n in so.num_scheduled_tokens.items():
+            assert n > 0
+            state = self.reqs[req_id]
+            state.num_computed += n
+            needed = -(-state.num_computed // self.block_size)
+            assert state.num_blocks >= needed, (
+                f"{req_id}: {state.num_blocks} blocks for {state.num_computed} tokens"
+            )
+        assert set(so.sampled_req_ids) <= set(so.num_scheduled_tokens)
+
+    def sample(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """The tokens of step `so` (call after execute(so), in step order)."""
+        rows: dict[str, int] = {}
+        if grammar_output is not None:
+            ids = grammar_output.structured_output_request_ids
+            assert grammar_output.grammar_bitmask.shape[0] == len(ids)
+            rows = {r: i for i, r in enumerate(ids)}
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = set(so.sampled_req_ids)
+        tokens: list[list[int]] = []
+        for req_id in req_ids:
+            if req_id not in sampled:
+                tokens.append([])
+                continue
+            k = self.num_sampled.get(req_id, 0)
+            self.num_sampled[req_id] = k + 1
+            if (req_id, k) in self.force:
+                token = self.force[(req_id, k)]
+            elif req_id in rows:
+                assert grammar_output is not None
+                token = first_allowed(grammar_output.grammar_bitmask, rows[req_id])
+            else:
+                token = self.policy(req_id, k)
+            tokens.append([token])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=tokens,
+        )
+
+    def run(
+        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput:
+        """execute + sample of one step."""
+        self.execute(so)
+        return self.sample(so, grammar_output)
+
+
+# ---------------------------------------------------------------------- fake grammar
+
+
+class FakeGrammar(StructuredOutputGrammar):
+    """Accepts exactly `seq` followed by one stop token; rejects anything else."""
+
+    def __init__(self, seq: list[int], stop_ids: list[int], vocab_size: int) -> None:
+        self.seq = seq
+        self.stop_ids = stop_ids
+        self.vocab_size = vocab_size
+        self.accepted: list[int] = []
+        self.terminated = False
+
+    def _ok(self, token: int) -> bool:
+        pos = len(self.accepted)
+        if self.terminated:
+            return False
+        if pos < len(self.seq):
+            return token == self.seq[pos]
+        return token in self.stop_ids
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        """Accepts tokens in order; False at the first one not allowed."""
+        for token in tokens:
+            if not self._ok(token):
+                return False
+            if len(self.accepted) == len(self.seq):
+                self.terminated = True
+            self.accepted.append(token)
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """The longest acceptable prefix of `tokens`."""
+        probe = FakeGrammar(self.seq, self.stop_ids, self.vocab_size)
+        probe.accepted, probe.terminated = list(self.accepted), self.terminated
+        out: list[int] = []
+        for token in tokens:
+            if not probe.accept_tokens("", [token]):
+                break
+            out.append(token)
+        return out
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` tokens. Raises ValueError if too many."""
+        if not 0 <= num_tokens <= len(self.accepted):
+            raise ValueError(f"rollback: cannot undo {num_tokens} tokens")
+        if num_tokens:
+            del self.accepted[-num_tokens:]
+            self.terminated = False
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Allows the next token of `seq`, or the stop tokens at its end."""
+        if self.terminated:
+            bitmask[row] = -1
+            return
+        bitmask[row] = 0
+        pos = len(self.accepted)
+        allowed = [self.seq[pos]] if pos < len(self.seq) else self.stop_ids
+        view = bitmask[row].view(np.uint32)
+        for token in allowed:
+            view[token // 32] |= np.uint32(1 << (token % 32))
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    def reset(self) -> None:
+        self.accepted = []
+        self.terminated = False
+
+    @property
+    def num_processed_tokens(self) -> int:
+        return len(self.accepted)
+
+
+class FakeBackend(StructuredOutputBackend):
+    """Compiles `regex` specs of space-separated token ids into FakeGrammars.
+
+    The spec "fail" raises ValueError, like an invalid constraint.
+    """
+
+    def __init__(self, vocab_size: int, stop_ids: list[int]) -> None:
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        spec = params.regex or ""
+        if spec == "fail":
+            raise ValueError("structured_outputs.regex: the fake backend refuses 'fail'")
+        return FakeGrammar([int(t) for t in spec.split()], self.stop_ids, self.vocab_size)
+
+
+class FakeStructuredOutputManager(StructuredOutputManager):
+    """The real manager (thread-pool compile, bitmask buffers) over the FakeBackend."""
+
+    def _create_backend(self) -> StructuredOutputBackend:
+        return FakeBackend(self._vocab_size, self._stop_token_ids)
+
+
+def wait_compiled(request: Request) -> None:
+    """Blocks until the request's grammar compile job (if any) has finished."""
+    so_req = request.structured_output_request
+    if so_req is not None and so_req.future is not None:
+        so_req.future.exception(timeout=30)
+
+
+# ---------------------------------------------------------------------- driving a scheduler
+
+
+@dataclass
+class InFlight:
+    """A scheduled step whose output has not been given to update_from_output yet."""
+
+    so: SchedulerOutput
+    # None while sampling is deferred until every older step has been updated.
+    output: ModelRunnerOutput | None = None
+
+
+@dataclass
+class Harness:
+    """Drives a scheduler with a FakeRunner the way the engine does, with up to `depth` steps
+    in flight, and checks the scheduler's invariants after every call.
+
+    Records per request: tokens scheduled in total, steps it was scheduled in, output tokens
+    and EngineCoreOutputs.
+    """
+
+    sched: Scheduler
+    runner: FakeRunner
+    depth: int = 1
+    in_flight: deque[InFlight] = field(default_factory=deque)
+    scheduled: Counter[str] = field(default_factory=Counter)
+    steps_of: dict[str, list[int]] = field(default_factory=dict)
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    outputs: dict[str, list[EngineCoreOutput]] = field(default_factory=dict)
+    # Every request ever added, by id (finished ones included).
+    added: dict[str, Request] = field(default_factory=dict)
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.sched.kv_cache_manager
+
+    def add(self, *requests: Request) -> None:
+        """Adds requests and waits for their grammars to compile."""
+        for request in requests:
+            self.added[request.request_id] = request
+            self.sched.add_request(request)
+            wait_compiled(request)
+
+    def in_flight_samples(self, req_id: str) -> int:
+        """Steps in flight that sample `req_id`."""
+        return sum(req_id in e.so.sampled_req_ids for e in self.in_flight)
+
+    def schedule(self) -> SchedulerOutput:
+        """Schedules one step; launches it unless it is empty (then its finished ids are
+        handed back to the scheduler, as the engine does)."""
+        sched = self.sched
+        so = sched.schedule()
+        waiting_for_token = {
+            r for r in so.num_scheduled_tokens
+            if self.in_flight_samples(r) and self.added[r].use_structured_output
+        }
+        assert so.pending_structured_output_tokens == bool(waiting_for_token), (
+            so.pending_structured_output_tokens, waiting_for_token)
+        if any(self.added[r].use_structured_output for r in so.sampled_req_ids):
+            assert so.has_structured_output_requests
+        if so.total_num_scheduled_tokens == 0:
+            sched.finished_req_ids |= so.finished_req_ids
+            self.check()
+            return so
+        self.runner.execute(so)
+        entry = InFlight(so)
+        if not so.pending_structured_output_tokens and all(
+            e.output is not None for e in self.in_flight
+        ):
+            entry.output = self.runner.sample(so, sched.get_grammar_bitmask(so))
+        self.in_flight.append(entry)
+        for req_id, n in so.num_scheduled_tokens.items():
+            self.scheduled[req_id] += n
+            self.steps_of.setdefault(req_id, []).append(so.step_id)
+        self.check()
+        return so
+
+    def update(self) -> list[EngineCoreOutput]:
+        """Gives the oldest in-flight step's output to update_from_output."""
+        entry = self.in_flight.popleft()
+        if entry.output is None:
+            entry.output = self.runner.sample(entry.so, self.sched.get_grammar_bitmask(entry.so))
+        outs = self.sched.update_from_output(entry.so, entry.output)
+        for out in outs:
+            self.outputs.setdefault(out.request_id, []).append(out)
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        self.check()
+        return outs
+
+    def step(self) -> bool:
+        """One engine iteration: schedule if there is room, update when the queue is full or
+        nothing more could be scheduled. Returns False when nothing is left to do."""
+        sched = self.sched
+        launched = False
+        if sched.has_unfinished_requests() and len(self.in_flight) < self.depth:
+            before = len(self.in_flight)
+            self.schedule()
+            launched = len(self.in_flight) > before
+        if self.in_flight and (len(self.in_flight) >= self.depth or not launched):
+            self.update()
+        return sched.has_unfinished_requests() or bool(self.in_flight)
+
+    def run(self, max_steps: int = 500) -> None:
+        """Steps until every request has finished and nothing is in flight."""
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def drain(self) -> None:
+        """Updates every step in flight."""
+        while self.in_flight:
+            self.update()
+
+    def finish_reason(self, req_id: str) -> str | None:
+        """Finish reason of the request's last output (None if it never finished)."""
+        outs = self.outputs.get(req_id, [])
+        return outs[-1].finish_reason if outs else None
+
+    def check(self) -> None:
+        """Invariants that hold between any two scheduler calls."""
+        sched = self.sched
+        is_async = isinstance(sched, AsyncScheduler)
+        running = {r.request_id for r in sched.running}
+        waiting = {r.request_id for r in sched.waiting}
+        assert len(running) == len(sched.running) and len(waiting) == len(sched.waiting)
+        assert not running & waiting
+        assert running | waiting == set(sched.requests), "a live request is lost or leaked"
+        assert len(sched.running) <= sched.max_num_seqs
+        for req_id, request in sched.requests.items():
+            assert not request.is_finished()
+            if req_id in running:
+                assert request.status == RequestStatus.RUNNING
+            else:
+                assert request.status in (
+                    RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM,
+                    RequestStatus.PREEMPTED,
+                )
+            assert request.num_output_placeholders >= 0
+            # Under async scheduling every in-flight sample is a placeholder, and nothing
+            # else is; the sync scheduler never has any.
+            want = self.in_flight_samples(req_id) if is_async else 0
+            assert request.num_output_placeholders == want, (
+                req_id, request.num_output_placeholders, want)
+            assert request.num_computed_tokens <= (
+                request.num_tokens + request.num_output_placeholders
+            )
+        owners: Counter[int] = Counter()
+        for req_id in sched.requests:
+            ids = self.kv.get_block_ids(req_id)
+            assert len(set(ids)) == len(ids)
+            owners.update(ids)
+        for block in self.kv.pool.blocks:
+            assert block.ref_cnt == owners[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt}, "
+                f"owned by {owners[block.block_id]} live requests"
+            )
+        for req_id in set(self.added) - set(sched.requests):
+            assert self.kv.get_block_ids(req_id) == [], f"finished {req_id} still owns blocks"
+
+
+def build_harness(
+    model_config: ModelConfig,
+    *,
+    async_scheduling: bool = False,
+    depth: int | None = None,
+    policy: TokenPolicy = default_policy,
+    **config: object,
+) -> tuple[Harness, FakeStructuredOutputManager]:
+    """A scheduler (AsyncScheduler when async_scheduling) over a real KVCacheManager and the
+    fake-grammar StructuredOutputManager, driven by a Harness of `depth` steps in flight
+    (default: 2 under async scheduling, else 1). `config` goes to make_config."""
+    vllm_config = make_config(
+        model_config, async_scheduling=async_scheduling, **config  # type: ignore[arg-type]
+    )
+    kv = make_kv(vllm_config)
+    som = FakeStructuredOutputManager(vllm_config)
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    sched = cls(vllm_config, kv, som)
+    if depth is None:
+        depth = 2 if async_scheduling else 1
+    runner = FakeRunner(vllm_config.cache_config.block_size, policy)
+    return Harness(sched, runner, depth), som
+
+
+def assert_all_released(harness: Harness, som: StructuredOutputManager) -> None:
+    """Teardown check: no live request, nothing in flight, every block free, no grammar."""
+    sched = harness.sched
+    assert not harness.in_flight, "steps left in flight"
+    assert not sched.requests and not sched.running and not sched.waiting
+    assert pool_is_full(harness.kv), (
+        f"{harness.kv.num_blocks - harness.kv.num_free_blocks} KV blocks leaked"
+    )
+    assert som.num_live_grammars == 0

@@ -1,0 +1,426 @@
+"""Tests for vllm/v1/core/sched/async_scheduler.py: steps scheduled before the previous
+step's tokens are known (one or two steps in flight), with fake model outputs.
+
+The Harness checks after every call that each live request's placeholder count equals the
+number of in-flight steps that sample it, that `pending_structured_output_tokens` is set
+exactly when a scheduled structured request waits for an in-flight token, and that KV block
+ownership matches the live requests.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.v1.core.sched_utils import (
+    EOS,
+    GRAMMAR_END,
+    Harness,
+    assert_all_released,
+    build_harness,
+    default_policy,
+    demo_model_config,
+    make_request,
+)
+from vllm.config import ModelConfig
+from vllm.v1.core.kv_cache_utils import hash_block_tokens
+from vllm.v1.request import Request, RequestStatus
+
+MakeHarness = Callable[..., Harness]
+ABORTED = RequestStatus.FINISHED_ABORTED
+
+
+@pytest.fixture(scope="module")
+def model_config() -> ModelConfig:
+    return demo_model_config()
+
+
+@pytest.fixture
+def make(model_config: ModelConfig) -> Iterator[MakeHarness]:
+    """Builds harnesses (async unless async_scheduling=False is passed); at teardown every
+    request is gone, nothing is in flight and the KV pool is full."""
+    made = []
+
+    def _make(**kwargs: object) -> Harness:
+        kwargs.setdefault("async_scheduling", True)
+        harness, som = build_harness(model_config, **kwargs)  # type: ignore[arg-type]
+        made.append((harness, som))
+        return harness
+
+    yield _make
+    try:
+        for harness, som in made:
+            assert_all_released(harness, som)
+    finally:
+        for _, som in made:
+            som.shutdown()
+
+
+def expected(req_id: str, n: int) -> list[int]:
+    """The first n tokens the default policy samples for req_id."""
+    return [default_policy(req_id, k) for k in range(n)]
+
+
+def special_policy(special: dict[str, dict[int, int]]) -> Callable[[str, int], int]:
+    """The default policy, except output k of request r is special[r][k] where given."""
+    return lambda r, k: special.get(r, {}).get(k, default_policy(r, k))
+
+
+def num_sampling_steps(h: Harness, req_id: str) -> int:
+    """Steps the runner sampled `req_id` in."""
+    return sum(req_id in so.sampled_req_ids for so in h.runner.steps)
+
+
+# ---------------------------------------------------------------------- max_tokens, max_model_len
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+@pytest.mark.parametrize("budget", [64, 4], ids=["whole_prefill", "chunked_prefill"])
+def test_max_tokens_schedules_exactly_prompt_plus_max_tokens_minus_one(
+    make: MakeHarness, depth: int, budget: int
+) -> None:
+    h = make(depth=depth, max_num_batched_tokens=budget, max_num_seqs=4)
+    lengths = {"a": (10, 6), "b": (3, 1), "c": (5, 9)}
+    h.add(*(make_request(r, p, max_tokens=m) for r, (p, m) in lengths.items()))
+    h.run()
+    for r, (p, m) in lengths.items():
+        assert h.scheduled[r] == p + m - 1
+        assert num_sampling_steps(h, r) == m, "scheduled a token past max_tokens"
+        assert h.tokens[r] == expected(r, m)
+        assert h.finish_reason(r) == "length"
+        assert h.added[r].num_output_placeholders == 0
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_never_schedules_past_max_model_len(make: MakeHarness, depth: int) -> None:
+    h = make(depth=depth, max_model_len=12)
+    h.add(make_request("r", 8, max_tokens=None), make_request("s", 11, max_tokens=None))
+    h.run()
+    assert h.tokens["r"] == expected("r", 4) and h.finish_reason("r") == "length"
+    assert h.tokens["s"] == expected("s", 1) and h.finish_reason("s") == "length"
+    assert h.scheduled["r"] == h.scheduled["s"] == 11
+    assert num_sampling_steps(h, "r") == 4 and num_sampling_steps(h, "s") == 1
+
+
+# ---------------------------------------------------------------------- stop checks
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize(
+    "params, special",
+    [
+        pytest.param({"max_tokens": 10}, {2: EOS}, id="eos"),
+        pytest.param({"max_tokens": 10, "stop_token_ids": [777]}, {1: 777}, id="stop_token_id"),
+        pytest.param({"max_tokens": 10, "min_tokens": 3}, {1: EOS, 4: EOS},
+                     id="eos_before_min_tokens"),
+        pytest.param({"max_tokens": 10, "ignore_eos": True}, {1: EOS}, id="ignore_eos"),
+    ],
+)
+def test_stop_checks_match_sync(
+    make: MakeHarness, depth: int, params: dict, special: dict[int, int]
+) -> None:
+    policy = special_policy({"r": special})
+    runs = {}
+    for async_scheduling in (False, True):
+        h = make(async_scheduling=async_scheduling, depth=depth if async_scheduling else 1,
+                 policy=policy)
+        h.add(make_request("r", 6, **params), make_request("o", 5, max_tokens=12))
+        h.run()
+        runs[async_scheduling] = h
+    sync, asyn = runs[False], runs[True]
+    assert asyn.tokens == sync.tokens
+    for r in ("r", "o"):
+        assert [(o.finish_reason, o.stop_reason) for o in asyn.outputs[r]] == [
+            (o.finish_reason, o.stop_reason) for o in sync.outputs[r]
+        ]
+        # A stop wastes at most the steps that were already in flight.
+        assert sync.scheduled[r] <= asyn.scheduled[r] <= sync.scheduled[r] + depth - 1
+
+
+def test_eos_while_next_step_in_flight(make: MakeHarness) -> None:
+    h = make(policy=special_policy({"r": {2: EOS}}))
+    h.add(make_request("r", 4, max_tokens=10), make_request("o", 4, max_tokens=6))
+    h.schedule()
+    h.schedule()
+    h.update()
+    h.schedule()
+    h.update()
+    so4 = h.schedule()  # samples r's 4th token, which will never be used
+    assert "r" in so4.sampled_req_ids
+    outs = h.update()  # r's 3rd token: EOS
+    (out_r,) = [o for o in outs if o.request_id == "r"]
+    assert out_r.new_token_ids == [EOS] and out_r.finish_reason == "stop"
+    assert "r" not in h.sched.requests
+    assert h.kv.get_block_ids("r") == [], "blocks of a finished request must be freed at once"
+    so5 = h.schedule()
+    assert "r" in so5.finished_req_ids and "r" not in so5.num_scheduled_tokens
+    outs = h.update()  # so4: r's late token is dropped
+    assert all(o.request_id != "r" for o in outs)
+    h.run()
+    assert h.tokens["r"] == expected("r", 2) + [EOS]
+    assert h.tokens["o"] == expected("o", 6)
+
+
+# ---------------------------------------------------------------------- aborts
+
+
+@pytest.mark.parametrize("num_in_flight", [1, 2])
+def test_abort_running_request_with_steps_in_flight(
+    make: MakeHarness, num_in_flight: int
+) -> None:
+    h = make(depth=3)
+    h.add(make_request("r", 5, max_tokens=10), make_request("o", 5, max_tokens=6))
+    h.schedule()
+    h.schedule()
+    if num_in_flight == 1:
+        h.update()
+    assert h.added["r"].num_output_placeholders == num_in_flight
+    tokens_before = list(h.tokens.get("r", []))
+    free_before = h.kv.num_free_blocks
+    num_r = len(h.kv.get_block_ids("r"))
+    h.sched.finish_requests(["r"], ABORTED)
+    assert h.kv.num_free_blocks == free_before + num_r
+    h.drain()  # late outputs of r are dropped without error
+    h.check()
+    so = h.schedule()
+    assert "r" in so.finished_req_ids
+    h.run()
+    assert h.tokens.get("r", []) == tokens_before
+    assert h.tokens["o"] == expected("o", 6)
+
+
+# ---------------------------------------------------------------------- preemption
+
+
+def _preempt_y(h: Harness, num_in_flight: int, **y_params: object) -> None:
+    """x and y (7-token prompts, 4 blocks of 4 tokens) run until x's 9th token needs a
+    third block: y, admitted last, is preempted with `num_in_flight` steps in flight."""
+    y_params.setdefault("max_tokens", 10)
+    h.add(make_request("x", 7, max_tokens=10), make_request("y", 7, **y_params))
+    h.schedule()
+    h.schedule()
+    if num_in_flight == 1:
+        h.update()
+    so = h.schedule()
+    assert so.preempted_req_ids == {"y"}
+    assert "x" in so.num_scheduled_tokens and "y" not in so.num_scheduled_tokens
+    y = h.added["y"]
+    assert y.status == RequestStatus.PREEMPTED and y.num_output_placeholders == num_in_flight
+    assert h.sched.waiting[0] is y and h.kv.get_block_ids("y") == []
+
+
+def _resumed_steps(h: Harness, req_id: str) -> list[int]:
+    """Indexes into h.runner.steps of the steps that resumed `req_id`."""
+    return [
+        n for n, so in enumerate(h.runner.steps)
+        for i, r in enumerate(so.scheduled_cached_reqs.req_ids)
+        if r == req_id and so.scheduled_cached_reqs.resumed_from_preemption[i]
+    ]
+
+
+@pytest.mark.parametrize("num_in_flight", [1, 2])
+def test_preempted_request_resumes_after_its_in_flight_tokens(
+    make: MakeHarness, num_in_flight: int
+) -> None:
+    h = make(depth=num_in_flight + 1, num_blocks=4, block_size=4)
+    _preempt_y(h, num_in_flight)
+    y = h.added["y"]
+    # Free every block, so only the in-flight tokens can hold y back.
+    h.sched.finish_requests(["x"], ABORTED)
+    n_steps = len(h.runner.steps)
+    while y.num_output_placeholders:
+        h.step()
+        assert all("y" not in so.num_scheduled_tokens for so in h.runner.steps[n_steps:]), (
+            "y resumed before its in-flight tokens arrived")
+    # y sampled in the first two steps either way; some of them landed after preemption.
+    assert y.output_token_ids == expected("y", 2)
+    h.step()
+    (n,) = _resumed_steps(h, "y")
+    so = h.runner.steps[n]
+    cached = so.scheduled_cached_reqs
+    assert cached.resumed_req_token_ids["y"] == y.prompt_token_ids + expected("y", 2)
+    assert cached.resumed_num_output_tokens["y"] == 2
+    assert "y" in so.sampled_req_ids
+    h.run()
+    assert h.tokens["y"] == expected("y", 10)
+
+
+@pytest.mark.parametrize("num_in_flight", [1, 2])
+@pytest.mark.parametrize("stop", ["eos", "max_tokens"])
+def test_preempted_request_finished_by_its_late_token(
+    make: MakeHarness, num_in_flight: int, stop: str
+) -> None:
+    h = make(depth=num_in_flight + 1, num_blocks=4, block_size=4,
+             policy=special_policy({"y": {1: EOS}} if stop == "eos" else {}))
+    _preempt_y(h, num_in_flight, max_tokens=10 if stop == "eos" else 2)
+    h.drain()
+    assert "y" not in h.sched.requests and h.added["y"] not in h.sched.waiting
+    assert h.finish_reason("y") == ("stop" if stop == "eos" else "length")
+    assert h.tokens["y"] == ([default_policy("y", 0), EOS] if stop == "eos" else expected("y", 2))
+    h.run()
+    assert _resumed_steps(h, "y") == []
+    assert h.tokens["x"] == expected("x", 10)
+
+
+@pytest.mark.parametrize("num_in_flight", [1, 2])
+def test_structured_request_preempted_with_token_in_flight(
+    make: MakeHarness, num_in_flight: int
+) -> None:
+    h = make(depth=num_in_flight + 1, num_blocks=4, block_size=4)
+    seq = list(range(21, 30))
+    _preempt_y(h, num_in_flight, grammar=" ".join(map(str, seq)), max_tokens=None)
+    h.sched.finish_requests(["x"], ABORTED)
+    h.run()
+    assert len(_resumed_steps(h, "y")) == 1
+    assert h.tokens["y"] == seq + [GRAMMAR_END] and h.finish_reason("y") == "stop"
+
+
+SCENARIOS = {
+    # Events after y (the latest request) was preempted with steps in flight.
+    "preempt_abort_late": ["abort y", "drain"],
+    "preempt_late_abort": ["drain", "abort y"],
+    "preempt_late_resume_abort": ["abort x", "drain", "step", "step", "abort y"],
+    "preempt_abort_survivor": ["abort x", "drain"],
+    "preempt_abort_both": ["abort x", "abort y", "drain"],
+    "preempt_abort_survivor_while_resumed": ["drain", "step", "step", "abort x"],
+}
+
+
+@pytest.mark.parametrize("num_in_flight", [1, 2])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_abort_and_preemption_in_every_order(
+    make: MakeHarness, scenario: str, num_in_flight: int
+) -> None:
+    h = make(depth=num_in_flight + 1, num_blocks=4, block_size=4)
+    _preempt_y(h, num_in_flight)
+    aborted: dict[str, list[int]] = {}
+    for event in SCENARIOS[scenario]:
+        if event.startswith("abort"):
+            req_id = event.split()[1]
+            h.sched.finish_requests([req_id], ABORTED)
+            aborted[req_id] = list(h.tokens.get(req_id, []))
+            assert h.kv.get_block_ids(req_id) == []
+        elif event == "drain":
+            h.drain()
+        else:
+            h.step()
+        h.check()
+    h.run()
+    for r in ("x", "y"):
+        if r in aborted:
+            assert h.tokens.get(r, []) == aborted[r], f"{r} produced output after its abort"
+            assert aborted[r] == expected(r, len(aborted[r]))
+        else:
+            assert h.tokens[r] == expected(r, 10)
+            assert h.finish_reason(r) == "length"
+
+
+def test_abort_victim_before_it_is_preempted(make: MakeHarness) -> None:
+    h = make(depth=2, num_blocks=4, block_size=4)
+    h.add(make_request("x", 7, max_tokens=10), make_request("y", 7, max_tokens=10))
+    h.schedule()
+    h.schedule()
+    h.update()
+    h.sched.finish_requests(["y"], ABORTED)  # x's third block now comes from y's blocks
+    h.run()
+    assert h.sched.num_preemptions == 0
+    assert h.tokens["x"] == expected("x", 10)
+
+
+# ---------------------------------------------------------------------- structured outputs
+
+
+def test_pending_structured_output_tokens(make: MakeHarness) -> None:
+    """The harness asserts the flag's exact value at every schedule; this run makes it take
+    both values and checks that deferred bitmasks still lead to the grammar's tokens."""
+    h = make(depth=2, max_num_batched_tokens=8)
+    h.add(make_request("p", 6, max_tokens=3), make_request("g1", 5, grammar="5 6 7 8"),
+          make_request("g2", 12, grammar="9 10"))
+    flags = []
+    while h.step():
+        flags.append(h.runner.steps[-1].pending_structured_output_tokens)
+    assert True in flags and False in flags
+    assert h.tokens["g1"] == [5, 6, 7, 8, GRAMMAR_END] and h.finish_reason("g1") == "stop"
+    assert h.tokens["g2"] == [9, 10, GRAMMAR_END]
+    assert h.tokens["p"] == expected("p", 3)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_grammar_that_cannot_advance_ends_only_its_request(
+    make: MakeHarness, depth: int
+) -> None:
+    h = make(depth=depth)
+    h.add(make_request("g1", 5, grammar="5 6 7"), make_request("g2", 5, grammar="5 6 7"),
+          make_request("p", 5, max_tokens=6))
+    h.runner.force[("g1", 1)] = 9  # the grammar allows only 6 here
+    h.run()
+    assert h.finish_reason("g1") == "error" and "rejected" in (h.outputs["g1"][-1].error or "")
+    assert h.tokens["g1"] == [5]
+    assert h.tokens["g2"] == [5, 6, 7, GRAMMAR_END] and h.finish_reason("g2") == "stop"
+    assert h.tokens["p"] == expected("p", 6)
+
+
+# ---------------------------------------------------------------------- prefix caching
+
+
+def _confirmed_block_hashes(requests: list[Request], block_size: int) -> set[int]:
+    hashes: set[int] = set()
+    for request in requests:
+        parent = None
+        tokens = request.all_token_ids
+        for i in range(len(tokens) // block_size):
+            parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size])
+            hashes.add(parent)
+    return hashes
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_prefix_cache_holds_only_confirmed_tokens(make: MakeHarness, depth: int) -> None:
+    h = make(depth=depth, block_size=4)
+    h.add(make_request("r", 3, max_tokens=12), make_request("s", 6, max_tokens=5))
+    while h.step():
+        confirmed = _confirmed_block_hashes(list(h.added.values()), 4)
+        for block_hash in h.kv.pool.cached:
+            assert block_hash in confirmed, "a block with an unconfirmed token was cached"
+    r = h.added["r"]
+    # Once confirmed, r's outputs are cached: a request repeating them hits two blocks.
+    h.add(make_request("t", r.all_token_ids[:8] + [1], max_tokens=1))
+    so = h.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 8
+    h.run()
+
+
+# ---------------------------------------------------------------------- equivalence
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_workload_matches_sync(make: MakeHarness, depth: int, seed: int) -> None:
+    """Outputs under async scheduling equal sync scheduling's, with chunked prefill, grammars,
+    stop tokens and preemption (asserted to happen) in the mix."""
+    rng = random.Random(seed)
+    specs = []
+    special: dict[str, dict[int, int]] = {}
+    for i in range(8):
+        req_id = f"q{i}"
+        max_tokens = rng.randint(1, 12)
+        kwargs: dict = {"max_tokens": max_tokens}
+        if i % 3 == 0:
+            kwargs["grammar"] = " ".join(str(rng.randint(1, 500)) for _ in range(rng.randint(1, 5)))
+        elif i % 3 == 1 and max_tokens > 2:
+            special[req_id] = {rng.randint(0, max_tokens - 1): EOS}
+        specs.append((req_id, rng.randint(1, 20), kwargs))
+    runs = {}
+    for async_scheduling in (False, True):
+        h = make(async_scheduling=async_scheduling, depth=depth if async_scheduling else 1,
+                 policy=special_policy(special), num_blocks=14, block_size=4,
+                 max_num_batched_tokens=16, max_num_seqs=6)
+        h.add(*(make_request(r, p, **kw) for r, p, kw in specs))
+        h.run()
+        assert h.sched.num_preemptions > 0, "the workload must force preemption"
+        runs[async_scheduling] = h
+    assert runs[True].tokens == runs[False].tokens
+    for r, _, _ in specs:
+        assert runs[True].finish_reason(r) == runs[False].finish_reason(r)

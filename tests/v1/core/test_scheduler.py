@@ -1,0 +1,312 @@
+"""Tests for vllm/v1/core/sched/scheduler.py (synchronous scheduling) with fake model outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.v1.core.sched_utils import (
+    EOS,
+    GRAMMAR_END,
+    Harness,
+    assert_all_released,
+    build_harness,
+    default_policy,
+    demo_model_config,
+    make_request,
+)
+from vllm.config import ModelConfig
+from vllm.v1.request import RequestStatus
+
+MakeHarness = Callable[..., Harness]
+
+
+@pytest.fixture(scope="module")
+def model_config() -> ModelConfig:
+    return demo_model_config()
+
+
+@pytest.fixture
+def make(model_config: ModelConfig) -> Iterator[MakeHarness]:
+    """Builds sync harnesses; at teardown every request is gone and the KV pool is full."""
+    made = []
+
+    def _make(**kwargs: object) -> Harness:
+        harness, som = build_harness(model_config, **kwargs)  # type: ignore[arg-type]
+        made.append((harness, som))
+        return harness
+
+    yield _make
+    try:
+        for harness, som in made:
+            assert_all_released(harness, som)
+    finally:
+        for _, som in made:
+            som.shutdown()
+
+
+def expected(req_id: str, n: int) -> list[int]:
+    """The first n tokens the default policy samples for req_id."""
+    return [default_policy(req_id, k) for k in range(n)]
+
+
+def test_budget_shared_by_decodes_and_chunked_prefill(make: MakeHarness) -> None:
+    h = make(max_num_batched_tokens=8)
+    h.add(make_request("a", 3, max_tokens=10), make_request("b", 3, max_tokens=10),
+          make_request("c", 20, max_tokens=2))
+    plan = [
+        ({"a": 3, "b": 3, "c": 2}, ["a", "b"]),
+        ({"a": 1, "b": 1, "c": 6}, ["a", "b"]),
+        ({"a": 1, "b": 1, "c": 6}, ["a", "b"]),
+        ({"a": 1, "b": 1, "c": 6}, ["a", "b", "c"]),  # c's prefill completes: 2+6+6+6 = 20
+        ({"a": 1, "b": 1, "c": 1}, ["a", "b", "c"]),
+    ]
+    for num_scheduled, sampled in plan:
+        so = h.schedule()
+        assert so.num_scheduled_tokens == num_scheduled
+        assert so.total_num_scheduled_tokens == sum(num_scheduled.values()) <= 8
+        assert sorted(so.sampled_req_ids) == sampled
+        h.update()
+    assert h.finish_reason("c") == "length"
+    h.run()
+    assert h.tokens["a"] == expected("a", 10)
+    assert h.tokens["c"] == expected("c", 2)
+    assert h.scheduled["a"] == 3 + 10 - 1
+
+
+def test_max_num_seqs_and_fcfs_admission(make: MakeHarness) -> None:
+    h = make(max_num_seqs=2, max_num_batched_tokens=16)
+    lengths = {"r0": 5, "r1": 2, "r2": 3, "r3": 1, "r4": 2}
+    h.add(*(make_request(r, 4, max_tokens=n) for r, n in lengths.items()))
+    first_step: dict[str, int] = {}
+    running_sizes = []
+    while h.step():
+        running_sizes.append(len(h.sched.running))
+        for r, steps in h.steps_of.items():
+            first_step.setdefault(r, steps[0])
+    assert max(running_sizes) == 2
+    order = sorted(first_step, key=lambda r: (first_step[r], r))
+    assert order == list(lengths), "admission is not first come, first served"
+    # r1 finishes at step 2, so r2 starts at step 3; r2 (3 tokens) and r0 (5) end at steps 5.
+    assert first_step == {"r0": 1, "r1": 1, "r2": 3, "r3": 6, "r4": 6}
+    for r, n in lengths.items():
+        assert h.tokens[r] == expected(r, n)
+        assert h.finish_reason(r) == "length"
+
+
+def test_fcfs_head_that_does_not_fit_is_not_overtaken(make: MakeHarness) -> None:
+    h = make(num_blocks=7, max_num_batched_tokens=32)
+    h.add(make_request("big", 16, max_tokens=1))  # 4 of the 7 blocks
+    so = h.schedule()
+    assert so.num_scheduled_tokens == {"big": 16}
+    h.add(make_request("mid", 12, max_tokens=1), make_request("small", 4, max_tokens=1))
+    h.update()  # "big" finishes: its blocks are free again
+    h.add(make_request("big2", 16, max_tokens=2))
+    so = h.schedule()
+    assert list(so.num_scheduled_tokens) == ["mid", "small"]
+    h.update()
+    so = h.schedule()
+    # big2 needs 4 blocks; 7 are free again.
+    assert list(so.num_scheduled_tokens) == ["big2"]
+    h.update()
+    # Fill the pool so that the head cannot fit, then check that the tail waits behind it.
+    h.add(make_request("huge", 20, max_tokens=1), make_request("tiny", 2, max_tokens=1))
+    so = h.schedule()
+    # big2 decodes into its 5th block, leaving 2 free: huge needs 5, and tiny (1 block)
+    # must wait behind it.
+    assert list(so.num_scheduled_tokens) == ["big2"]
+    assert [r.request_id for r in h.sched.waiting] == ["huge", "tiny"]
+    h.update()
+    h.run()
+    assert h.steps_of["huge"][0] <= h.steps_of["tiny"][0]
+
+
+def test_chunked_prefill_of_long_prompt(make: MakeHarness) -> None:
+    h = make(max_num_batched_tokens=8, block_size=4)
+    prompt = list(range(200, 220))
+    h.add(make_request("long", prompt, max_tokens=3))
+    so = h.schedule()
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["long"]
+    new = so.scheduled_new_reqs[0]
+    assert new.prompt_token_ids == prompt and new.num_computed_tokens == 0
+    assert len(new.block_ids) == 2
+    assert so.num_scheduled_tokens == {"long": 8} and so.sampled_req_ids == []
+    out = h.update()
+    assert out == [], "a partial prefill must not produce output"
+    for computed, n, new_blocks, sampled in ((8, 8, 2, False), (16, 4, 1, True)):
+        so = h.schedule()
+        cached = so.scheduled_cached_reqs
+        assert cached.req_ids == ["long"] and cached.resumed_from_preemption == [False]
+        assert cached.num_computed_tokens == [computed]
+        assert len(cached.new_block_ids[0]) == new_blocks
+        assert so.num_scheduled_tokens == {"long": n}
+        assert so.sampled_req_ids == (["long"] if sampled else [])
+        h.update()
+    h.run()
+    assert h.tokens["long"] == expected("long", 3)
+    assert h.scheduled["long"] == 20 + 3 - 1
+
+
+def test_preemption_by_recompute(make: MakeHarness) -> None:
+    h = make(num_blocks=6, block_size=4, max_num_batched_tokens=32)
+    h.add(make_request("a", 7, max_tokens=8), make_request("b", 7, max_tokens=8))
+    h.step()
+    # Arrives after b and needs 3 blocks, more than are ever free while a and b run.
+    h.add(make_request("c", 9, max_tokens=2))
+    preempt_so = None
+    while h.step():
+        so = h.runner.steps[-1]
+        if so.preempted_req_ids and preempt_so is None:
+            preempt_so = so
+            assert so.preempted_req_ids == {"b"}, "the latest running request is the victim"
+            assert "b" not in so.num_scheduled_tokens and "a" in so.num_scheduled_tokens
+            assert [r.request_id for r in h.sched.waiting][:2] == ["b", "c"]
+            assert h.kv.get_block_ids("b") == []
+            b_outputs_at_preemption = list(h.added["b"].output_token_ids)
+    assert preempt_so is not None, "no preemption happened"
+    assert h.added["b"].num_preemptions >= 1
+    resumed = [
+        (so, i) for so in h.runner.steps
+        for i, r in enumerate(so.scheduled_cached_reqs.req_ids)
+        if r == "b" and so.scheduled_cached_reqs.resumed_from_preemption[i]
+    ]
+    assert resumed, "b never resumed"
+    so, i = resumed[0]
+    cached = so.scheduled_cached_reqs
+    b = h.added["b"]
+    token_ids = cached.resumed_req_token_ids["b"]
+    assert token_ids == b.prompt_token_ids + b_outputs_at_preemption
+    assert cached.resumed_num_output_tokens["b"] == len(b_outputs_at_preemption)
+    assert cached.num_computed_tokens[i] % 4 == 0
+    # Recompute everything that is not a prefix-cache hit, then sample the next token.
+    assert so.num_scheduled_tokens["b"] == len(token_ids) - cached.num_computed_tokens[i]
+    assert "b" in so.sampled_req_ids
+    assert len(cached.new_block_ids[i]) == -(-len(token_ids) // 4)
+    assert h.steps_of["c"][0] >= so.step_id, "c overtook the preempted b"
+    for r, n in (("a", 8), ("b", 8), ("c", 2)):
+        assert h.tokens[r] == expected(r, n)
+        assert h.finish_reason(r) == "length"
+
+
+def _policy_with(special: dict[int, int], who: str = "r") -> Callable[[str, int], int]:
+    """The default policy, except output k of request `who` is special[k] where given."""
+    return lambda req_id, k: (
+        special[k] if req_id == who and k in special else default_policy(req_id, k)
+    )
+
+
+@pytest.mark.parametrize(
+    "params, special, max_model_len, want_tokens, reason, stop_reason",
+    [
+        pytest.param({"max_tokens": 10}, {2: EOS}, 64, 3, "stop", None, id="eos"),
+        pytest.param({"max_tokens": 10, "stop_token_ids": [777]}, {1: 777}, 64, 2, "stop", 777,
+                     id="stop_token_id"),
+        pytest.param({"max_tokens": 3}, {}, 64, 3, "length", None, id="max_tokens"),
+        pytest.param({"max_tokens": 10, "min_tokens": 3}, {1: EOS, 4: EOS}, 64, 5, "stop", None,
+                     id="eos_before_min_tokens"),
+        pytest.param({"max_tokens": 10, "min_tokens": 3}, {2: EOS}, 64, 3, "stop", None,
+                     id="eos_at_min_tokens"),
+        pytest.param({"max_tokens": 10, "ignore_eos": True}, {1: EOS}, 64, 10, "length", None,
+                     id="ignore_eos"),
+        pytest.param({"max_tokens": None}, {}, 12, 12 - 8, "length", None, id="max_model_len"),
+    ],
+)
+def test_stop_checks(
+    make: MakeHarness, params: dict, special: dict[int, int], max_model_len: int,
+    want_tokens: int, reason: str, stop_reason: int | None,
+) -> None:
+    h = make(max_model_len=max_model_len, policy=_policy_with(special))
+    h.add(make_request("r", 8, **params), make_request("other", 8, max_tokens=12))
+    h.run()
+    policy = _policy_with(special)
+    assert h.tokens["r"] == [policy("r", k) for k in range(want_tokens)]
+    assert h.finish_reason("r") == reason
+    assert h.outputs["r"][-1].stop_reason == stop_reason
+    assert all(not o.finished for o in h.outputs["r"][:-1])
+    assert h.scheduled["r"] == 8 + want_tokens - 1
+    assert h.scheduled["r"] <= max_model_len - 1
+
+
+def test_abort_waiting_and_running_frees_blocks(make: MakeHarness) -> None:
+    h = make(max_num_seqs=2, num_blocks=16)
+    h.add(*(make_request(r, 6, max_tokens=6) for r in ("a", "b", "c")))
+    h.step()
+    assert h.kv.get_block_ids("b") and h.kv.num_free_blocks < 16
+    free_before = h.kv.num_free_blocks
+    num_b = len(h.kv.get_block_ids("b"))
+    h.sched.finish_requests(["b", "c"], RequestStatus.FINISHED_ABORTED)  # running, waiting
+    h.sched.finish_requests(["b", "nope"], RequestStatus.FINISHED_ABORTED)  # ignored
+    assert h.kv.num_free_blocks == free_before + num_b
+    assert h.added["b"].status == h.added["c"].status == RequestStatus.FINISHED_ABORTED
+    so = h.schedule()
+    assert so.finished_req_ids == {"b", "c"}
+    assert set(so.num_scheduled_tokens) == {"a"}
+    h.update()
+    h.run()
+    assert h.tokens["a"] == expected("a", 6)
+    assert "c" not in h.tokens and h.tokens["b"] == expected("b", 1)
+
+
+def test_abort_preempted_request(make: MakeHarness) -> None:
+    h = make(num_blocks=6, block_size=4, max_num_batched_tokens=32)
+    h.add(make_request("a", 7, max_tokens=8), make_request("b", 7, max_tokens=8))
+    while not h.sched.num_preemptions:
+        assert h.step()
+    assert h.added["b"].status == RequestStatus.PREEMPTED
+    h.sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    h.run()
+    assert h.tokens["a"] == expected("a", 8)
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_prefix_cache_hit_in_new_request_data(make: MakeHarness, enable_caching: bool) -> None:
+    h = make(block_size=4, enable_prefix_caching=enable_caching)
+    prompt = list(range(300, 310))
+    h.add(make_request("first", prompt, max_tokens=2))
+    so = h.schedule()
+    first_blocks = so.scheduled_new_reqs[0].block_ids
+    h.run()
+    h.add(make_request("second", prompt[:8] + [1, 2, 3], max_tokens=2),
+          make_request("whole", prompt[:8], max_tokens=1))
+    so = h.schedule()
+    new = {n.req_id: n for n in so.scheduled_new_reqs}
+    if enable_caching:
+        assert new["second"].num_computed_tokens == 8
+        assert new["second"].block_ids[:2] == first_blocks[:2]
+        assert so.num_scheduled_tokens["second"] == 3
+        # A fully cached prompt still computes its last block's tokens to sample from.
+        assert new["whole"].num_computed_tokens == 4
+        assert so.num_scheduled_tokens["whole"] == 4
+        assert new["whole"].block_ids[0] == first_blocks[0]
+    else:
+        assert new["second"].num_computed_tokens == new["whole"].num_computed_tokens == 0
+        assert so.num_scheduled_tokens == {"second": 11, "whole": 8}
+    h.update()
+    assert h.outputs["second"][0].num_cached_tokens == (8 if enable_caching else 0)
+    h.run()
+
+
+def test_structured_request_follows_its_grammar(make: MakeHarness) -> None:
+    h = make()
+    h.add(make_request("g", 5, max_tokens=10, grammar="5 6 7"),
+          make_request("bad", 5, max_tokens=10, grammar="fail"),
+          make_request("plain", 5, max_tokens=4))
+    h.run()
+    assert h.tokens["g"] == [5, 6, 7, GRAMMAR_END] and h.finish_reason("g") == "stop"
+    assert h.finish_reason("bad") == "error" and h.outputs["bad"][-1].error
+    assert h.tokens.get("bad", []) == []
+    assert h.tokens["plain"] == expected("plain", 4)
+
+
+def test_grammar_that_cannot_advance_ends_only_its_request(make: MakeHarness) -> None:
+    h = make()
+    h.add(make_request("g1", 5, max_tokens=10, grammar="5 6 7"),
+          make_request("g2", 5, max_tokens=10, grammar="5 6 7"),
+          make_request("plain", 5, max_tokens=5))
+    h.runner.force[("g1", 1)] = 9  # the grammar wants 6
+    h.run()
+    assert h.finish_reason("g1") == "error" and h.outputs["g1"][-1].error
+    assert h.tokens["g1"] == [5]
+    assert h.tokens["g2"] == [5, 6, 7, GRAMMAR_END] and h.finish_reason("g2") == "stop"
+    assert h.tokens["plain"] == expected("plain", 5)

@@ -1,0 +1,309 @@
+"""MultiprocExecutor: same tokens as the in-process executor, ordered futures, remote errors,
+fast failure when a worker dies, and a clean shutdown."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+PROMPTS = ["Hello world", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _params() -> list[SamplingParams]:
+    """Greedy for the first half of PROMPTS, seeded sampling for the second half."""
+    half = len(PROMPTS) // 2
+    seeded = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for i in range(half)
+    ]
+    return [GREEDY] * half + seeded
+
+
+# Functions sent to the workers (collective_rpc calls them as fn(worker, *args)).
+
+
+def _echo(worker: object, value: object) -> object:
+    return value
+
+
+def _pid(worker: object) -> int:
+    return os.getpid()
+
+
+def _sleep_on_rank(worker: object, rank: int, seconds: float) -> int:
+    if int(os.environ["RANK"]) == rank:
+        time.sleep(seconds)
+    return int(os.environ["RANK"])
+
+
+def _raise_value_error(worker: object, message: str) -> None:
+    raise ValueError(message)
+
+
+# Helpers that look for what a shutdown must not leave behind.
+
+
+def _child_pids() -> set[int]:
+    """Live child processes of this process, except the stdlib's resource tracker (started
+    once per interpreter by any spawn-context Process, and owned by multiprocessing)."""
+    me = str(os.getpid())
+    children: set[int] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        ppid = stat.rsplit(")", 1)[1].split()[1]
+        if ppid == me and b"resource_tracker" not in cmdline:
+            children.add(int(entry))
+    return children
+
+
+def _shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def _assert_nothing_left(
+    executor: MultiprocExecutor, children_before: set[int], shm_before: set[str]
+) -> None:
+    """After shutdown: exactly this executor's workers are gone (other executors of this
+    module may still run), and its socket directory and no new /dev/shm entry remain."""
+    workers = set(executor.worker_pids)
+    assert workers <= children_before
+    assert _child_pids() == children_before - workers
+    assert {p.pid for p in multiprocessing.active_children()} == children_before - workers
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}")
+    assert not os.path.exists(executor.ipc_dir)
+    assert _shm_entries() - shm_before == set()
+
+
+@pytest.fixture(scope="module")
+def shm_before() -> set[str]:
+    return _shm_entries()
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm_pair(request: pytest.FixtureRequest, shm_before: set[str]):
+    """(mp LLM, uni LLM) with the same options; one mp engine alive at a time."""
+    kwargs = dict(async_scheduling=request.param, max_num_seqs=8, max_model_len=256)
+    uni = LLM("demo-tiny", distributed_executor_backend="uni", **kwargs)
+    mp = LLM("demo-tiny", distributed_executor_backend="mp", **kwargs)
+    yield mp, uni
+    mp.shutdown()
+    uni.shutdown()
+
+
+def _executor(llm: LLM) -> MultiprocExecutor:
+    core: EngineCore = llm.llm_engine.engine_core
+    assert isinstance(core.model_executor, MultiprocExecutor)
+    return core.model_executor
+
+
+def _spy_sample_results(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[type]:
+    """Records the type of every sample_tokens result the engine receives from `llm`."""
+    executor = llm.llm_engine.engine_core.model_executor
+    original = executor.sample_tokens
+    seen: list[type] = []
+
+    def sample_tokens(grammar_output, non_block=False):
+        result = original(grammar_output, non_block)
+        if non_block:
+            result.add_done_callback(lambda f: seen.append(type(f.result())))
+        else:
+            seen.append(type(result))
+        return result
+
+    monkeypatch.setattr(executor, "sample_tokens", sample_tokens)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_same_tokens_as_uni(llm_pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    mp, uni = llm_pair
+    mp_types = _spy_sample_results(mp, monkeypatch)
+    uni_types = _spy_sample_results(uni, monkeypatch)
+    got = mp.generate(PROMPTS, _params(), use_tqdm=False)
+    want = uni.generate(PROMPTS, _params(), use_tqdm=False)
+    # The worker finishes async outputs itself: the engine only ever sees plain ones, while
+    # the in-process executor shows that the runner did return async ones.
+    assert mp_types and set(mp_types) == {ModelRunnerOutput}
+    async_scheduling = mp.llm_engine.vllm_config.scheduler_config.async_scheduling
+    assert any(issubclass(t, AsyncModelRunnerOutput) for t in uni_types) == async_scheduling
+    assert [len(o.outputs[0].token_ids) for o in got] == [MAX_TOKENS] * len(PROMPTS)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    # The seeded half really samples: it differs from the greedy continuation.
+    half = len(PROMPTS) // 2
+    greedy = uni.generate(PROMPTS[half:], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in greedy] != [o.outputs[0].token_ids for o in got[half:]]
+
+
+@pytest.mark.timeout(60)
+def test_non_block_futures_resolve_in_order(llm_pair: tuple[LLM, LLM]) -> None:
+    executor = _executor(llm_pair[0])
+    resolved: list[int] = []
+    futures = []
+    for i in range(40):
+        if i % 4 == 3:
+            future = executor.collective_rpc("determine_num_blocks", non_block=True)
+        else:
+            future = executor.collective_rpc(_echo, (i,), non_block=True)
+        future.add_done_callback(lambda _, i=i: resolved.append(i))
+        futures.append(future)
+    results = [f.result(timeout=30) for f in futures]
+    assert resolved == list(range(40))
+    blocks = executor.collective_rpc("determine_num_blocks")
+    assert results == [blocks if i % 4 == 3 else [i] for i in range(40)]
+
+
+@pytest.mark.timeout(60)
+def test_worker_exception_propagates(llm_pair: tuple[LLM, LLM]) -> None:
+    mp, uni = llm_pair
+    executor = _executor(mp)
+    with pytest.raises(ValueError, match="bad things in the worker") as info:
+        executor.collective_rpc(_raise_value_error, ("bad things in the worker",))
+    remote = str(info.value.__cause__)
+    assert "Traceback" in remote and "_raise_value_error" in remote
+    assert f"worker rank 0 (pid {executor.worker_pids[0]})" in "".join(info.value.__notes__)
+    with pytest.raises(AttributeError, match="no_such_method"):
+        executor.collective_rpc("no_such_method")
+    # The worker survives a failed call and still computes the same tokens.
+    executor.check_health()
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    got = mp.generate(PROMPTS[:2], params, use_tqdm=False)
+    want = uni.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_leaves_nothing(llm_pair: tuple[LLM, LLM], shm_before: set[str]) -> None:
+    mp, _ = llm_pair
+    executor = _executor(mp)
+    pids = executor.worker_pids
+    assert all(os.path.exists(f"/proc/{pid}") for pid in pids)
+    assert any(name.startswith("rpc-") for name in os.listdir(executor.ipc_dir))
+    children = _child_pids()
+    mp.shutdown()
+    _assert_nothing_left(executor, children, shm_before)
+    mp.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        executor.collective_rpc(_echo, (1,))
+
+
+@pytest.fixture(scope="module")
+def two_workers(shm_before: set[str]):
+    """A world-size-2 executor built straight from an engine config."""
+    config = EngineArgs(model="demo-tiny", distributed_executor_backend="mp").create_engine_config()
+    config.parallel_config = dataclasses.replace(config.parallel_config, world_size=2)
+    executor = MultiprocExecutor(config)
+    yield executor
+    executor.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_collective_rpc_gathers_every_rank(two_workers: MultiprocExecutor) -> None:
+    pids = two_workers.collective_rpc(_pid)
+    assert pids == two_workers.worker_pids
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert two_workers.collective_rpc(_pid, output_rank_only=True) == pids[0]
+
+
+@pytest.mark.timeout(60)
+def test_later_calls_wait_for_a_slow_rank(two_workers: MultiprocExecutor) -> None:
+    resolved: list[str] = []
+    slow = two_workers.collective_rpc(_sleep_on_rank, (1, 0.5), non_block=True)
+    # Rank 0 answers this at once, but it must not complete before the call in front of it.
+    fast = two_workers.collective_rpc(_echo, ("fast",), non_block=True, output_rank_only=True)
+    slow.add_done_callback(lambda _: resolved.append("slow"))
+    fast.add_done_callback(lambda _: resolved.append("fast"))
+    time.sleep(0.2)
+    assert not fast.done()
+    assert slow.result(timeout=30) == [0, 1]
+    assert fast.result(timeout=30) == "fast"
+    assert resolved == ["slow", "fast"]
+
+
+@pytest.mark.timeout(60)
+def test_killed_worker_fails_fast(two_workers: MultiprocExecutor, shm_before: set[str]) -> None:
+    children = _child_pids()
+    pending = two_workers.collective_rpc(_sleep_on_rank, (1, 30.0), non_block=True)
+    os.kill(two_workers.worker_pids[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 0 \(pid \d+\) died.*SIGKILL"):
+        pending.result(timeout=10)
+    with pytest.raises(RuntimeError, match="worker rank 0"):
+        two_workers.collective_rpc(_echo, (1,))
+    with pytest.raises(RuntimeError, match="SIGKILL"):
+        two_workers.check_health()
+    assert time.monotonic() - start < 5
+    # Shutdown stops the surviving rank (busy for 30 s) without waiting for it.
+    two_workers.shutdown()
+    assert time.monotonic() - start < 15
+    _assert_nothing_left(two_workers, children, shm_before)
+
+
+_ORPHAN_SCRIPT = """
+import json, os, signal
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+if __name__ == "__main__":
+    config = EngineArgs(model="demo-tiny", distributed_executor_backend="mp").create_engine_config()
+    executor = MultiprocExecutor(config)
+    print(json.dumps({"pids": executor.worker_pids, "ipc_dir": executor.ipc_dir}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _gone(pid: int) -> bool:
+    """True when the process no longer runs (absent, or a zombie its new parent has not reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.timeout(90)
+def test_workers_exit_when_the_engine_process_dies(tmp_path: Path) -> None:
+    import json
+
+    import vllm
+
+    root = Path(vllm.__file__).resolve().parent.parent
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=root, env=env, capture_output=True, text=True, timeout=80
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 10
+    while not all(_gone(pid) for pid in info["pids"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in info["pids"])
+    while os.path.exists(info["ipc_dir"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(info["ipc_dir"])

@@ -1,0 +1,263 @@
+"""StructuredOutputManager: background compiles, failures, timeouts, batch bitmasks, cleanup."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig, VllmConfig
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from .conftest import EOS_IDS, VOCAB_SIZE
+from .schemas import ALL_CASES
+from .walker import WalkVocab, allowed_token_ids, random_walk
+
+MAX_NUM_SEQS = 96
+
+
+def _config(demo_dir: Path, **structured: Any) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=str(demo_dir)),
+        scheduler_config=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
+        structured_outputs_config=StructuredOutputsConfig(**structured),
+    )
+
+
+@pytest.fixture(scope="module")
+def manager(demo_dir: Path, tokenizer: Any) -> StructuredOutputManager:
+    manager = StructuredOutputManager(_config(demo_dir), tokenizer)
+    yield manager
+    manager.shutdown()
+
+
+def _request(req_id: str, **constraint: Any) -> Request:
+    params = SamplingParams(
+        structured_outputs=StructuredOutputsParams(**constraint) if constraint else None
+    )
+    return Request(req_id, [1, 2, 3], params)
+
+
+def _wait(request: Request, timeout_s: float = 10.0, deadline_s: float = 60.0) -> bool:
+    """Polls like the scheduler until the grammar is ready (True) or failed (False)."""
+    so_req = request.structured_output_request
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if so_req.poll(timeout_s):
+            return True
+        if so_req.failed:
+            return False
+        time.sleep(0.002)
+    raise AssertionError(f"{request.request_id}: neither ready nor failed after {deadline_s} s")
+
+
+def test_compiles_in_background_and_clears(manager: StructuredOutputManager) -> None:
+    request = _request("bg", json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert request.status == RequestStatus.WAITING_FOR_FSM
+    live = manager.num_live_grammars
+    manager.grammar_init(request)
+    manager.grammar_init(request)  # a second call does not submit again
+    assert manager.num_live_grammars == live + 1
+    assert _wait(request)
+    assert request.structured_output_request.grammar is not None
+    manager.clear(request)
+    manager.clear(request)
+    assert manager.num_live_grammars == live
+    assert request.structured_output_request.grammar is None
+
+    plain = _request("plain")
+    manager.grammar_init(plain)
+    manager.clear(plain)
+    assert manager.num_live_grammars == live
+
+
+def test_compile_error_fails_only_that_request(manager: StructuredOutputManager) -> None:
+    bad = _request("bad", json={"type": "object", "properties": {"x": {"type": "foo"}}})
+    good = _request("good", regex="[0-9]{3}")
+    manager.grammar_init(bad)
+    manager.grammar_init(good)
+    assert not _wait(bad)
+    assert _wait(good)
+    error = bad.structured_output_request.error
+    assert error.startswith("structured_outputs.json") and "foo" in error
+    assert bad.structured_output_request.failed and bad.structured_output_request.grammar is None
+    manager.clear(bad)
+    manager.clear(good)
+
+
+def test_compile_timeout_fails_only_that_request(
+    manager: StructuredOutputManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = manager.backend
+    compile_grammar = backend.compile_grammar
+
+    def slow_for_one(params: StructuredOutputsParams) -> Any:
+        if params.regex == "slow":
+            time.sleep(0.6)
+        return compile_grammar(params)
+
+    monkeypatch.setattr(backend, "compile_grammar", slow_for_one)
+    slow = _request("slow", regex="slow")
+    fast = _request("fast", choice=["x", "y"])
+    manager.grammar_init(slow)
+    manager.grammar_init(fast)
+    assert not _wait(slow, timeout_s=0.1)
+    assert "took longer than 0.1 s" in slow.structured_output_request.error
+    assert _wait(fast, timeout_s=0.1)
+    time.sleep(0.7)  # the abandoned compile finishes; its result must not revive the request
+    assert not slow.structured_output_request.poll(0.1)
+    assert slow.structured_output_request.grammar is None
+    manager.clear(slow)
+    manager.clear(fast)
+
+
+def test_batch_bitmask_matches_fresh_replays(
+    manager: StructuredOutputManager, walk_vocab: WalkVocab
+) -> None:
+    rng = np.random.default_rng(7)
+    requests: dict[str, Request] = {}
+    histories: dict[str, list[int]] = {}
+    for i in range(MAX_NUM_SEQS):
+        case = ALL_CASES[(i * 7) % len(ALL_CASES)]
+        request = _request(f"r{i}", **case.params)
+        requests[request.request_id] = request
+        manager.grammar_init(request)
+    for req_id, request in requests.items():
+        assert _wait(request), request.structured_output_request.error
+        grammar = request.structured_output_request.grammar
+        # Advance some requests to the end (terminated) and others part of the way.
+        tokens, _ = random_walk(
+            grammar,
+            walk_vocab,
+            rng,
+            max_steps=int(rng.integers(0, 6)) if rng.random() < 0.8 else 600,
+        )
+        histories[req_id] = tokens
+    assert any(r.structured_output_request.grammar.is_terminated() for r in requests.values())
+
+    order = list(requests)
+    rng.shuffle(order)
+    # With 64 or more live grammars the fill is multi-threaded; 20 rows take the serial path.
+    assert (
+        sum(not r.structured_output_request.grammar.is_terminated() for r in requests.values())
+        >= 64
+    )
+    for ids in (order, order[:20]):
+        bitmask = manager.grammar_bitmask(requests, ids)
+        assert bitmask.shape == (len(ids), (VOCAB_SIZE + 31) // 32)
+        assert bitmask.dtype == np.int32
+        for row, req_id in enumerate(ids):
+            grammar = requests[req_id].structured_output_request.grammar
+            if grammar.is_terminated():
+                assert (bitmask[row] == -1).all()
+                continue
+            params = requests[req_id].sampling_params.structured_outputs
+            fresh = manager.backend.compile_grammar(params)
+            assert fresh.accept_tokens("replay", histories[req_id])
+            expected = np.zeros((1, bitmask.shape[1]), dtype=np.int32)
+            fresh.fill_bitmask(expected, 0)
+            assert np.array_equal(bitmask[row], expected[0]), req_id
+            assert len(allowed_token_ids(bitmask[row], VOCAB_SIZE)) > 0
+    for request in requests.values():
+        manager.clear(request)
+
+
+def test_bitmask_buffers_rotate(manager: StructuredOutputManager) -> None:
+    request = _request("rot", choice=["a", "b"])
+    manager.grammar_init(request)
+    assert _wait(request)
+    reqs = {"rot": request}
+    first = manager.grammar_bitmask(reqs, ["rot"])
+    snapshot = first.copy()
+    second = manager.grammar_bitmask(reqs, ["rot"])
+    # Default (sync) config: the previous result stays intact through one more call.
+    assert not np.shares_memory(first, second)
+    assert np.array_equal(first, snapshot)
+    assert manager.grammar_bitmask(reqs, []).shape == (0, first.shape[1])
+    manager.clear(request)
+
+
+def test_bitmask_rejects_bad_input(manager: StructuredOutputManager) -> None:
+    pending = _request("pending", regex="a+")
+    with pytest.raises(ValueError, match="no ready grammar"):
+        manager.grammar_bitmask({"pending": pending}, ["pending"])
+    with pytest.raises(ValueError, match="no ready grammar"):
+        manager.grammar_bitmask({}, ["missing"])
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        manager.grammar_bitmask({}, [f"x{i}" for i in range(MAX_NUM_SEQS + 1)])
+
+
+def test_validate_then_engine_compile_hits_the_cache(manager: StructuredOutputManager) -> None:
+    schema = {"type": "object", "properties": {"unique_to_validate": {"type": "boolean"}}}
+    cache = manager.backend.compiler
+    before = cache.get_cache_size_bytes()
+    manager.validate(StructuredOutputsParams(json=schema))
+    after_validate = cache.get_cache_size_bytes()
+    assert after_validate > before  # a new schema is compiled and cached
+    request = _request("cached", json=schema)
+    manager.grammar_init(request)
+    assert _wait(request)
+    assert cache.get_cache_size_bytes() == after_validate
+    manager.clear(request)
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        manager.validate(StructuredOutputsParams(regex="(a"))
+
+
+def test_engine_option_and_shutdown(demo_dir: Path, tokenizer: Any) -> None:
+    manager = StructuredOutputManager(_config(demo_dir, disable_any_whitespace=True), tokenizer)
+    done = _request("done", json={"type": "object"})
+    manager.grammar_init(done)
+    assert _wait(done)
+    # The engine-wide option makes JSON compact.
+    grammar = done.structured_output_request.grammar
+    assert grammar.accept_tokens("done", tokenizer.encode("{", add_special_tokens=False))
+    bitmask = manager.grammar_bitmask({"done": done}, ["done"])
+    assert not {220, 198, 197} & set(allowed_token_ids(bitmask[0], VOCAB_SIZE).tolist())
+    queued = [
+        _request(f"q{i}", json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}})
+        for i in range(6)
+    ]
+    for request in queued:
+        manager.grammar_init(request)
+    manager.shutdown()
+    assert manager.num_live_grammars == 0
+    assert done.structured_output_request.grammar is None
+    with pytest.raises(RuntimeError, match="shutdown"):
+        manager.grammar_init(_request("late", regex="a"))
+
+
+def test_without_tokenizer_requests_fail_cleanly(demo_dir: Path) -> None:
+    manager = StructuredOutputManager(_config(demo_dir), tokenizer=None)
+    request = _request("notok", regex="a")
+    manager.grammar_init(request)
+    assert not _wait(request)
+    assert "no tokenizer" in request.structured_output_request.error
+    with pytest.raises(ValueError, match="no tokenizer"):
+        manager.validate(StructuredOutputsParams(regex="a"))
+    manager.clear(request)
+    assert manager.num_live_grammars == 0
+    manager.shutdown()
+
+
+def test_importing_the_manager_does_not_import_xgrammar() -> None:
+    code = (
+        "import sys\n"
+        "import vllm.v1.structured_output, vllm.v1.structured_output.request\n"
+        "print('xgrammar' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[3],
+        timeout=120,
+    )
+    assert out.stdout.strip() == "False", out.stderr

@@ -1,0 +1,114 @@
+"""`vllm serve [MODEL]`: the OpenAI-compatible server over an engine-core process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from vllm.entrypoints.cli.types import CLISubcommand
+
+
+class ServeSubcommand(CLISubcommand):
+    """Starts the engine process and the HTTP server; Ctrl-C or SIGTERM stops both."""
+
+    name = "serve"
+
+    def subparser_init(self, subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+        from vllm.engine.arg_utils import EngineArgs
+
+        parser = subparsers.add_parser(
+            "serve",
+            help="Start the OpenAI-compatible API server.",
+            description="Start the OpenAI-compatible API server. With no MODEL, serves the "
+            "built-in demo model.",
+            usage="vllm serve [MODEL] [options]",
+        )
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                            help="Model directory, or 'demo' / 'demo-tiny' (default: demo).")
+        parser.add_argument("--model", dest="model", default=None,
+                            help="Same as the positional MODEL.")
+        parser.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
+        parser.add_argument("--port", type=int, default=8000, help="Port (0 picks a free one).")
+        parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                            help="Require 'Authorization: Bearer KEY' on /v1 routes "
+                            "(default: $VLLM_API_KEY).")
+        parser.add_argument("--uvicorn-log-level", default="info",
+                            choices=["critical", "error", "warning", "info", "debug", "trace"],
+                            help="uvicorn's log level.")
+        parser.add_argument("--disable-log-requests", action="store_true",
+                            help="Do not log each request.")
+        EngineArgs.add_cli_args(parser)
+        return parser
+
+    def cmd(self, args: argparse.Namespace) -> int:
+        return run_serve(args)
+
+
+def cmd_init() -> list[CLISubcommand]:
+    return [ServeSubcommand()]
+
+
+def _sigterm_to_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Runs `vllm serve`; returns 0 after a clean shutdown, non-zero when startup fails."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    # SIGTERM shuts down like Ctrl-C: engine process stopped, nothing left behind.
+    signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    from vllm.engine.arg_utils import EngineArgs
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        print(f"error: MODEL {args.model_tag!r} and --model {args.model!r} disagree",
+              file=sys.stderr)
+        return 2
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.model = args.model_tag or args.model
+    try:
+        config = engine_args.create_engine_config()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from vllm.entrypoints.openai.api_server import ServerOptions, bind_socket, run_server
+    from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.prometheus import PrometheusMetrics
+
+    options = ServerOptions(args.host, args.port, args.api_key, args.uvicorn_log_level)
+    try:
+        sock = bind_socket(options.host, options.port)
+    except OSError as e:
+        print(f"error: cannot listen on {options.host or '0.0.0.0'}:{options.port}: {e}",
+              file=sys.stderr)
+        return 1
+    model_config = config.model_config
+    name = model_config.served_model_name
+    try:
+        metrics = PrometheusMetrics(name)
+        engine = AsyncLLM(config, log_requests=not args.disable_log_requests, metrics=metrics)
+    except (ValueError, RuntimeError) as e:
+        sock.close()
+        print(f"error: the engine failed to start: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sock.close()
+        return 0
+    host, port = sock.getsockname()[:2]
+    print(
+        f"vLLM API server listening on http://{host}:{port} serving model '{name}' "
+        f"({model_config.model_dir}, max_model_len {model_config.max_model_len}, "
+        f"engine core pid {engine.engine_core.pid})",
+        flush=True,
+    )
+    models = OpenAIServingModels([name], str(model_config.model_dir), model_config.max_model_len)
+    try:
+        run_server(engine, models, metrics, sock, options)
+    except KeyboardInterrupt:
+        pass
+    print("vLLM API server shut down", flush=True)
+    return 0

@@ -1,0 +1,179 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over an AsyncLLM, run by uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from vllm import __version__
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import error_response, json_response, parse_request
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.prometheus import PrometheusMetrics
+
+logger = logging.getLogger(__name__)
+
+# Seconds uvicorn waits for open responses after Ctrl-C before closing them.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+@dataclass
+class ServerOptions:
+    """How the HTTP side of `vllm serve` runs."""
+
+    host: str | None = None
+    port: int = 8000
+    api_key: str | None = None
+    uvicorn_log_level: str = "info"
+
+
+class APIKeyMiddleware:
+    """Rejects every /v1 request without `Authorization: Bearer <api key>` (401)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = b""
+            for name, value in scope.get("headers", ()):
+                if name == b"authorization":
+                    given = value
+                    break
+            if not hmac.compare_digest(given, self._expected):
+                response = error_response(
+                    "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
+                    401,
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: AsyncLLM,
+    models: OpenAIServingModels,
+    metrics: PrometheusMetrics | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine`. The app's lifespan shuts the engine down at exit."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__, lifespan=lifespan)
+    completion = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_healthy:
+            return Response(status_code=200)
+        return error_response(f"The engine is not available: {engine.dead_reason}", 503)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        body = metrics.render() if metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response(models.show_available_models())
+
+    @app.post("/v1/completions")
+    async def create_completion(raw_request: Request) -> Response:
+        request = await parse_request(raw_request, CompletionRequest)
+        if isinstance(request, Response):
+            return request
+        return await completion.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw_request: Request) -> Response:
+        request = await parse_request(raw_request, ChatCompletionRequest)
+        if isinstance(request, Response):
+            return request
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error")
+        return error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def bind_socket(host: str | None, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free one.
+
+    Raises OSError (e.g. the port is in use) before anything expensive starts.
+    """
+    host = host or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve_http(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
+    """Serves `app` on `sock` until SIGINT/SIGTERM (uvicorn re-raises the signal after its
+    graceful shutdown)."""
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=5,
+    )
+    server = uvicorn.Server(config)
+    await server.serve(sockets=[sock])
+
+
+def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: PrometheusMetrics,
+               sock: socket.socket, options: ServerOptions) -> None:
+    """Runs the HTTP server in this thread until a signal stops it; always shuts the engine down.
+
+    KeyboardInterrupt (Ctrl-C, or SIGTERM as the CLI maps it) propagates after the cleanup.
+    """
+    app = build_app(engine, models, metrics, options.api_key)
+    try:
+        asyncio.run(serve_http(app, sock, options.uvicorn_log_level))
+    finally:
+        engine.shutdown()
+        sock.close()

@@ -1,0 +1,240 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    PromptTokensDetails,
+    UsageInfo,
+    random_id,
+)
+from vllm.entrypoints.openai.serving_engine import (
+    ClientDisconnected,
+    OpenAIServing,
+    cancel_on_disconnect,
+    error_body,
+    error_response,
+    error_status,
+    finish_error,
+    finite,
+    json_response,
+    merge_streams,
+    value_error_response,
+)
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.v1.engine.async_llm import EngineDeadError, RequestStream
+
+
+def normalize_prompts(prompt: Any) -> list[str | list[int]]:
+    """The list of prompts in a completion request. Raises ValueError if it is empty."""
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise ValueError("prompt: must not be empty")
+    return prompts
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Runs completion requests on the engine; streams them as server-sent events."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        """The HTTP response of one completion request (errors in OpenAI's shape)."""
+        model = self.check_model(request)
+        if isinstance(model, JSONResponse):
+            return model
+        if (dead := self.engine_dead_response()) is not None:
+            return dead
+        try:
+            if request.suffix:
+                raise ValueError("suffix: is not supported")
+            if request.best_of is not None and request.best_of != request.n:
+                raise ValueError("best_of: only best_of == n is supported")
+            prompts = normalize_prompts(request.prompt)
+            params = self.sampling_params(request, request.max_tokens, request.logprobs)
+            request_id = request.request_id or random_id("cmpl")
+            streams = await self.add_requests(request_id, prompts, params, delta=request.stream)
+        except ValueError as e:
+            return value_error_response(e)
+        except EngineDeadError as e:
+            return error_response(f"The engine is not available: {e}", 503)
+        created = int(time.time())
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, streams, request_id, created, model),
+                media_type="text/event-stream",
+            )
+        try:
+            finals = await cancel_on_disconnect(self._collect(streams), raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except EngineDeadError as e:
+            return error_response(f"The engine is not available: {e}", 503)
+        if (message := finish_error(finals)) is not None:
+            return error_response(message, error_status(message))
+        return json_response(self._response(request, finals, request_id, created, model))
+
+    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+        return [f for f in finals if f is not None]
+
+    def _response(
+        self,
+        request: CompletionRequest,
+        finals: list[RequestOutput],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> CompletionResponse:
+        choices = []
+        num_prompt = num_generated = num_cached = 0
+        for p, final in enumerate(finals):
+            num_prompt += len(final.prompt_token_ids)
+            num_cached += final.num_cached_tokens
+            prompt_text = self._prompt_text(final) if request.echo else ""
+            for c in final.outputs:
+                num_generated += len(c.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(c, request, len(prompt_text))
+                choices.append(
+                    CompletionChoice(
+                        index=p * request.n + c.index,
+                        text=prompt_text + c.text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=_usage(num_prompt, num_generated, num_cached),
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        streams: list[RequestStream],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[str]:
+        n = request.n
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
+        offsets: dict[int, int] = {}
+        echoed: set[int] = set()
+        prompt_counts: dict[int, int] = {}
+        cached_counts: dict[int, int] = {}
+        num_generated = 0
+        try:
+            async for p, out in merge_streams(streams):
+                if p not in prompt_counts:
+                    prompt_counts[p] = len(out.prompt_token_ids)
+                cached_counts[p] = out.num_cached_tokens
+                if (message := finish_error([out])) is not None:
+                    yield _sse(error_body(message, error_status(message)).model_dump_json())
+                    yield "data: [DONE]\n\n"
+                    return
+                choices = []
+                for c in out.outputs:
+                    index = p * n + c.index
+                    num_generated += len(c.token_ids)
+                    text = c.text
+                    if request.echo and index not in echoed:
+                        echoed.add(index)
+                        text = self._prompt_text(out) + text
+                        offsets[index] = len(text) - len(c.text)
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self._logprobs(c, request, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + sum(
+                            len(t) for t in logprobs.tokens
+                        )
+                    if not text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    choices.append(
+                        CompletionChoice(
+                            index=index,
+                            text=text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+                if not choices:
+                    continue
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=choices
+                )
+                if continuous:
+                    chunk.usage = _usage(
+                        sum(prompt_counts.values()), num_generated, sum(cached_counts.values())
+                    )
+                yield _sse(chunk.model_dump_json())
+            if include_usage:
+                chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[],
+                    usage=_usage(
+                        sum(prompt_counts.values()), num_generated, sum(cached_counts.values())
+                    ),
+                )
+                yield _sse(chunk.model_dump_json())
+        except EngineDeadError as e:
+            yield _sse(error_body(f"The engine is not available: {e}", 503).model_dump_json())
+        yield "data: [DONE]\n\n"
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def _logprobs(
+        self, c: CompletionOutput, request: CompletionRequest, start_offset: int
+    ) -> CompletionLogProbs:
+        k = request.logprobs or 0
+        as_ids = request.return_tokens_as_token_ids
+        result = CompletionLogProbs()
+        offset = start_offset
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
+            token = self.token_text(token_id, as_ids)
+            result.tokens.append(token)
+            result.token_logprobs.append(finite(entry.get(token_id)))
+            result.text_offset.append(offset)
+            offset += len(token)
+            top = self.top_logprobs(entry, k)
+            result.top_logprobs.append({self.token_text(t, as_ids): lp for t, lp in top})
+        return result
+
+
+def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_generated,
+        total_tokens=num_prompt + num_generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached) if num_cached else None,
+    )
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"

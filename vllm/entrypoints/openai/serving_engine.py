@@ -1,0 +1,348 @@
+"""What the completion and chat handlers share: request parsing, errors, sampling
+parameters, structured-output options, logprob formatting and client-disconnect handling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vllm.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIBaseModel,
+    SamplingRequestFields,
+)
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+
+T = TypeVar("T", bound=OpenAIBaseModel)
+
+_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+def error_response(
+    message: str, status: int = 400, param: str | None = None, err_type: str | None = None
+) -> JSONResponse:
+    """A JSON error in OpenAI's shape with the given HTTP status."""
+    body = error_body(message, status, param, err_type)
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def error_body(
+    message: str, status: int = 400, param: str | None = None, err_type: str | None = None
+) -> ErrorResponse:
+    """The ErrorResponse model of an error."""
+    if err_type is None:
+        err_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
+
+
+def value_error_response(e: ValueError) -> JSONResponse:
+    """400 for a ValueError whose message starts with the offending field ("max_tokens: ...")."""
+    message = str(e) or type(e).__name__
+    m = _FIELD_PREFIX.match(message)
+    return error_response(message, 400, param=m.group(1) if m else None)
+
+
+async def parse_request(raw_request: Request, model_cls: type[T]) -> T | JSONResponse:
+    """Reads and validates a JSON body; returns the model or a 400 error response."""
+    body = await raw_request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error_response(f"Invalid JSON body: {e}", 400)
+    if not isinstance(data, dict):
+        return error_response("Invalid request body: expected a JSON object", 400)
+    try:
+        return model_cls.model_validate(data)
+    except pydantic.ValidationError as e:
+        errors = e.errors()
+        locs = [".".join(map(str, err.get("loc", ()))) for err in errors]
+        parts = [f"{loc or 'body'}: {err['msg']}" for loc, err in zip(locs, errors)]
+        return error_response("; ".join(parts[:5]), 400, param=locs[0] or None)
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers."""
+
+    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels) -> None:
+        self.engine = engine
+        self.models = models
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.model_config.max_model_len
+        self._token_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ checks
+
+    def check_model(self, request: SamplingRequestFields) -> str | JSONResponse:
+        """The served name to report, or a 404 error for an unknown model."""
+        name = self.models.resolve(request.model)
+        if name is None:
+            return error_response(
+                f"The model `{request.model}` does not exist.", 404, param="model"
+            )
+        return name
+
+    def engine_dead_response(self) -> JSONResponse | None:
+        """503 when the engine process is gone, else None."""
+        if self.engine.errored:
+            return error_response(
+                f"The engine is not available: {self.engine.dead_reason}", 503
+            )
+        return None
+
+    # ------------------------------------------------------------------ parameters
+
+    def sampling_params(
+        self,
+        request: SamplingRequestFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        """SamplingParams of a request. Raises ValueError naming the bad field."""
+        if request.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern: is not supported")
+        if getattr(request, "logit_bias", None):
+            raise ValueError("logit_bias: is not supported")
+        return SamplingParams(
+            n=request.n,
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=0 if request.top_k is None else request.top_k,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            seed=request.seed,
+            presence_penalty=request.presence_penalty or 0.0,
+            frequency_penalty=request.frequency_penalty or 0.0,
+            repetition_penalty=(
+                1.0 if request.repetition_penalty is None else request.repetition_penalty
+            ),
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            structured_outputs=structured_outputs_params(request),
+        )
+
+    # ------------------------------------------------------------------ running
+
+    async def add_requests(
+        self, request_id: str, prompts: list[Any], params: SamplingParams, delta: bool
+    ) -> list[RequestStream]:
+        """Admits one engine request per prompt. On any error, aborts the ones admitted and
+        re-raises (ValueError: bad input; EngineDeadError: no engine)."""
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, prompt, params, delta=delta))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        return streams
+
+    # ------------------------------------------------------------------ logprobs
+
+    def token_text(self, token_id: int, as_id: bool = False) -> str:
+        """The text of one token as logprobs show it (special tokens included), or
+        `token_id:<id>` with `as_id`."""
+        if as_id:
+            return f"token_id:{token_id}"
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 1_000_000:
+                self._token_text[token_id] = text
+        return text
+
+    def top_logprobs(self, entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+        """The k most likely tokens of one position, most likely first (logprobs finite)."""
+        if k <= 0:
+            return []
+        return [(t, finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:k]]
+
+
+def finite(logprob: float | None) -> float | None:
+    """A logprob JSON can carry: -inf (a masked token) becomes -9999.0, as OpenAI reports it."""
+    if logprob is None:
+        return None
+    if logprob != logprob or logprob < -9999.0:
+        return -9999.0
+    return logprob
+
+
+def json_response(model: Any, status: int = 200) -> Response:
+    """A pydantic response model as a JSON response."""
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutputsParams | None:
+    """Gathers the one output constraint of a request from every surface that can give it:
+    response_format, the extra-body structured_outputs object, and the guided_* fields.
+
+    Raises ValueError when two are given or one is malformed.
+    """
+    found: list[tuple[str, str, Any]] = []  # (where, constraint, value)
+    options: dict[str, Any] = {}
+    rf = request.response_format
+    if rf is not None:
+        if rf.type == "json_schema":
+            schema = rf.json_schema.json_schema if rf.json_schema is not None else None
+            if schema is None:
+                raise ValueError(
+                    "response_format.json_schema: a JSON schema object ('schema') is required"
+                )
+            found.append(("response_format", "json", schema))
+        elif rf.type == "json_object":
+            found.append(("response_format", "json_object", True))
+        elif rf.type == "structural_tag":
+            found.append(("response_format", "structural_tag", rf.model_dump(exclude_none=True)))
+    so = request.structured_outputs
+    if so is not None:
+        data = so.model_dump(by_alias=True)
+        for key in ("disable_any_whitespace", "disable_additional_properties"):
+            options[key] = data.pop(key)
+        for key, value in data.items():
+            if value is not None and value is not False:
+                found.append(("structured_outputs", key, value))
+        if not any(where == "structured_outputs" for where, _, _ in found):
+            raise ValueError(
+                "structured_outputs: exactly one of json, json_object, regex, choice, grammar, "
+                "structural_tag must be set, got none"
+            )
+    for field, key in (
+        ("guided_json", "json"),
+        ("guided_regex", "regex"),
+        ("guided_choice", "choice"),
+        ("guided_grammar", "grammar"),
+    ):
+        value = getattr(request, field)
+        if value is not None:
+            found.append((field, key, value))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(
+            where if where.startswith("guided_") else f"{where}.{key}" for where, key, _ in found
+        )
+        raise ValueError(f"structured_outputs: only one output constraint may be given, got {names}")
+    _, key, value = found[0]
+    return StructuredOutputsParams(**{key: value}, **options)
+
+
+async def cancel_on_disconnect(awaitable: Awaitable[T], raw_request: Request) -> T:
+    """Awaits `awaitable`, cancelling it if the HTTP client disconnects first.
+
+    Raises ClientDisconnected in that case (cancellation aborts the engine requests).
+    """
+    task = asyncio.ensure_future(awaitable)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected()
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (stream index, output) from several streams as outputs arrive.
+
+    Errors of any stream are raised here; leaving early aborts every stream.
+    """
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].abort()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def finish_error(outputs: list[RequestOutput]) -> str | None:
+    """The error message of the first sequence that ended with finish reason 'error'."""
+    for out in outputs:
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                return c.error or "the request failed in the engine"
+    return None
+
+
+def error_status(message: str) -> int:
+    """400 for failures caused by the request's constraint, else 500."""
+    return 400 if message.startswith("structured_outputs") else 500

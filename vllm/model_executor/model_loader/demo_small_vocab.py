@@ -1,0 +1,171 @@
+"""Demo models with a reduced Qwen vocabulary, for overhead-bound benchmarks on a CPU.
+
+With Qwen's full vocabulary the LM head dominates a tiny model's step on a CPU, so engine
+overheads (scheduling, bitmasks, detokenizing) hide behind it. These models keep a tiny Qwen3
+body but only the first `num_base_tokens` BPE ranks of Qwen's vocabulary plus its 26 added
+tokens, which makes a step cheap enough that the engine's CPU time matters, as on a GPU.
+Built once and cached next to the other demo models.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vllm.model_executor.model_loader.demo_model import (
+    DEMO_MODELS,
+    EOS_TOKEN,
+    INIT_STD,
+    NORM_NOISE,
+    PAD_TOKEN,
+    DemoModelSpec,
+    hf_config,
+    model_dir,
+    tokenizer_config,
+    weight_shapes,
+)
+from vllm.transformers_utils.qwen_vocab import ADDED_TOKENS, build_tokenizer, load_ranks
+
+
+@dataclass(frozen=True)
+class SmallVocabSpec:
+    """A demo Qwen3 body plus how many of Qwen's BPE ranks its vocabulary keeps."""
+
+    body: DemoModelSpec
+    num_base_tokens: int
+    # Embedding rows; at least num_base_tokens + the added tokens (padded, like Qwen's).
+    vocab_size: int
+
+    @property
+    def eos_token_id(self) -> int:
+        """Id of `<|im_end|>`."""
+        return self.num_base_tokens + _added_index(EOS_TOKEN)
+
+    @property
+    def pad_token_id(self) -> int:
+        """Id of `<|endoftext|>`."""
+        return self.num_base_tokens + _added_index(PAD_TOKEN)
+
+
+SMALL_VOCAB_MODELS: dict[str, SmallVocabSpec] = {
+    "demo-small-vocab": SmallVocabSpec(
+        body=DEMO_MODELS["demo-tiny"], num_base_tokens=8192, vocab_size=8256
+    ),
+}
+
+
+def _added_index(content: str) -> int:
+    return [c for c, _ in ADDED_TOKENS].index(content)
+
+
+def build_small_vocab_model(
+    name: str = "demo-small-vocab", cache_root: Path | None = None
+) -> Path:
+    """Return the directory of reduced-vocabulary demo model `name`, building it on first use.
+
+    Safe when several processes build at once (the first atomic rename wins). Raises
+    ValueError for an unknown name, OSError if the cache cannot be written.
+    """
+    spec = SMALL_VOCAB_MODELS.get(name)
+    if spec is None:
+        known = ", ".join(SMALL_VOCAB_MODELS)
+        raise ValueError(f"model: {name!r} is not a reduced-vocabulary demo model (known: {known})")
+    final = model_dir(name, cache_root)
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    try:
+        write_model(tmp, spec)
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            # Another process finished first; its directory is as good as ours.
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not final.is_dir():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def resolve(model: str | None, cache_root: Path | None = None) -> Path | None:
+    """Return the built directory if `model` names a reduced-vocabulary demo model, else None."""
+    if model in SMALL_VOCAB_MODELS:
+        return build_small_vocab_model(model, cache_root)
+    return None
+
+
+def small_hf_config(spec: SmallVocabSpec) -> dict:
+    """Return `config.json` contents: the body's Qwen3 config with the reduced vocabulary."""
+    config = hf_config(spec.body)
+    config.update(
+        vocab_size=spec.vocab_size,
+        eos_token_id=spec.eos_token_id,
+        pad_token_id=spec.pad_token_id,
+    )
+    return config
+
+
+def small_tokenizer_config(spec: SmallVocabSpec) -> dict:
+    """Return `tokenizer_config.json` contents with the added tokens at their reduced ids."""
+    config = tokenizer_config()
+    config["added_tokens_decoder"] = {
+        str(spec.num_base_tokens + i): entry
+        for i, entry in enumerate(config["added_tokens_decoder"].values())
+    }
+    return config
+
+
+def random_weights(spec: SmallVocabSpec) -> dict[str, torch.Tensor]:
+    """Return seeded random float32 weights: N(0, 0.02) matrices, norms near 1."""
+    shapes = weight_shapes(spec.body)
+    shapes["model.embed_tokens.weight"] = (spec.vocab_size, spec.body.hidden_size)
+    gen = torch.Generator().manual_seed(spec.body.seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+        weights[name] = 1.0 + NORM_NOISE * noise if len(shape) == 1 else INIT_STD * noise
+    return weights
+
+
+def write_model(path: Path, spec: SmallVocabSpec) -> None:
+    """Write every file of a reduced-vocabulary model into the existing directory `path`.
+
+    Raises ValueError if the spec's vocabulary does not fit, OSError on write failures.
+    """
+    from safetensors.torch import save_file
+
+    needed = spec.num_base_tokens + len(ADDED_TOKENS)
+    if spec.vocab_size < needed:
+        raise ValueError(f"vocab_size: {spec.vocab_size} is below the {needed} tokens it must hold")
+    ranks = {tok: rank for tok, rank in load_ranks().items() if rank < spec.num_base_tokens}
+    if len(ranks) != spec.num_base_tokens:
+        raise ValueError(f"num_base_tokens: Qwen's vocabulary has only {len(ranks)} ranks")
+    (path / "tokenizer.json").write_text(build_tokenizer(ranks).to_str(pretty=True), "utf-8")
+    _write_json(path / "config.json", small_hf_config(spec))
+    _write_json(
+        path / "generation_config.json",
+        {
+            "bos_token_id": None,
+            "eos_token_id": [spec.eos_token_id, spec.pad_token_id],
+            "pad_token_id": spec.pad_token_id,
+            "do_sample": False,
+        },
+    )
+    _write_json(path / "tokenizer_config.json", small_tokenizer_config(spec))
+    save_file(random_weights(spec), str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False)
+        f.write("\n")

@@ -1,0 +1,180 @@
+"""The worker process of MultiprocExecutor: receives RPCs in order, runs them on a Worker, and
+sends results back from a separate output thread."""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.v1.executor import mp_queue
+from vllm.v1.executor.mp_queue import RemoteError
+from vllm.v1.outputs import AsyncModelRunnerOutput
+
+# Exit code of a worker whose output thread failed (responses can no longer be sent).
+_OUTPUT_THREAD_FAILED = 70
+# How long a closing worker keeps trying to deliver its last responses.
+_LINGER_MS = 2000
+
+
+@dataclass
+class WorkerProcSpec:
+    """Everything a worker process needs to start (pickled into the spawned process)."""
+
+    # This worker's rank, 0..world_size-1.
+    rank: int
+    # Number of worker processes.
+    world_size: int
+    # The rank whose results answer calls that only need one reply.
+    output_rank: int
+    # The engine configuration the Worker is built from.
+    vllm_config: VllmConfig
+    # ZMQ address this worker binds to receive RPCs (the executor connects to it).
+    rpc_address: str
+    # ZMQ address of the executor's response socket (this worker connects to it).
+    response_address: str
+    # The executor's socket directory: the output rank removes it if the engine process dies
+    # (nobody else is left to).
+    ipc_dir: str
+
+
+class _OutputThread:
+    """Sends responses in the order they are queued; finishes async model outputs first.
+
+    Owns the response socket (ZMQ sockets are not thread-safe), so every response, including
+    the main loop's, goes through it; this also keeps them in call order.
+    """
+
+    def __init__(self, sock: zmq.Socket, rank: int) -> None:
+        self._sock = sock
+        self._rank = rank
+        self._queue: queue.SimpleQueue[tuple[int, int, Any] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"vllm-worker{rank}-output", daemon=True)
+        self._thread.start()
+
+    def put(self, call_id: int, kind: int, value: Any) -> None:
+        """Queues one response."""
+        self._queue.put((call_id, kind, value))
+
+    def stop(self) -> None:
+        """Sends what is queued, then stops the thread."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                self._send(*item)
+        except BaseException:
+            # Without this thread the executor would wait forever for replies: dying makes the
+            # executor notice at once.
+            traceback.print_exc()
+            os._exit(_OUTPUT_THREAD_FAILED)
+
+    def _send(self, call_id: int, kind: int, value: Any) -> None:
+        if kind == mp_queue.OK and isinstance(value, AsyncModelRunnerOutput):
+            try:
+                value = value.get_output()
+            except Exception as exc:
+                kind, value = mp_queue.ERROR, RemoteError.capture(exc)
+        header = (self._rank, call_id, kind)
+        try:
+            mp_queue.send(self._sock, header, value)
+        except zmq.ZMQError:
+            raise
+        except Exception as exc:
+            # The result did not pickle: the caller gets that error instead of a reply.
+            mp_queue.send(self._sock, (self._rank, call_id, mp_queue.ERROR), RemoteError.capture(exc))
+
+
+def _resolve(worker: Any, method: str | Callable[..., Any]) -> Callable[..., Any]:
+    if isinstance(method, str):
+        return getattr(worker, method)
+    return lambda *args: method(worker, *args)
+
+
+def _serve(
+    worker: Any, spec: WorkerProcSpec, rpc: zmq.Socket, death_fd: int, out: _OutputThread
+) -> bool:
+    """Runs RPCs in arrival order. Returns True when told to shut down, False when the
+    engine process is gone (its end of the death pipe closed without a shutdown call)."""
+    poller = zmq.Poller()
+    poller.register(rpc, zmq.POLLIN)
+    poller.register(death_fd, zmq.POLLIN)
+    while True:
+        try:
+            # Under async scheduling the next call is usually queued already: skip the poll.
+            header, frames = mp_queue.recv(rpc, zmq.NOBLOCK)
+        except zmq.Again:
+            events = dict(poller.poll())
+            if death_fd in events:
+                return False
+            continue
+        call_id, reply_all = header
+        try:
+            method, args = mp_queue.decode(frames)
+        except Exception as exc:
+            out.put(call_id, mp_queue.ERROR, RemoteError.capture(exc))
+            continue
+        if method == mp_queue.SHUTDOWN_METHOD:
+            return True
+        try:
+            result = _resolve(worker, method)(*args)
+        except Exception as exc:
+            out.put(call_id, mp_queue.ERROR, RemoteError.capture(exc))
+            continue
+        if reply_all or spec.rank == spec.output_rank:
+            out.put(call_id, mp_queue.OK, result)
+
+
+def run_worker(spec: WorkerProcSpec, death_reader: Connection) -> None:
+    """Entry point of a worker process: builds the Worker, reports READY (or the startup
+    error, then exits with code 1), and serves RPCs. Returns when told to shut down or when
+    `death_reader` reports that the parent process has exited."""
+    # Ctrl-C reaches the whole process group; the engine process decides how to stop us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(spec.rank)
+    os.environ["WORLD_SIZE"] = str(spec.world_size)
+    ctx = zmq.Context(1)
+    rpc = ctx.socket(zmq.PULL)
+    rpc.bind(spec.rpc_address)
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, _LINGER_MS)
+    sock.connect(spec.response_address)
+    out = _OutputThread(sock, spec.rank)
+    exit_code = 0
+    try:
+        try:
+            from vllm.v1.worker.gpu_worker import Worker
+
+            worker = Worker(spec.vllm_config)
+            worker.load_model()
+        except Exception as exc:
+            out.put(mp_queue.STARTUP_CALL_ID, mp_queue.ERROR, RemoteError.capture(exc))
+            exit_code = 1
+        else:
+            out.put(mp_queue.STARTUP_CALL_ID, mp_queue.READY, os.getpid())
+            if not _serve(worker, spec, rpc, death_reader.fileno(), out):
+                # The engine process died: nobody reads our replies or removes its sockets.
+                sock.setsockopt(zmq.LINGER, 0)
+                if spec.rank == spec.output_rank:
+                    shutil.rmtree(spec.ipc_dir, ignore_errors=True)
+        out.stop()
+    finally:
+        rpc.close(linger=0)
+        sock.close()
+        ctx.term()
+    if exit_code:
+        sys.exit(exit_code)

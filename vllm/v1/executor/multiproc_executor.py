@@ -1,0 +1,451 @@
+"""Workers in their own processes, driven over ZMQ sockets (`--distributed-executor-backend mp`)."""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.executor import mp_queue
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.mp_queue import RemoteError
+from vllm.v1.executor.mp_worker import WorkerProcSpec, run_worker
+from vllm.v1.outputs import ModelRunnerOutput
+
+# Seconds to wait for every worker to load its model and report READY.
+_STARTUP_TIMEOUT_S = 600.0
+# Seconds a worker gets to exit after being asked, before SIGTERM, then SIGKILL; shorter once
+# a worker has died, since the others may be stuck waiting for it.
+_EXIT_TIMEOUT_S = 5.0
+_EXIT_AFTER_FAILURE_TIMEOUT_S = 0.5
+# Seconds to wait for a worker whose sentinel fired to become reapable (for its exit code).
+_REAP_TIMEOUT_S = 1.0
+_TERMINATE_TIMEOUT_S = 2.0
+# The rank whose results answer execute_model and sample_tokens.
+_OUTPUT_RANK = 0
+
+
+def _make_ipc_dir() -> str:
+    """A fresh private directory for the socket files. Falls back to /tmp when $TMPDIR is too
+    long for a unix socket path (about 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="vllm-mp-")
+    if len(path) > 80:
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="vllm-mp-", dir="/tmp")
+    return path
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode}"
+
+
+@dataclass
+class _Call:
+    """One RPC awaiting its replies."""
+
+    call_id: int
+    future: Future
+    # Ranks that must reply before the call is complete.
+    waiting: set[int]
+    # True: the result is the list of every rank's result; False: the output rank's result.
+    gather: bool
+    results: dict[int, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+
+    def resolve(self) -> None:
+        """Completes the future (error first, then the result)."""
+        if self.future.done():
+            return
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        elif self.gather:
+            self.future.set_result([self.results[r] for r in sorted(self.results)])
+        else:
+            self.future.set_result(self.results[_OUTPUT_RANK])
+
+
+class _WorkerGroup:
+    """The worker processes, their sockets, and the thread that reads their replies.
+
+    Holds no reference to the executor, so the executor's finalizer can close it.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        world_size = vllm_config.parallel_config.world_size
+        if world_size < 1:
+            raise ValueError(f"parallel_config.world_size: must be at least 1, got {world_size}")
+        self.world_size = world_size
+        self.pids: list[int] = []
+        self._lock = threading.Lock()
+        self._calls: dict[int, _Call] = {}
+        self._order: deque[_Call] = deque()
+        self._next_call_id = 0
+        self._error: str | None = None
+        self._closed = False
+        self._procs: list[multiprocessing.Process] = []
+        self._reader: threading.Thread | None = None
+        self._rpc: list[zmq.Socket] = []
+        self._wake_r, self._wake_w = os.pipe()
+        self.ipc_dir = _make_ipc_dir()
+        self._ctx = zmq.Context(1)
+        self._responses = self._ctx.socket(zmq.PULL)
+        mp_ctx = multiprocessing.get_context("spawn")
+        # The workers hold the read end; it reports EOF when this process exits in any way.
+        death_reader, self._death_writer = mp_ctx.Pipe(duplex=False)
+        try:
+            self._responses.setsockopt(zmq.RCVHWM, 0)
+            response_address = f"ipc://{self.ipc_dir}/responses"
+            self._responses.bind(response_address)
+            for rank in range(world_size):
+                rpc_address = f"ipc://{self.ipc_dir}/rpc-{rank}"
+                sock = self._ctx.socket(zmq.PUSH)
+                self._rpc.append(sock)
+                # Connecting (not binding) creates the pipe at once, so a send queues instead
+                # of blocking even while the worker is still starting, or is dead.
+                sock.setsockopt(zmq.SNDHWM, 0)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(rpc_address)
+                spec = WorkerProcSpec(
+                    rank,
+                    world_size,
+                    _OUTPUT_RANK,
+                    vllm_config,
+                    rpc_address,
+                    response_address,
+                    self.ipc_dir,
+                )
+                # Daemonic, so multiprocessing's exit handler terminates rather than joins them
+                # if this process ends without shutdown() having run.
+                proc = mp_ctx.Process(
+                    target=run_worker,
+                    args=(spec, death_reader),
+                    name=f"VllmWorker-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                self._procs.append(proc)
+                self.pids.append(proc.pid)
+            death_reader.close()
+            self._await_ready()
+        except BaseException:
+            death_reader.close()
+            self.close()
+            raise
+        self._reader = threading.Thread(target=self._read, name="vllm-mp-responses", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ calls
+
+    def submit(self, method: str | Callable[..., Any], args: tuple, reply_all: bool) -> Future:
+        """Sends one call to every worker; returns its Future.
+
+        Raises RuntimeError when a worker has died or the group is closed, and pickling errors
+        when the arguments cannot be sent.
+        """
+        frames = mp_queue.encode((method, args))
+        future: Future = Future()
+        with self._lock:
+            self._raise_if_unusable()
+            call_id = self._next_call_id
+            self._next_call_id += 1
+            waiting = set(range(self.world_size)) if reply_all else {_OUTPUT_RANK}
+            call = _Call(call_id, future, waiting, gather=reply_all)
+            self._calls[call_id] = call
+            self._order.append(call)
+            header = pickle.dumps((call_id, reply_all), protocol=5)
+            for sock in self._rpc:
+                sock.send_multipart([header, *frames], copy=True)
+        return future
+
+    def check(self) -> None:
+        """Raises RuntimeError when a worker has died or the group is closed."""
+        with self._lock:
+            self._raise_if_unusable()
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                self._fail(self._death_message(rank))
+                raise RuntimeError(self._error)
+
+    def _raise_if_unusable(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        if self._closed:
+            raise RuntimeError("MultiprocExecutor: the executor has been shut down")
+
+    def _death_message(self, rank: int) -> str:
+        proc = self._procs[rank]
+        return (
+            f"MultiprocExecutor: worker rank {rank} (pid {proc.pid}) died unexpectedly "
+            f"({_describe_exit(proc.exitcode)}); the engine cannot continue"
+        )
+
+    def _fail(self, message: str) -> None:
+        """Marks the group unusable and fails every pending call with RuntimeError(message)."""
+        with self._lock:
+            if self._error is None and not self._closed:
+                self._error = message
+            pending = list(self._order)
+            self._order.clear()
+            self._calls.clear()
+        for call in pending:
+            call.error = RuntimeError(message)
+            call.resolve()
+
+    # ------------------------------------------------------------------ replies
+
+    def _await_ready(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._responses, zmq.POLLIN)
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        for fd in sentinels:
+            poller.register(fd, zmq.POLLIN)
+        ready: set[int] = set()
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while len(ready) < self.world_size:
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                raise RuntimeError(
+                    f"MultiprocExecutor: workers {sorted(set(range(self.world_size)) - ready)} "
+                    f"did not start within {_STARTUP_TIMEOUT_S:.0f} s"
+                )
+            events = dict(poller.poll(left_ms))
+            if self._responses in events:
+                ready.add(self._startup_reply())
+                continue
+            for fd, rank in sentinels.items():
+                if fd in events:
+                    # A worker that failed to start reports why just before exiting: prefer
+                    # its message if it is still on the way.
+                    if self._responses.poll(_REAP_TIMEOUT_S * 1000):
+                        ready.add(self._startup_reply())
+                    self._procs[rank].join(_REAP_TIMEOUT_S)
+                    raise RuntimeError(
+                        f"MultiprocExecutor: worker rank {rank} (pid {self.pids[rank]}) died "
+                        f"during startup ({_describe_exit(self._procs[rank].exitcode)})"
+                    )
+
+    def _startup_reply(self) -> int:
+        """Reads one startup reply; returns the READY rank or raises the worker's error."""
+        (rank, _, kind), frames = mp_queue.recv(self._responses)
+        if kind == mp_queue.ERROR:
+            error: RemoteError = mp_queue.decode(frames)
+            raise error.rebuild(f"worker rank {rank} (pid {self.pids[rank]}) at startup")
+        return rank
+
+    def _read(self) -> None:
+        """Reader thread: completes futures in call order; fails them all when a worker dies."""
+        try:
+            poller = zmq.Poller()
+            poller.register(self._responses, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
+            sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+            for fd in sentinels:
+                poller.register(fd, zmq.POLLIN)
+            while True:
+                events = dict(poller.poll())
+                if self._wake_r in events:
+                    return
+                self._drain()
+                dead = [rank for fd, rank in sentinels.items() if fd in events]
+                if dead:
+                    if not self._closed:
+                        self._procs[dead[0]].join(_REAP_TIMEOUT_S)
+                        self._fail(self._death_message(dead[0]))
+                    return
+        except Exception as exc:
+            if not self._closed:
+                self._fail(f"MultiprocExecutor: the response reader failed: {exc!r}")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                (rank, call_id, kind), frames = mp_queue.recv(self._responses, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                value = mp_queue.decode(frames)
+            except Exception as exc:
+                kind, value = mp_queue.ERROR, RemoteError.capture(exc)
+            self._on_reply(rank, call_id, kind, value)
+
+    def _on_reply(self, rank: int, call_id: int, kind: int, value: Any) -> None:
+        where = f"worker rank {rank} (pid {self.pids[rank]})"
+        done: list[_Call] = []
+        with self._lock:
+            call = self._calls.get(call_id)
+            if call is None:
+                if kind == mp_queue.ERROR and self._error is None and not self._closed:
+                    # A non-output rank failed a call the output rank already answered: the
+                    # workers no longer agree on their state.
+                    message = f"MultiprocExecutor: {where} failed after the call completed: " + (
+                        f"{value.type_name}: {value.message}"
+                    )
+                    fatal = message
+                else:
+                    return
+            else:
+                fatal = None
+                if kind == mp_queue.ERROR:
+                    if call.error is None:
+                        call.error = value.rebuild(where)
+                else:
+                    call.results[rank] = value
+                call.waiting.discard(rank)
+                while self._order and not self._order[0].waiting:
+                    head = self._order.popleft()
+                    del self._calls[head.call_id]
+                    done.append(head)
+        if fatal is not None:
+            self._fail(fatal)
+            return
+        for call in done:
+            call.resolve()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stops the workers (asked, then SIGTERM, then SIGKILL), the reader thread, and the
+        sockets; removes the socket directory; fails pending calls. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for sock, proc in zip(self._rpc, self._procs):
+            if proc.is_alive():
+                try:
+                    mp_queue.send(sock, (-1, False), (mp_queue.SHUTDOWN_METHOD, ()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        self._stop_processes()
+        # Only now: a worker that sees this pipe close before a shutdown call believes the
+        # engine process died.
+        self._death_writer.close()
+        reader = self._reader
+        if reader is not None and reader.is_alive() and reader is not threading.current_thread():
+            os.write(self._wake_w, b"x")
+            reader.join(timeout=_EXIT_TIMEOUT_S)
+        with self._lock:
+            pending = list(self._order)
+            self._order.clear()
+            self._calls.clear()
+        for call in pending:
+            call.error = RuntimeError("MultiprocExecutor: the executor was shut down")
+            call.resolve()
+        for sock in (*self._rpc, self._responses):
+            sock.close(linger=0)
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    def _stop_processes(self) -> None:
+        grace = _EXIT_TIMEOUT_S if self._error is None else _EXIT_AFTER_FAILURE_TIMEOUT_S
+        deadline = time.monotonic() + grace
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for stop, timeout in ((multiprocessing.Process.terminate, _TERMINATE_TIMEOUT_S),
+                              (multiprocessing.Process.kill, None)):
+            alive = [p for p in self._procs if p.is_alive()]
+            if not alive:
+                break
+            for proc in alive:
+                stop(proc)
+            for proc in alive:
+                proc.join(timeout)
+        for proc in self._procs:
+            proc.close()
+
+
+class MultiprocExecutor(Executor):
+    """Runs `parallel_config.world_size` workers in spawned processes. Every call is sent to
+    all of them and answered by rank 0 (collective_rpc gathers every rank's result); futures
+    complete in call order. A dead worker fails pending and later calls with RuntimeError.
+
+    Raises at construction what a worker raised while loading its model (with the remote
+    traceback as cause), or RuntimeError when a worker dies during startup.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
+        self._group = _WorkerGroup(vllm_config)
+        self._finalizer = weakref.finalize(self, self._group.close)
+        # Registered now, after multiprocessing's own exit handler, so it runs first (atexit
+        # is last-in first-out) and multiprocessing finds the workers already gone.
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers, by rank."""
+        return list(self._group.pids)
+
+    @property
+    def ipc_dir(self) -> str:
+        """Directory holding this executor's ipc socket files (removed by shutdown)."""
+        return self._group.ipc_dir
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple = (),
+        non_block: bool = False,
+        *,
+        output_rank_only: bool = False,
+        timeout: float | None = None,
+    ) -> list[Any] | Any | Future:
+        """Calls `method` on every worker: a Worker method name, or a picklable function
+        called as `method(worker, *args)`. Returns every rank's result as a list by rank, or
+        only rank 0's result with output_rank_only. With non_block, returns a Future of that.
+
+        Raises what the worker method raised (its remote traceback as __cause__), RuntimeError
+        when a worker died, TimeoutError after `timeout` seconds (blocking calls only).
+        """
+        future = self._group.submit(method, args, reply_all=not output_rank_only)
+        return future if non_block else future.result(timeout)
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> None | Future:
+        """Starts the forward pass of one step on every worker (see Executor)."""
+        future = self._group.submit("execute_model", (scheduler_output,), reply_all=False)
+        return future if non_block else future.result()
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        """Samples the last started step; the result is always a plain ModelRunnerOutput (the
+        worker finishes async outputs on its output thread)."""
+        future = self._group.submit("sample_tokens", (grammar_output,), reply_all=False)
+        return future if non_block else future.result()
+
+    def check_health(self) -> None:
+        """Raises RuntimeError naming the worker when one has died."""
+        self._group.check()
+
+    def shutdown(self) -> None:
+        """Stops the workers and removes the sockets; pending calls fail. Idempotent."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)
