@@ -83,7 +83,10 @@ PRESETS: dict[str, Preset] = {
         output_len=128,
         request_rate=200.0,
         max_concurrency=800,
-        serve_args=("--load-format", "dummy", "--max-model-len", "4096", *_COMPACT_JSON),
+        serve_args=(
+            "--load-format", "dummy", "--max-model-len", "4096", "--max-num-seqs", "1024",
+            *_COMPACT_JSON,
+        ),
         warmup_prompts=64,
     ),
 }

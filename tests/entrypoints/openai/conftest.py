@@ -45,6 +45,23 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def alive_after(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    """The pids still alive once they all exited or timeout_s passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if process_alive(p)]
+        if not alive or time.monotonic() > deadline:
+            return [(p, _cmdline(p)) for p in alive]
+        time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid` (children, grandchildren, ...)."""
     children: dict[int, list[int]] = {}

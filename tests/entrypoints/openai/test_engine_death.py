@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import descendants, process_alive
+from .conftest import alive_after, descendants
 
 MODEL = "demo-tiny"
 
@@ -73,4 +73,4 @@ def test_engine_death_fails_fast(server):
     # The server still shuts down cleanly, leaving nothing behind.
     children = descendants(server.proc.pid)
     assert server.stop(signal.SIGTERM, timeout_s=30) == 0
-    assert not any(process_alive(p) for p in children)
+    assert alive_after(children) == []

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from .conftest import REPO, RemoteServer, descendants, process_alive, vllm_command
+from .conftest import REPO, RemoteServer, alive_after, descendants, vllm_command
 
 MODEL = "demo-tiny"
 
@@ -55,8 +55,7 @@ def test_signal_shuts_down_cleanly(sig):
         assert server.engine_pid in children
         assert server.stop(sig, timeout_s=60) == 0
         assert "shut down" in server.log()
-        time.sleep(0.2)
-        assert [p for p in children if process_alive(p)] == []
+        assert alive_after(children) == []
     finally:
         server.stop(signal.SIGKILL)
 
@@ -84,7 +83,6 @@ def test_async_scheduling_mp_workers_and_dotted_config():
         # engine core plus at least one worker process below it
         assert len(descendants(server.engine_pid)) >= 1
         assert server.stop(signal.SIGINT) == 0
-        time.sleep(0.2)
-        assert [p for p in children if process_alive(p)] == []
+        assert alive_after(children) == []
     finally:
         server.stop(signal.SIGKILL)

@@ -233,13 +233,24 @@ def test_engine_option_and_shutdown(demo_dir: Path, tokenizer: Any) -> None:
         manager.grammar_init(_request("late", regex="a"))
 
 
-def test_without_tokenizer_requests_fail_cleanly(demo_dir: Path) -> None:
+def test_without_tokenizer_loads_it_from_the_model(demo_dir: Path) -> None:
     manager = StructuredOutputManager(_config(demo_dir), tokenizer=None)
+    request = _request("lazy", regex="a")
+    manager.grammar_init(request)
+    assert _wait(request)
+    manager.clear(request)
+    manager.shutdown()
+
+
+def test_unloadable_tokenizer_fails_requests_cleanly(demo_dir: Path, tmp_path: Path) -> None:
+    config = _config(demo_dir)
+    config.model_config.tokenizer = str(tmp_path / "missing")
+    manager = StructuredOutputManager(config, tokenizer=None)
     request = _request("notok", regex="a")
     manager.grammar_init(request)
     assert not _wait(request)
-    assert "no tokenizer" in request.structured_output_request.error
-    with pytest.raises(ValueError, match="no tokenizer"):
+    assert "tokenizer" in request.structured_output_request.error
+    with pytest.raises(ValueError, match="tokenizer"):
         manager.validate(StructuredOutputsParams(regex="a"))
     manager.clear(request)
     assert manager.num_live_grammars == 0

@@ -34,7 +34,9 @@ class StructuredOutputManager:
     """
 
     def __init__(self, vllm_config: VllmConfig, tokenizer: Any = None) -> None:
+        # Loaded on the first structured request when not given (engine-core processes).
         self._tokenizer = tokenizer
+        self._tokenizer_path = vllm_config.model_config.tokenizer
         self._config = vllm_config.structured_outputs_config
         self._vocab_size = int(vllm_config.model_config.vocab_size)
         self._stop_token_ids = list(vllm_config.model_config.eos_token_ids)
@@ -63,7 +65,7 @@ class StructuredOutputManager:
     def backend(self) -> StructuredOutputBackend:
         """The backend, built on first use (about a second).
 
-        Raises ValueError when the engine has no tokenizer.
+        Raises ValueError when the tokenizer cannot be loaded.
         """
         with self._backend_lock:
             if self._backend is None:
@@ -72,10 +74,9 @@ class StructuredOutputManager:
 
     def _create_backend(self) -> StructuredOutputBackend:
         if self._tokenizer is None:
-            raise ValueError(
-                "structured_outputs: the engine has no tokenizer (--skip-tokenizer-init), "
-                "so constraints cannot be compiled"
-            )
+            from vllm.transformers_utils.tokenizer import get_tokenizer
+
+            self._tokenizer = get_tokenizer(self._tokenizer_path)
         from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 
         return XgrammarBackend(
