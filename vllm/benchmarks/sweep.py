@@ -50,6 +50,8 @@ class Preset:
     max_concurrency: int | None
     serve_args: tuple[str, ...] = ()
     warmup_prompts: int = 16
+    # Short warm-up outputs: enough to compile the grammar and warm the engine.
+    warmup_output_len: int = 16
     server_timeout_s: float = 600.0
 
 
@@ -58,7 +60,7 @@ PRESETS: dict[str, Preset] = {
         name="cpu-overhead",
         description="tiny Qwen3 body, 8,192-token Qwen vocabulary: engine overhead dominates",
         model="demo-small-vocab",
-        num_prompts=256,
+        num_prompts=192,
         output_len=128,
         request_rate=math.inf,
         max_concurrency=64,
@@ -68,7 +70,7 @@ PRESETS: dict[str, Preset] = {
         name="cpu-demo",
         description="the demo model (hidden 256, 4 layers) with Qwen's full 151,936 vocabulary",
         model="demo",
-        num_prompts=64,
+        num_prompts=32,
         output_len=128,
         request_rate=math.inf,
         max_concurrency=32,
@@ -192,14 +194,16 @@ def bench_argv(
     seed: int = 0,
     result_dir: Path | None = None,
     result_filename: str | None = None,
+    output_len: int | None = None,
 ) -> list[str]:
-    """Flags of benchmark_serving_structured_output.py for one cell."""
+    """Flags of benchmark_serving_structured_output.py for one cell (preset values unless
+    overridden)."""
     argv = [
         "--backend", "vllm", "--host", "127.0.0.1", "--port", str(port),
         "--model", model.served_name, "--tokenizer", model.tokenizer,
         "--dataset", "json", "--structured-output-ratio", str(ratio),
         "--num-prompts", str(num_prompts or preset.num_prompts),
-        "--output-len", str(preset.output_len),
+        "--output-len", str(output_len or preset.output_len),
         "--request-rate", "inf" if math.isinf(preset.request_rate) else str(preset.request_rate),
         "--seed", str(seed), "--disable-tqdm",
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
@@ -338,7 +342,9 @@ def run_sweep(
         server.start(preset.server_timeout_s)
         log(f"[{config}] ready in {time.monotonic() - started:.1f} s")
         try:
-            warm = bench_argv(preset, model, port, 1.0, num_prompts=preset.warmup_prompts)
+            warm = bench_argv(
+                preset, model, port, 1.0, preset.warmup_prompts, output_len=preset.warmup_output_len
+            )
             structured_output.run(parser.parse_args(warm), tokenizer, quiet=True)
             result.cells[config] = {}
             for ratio in ratios:

@@ -6,9 +6,15 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
+from typing import TYPE_CHECKING
 
 from vllm.entrypoints.cli.types import CLISubcommand
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.entrypoints.openai.api_server import ServerOptions
 
 
 class ServeSubcommand(CLISubcommand):
@@ -57,9 +63,6 @@ def _sigterm_to_interrupt(signum: int, frame: object) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Runs `vllm serve`; returns 0 after a clean shutdown, non-zero when startup fails."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    # SIGTERM shuts down like Ctrl-C: engine process stopped, nothing left behind.
-    signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     from vllm.engine.arg_utils import EngineArgs
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -74,10 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from vllm.entrypoints.openai.api_server import ServerOptions, bind_socket, run_server
-    from vllm.entrypoints.openai.serving_models import OpenAIServingModels
-    from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.metrics.prometheus import PrometheusMetrics
+    from vllm.entrypoints.openai.api_server import ServerOptions, bind_socket
 
     options = ServerOptions(args.host, args.port, args.api_key, args.uvicorn_log_level)
     try:
@@ -86,6 +86,23 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {options.host or '0.0.0.0'}:{options.port}: {e}",
               file=sys.stderr)
         return 1
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    # SIGTERM shuts down like Ctrl-C: engine process stopped, nothing left behind.
+    previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    try:
+        return _serve(args, config, sock, options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(
+    args: argparse.Namespace, config: VllmConfig, sock: socket.socket, options: ServerOptions
+) -> int:
+    from vllm.entrypoints.openai.api_server import run_server
+    from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.metrics.prometheus import PrometheusMetrics
+
     model_config = config.model_config
     name = model_config.served_model_name
     try:

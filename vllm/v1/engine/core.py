@@ -100,8 +100,18 @@ class EngineCore:
         early (None) while the queue is not full and more could be scheduled; otherwise
         finishes the oldest batch, and only then computes the deferred batch's bitmask.
         """
+        if not self.batch_queue and not self.scheduler.has_unfinished_requests():
+            # Idle: a plain step still reports finished ids to the runner and pending outputs.
+            return self.step()
         scheduled = False
-        if self.scheduler.has_unfinished_requests() and len(self.batch_queue) < self.batch_queue_size:
+        # A queued deferred batch must sample before any newer forward: the runner holds the
+        # logits of one executed-but-unsampled step only.
+        deferred_queued = any(sample is None for _, _, sample in self.batch_queue)
+        if (
+            self.scheduler.has_unfinished_requests()
+            and len(self.batch_queue) < self.batch_queue_size
+            and not deferred_queued
+        ):
             so = self.scheduler.schedule()
             if so.total_num_scheduled_tokens > 0:
                 scheduled = True

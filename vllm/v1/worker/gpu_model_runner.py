@@ -30,7 +30,9 @@ from vllm.v1.outputs import (
 )
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.worker.cuda_graph import DecodeGraphs, capture_sizes
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,14 @@ class GPUModelRunner:
         self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._unsettled: deque[_SampledTokens] = deque()
         self._step: _Step | None = None
+        sched = vllm_config.scheduler_config
+        self.buffers = InputBuffers(
+            max(sched.max_num_batched_tokens, self.max_num_reqs, self.min_rows),
+            self.max_num_reqs,
+            self.input_batch.max_num_blocks,
+            self.device,
+        )
+        self.graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -167,6 +177,12 @@ class GPUModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device)
             for _ in range(self.model.num_layers)
         ]
+        if (
+            self.device.type == "cuda"
+            and not self.config.model_config.enforce_eager
+            and self.model.attn_backend_cls.__name__ == "TritonAttentionBackend"
+        ):
+            self._capture_graphs()
 
     # ------------------------------------------------------------------ state
 
@@ -239,62 +255,79 @@ class GPUModelRunner:
         rows_np = np.asarray(rows, dtype=np.int32)
         num_sched = np.asarray([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
         starts = batch.num_computed_tokens[rows_np]
-        num_tokens = int(num_sched.sum())
-        padded = max(num_tokens, self.min_rows)
+        num_reqs, num_tokens = len(rows), int(num_sched.sum())
+        graph_size = None
+        if self.graphs is not None and num_tokens == num_reqs:
+            graph_size = self.graphs.padded_size(num_reqs)
+        padded_tokens = graph_size or max(num_tokens, self.min_rows)
+        padded_reqs = graph_size or num_reqs
 
         local_idx = np.empty(num_tokens, dtype=np.int32)
-        positions = np.zeros(padded, dtype=np.int64)
+        positions = np.zeros(padded_tokens, dtype=np.int64)
         ops.prepare_positions(starts, num_sched, local_idx, positions[:num_tokens])
         req_indices = rows_np[local_idx]
-        token_ids = np.zeros(padded, dtype=np.int64)
         known = positions[:num_tokens] < batch.num_known_tokens[req_indices]
+        token_ids = np.zeros(padded_tokens, dtype=np.int64)
         token_ids[:num_tokens] = np.where(
-            known, batch.token_ids[req_indices, np.minimum(positions[:num_tokens], batch.token_ids.shape[1] - 1)], 0
+            known, batch.token_ids[req_indices, np.where(known, positions[:num_tokens], 0)], 0
         )
-        slot_mapping = np.full(padded, -1, dtype=np.int64)
+        slot_mapping = np.full(padded_tokens, -1, dtype=np.int64)
         ops.compute_slot_mapping(
             batch.block_table, req_indices, positions[:num_tokens], self.block_size,
             slot_mapping[:num_tokens],
         )
-        cu = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(num_sched, out=cu[1:])
-        seq_lens = (starts + num_sched).astype(np.int32)
-
-        dev = self.device
-        input_ids = torch.from_numpy(token_ids).to(dev, non_blocking=True)
+        # Padded requests (graph replays) own no query tokens and no context.
+        cu = np.full(padded_reqs + 1, num_tokens, dtype=np.int32)
+        cu[0] = 0
+        np.cumsum(num_sched, out=cu[1 : num_reqs + 1])
+        seq_lens = np.zeros(padded_reqs, dtype=np.int32)
+        seq_lens[:num_reqs] = starts + num_sched
+        block_table = np.zeros((padded_reqs, batch.max_num_blocks), dtype=np.int32)
+        block_table[:num_reqs] = batch.block_table[rows_np]
+        dev = self.buffers.stage(
+            {
+                "input_ids": token_ids,
+                "positions": positions,
+                "slot_mapping": slot_mapping,
+                "query_start_loc": cu,
+                "seq_lens": seq_lens,
+                "block_table": block_table,
+            }
+        )
+        input_ids = dev["input_ids"]
         # Device-side feedback: tokens not on the host yet come from the previous samples.
         unknown = np.nonzero(~known)[0]
         if len(unknown):
-            src = torch.from_numpy(req_indices[unknown].astype(np.int64)).to(dev, non_blocking=True)
-            dst = torch.from_numpy(unknown.astype(np.int64)).to(dev, non_blocking=True)
+            src = torch.from_numpy(req_indices[unknown].astype(np.int64)).to(self.device)
+            dst = torch.from_numpy(unknown.astype(np.int64)).to(self.device)
             input_ids[dst] = self.last_token[src]
-        metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=len(rows),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(cu).to(dev, non_blocking=True),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, non_blocking=True),
-            block_table=torch.from_numpy(batch.block_table[rows_np]).to(dev, non_blocking=True),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
-            query_start_loc_cpu=torch.from_numpy(cu),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-        )
         assert self.model is not None
-        hidden = self.model(
-            input_ids, torch.from_numpy(positions).to(dev, non_blocking=True), self.kv_caches,
-            metadata,
-        )
-        batch.num_computed_tokens[rows_np] = seq_lens
+        if graph_size is not None:
+            hidden = self.graphs.replay(graph_size)
+        else:
+            metadata = AttentionMetadata(
+                num_actual_tokens=num_tokens,
+                num_reqs=num_reqs,
+                max_query_len=int(num_sched.max()),
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc=dev["query_start_loc"],
+                seq_lens=dev["seq_lens"],
+                block_table=dev["block_table"],
+                slot_mapping=dev["slot_mapping"],
+                query_start_loc_cpu=torch.from_numpy(cu),
+                seq_lens_cpu=torch.from_numpy(seq_lens),
+            )
+            hidden = self.model(input_ids, dev["positions"], self.kv_caches, metadata)
+        batch.num_computed_tokens[rows_np] = seq_lens[:num_reqs]
 
         sampled = set(so.sampled_req_ids)
         pick = [i for i, r in enumerate(req_ids) if r in sampled]
         logits = None
         if pick:
-            last = cu[1:][pick] - 1
             idx = np.zeros(max(len(pick), self.min_rows), dtype=np.int64)
-            idx[: len(pick)] = last
-            logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(dev)])[: len(pick)]
+            idx[: len(pick)] = cu[1:][pick] - 1
+            logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(self.device)])
+            logits = logits[: len(pick)]
         self._step = _Step(
             req_ids=req_ids,
             sampled_rows=[rows[i] for i in pick],
@@ -303,6 +336,48 @@ class GPUModelRunner:
         )
         self._settle(block=False)
         return None
+
+    def _capture_graphs(self) -> None:
+        """Captures decode graphs over the persistent input buffers (CUDA only)."""
+        assert self.model is not None
+        graphs = DecodeGraphs(capture_sizes(self.max_num_reqs))
+        max_blocks = self.input_batch.max_num_blocks
+        max_len = self.config.model_config.max_model_len
+
+        def prepare(size: int) -> None:
+            self.buffers.stage(
+                {
+                    "input_ids": np.zeros(size, dtype=np.int64),
+                    "positions": np.zeros(size, dtype=np.int64),
+                    "slot_mapping": np.full(size, -1, dtype=np.int64),
+                    "query_start_loc": np.arange(size + 1, dtype=np.int32),
+                    "seq_lens": np.ones(size, dtype=np.int32),
+                    "block_table": np.zeros((size, max_blocks), dtype=np.int32),
+                }
+            )
+
+        def run(size: int) -> torch.Tensor:
+            buf = self.buffers.device_buffers
+            metadata = AttentionMetadata(
+                num_actual_tokens=size,
+                num_reqs=size,
+                max_query_len=1,
+                max_seq_len=max_len,
+                query_start_loc=buf["query_start_loc"][: size + 1],
+                seq_lens=buf["seq_lens"][:size],
+                block_table=buf["block_table"][:size],
+                slot_mapping=buf["slot_mapping"][:size],
+                query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+                seq_lens_cpu=torch.full((size,), max_len, dtype=torch.int32),
+            )
+            return self.model(buf["input_ids"][:size], buf["positions"][:size], self.kv_caches,
+                              metadata)
+
+        with torch.inference_mode():
+            graphs.capture(prepare, run)
+        if graphs.graphs:
+            self.graphs = graphs
+        logger.info("captured CUDA graphs for decode batch sizes %s", sorted(graphs.graphs))
 
     # ------------------------------------------------------------------ sampling
 
