@@ -54,6 +54,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Validate the flags before anything is loaded. Raises ValueError naming the flag."""
+    check_common_args(args)
+    if not 0.0 <= args.structured_output_ratio <= 1.0:
+        raise ValueError(
+            f"--structured-output-ratio: must be in [0, 1], got {args.structured_output_ratio}"
+        )
+    if args.output_len < 1:
+        raise ValueError(f"--output-len: must be positive, got {args.output_len}")
+    if args.dataset.startswith("json"):
+        load_schema(args.json_schema_path)
+
+
 def build_requests(args: argparse.Namespace, tokenizer: Tokenizer) -> list[SampleRequest]:
     """The run's requests from its flags. Raises ValueError for bad flags."""
     ratio = 0.0 if args.no_structured_output else args.structured_output_ratio
@@ -79,7 +92,7 @@ def run(
 
     Raises ValueError for bad flags and RuntimeError if the server cannot be used.
     """
-    check_common_args(args)
+    check_args(args)
     extra_body = parse_extra_body(args.extra_body)
     model = resolve_model(args)
     if tokenizer is None:

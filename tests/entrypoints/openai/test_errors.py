@@ -99,6 +99,12 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "structured_outputs": {}}, 400,
      "structured_outputs"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]}, 400,
+     "tools"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, 400,
      "logprobs"),
 ]

@@ -52,6 +52,10 @@ def _sleep_on_rank(worker: object, rank: int, seconds: float) -> int:
     return int(os.environ["RANK"])
 
 
+def _getenv(worker: object, name: str) -> str | None:
+    return os.environ.get(name)
+
+
 def _raise_value_error(worker: object, message: str) -> None:
     raise ValueError(message)
 
@@ -227,6 +231,17 @@ def test_collective_rpc_gathers_every_rank(two_workers: MultiprocExecutor) -> No
     assert pids == two_workers.worker_pids
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert two_workers.collective_rpc(_pid, output_rank_only=True) == pids[0]
+    assert two_workers.collective_rpc(_getenv, ("RANK",)) == ["0", "1"]
+
+
+@pytest.mark.timeout(60)
+def test_workers_get_passive_openmp_threads(two_workers: MultiprocExecutor) -> None:
+    # Spinning OpenMP threads would steal the cores the engine needs between forwards; the
+    # default applies to the workers only, and a user's own setting wins.
+    user = os.environ.get("OMP_WAIT_POLICY")
+    want = user if user is not None else "PASSIVE"
+    assert two_workers.collective_rpc(_getenv, ("OMP_WAIT_POLICY",)) == [want, want]
+    assert os.environ.get("OMP_WAIT_POLICY") == user
 
 
 @pytest.mark.timeout(60)

@@ -40,11 +40,15 @@ def gather_kv(
     return k, v
 
 
+# Decode context lengths are padded up to a multiple of this.
+_DECODE_BUCKET = 64
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Paged causal attention with grouped-query support, built on scaled_dot_product_attention.
 
-    Decode requests (one new token) run together as one padded, masked batch; other requests
-    run one at a time.
+    Decode requests (one new token) run together in padded, masked batches by context-length
+    bucket; other requests run one at a time. A request's result never depends on its batch.
     """
 
     def forward(
@@ -68,8 +72,14 @@ class TorchAttentionBackend(AttentionBackend):
                 decodes.append(i)
             elif query_len > 1:
                 self._prefill(query, kv_cache, metadata, out, i, starts[i], query_len, seq_lens[i])
-        if decodes:
-            self._decode(query, kv_cache, metadata, out, decodes, starts, seq_lens)
+        # Decodes run batched per context-length bucket: the padded length then depends only
+        # on a request's own length, so its result is the same in any batch (SDPA's reduction
+        # order changes with the padded length).
+        buckets: dict[int, list[int]] = {}
+        for i in decodes:
+            buckets.setdefault(-(-seq_lens[i] // _DECODE_BUCKET) * _DECODE_BUCKET, []).append(i)
+        for length, reqs in buckets.items():
+            self._decode(query, kv_cache, metadata, out, reqs, starts, seq_lens, length)
         return out
 
     def _prefill(
@@ -105,22 +115,29 @@ class TorchAttentionBackend(AttentionBackend):
         reqs: list[int],
         starts: list[int],
         seq_lens: list[int],
+        longest: int,
     ) -> None:
         device = query.device
         block_size = kv_cache.shape[2]
         lens = [seq_lens[i] for i in reqs]
-        longest = max(lens)
         num_blocks = -(-longest // block_size)
         token_idx = torch.tensor([starts[i] for i in reqs], dtype=torch.long).to(device)
         req_idx = torch.tensor(reqs, dtype=torch.long).to(device)
         lens_t = torch.tensor(lens, dtype=torch.long).to(device)
         # Rows of shorter requests may hold stale or invalid ids past their end; they are masked.
+        num_blocks = min(num_blocks, metadata.block_table.shape[1])
         block_ids = metadata.block_table[req_idx, :num_blocks].clamp(min=0)
+        longest = min(longest, num_blocks * block_size)
         k, v = gather_kv(kv_cache, block_ids, longest)
-        q = query[token_idx].unsqueeze(2)  # [B, H, 1, D]
-        mask = (torch.arange(longest, device=device)[None, :] < lens_t[:, None])[:, None, None, :]
-        o = self._sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, is_causal=False)
-        out.index_copy_(0, token_idx, o.squeeze(2))
+        batch, group = len(reqs), self.num_heads // self.num_kv_heads
+        # Plain matmuls rather than SDPA: SDPA's CPU kernel rounds differently with the batch
+        # size, these compute every (request, head) on its own.
+        q = query[token_idx].view(batch, self.num_kv_heads, group, self.head_size)
+        scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)) * self.scale
+        visible = torch.arange(longest, device=device)[None, :] < lens_t[:, None]
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), v.to(q.dtype))
+        out.index_copy_(0, token_idx, o.reshape(batch, self.num_heads, self.head_size))
 
     def _sdpa(
         self,

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -263,6 +263,11 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        # OpenAI's deltas carry only what changed (no "role": null after the first chunk).
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(ResponseModel):

@@ -125,6 +125,8 @@ class OpenAIServing:
         logprobs: int | None,
     ) -> SamplingParams:
         """SamplingParams of a request. Raises ValueError naming the bad field."""
+        if request.stream_options is not None and not request.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
         if request.guided_whitespace_pattern is not None:
             raise ValueError("guided_whitespace_pattern: is not supported")
         if getattr(request, "logit_bias", None):

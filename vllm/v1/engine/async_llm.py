@@ -15,7 +15,7 @@ import msgspec
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient, EngineDeadError
@@ -156,8 +156,9 @@ class AsyncLLM:
         self.structured_output_manager = StructuredOutputManager(vllm_config, self.tokenizer)
         self.processor = InputProcessor(vllm_config, self.tokenizer, self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # One thread: compiles must not block the event loop, and xgrammar uses threads itself.
-        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="compile-check")
+        # Compiles must not block the event loop; two threads, so one slow grammar does not
+        # hold up every other structured request (xgrammar uses threads inside, too).
+        self._compile_pool = ThreadPoolExecutor(2, thread_name_prefix="compile-check")
         self._requests: dict[str, _Tracked] = {}
         self._child_to_parent: dict[str, str] = {}
         self._dead_reason: str | None = None
@@ -224,14 +225,8 @@ class AsyncLLM:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         arrival = time.monotonic()
-        so = params.structured_outputs
-        if so is not None:
-            # Compile off the event loop; the processor's own check below is then a cache hit.
-            loop = asyncio.get_running_loop()
-            start = time.perf_counter()
-            await loop.run_in_executor(self._compile_pool, self.structured_output_manager.validate, so)
-            if self.metrics is not None:
-                self.metrics.record_compile(so.kind, time.perf_counter() - start)
+        if params.structured_outputs is not None:
+            await self._check_compiles(params.structured_outputs)
             self._ensure_started()
             if request_id in self._requests:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -245,6 +240,27 @@ class AsyncLLM:
                 f"{num_prompt + params.max_tokens} in all"
             )
         return self._admit(text, core_request, params, delta, arrival)
+
+    async def _check_compiles(self, so: StructuredOutputsParams) -> None:
+        """Compiles the constraint off the event loop, within the engine's compile time limit;
+        the processor's own check is then a cache hit. Raises ValueError when it fails."""
+        loop = asyncio.get_running_loop()
+        manager = self.structured_output_manager
+        # Building the backend (once, about a second) does not count against the limit.
+        await loop.run_in_executor(self._compile_pool, lambda: manager.backend)
+        limit = manager.compile_timeout_s
+        start = time.perf_counter()
+        try:
+            await asyncio.wait_for(
+                loop.run_in_executor(self._compile_pool, manager.validate, so), limit
+            )
+        except asyncio.TimeoutError:
+            raise ValueError(
+                f"structured_outputs.{so.kind}: compiling the grammar took longer than "
+                f"{limit:g} s (--structured-outputs-config.compile_timeout_s)"
+            ) from None
+        if self.metrics is not None:
+            self.metrics.record_compile(so.kind, time.perf_counter() - start)
 
     def _admit(
         self,

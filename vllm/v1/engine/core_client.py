@@ -254,8 +254,8 @@ class EngineCoreClient:
                 self._loop.remove_reader(self.proc.sentinel)
             except (ValueError, OSError, RuntimeError):
                 pass
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+            if self._task is not None and not self._task.done():
+                self._task.cancel()
         if self.proc.pid is not None:
             if self.proc.is_alive():
                 try:

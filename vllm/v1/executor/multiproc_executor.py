@@ -207,8 +207,9 @@ class _WorkerGroup:
             self._raise_if_unusable()
         for rank, proc in enumerate(self._procs):
             if not proc.is_alive():
-                self._fail(self._death_message(rank))
-                raise RuntimeError(self._error)
+                message = self._death_message(rank)
+                self._fail(message)
+                raise RuntimeError(self._error or message)
 
     def _raise_if_unusable(self) -> None:
         if self._error is not None:
@@ -318,20 +319,17 @@ class _WorkerGroup:
         with self._lock:
             call = self._calls.get(call_id)
             if call is None:
-                if kind == mp_queue.ERROR and self._error is None and not self._closed:
-                    # A non-output rank failed a call the output rank already answered: the
-                    # workers no longer agree on their state.
-                    message = f"MultiprocExecutor: {where} failed after the call completed: " + (
-                        f"{value.type_name}: {value.message}"
-                    )
-                    fatal = message
-                else:
+                if kind != mp_queue.ERROR or self._error is not None or self._closed:
                     return
+                # A non-output rank failed a call the output rank had already answered: the
+                # workers no longer agree on their state.
+                fatal = f"MultiprocExecutor: {where} failed after the call completed: " + (
+                    f"{value.type_name}: {value.message}"
+                )
             else:
                 fatal = None
                 if kind == mp_queue.ERROR:
-                    if call.error is None:
-                        call.error = value.rebuild(where)
+                    call.error = call.error or value.rebuild(where)
                 else:
                     call.results[rank] = value
                 call.waiting.discard(rank)
@@ -341,7 +339,6 @@ class _WorkerGroup:
                     done.append(head)
         if fatal is not None:
             self._fail(fatal)
-            return
         for call in done:
             call.resolve()
 

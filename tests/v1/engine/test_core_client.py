@@ -1,0 +1,198 @@
+"""EngineCoreClient: an engine-core process driven over ZMQ, compared with the in-process engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.core_client import EngineCoreClient, EngineDeadError
+from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.engine.processor import params_to_dict
+
+MODEL = "demo-tiny"
+MAX_MODEL_LEN = 256
+PROMPTS = [[9707, 1879], [9707, 11, 1879, 0], list(range(100, 140))]
+
+
+def _config(**kwargs):
+    return EngineArgs(model=MODEL, max_model_len=MAX_MODEL_LEN, **kwargs).create_engine_config()
+
+
+def _request(rid: str, prompt: list[int], **params) -> EngineCoreRequest:
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=params_to_dict(SamplingParams(**params)),
+        arrival_time=time.monotonic(),
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+class Collector:
+    """Callbacks that record what the client delivers."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+        self.stats: list[EngineCoreStats] = []
+        self.dead: list[str] = []
+        self.changed = asyncio.Event()
+
+    def on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        for out in outputs.outputs:
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.finish[out.request_id] = out.finish_reason
+        self.changed.set()
+
+    def on_stats(self, stats: EngineCoreStats) -> None:
+        self.stats.append(stats)
+        self.changed.set()
+
+    def on_dead(self, reason: str) -> None:
+        self.dead.append(reason)
+        self.changed.set()
+
+    async def wait_for(self, predicate, timeout_s: float = 60.0) -> None:
+        async def loop() -> None:
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(loop(), timeout_s)
+
+
+@pytest.fixture(scope="module")
+def reference_tokens() -> list[list[int]]:
+    """Greedy tokens of the in-process engine (the oracle for the process boundary)."""
+    llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def test_outputs_abort_stats_and_shutdown(reference_tokens):
+    client = EngineCoreClient(_config())
+    ipc_dir = client._ipc_dir
+    pid = client.pid
+    assert client.num_blocks > 0 and _alive(pid)
+
+    async def run() -> Collector:
+        col = Collector()
+        client.start(col.on_outputs, col.on_stats, col.on_dead)
+        for i, prompt in enumerate(PROMPTS):
+            client.add_request(_request(f"r{i}", prompt, temperature=0, max_tokens=12,
+                                        ignore_eos=True))
+        await col.wait_for(lambda: len(col.finish) == len(PROMPTS))
+        assert [col.tokens[f"r{i}"] for i in range(len(PROMPTS))] == reference_tokens
+        assert all(col.finish[f"r{i}"] == "length" for i in range(len(PROMPTS)))
+
+        # A long request, aborted after its first tokens: the engine frees everything.
+        client.add_request(_request("long", [1, 2, 3], max_tokens=200, ignore_eos=True))
+        await col.wait_for(lambda: len(col.tokens.get("long", [])) >= 2)
+        client.abort_requests(["long", "never-existed"])
+        await col.wait_for(
+            lambda: bool(col.stats) and col.stats[-1].num_aborted_requests == 1
+            and col.stats[-1].num_running == 0 and col.stats[-1].num_waiting == 0
+        )
+        last = col.stats[-1]
+        assert last.num_free_blocks == last.num_blocks == client.num_blocks
+        assert last.kv_cache_usage == 0.0
+        assert len(col.tokens["long"]) < 200 and "long" not in col.finish
+        assert col.dead == []
+        return col
+
+    asyncio.run(run())
+    client.shutdown()
+    assert not _alive(pid)
+    assert not os.path.exists(ipc_dir)
+    with pytest.raises(EngineDeadError):
+        client.add_request(_request("late", [1], max_tokens=1))
+    client.shutdown()  # idempotent
+
+
+def test_startup_error_is_raised_with_the_message():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="--kv-cache-memory"):
+        EngineCoreClient(_config(kv_cache_memory=1))
+    assert time.monotonic() - start < 120
+
+
+def test_process_death_is_detected_fast():
+    client = EngineCoreClient(_config())
+
+    async def run() -> None:
+        col = Collector()
+        client.start(col.on_outputs, col.on_stats, col.on_dead)
+        client.add_request(_request("a", [5, 6, 7], max_tokens=200, ignore_eos=True))
+        await col.wait_for(lambda: bool(col.tokens.get("a")))
+        os.kill(client.pid, signal.SIGKILL)
+        start = time.monotonic()
+        await col.wait_for(lambda: bool(col.dead), timeout_s=5)
+        assert time.monotonic() - start < 2.0
+        assert col.dead == ["engine core process died (killed by SIGKILL)"]
+        assert client.dead_reason == col.dead[0]
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            client.add_request(_request("b", [1], max_tokens=1))
+        client.abort_requests(["a"])  # no error on a dead engine
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.shutdown()
+    assert not os.path.exists(client._ipc_dir)
+
+
+def test_engine_exits_when_its_parent_dies():
+    """No orphans: SIGKILL the process that owns the client; the engine core follows."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.core_client import EngineCoreClient
+        cfg = EngineArgs(model={MODEL!r}, max_model_len={MAX_MODEL_LEN}).create_engine_config()
+        client = EngineCoreClient(cfg)
+        print(client.pid, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[3])
+    try:
+        line = parent.stdout.readline()
+        assert line.strip().isdigit(), line
+        core_pid = int(line)
+        assert _alive(core_pid)
+        parent.kill()
+        parent.wait(10)
+        assert _wait_until(lambda: not _alive(core_pid), timeout_s=15)
+    finally:
+        parent.kill()
