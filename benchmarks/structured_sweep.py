@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=None,
                         help="Override the preset's number of prompts per run.")
     parser.add_argument("--serve-arg", action="append", default=[],
-                        help="Extra `vllm serve` flag (repeat; e.g. --serve-arg=--max-num-seqs=128).")
+                        help="Extra `vllm serve` flag; repeat it, e.g. "
+                        "--serve-arg=--max-num-seqs=128.")
     parser.add_argument("--list-presets", action="store_true", help="Describe presets and exit.")
     return parser.parse_args(argv)
 
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nSweep took {elapsed / 60:.1f} min; results in {result_dir} "
           "(sweep.json, sweep.md, sweep.png, server logs, per-run JSON).")
     (result_dir / "sweep.md").write_text(tables + "\n", encoding="utf-8")
-    return 0
+    return 1 if result.errors else 0
 
 
 if __name__ == "__main__":

@@ -189,3 +189,9 @@ def test_cell_from_record() -> None:
     }
     c = sweep.cell_from_record(record)
     assert (c.mean_output_tokens, c.correct_rate, c.failed) == (25.0, 0.75, 1)
+
+
+def test_failed_configurations_are_listed(result: SweepResult) -> None:
+    result.errors["async/mp"] = "server exited with 1:\nboom"
+    text = sweep.format_tables(result)
+    assert "Failed configurations:\n  async/mp: server exited with 1: ... boom" in text

@@ -49,7 +49,7 @@ def _capture_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
         step = runner._step
         if step is not None and step.logits is not None:
             for i, req_id in enumerate(step.sampled_req_ids):
-                captured.setdefault(req_id, []).append(step.logits[i].clone())
+                captured.setdefault(req_id, []).append(step.logits[i].float().cpu())
         return original(grammar_output)
 
     runner.sample_tokens = sample_tokens

@@ -16,9 +16,8 @@ from typing import Any, Protocol
 STRUCTURED_DATASETS = ("json", "json-unique", "grammar", "regex", "choice")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 
-DEFAULT_SCHEMA_PATH = (
-    Path(__file__).resolve().parents[2] / "benchmarks" / "structured_schemas" / "structured_schema_1.json"
-)
+SCHEMA_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "structured_schemas"
+DEFAULT_SCHEMA_PATH = SCHEMA_DIR / "structured_schema_1.json"
 
 SQL_GRAMMAR = r"""
 root ::= "SELECT " columns " FROM " table where? ";"

@@ -14,7 +14,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -208,7 +208,7 @@ def load_tokenizer(name: str) -> Tokenizer:
     raise ValueError(f"tokenizer: {name!r} is neither a directory nor a demo model name")
 
 
-def token_counter(tokenizer: Tokenizer):
+def token_counter(tokenizer: Tokenizer) -> Callable[[str], int]:
     """A function counting the tokens of a text (used when the server reports no usage)."""
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 

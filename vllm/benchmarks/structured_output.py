@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from typing import Any
 
 from vllm.benchmarks.datasets import (
@@ -162,8 +163,6 @@ def format_correctness(report: CorrectnessReport, result: RunResult) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (2 for bad flags, 1 if the server
     cannot be used)."""
-    import sys
-
     parser = argparse.ArgumentParser(
         description="Benchmark structured-output serving against a running server."
     )

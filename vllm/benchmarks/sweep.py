@@ -8,6 +8,7 @@ ratios: async/uni ÷ sync/uni at ratio 0, and ratio 1 ÷ ratio 0 for the best co
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -32,6 +33,7 @@ CONFIGS: dict[str, tuple[bool, str]] = {
 }
 RATIOS = (0.0, 0.2, 0.8, 1.0)
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+BENCH_SCRIPT = "benchmarks/benchmark_serving_structured_output.py"
 # Random weights favour whitespace inside JSON; compact JSON keeps outputs short and valid.
 _COMPACT_JSON = ("--structured-outputs-config.disable_any_whitespace", "true")
 
@@ -125,6 +127,8 @@ class SweepResult:
     cells: dict[str, dict[str, Cell]] = field(default_factory=dict)
     commands: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    # Configurations that failed, with why.
+    errors: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with the headline ratios included."""
@@ -313,16 +317,16 @@ def run_sweep(
 ) -> SweepResult:
     """Run every (configuration, ratio) cell and write sweep.json and sweep.png to result_dir.
 
-    Raises RuntimeError if a server cannot start or a run fails outright; servers are always
-    stopped.
+    A configuration whose server fails to start or whose run fails is recorded in
+    `result.errors` and the sweep goes on with the next one; servers are always stopped.
+    Raises ValueError for an unknown configuration or model, OSError if results cannot be
+    written.
     """
-    from vllm.benchmarks import structured_output
     from vllm.benchmarks.serve import load_tokenizer
 
     result_dir.mkdir(parents=True, exist_ok=True)
     model = prepare_model(preset, result_dir)
     tokenizer = load_tokenizer(model.tokenizer)
-    parser = structured_output.add_cli_args(_new_parser())
     result = SweepResult(preset.name, list(ratios))
     result.settings = {
         "preset": asdict(preset),
@@ -331,43 +335,71 @@ def run_sweep(
         "cpu_count": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
     }
-    bench_script = "benchmarks/benchmark_serving_structured_output.py"
     for config in configs:
-        port = free_port()
-        cmd = serve_command(model, config, port, [*preset.serve_args, *extra_serve_args])
-        log(f"\n[{config}] $ {shlex.join(cmd)}")
-        result.commands.append(shlex.join(cmd))
-        server = Server(cmd, port, result_dir / f"server-{config.replace('/', '-')}.log")
-        started = time.monotonic()
-        server.start(preset.server_timeout_s)
-        log(f"[{config}] ready in {time.monotonic() - started:.1f} s")
         try:
-            warm = bench_argv(
-                preset, model, port, 1.0, preset.warmup_prompts, output_len=preset.warmup_output_len
-            )
-            structured_output.run(parser.parse_args(warm), tokenizer, quiet=True)
-            result.cells[config] = {}
-            for ratio in ratios:
-                name = f"{config.replace('/', '-')}-ratio{ratio_label(ratio)}.json"
-                argv = bench_argv(preset, model, port, ratio, num_prompts, 0, result_dir, name)
-                command = f"python {bench_script} {shlex.join(argv)}"
-                log(f"[{config}] $ {command}")
-                result.commands.append(command)
-                record = structured_output.run(parser.parse_args(argv), tokenizer, quiet=True)
-                cell = cell_from_record(record)
-                result.cells[config][ratio_label(ratio)] = cell
-                log(
-                    f"[{config}] ratio {ratio_label(ratio)}: {cell.request_throughput:.2f} req/s, "
-                    f"{cell.output_throughput:.1f} tok/s, {cell.mean_output_tokens:.1f} tok/req, "
-                    f"correct {_pct(cell.correct_rate)}, failed {cell.failed}"
-                )
-        finally:
-            status = server.stop()
-            log(f"[{config}] server stopped (exit {status})")
+            _run_config(preset, model, tokenizer, config, ratios, num_prompts,
+                        extra_serve_args, result_dir, result, log)
+        except RuntimeError as e:
+            result.errors[config] = str(e)
+            log(f"[{config}] FAILED: {e}")
     result.settings["loadavg_end"] = os.getloadavg()
     (result_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     write_chart(result, result_dir / "sweep.png")
     return result
+
+
+def _run_config(
+    preset: Preset,
+    model: ServedModel,
+    tokenizer: Any,
+    config: str,
+    ratios: Sequence[float],
+    num_prompts: int | None,
+    extra_serve_args: Sequence[str],
+    result_dir: Path,
+    result: SweepResult,
+    log: Callable[[str], None],
+) -> None:
+    """Start one configuration's server, warm it up, run every ratio into `result`, stop it.
+
+    Raises RuntimeError if the server does not start or a run cannot start.
+    """
+    from vllm.benchmarks import structured_output
+
+    parser = structured_output.add_cli_args(
+        argparse.ArgumentParser(prog="benchmark_serving_structured_output.py")
+    )
+    port = free_port()
+    cmd = serve_command(model, config, port, [*preset.serve_args, *extra_serve_args])
+    log(f"\n[{config}] $ {shlex.join(cmd)}")
+    result.commands.append(shlex.join(cmd))
+    server = Server(cmd, port, result_dir / f"server-{config.replace('/', '-')}.log")
+    started = time.monotonic()
+    try:
+        server.start(preset.server_timeout_s)
+        log(f"[{config}] ready in {time.monotonic() - started:.1f} s")
+        warm = bench_argv(
+            preset, model, port, 1.0, preset.warmup_prompts, output_len=preset.warmup_output_len
+        )
+        structured_output.run(parser.parse_args(warm), tokenizer, quiet=True)
+        result.cells[config] = {}
+        for ratio in ratios:
+            name = f"{config.replace('/', '-')}-ratio{ratio_label(ratio)}.json"
+            argv = bench_argv(preset, model, port, ratio, num_prompts, 0, result_dir, name)
+            command = f"python {BENCH_SCRIPT} {shlex.join(argv)}"
+            log(f"[{config}] $ {command}")
+            result.commands.append(command)
+            record = structured_output.run(parser.parse_args(argv), tokenizer, quiet=True)
+            cell = cell_from_record(record)
+            result.cells[config][ratio_label(ratio)] = cell
+            log(
+                f"[{config}] ratio {ratio_label(ratio)}: {cell.request_throughput:.2f} req/s, "
+                f"{cell.output_throughput:.1f} tok/s, {cell.mean_output_tokens:.1f} tok/req, "
+                f"correct {_pct(cell.correct_rate)}, failed {cell.failed}"
+            )
+    finally:
+        status = server.stop()
+        log(f"[{config}] server stopped (exit {status})")
 
 
 def headlines(result: SweepResult) -> dict[str, Any]:
@@ -385,11 +417,12 @@ def headlines(result: SweepResult) -> dict[str, Any]:
 
     sync0, async0 = get("sync/uni", "0.0"), get("async/uni", "0.0")
     speedup = async0 / sync0 if sync0 and async0 is not None else None
+    measured = {c: row for c, row in cells.items() if row}
     best = max(
-        cells,
-        key=lambda c: sum(x.request_throughput for x in cells[c].values()) / len(cells[c]),
+        measured,
+        key=lambda c: sum(x.request_throughput for x in measured[c].values()) / len(measured[c]),
         default=None,
-    ) if any(cells.values()) else None
+    )
     retention = retention_tok = None
     if best is not None:
         r0, r1 = get(best, "0.0"), get(best, "1.0")
@@ -439,6 +472,10 @@ def format_tables(result: SweepResult) -> str:
         f"{_ratio(h['structured_retention_best'])} in req/s, "
         f"{_ratio(h['structured_retention_best_tokens'])} in output tok/s  (target ≥ 0.90)"
     )
+    if result.errors:
+        blocks.append("Failed configurations:\n" + "\n".join(
+            f"  {config}: {_first_and_last_line(why)}" for config, why in result.errors.items()
+        ))
     return "\n\n".join(blocks)
 
 
@@ -455,10 +492,9 @@ def write_chart(result: SweepResult, path: Path) -> Path:
     return bar_chart_png(path, title, labels, series, ylabel="requests/s")
 
 
-def _new_parser():
-    import argparse
-
-    return argparse.ArgumentParser(prog="benchmark_serving_structured_output.py")
+def _first_and_last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()] or ["?"]
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"
 
 
 def _pct(value: float | None) -> str:

@@ -86,7 +86,8 @@ def test_streaming_equals_non_streaming(client, endpoint):
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         expected = full.choices[0].message.content
     assert text == expected
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [c.choices[0].finish_reason for c in chunks
+                if c.choices and c.choices[0].finish_reason]
     assert finishes == [full.choices[0].finish_reason]
     # include_usage: the last chunk has no choices and the same usage as the full response.
     assert chunks[-1].choices == []

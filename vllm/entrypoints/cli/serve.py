@@ -54,6 +54,7 @@ class ServeSubcommand(CLISubcommand):
 
 
 def cmd_init() -> list[CLISubcommand]:
+    """The subcommands this module adds to `vllm`."""
     return [ServeSubcommand()]
 
 
@@ -86,7 +87,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {options.host or '0.0.0.0'}:{options.port}: {e}",
               file=sys.stderr)
         return 1
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
     # SIGTERM shuts down like Ctrl-C: engine process stopped, nothing left behind.
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:

@@ -88,25 +88,30 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine serves, 503 once it is gone."""
         if engine.is_healthy:
             return Response(status_code=200)
         return error_response(f"The engine is not available: {engine.dead_reason}", 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:
+        """The server's version."""
         return JSONResponse({"version": __version__})
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
+        """Prometheus metrics (engine gauges, token counters, latency histograms)."""
         body = metrics.render() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models() -> Response:
+        """The served models."""
         return json_response(models.show_available_models())
 
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
+        """OpenAI completions (streaming with stream=true)."""
         request = await parse_request(raw_request, CompletionRequest)
         if isinstance(request, Response):
             return request
@@ -114,6 +119,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw_request: Request) -> Response:
+        """OpenAI chat completions (streaming with stream=true)."""
         request = await parse_request(raw_request, ChatCompletionRequest)
         if isinstance(request, Response):
             return request
@@ -121,10 +127,12 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        """Route and method errors (404, 405) in OpenAI's error shape."""
         return error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> Response:
+        """Anything unexpected: a 500 in OpenAI's error shape, logged."""
         logger.exception("unhandled error")
         return error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 

@@ -30,6 +30,8 @@ class ResponseModel(BaseModel):
 
 
 class ErrorInfo(ResponseModel):
+    """The error object: what went wrong, its type, the offending field, the HTTP status."""
+
     message: str
     type: str
     param: str | None = None
@@ -46,6 +48,8 @@ class ErrorResponse(ResponseModel):
 
 
 class ModelCard(ResponseModel):
+    """One entry of GET /v1/models."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -55,6 +59,8 @@ class ModelCard(ResponseModel):
 
 
 class ModelList(ResponseModel):
+    """The body of GET /v1/models."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
 
@@ -63,11 +69,15 @@ class ModelList(ResponseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
+    """Streaming options: include_usage adds a final chunk with token counts."""
+
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
+    """response_format.json_schema: a named JSON schema."""
+
     name: str | None = None
     description: str | None = None
     # `schema` would shadow a BaseModel attribute.
@@ -148,6 +158,8 @@ class CompletionRequest(SamplingRequestFields):
 
 
 class CompletionLogProbs(ResponseModel):
+    """Legacy completion logprobs: parallel lists, one entry per token."""
+
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
@@ -155,6 +167,8 @@ class CompletionLogProbs(ResponseModel):
 
 
 class CompletionChoice(ResponseModel):
+    """One generated sequence of a completion (or a piece of it when streaming)."""
+
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -163,10 +177,14 @@ class CompletionChoice(ResponseModel):
 
 
 class PromptTokensDetails(ResponseModel):
+    """Prompt tokens served from the prefix cache."""
+
     cached_tokens: int = 0
 
 
 class UsageInfo(ResponseModel):
+    """Token counts of a request."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
@@ -174,6 +192,8 @@ class UsageInfo(ResponseModel):
 
 
 class CompletionResponse(ResponseModel):
+    """The body of a non-streaming completion."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -183,6 +203,8 @@ class CompletionResponse(ResponseModel):
 
 
 class CompletionStreamResponse(ResponseModel):
+    """One server-sent event of a streaming completion."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -222,12 +244,16 @@ class ChatCompletionRequest(SamplingRequestFields):
 
 
 class TopLogprob(ResponseModel):
+    """One alternative token at a position."""
+
     token: str
     logprob: float
     bytes: list[int] | None = None
 
 
 class TokenLogprob(ResponseModel):
+    """A sampled token, its logprob and the most likely alternatives."""
+
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -235,15 +261,21 @@ class TokenLogprob(ResponseModel):
 
 
 class ChatLogProbs(ResponseModel):
+    """Chat logprobs: one entry per generated token."""
+
     content: list[TokenLogprob] | None = None
 
 
 class ResponseMessage(ResponseModel):
+    """The assistant's message in a chat response."""
+
     role: str = "assistant"
     content: str | None = None
 
 
 class ChatChoice(ResponseModel):
+    """One generated reply of a chat completion."""
+
     index: int
     message: ResponseMessage
     logprobs: ChatLogProbs | None = None
@@ -252,6 +284,8 @@ class ChatChoice(ResponseModel):
 
 
 class ChatCompletionResponse(ResponseModel):
+    """The body of a non-streaming chat completion."""
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -261,6 +295,8 @@ class ChatCompletionResponse(ResponseModel):
 
 
 class DeltaMessage(ResponseModel):
+    """What a streaming chat chunk adds to a reply."""
+
     role: str | None = None
     content: str | None = None
 
@@ -271,6 +307,8 @@ class DeltaMessage(ResponseModel):
 
 
 class ChatStreamChoice(ResponseModel):
+    """One reply's part of a streaming chat chunk."""
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
@@ -279,6 +317,8 @@ class ChatStreamChoice(ResponseModel):
 
 
 class ChatCompletionStreamResponse(ResponseModel):
+    """One server-sent event of a streaming chat completion."""
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int

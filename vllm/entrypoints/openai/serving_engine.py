@@ -257,7 +257,9 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
         names = ", ".join(
             where if where.startswith("guided_") else f"{where}.{key}" for where, key, _ in found
         )
-        raise ValueError(f"structured_outputs: only one output constraint may be given, got {names}")
+        raise ValueError(
+            f"structured_outputs: only one output constraint may be given, got {names}"
+        )
     _, key, value = found[0]
     return StructuredOutputsParams(**{key: value}, **options)
 

@@ -17,6 +17,7 @@ class OpenAIServingModels:
 
     @property
     def default_name(self) -> str:
+        """The name a request without `model` gets."""
         return self.served_model_names[0]
 
     def resolve(self, name: str | None) -> str | None:

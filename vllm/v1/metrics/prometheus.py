@@ -32,6 +32,7 @@ class _EngineCollector(Collector):
         self.num_frontend_requests = 0
 
     def collect(self) -> Iterator[Metric]:
+        """The current values (called by the registry on every scrape)."""
         labels = ["model_name"]
         values = [self.model_name]
 
