@@ -138,6 +138,7 @@ def test_chat_uses_template(llm) -> None:
         ("", SamplingParams(), "prompt"),
         ("word " * 300, SamplingParams(), "prompt"),
         ([10**7], SamplingParams(), "prompt_token_ids"),
+        ("fine", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
     ],
 )
 def test_bad_prompts_raise_and_engine_stays_usable(llm, prompt, params, field) -> None:

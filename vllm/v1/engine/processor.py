@@ -76,6 +76,11 @@ class InputProcessor:
                 f"prompt: {len(token_ids)} tokens leave no room to generate within "
                 f"max_model_len ({self.max_model_len})"
             )
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(
+                f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         if params.structured_outputs is not None:
             self.structured_output_manager.validate(params.structured_outputs)
         return text, EngineCoreRequest(
