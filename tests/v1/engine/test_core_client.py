@@ -181,18 +181,20 @@ def test_engine_exits_when_its_parent_dies():
         from vllm.v1.engine.core_client import EngineCoreClient
         cfg = EngineArgs(model={MODEL!r}, max_model_len={MAX_MODEL_LEN}).create_engine_config()
         client = EngineCoreClient(cfg)
-        print(client.pid, flush=True)
+        print(client.pid, client._ipc_dir, flush=True)
         time.sleep(600)
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                               cwd=Path(__file__).resolve().parents[3])
     try:
-        line = parent.stdout.readline()
-        assert line.strip().isdigit(), line
-        core_pid = int(line)
-        assert _alive(core_pid)
+        line = parent.stdout.readline().split()
+        assert len(line) == 2 and line[0].isdigit(), line
+        core_pid, ipc_dir = int(line[0]), line[1]
+        assert _alive(core_pid) and os.path.isdir(ipc_dir)
         parent.kill()
         parent.wait(10)
         assert _wait_until(lambda: not _alive(core_pid), timeout_s=15)
+        # The engine cleaned up the socket files its dead parent could not.
+        assert _wait_until(lambda: not os.path.exists(ipc_dir), timeout_s=5)
     finally:
         parent.kill()

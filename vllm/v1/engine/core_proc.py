@@ -71,6 +71,8 @@ class EngineCoreProc:
         self._abort_decoder = msgspec.msgpack.Decoder(list[str])
         self._encoder = msgspec.msgpack.Encoder()
         self._running = True
+        # Set when the loop ended because the parent process died.
+        self.parent_died = False
         self._num_aborted = 0
         self._last_stats: EngineCoreStats | None = None
         self._last_stats_time = 0.0
@@ -104,6 +106,7 @@ class EngineCoreProc:
         events = dict(self._poller.poll(timeout_ms))
         if self._parent_sentinel is not None and self._parent_sentinel in events:
             logger.warning("engine core: the API server process died; shutting down")
+            self.parent_died = True
             self._running = False
             return
         if self._input not in events:
@@ -233,7 +236,29 @@ def run_engine_core(
         status = 1
     finally:
         proc.shutdown()
+        if proc.parent_died:
+            # Nobody else is left to remove the socket files.
+            _remove_ipc_files([input_address, output_address])
     raise SystemExit(status)
+
+
+def _remove_ipc_files(addresses: list[str]) -> None:
+    """Deletes ipc:// socket files and their directory (if then empty); ignores errors."""
+    dirs = set()
+    for address in addresses:
+        if not address.startswith("ipc://"):
+            continue
+        path = address[len("ipc://"):]
+        dirs.add(os.path.dirname(path))
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def _send_handshake(conn: Connection, encoder: msgspec.msgpack.Encoder,
