@@ -69,7 +69,9 @@ def bar_chart_png(
     ax.set_xticks(range(len(groups)), list(groups))
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    ax.margins(y=0.12)
+    # Below the axes, so the legend never hides a bar.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=max(1, len(series)))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -168,6 +168,11 @@ def resolve_model_dir(model: str | None) -> Path:
         return build_demo_model(DEFAULT_MODEL)
     if model in DEMO_MODELS:
         return build_demo_model(model)
+    from vllm.model_executor.model_loader.demo_small_vocab import resolve  # it imports us
+
+    small = resolve(model)
+    if small is not None:
+        return small
     return Path(model).expanduser()
 
 
