@@ -210,7 +210,6 @@ class OutputProcessor:
             for ids, lps in zip(out.new_logprobs_token_ids or [], out.new_logprobs):
                 seq.logprobs.append(dict(zip(ids, lps)))
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lps[0]
-        stopped_by_string = False
         if seq.detokenizer is not None:
             delta = seq.detokenizer.update(out.new_token_ids)
             if out.finished:
@@ -230,4 +229,4 @@ class OutputProcessor:
             seq.finish_reason = out.finish_reason
             seq.stop_reason = out.stop_reason
             seq.error = out.error
-        return stopped_by_string
+        return False
