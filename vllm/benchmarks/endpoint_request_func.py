@@ -54,26 +54,26 @@ RequestFunc = Callable[[RequestFuncInput, aiohttp.ClientSession], Awaitable[Requ
 
 def completions_payload(inp: RequestFuncInput) -> dict[str, Any]:
     """The JSON body of a streaming /v1/completions request."""
-    payload: dict[str, Any] = {
-        "model": inp.model,
-        "prompt": inp.prompt,
-        "max_tokens": inp.output_len,
-        "temperature": inp.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if inp.ignore_eos:
-        payload["ignore_eos"] = True
-    payload.update(inp.extra_body or {})
-    return payload
+    return _streaming_payload(inp, {"prompt": inp.prompt, "max_tokens": inp.output_len})
 
 
 def chat_payload(inp: RequestFuncInput) -> dict[str, Any]:
     """The JSON body of a streaming /v1/chat/completions request (the prompt as one user turn)."""
+    return _streaming_payload(
+        inp,
+        {
+            "messages": [{"role": "user", "content": inp.prompt}],
+            "max_completion_tokens": inp.output_len,
+        },
+    )
+
+
+def _streaming_payload(inp: RequestFuncInput, fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` (the prompt and output length, as the endpoint names them) plus what every
+    request sends: model, temperature, streaming with usage, ignore_eos, then the extra body."""
     payload: dict[str, Any] = {
         "model": inp.model,
-        "messages": [{"role": "user", "content": inp.prompt}],
-        "max_completion_tokens": inp.output_len,
+        **fields,
         "temperature": inp.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},

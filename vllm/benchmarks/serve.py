@@ -357,6 +357,47 @@ def save_result(args: argparse.Namespace, record: dict[str, Any], model: str) ->
     return path
 
 
+def run_with_args(
+    args: argparse.Namespace,
+    requests: Sequence[SampleRequest],
+    model: str,
+    extra_body: dict[str, Any] | None,
+) -> RunResult:
+    """Send `requests` to the server the flags name, at their rate, concurrency and sampling
+    settings. Raises ValueError for a bad --endpoint, RuntimeError if the server cannot be used."""
+    return asyncio.run(
+        run_requests(
+            requests,
+            get_request_func(args.endpoint),
+            api_url(args),
+            model,
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            ignore_eos=args.ignore_eos,
+            extra_body=extra_body,
+            temperature=args.temperature,
+            api_key=args.api_key,
+            seed=args.seed,
+            disable_tqdm=args.disable_tqdm,
+        )
+    )
+
+
+def exit_status(action: Callable[[], object]) -> int:
+    """Run a benchmark command; return its exit status: 0, or after printing the error, 2 for
+    a ValueError (bad flags) and 1 for a RuntimeError (the server cannot be used)."""
+    try:
+        action()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Run `vllm bench serve` with parsed flags; prints the report, returns the result record.
 
@@ -387,23 +428,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             shuffle=not args.no_shuffle,
             seed=args.seed,
         )
-    run = asyncio.run(
-        run_requests(
-            requests,
-            get_request_func(args.endpoint),
-            api_url(args),
-            model,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            ignore_eos=args.ignore_eos,
-            extra_body=extra_body,
-            temperature=args.temperature,
-            api_key=args.api_key,
-            seed=args.seed,
-            disable_tqdm=args.disable_tqdm,
-        )
-    )
+    run = run_with_args(args, requests, model, extra_body)
     metrics = summarize_run(args, run, tokenizer)
     print(format_report(metrics))
     record = result_record(args, model, metrics, run)

@@ -7,8 +7,6 @@ regex, choice list or EBNF grammar, and every structured output is checked again
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 from typing import Any
 
 from vllm.benchmarks.datasets import (
@@ -18,18 +16,17 @@ from vllm.benchmarks.datasets import (
     build_structured_requests,
     load_schema,
 )
-from vllm.benchmarks.endpoint_request_func import get_request_func
 from vllm.benchmarks.metrics import format_report
 from vllm.benchmarks.serve import (
     RunResult,
     add_common_args,
-    api_url,
     check_common_args,
+    exit_status,
     load_tokenizer,
     parse_extra_body,
     resolve_model,
     result_record,
-    run_requests,
+    run_with_args,
     save_result,
     summarize_run,
 )
@@ -99,23 +96,7 @@ def run(
     if tokenizer is None:
         tokenizer = load_tokenizer(args.tokenizer or model)
     requests = build_requests(args, tokenizer)
-    result = asyncio.run(
-        run_requests(
-            requests,
-            get_request_func(args.endpoint),
-            api_url(args),
-            model,
-            request_rate=args.request_rate,
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            ignore_eos=args.ignore_eos,
-            extra_body=extra_body,
-            temperature=args.temperature,
-            api_key=args.api_key,
-            seed=args.seed,
-            disable_tqdm=args.disable_tqdm,
-        )
-    )
+    result = run_with_args(args, requests, model, extra_body)
     metrics = summarize_run(args, result, tokenizer)
     report, verdicts = evaluate(result.outputs, [r.structured for r in requests])
     record = result_record(args, model, metrics, result)
@@ -168,12 +149,4 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_cli_args(parser)
     args = parser.parse_args(argv)
-    try:
-        run(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return exit_status(lambda: run(args))

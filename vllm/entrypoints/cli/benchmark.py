@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from vllm.entrypoints.cli.types import CLISubcommand
 
@@ -33,17 +32,9 @@ class BenchmarkSubcommand(CLISubcommand):
         if getattr(args, "bench_type", None) != "serve":
             self._parser.print_help()
             return 1
-        from vllm.benchmarks.serve import main
+        from vllm.benchmarks.serve import exit_status, main
 
-        try:
-            main(args)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        return 0
+        return exit_status(lambda: main(args))
 
 
 def cmd_init() -> list[CLISubcommand]:

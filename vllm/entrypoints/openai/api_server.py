@@ -6,9 +6,10 @@ import asyncio
 import hmac
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -18,7 +19,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm import __version__
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIBaseModel,
+)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import error_response, json_response, parse_request
@@ -27,6 +32,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T", bound=OpenAIBaseModel)
 
 # Seconds uvicorn waits for open responses after Ctrl-C before closing them.
 GRACEFUL_SHUTDOWN_S = 5
@@ -64,6 +71,18 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def _handle(
+    raw_request: Request,
+    model_cls: type[T],
+    handler: Callable[[T, Request], Awaitable[Response]],
+) -> Response:
+    """`handler`'s response to the parsed body, or the 400 of a body that does not parse."""
+    request = await parse_request(raw_request, model_cls)
+    if isinstance(request, Response):
+        return request
+    return await handler(request, raw_request)
 
 
 def build_app(
@@ -112,18 +131,12 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
         """OpenAI completions (streaming with stream=true)."""
-        request = await parse_request(raw_request, CompletionRequest)
-        if isinstance(request, Response):
-            return request
-        return await completion.create_completion(request, raw_request)
+        return await _handle(raw_request, CompletionRequest, completion.create_completion)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw_request: Request) -> Response:
         """OpenAI chat completions (streaming with stream=true)."""
-        request = await parse_request(raw_request, ChatCompletionRequest)
-        if isinstance(request, Response):
-            return request
-        return await chat.create_chat_completion(request, raw_request)
+        return await _handle(raw_request, ChatCompletionRequest, chat.create_chat_completion)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:

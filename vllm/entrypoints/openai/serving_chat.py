@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from vllm.entrypoints.openai.protocol import (
     ChatChoice,
@@ -17,43 +16,36 @@ from vllm.entrypoints.openai.protocol import (
     ChatLogProbs,
     ChatStreamChoice,
     DeltaMessage,
-    PromptTokensDetails,
     ResponseMessage,
     TokenLogprob,
     TopLogprob,
-    UsageInfo,
-    random_id,
 )
 from vllm.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
     OpenAIServing,
-    cancel_on_disconnect,
-    error_body,
-    error_response,
     error_status,
     finish_error,
     finite,
-    json_response,
     merge_streams,
-    value_error_response,
+    sse,
+    stream_error,
+    usage_info,
 )
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.v1.engine.async_llm import EngineDeadError
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.async_llm import RequestStream
 
 
 class OpenAIServingChat(OpenAIServing):
     """Renders the chat template, runs the request, and answers in the chat format."""
 
+    id_prefix = "chatcmpl"
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         """The HTTP response of one chat request (errors in OpenAI's shape)."""
-        model = self.check_model(request)
-        if isinstance(model, JSONResponse):
-            return model
-        if (dead := self.engine_dead_response()) is not None:
-            return dead
-        try:
+
+        def prepare() -> tuple[list[Any], SamplingParams]:
             if request.tools:
                 raise ValueError("tools: tool calling is not supported by this server")
             if request.top_logprobs is not None and not request.logprobs:
@@ -63,28 +55,9 @@ class OpenAIServingChat(OpenAIServing):
             if max_tokens is None:
                 max_tokens = request.max_tokens
             logprobs = (request.top_logprobs or 0) if request.logprobs else None
-            params = self.sampling_params(request, max_tokens, logprobs)
-            request_id = request.request_id or random_id("chatcmpl")
-            streams = await self.add_requests(request_id, [prompt], params, delta=request.stream)
-        except ValueError as e:
-            return value_error_response(e)
-        except EngineDeadError as e:
-            return error_response(f"The engine is not available: {e}", 503)
-        created = int(time.time())
-        if request.stream:
-            return StreamingResponse(
-                self._stream(request, streams, request_id, created, model),
-                media_type="text/event-stream",
-            )
-        try:
-            final = await cancel_on_disconnect(self._collect(streams), raw_request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except EngineDeadError as e:
-            return error_response(f"The engine is not available: {e}", 503)
-        if (message := finish_error([final])) is not None:
-            return error_response(message, error_status(message))
-        return json_response(self._response(request, final, request_id, created, model))
+            return [prompt], self.sampling_params(request, max_tokens, logprobs)
+
+        return await self.serve(request, raw_request, prepare)
 
     def render(self, request: ChatCompletionRequest) -> str:
         """The prompt text of the conversation. Raises ValueError for unusable messages."""
@@ -117,21 +90,22 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # template errors (jinja) are the request's fault
             raise ValueError(f"messages: cannot apply the chat template: {e}") from e
 
-    async def _collect(self, streams) -> RequestOutput:
+    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
         final = None
         async for _, out in merge_streams(streams):
             final = out
         assert final is not None
-        return final
+        return [final]
 
     def _response(
         self,
         request: ChatCompletionRequest,
-        final: RequestOutput,
+        finals: list[RequestOutput],
         request_id: str,
         created: int,
         model: str,
     ) -> ChatCompletionResponse:
+        final = finals[0]
         choices = []
         num_generated = 0
         for c in final.outputs:
@@ -150,13 +124,13 @@ class OpenAIServingChat(OpenAIServing):
             created=created,
             model=model,
             choices=choices,
-            usage=_usage(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
+            usage=usage_info(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
         )
 
     async def _stream(
         self,
         request: ChatCompletionRequest,
-        streams,
+        streams: list[RequestStream],
         request_id: str,
         created: int,
         model: str,
@@ -170,49 +144,42 @@ class OpenAIServingChat(OpenAIServing):
                 id=request_id, created=created, model=model, choices=choices
             )
             if continuous:
-                body.usage = _usage(num_prompt, num_generated, num_cached)
-            return f"data: {body.model_dump_json()}\n\n"
+                body.usage = usage_info(num_prompt, num_generated, num_cached)
+            return sse(body.model_dump_json())
 
-        try:
-            # The role comes first, before the first token, as OpenAI sends it.
-            yield chunk([
-                ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                for i in range(request.n)
-            ])
-            async for _, out in merge_streams(streams):
-                num_prompt = len(out.prompt_token_ids)
-                num_cached = out.num_cached_tokens
-                if (message := finish_error([out])) is not None:
-                    body = error_body(message, error_status(message))
-                    yield f"data: {body.model_dump_json()}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                choices = []
-                for c in out.outputs:
-                    num_generated += len(c.token_ids)
-                    if not c.text and not c.token_ids and c.finish_reason is None:
-                        continue
-                    choices.append(
-                        ChatStreamChoice(
-                            index=c.index,
-                            delta=DeltaMessage(content=c.text),
-                            logprobs=self._logprobs(c, request) if request.logprobs else None,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
+        # The role comes first, before the first token, as OpenAI sends it.
+        yield chunk([
+            ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            for i in range(request.n)
+        ])
+        async for _, out in merge_streams(streams):
+            num_prompt = len(out.prompt_token_ids)
+            num_cached = out.num_cached_tokens
+            if (message := finish_error([out])) is not None:
+                yield stream_error(message, error_status(message))
+                return
+            choices = []
+            for c in out.outputs:
+                num_generated += len(c.token_ids)
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                choices.append(
+                    ChatStreamChoice(
+                        index=c.index,
+                        delta=DeltaMessage(content=c.text),
+                        logprobs=self._logprobs(c, request) if request.logprobs else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
                     )
-                if choices:
-                    yield chunk(choices)
-            if include_usage:
-                body = ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=_usage(num_prompt, num_generated, num_cached),
                 )
-                yield f"data: {body.model_dump_json()}\n\n"
-        except EngineDeadError as e:
-            body = error_body(f"The engine is not available: {e}", 503)
-            yield f"data: {body.model_dump_json()}\n\n"
-        yield "data: [DONE]\n\n"
+            if choices:
+                yield chunk(choices)
+        if include_usage:
+            body = ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[],
+                usage=usage_info(num_prompt, num_generated, num_cached),
+            )
+            yield sse(body.model_dump_json())
 
     def _logprobs(self, c: CompletionOutput, request: ChatCompletionRequest) -> ChatLogProbs:
         k = request.top_logprobs or 0
@@ -234,12 +201,3 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatLogProbs(content=content)
-
-
-def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_generated,
-        total_tokens=num_prompt + num_generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached) if num_cached else None,
-    )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from vllm.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -15,25 +14,20 @@ from vllm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
-    PromptTokensDetails,
-    UsageInfo,
-    random_id,
 )
 from vllm.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
     OpenAIServing,
-    cancel_on_disconnect,
-    error_body,
-    error_response,
     error_status,
     finish_error,
     finite,
-    json_response,
     merge_streams,
-    value_error_response,
+    sse,
+    stream_error,
+    usage_info,
 )
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.v1.engine.async_llm import EngineDeadError, RequestStream
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.async_llm import RequestStream
 
 
 def normalize_prompts(prompt: Any) -> list[str | list[int]]:
@@ -54,39 +48,16 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         """The HTTP response of one completion request (errors in OpenAI's shape)."""
-        model = self.check_model(request)
-        if isinstance(model, JSONResponse):
-            return model
-        if (dead := self.engine_dead_response()) is not None:
-            return dead
-        try:
+
+        def prepare() -> tuple[list[Any], SamplingParams]:
             if request.suffix:
                 raise ValueError("suffix: is not supported")
             if request.best_of is not None and request.best_of != request.n:
                 raise ValueError("best_of: only best_of == n is supported")
             prompts = normalize_prompts(request.prompt)
-            params = self.sampling_params(request, request.max_tokens, request.logprobs)
-            request_id = request.request_id or random_id("cmpl")
-            streams = await self.add_requests(request_id, prompts, params, delta=request.stream)
-        except ValueError as e:
-            return value_error_response(e)
-        except EngineDeadError as e:
-            return error_response(f"The engine is not available: {e}", 503)
-        created = int(time.time())
-        if request.stream:
-            return StreamingResponse(
-                self._stream(request, streams, request_id, created, model),
-                media_type="text/event-stream",
-            )
-        try:
-            finals = await cancel_on_disconnect(self._collect(streams), raw_request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except EngineDeadError as e:
-            return error_response(f"The engine is not available: {e}", 503)
-        if (message := finish_error(finals)) is not None:
-            return error_response(message, error_status(message))
-        return json_response(self._response(request, finals, request_id, created, model))
+            return prompts, self.sampling_params(request, request.max_tokens, request.logprobs)
+
+        return await self.serve(request, raw_request, prepare)
 
     async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -128,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
             created=created,
             model=model,
             choices=choices,
-            usage=_usage(num_prompt, num_generated, num_cached),
+            usage=usage_info(num_prompt, num_generated, num_cached),
         )
 
     async def _stream(
@@ -147,62 +118,57 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_counts: dict[int, int] = {}
         cached_counts: dict[int, int] = {}
         num_generated = 0
-        try:
-            async for p, out in merge_streams(streams):
-                if p not in prompt_counts:
-                    prompt_counts[p] = len(out.prompt_token_ids)
-                cached_counts[p] = out.num_cached_tokens
-                if (message := finish_error([out])) is not None:
-                    yield _sse(error_body(message, error_status(message)).model_dump_json())
-                    yield "data: [DONE]\n\n"
-                    return
-                choices = []
-                for c in out.outputs:
-                    index = p * n + c.index
-                    num_generated += len(c.token_ids)
-                    text = c.text
-                    if request.echo and index not in echoed:
-                        echoed.add(index)
-                        text = self._prompt_text(out) + text
-                        offsets[index] = len(text) - len(c.text)
-                    logprobs = None
-                    if request.logprobs is not None:
-                        logprobs = self._logprobs(c, request, offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + sum(
-                            len(t) for t in logprobs.tokens
-                        )
-                    if not text and not c.token_ids and c.finish_reason is None:
-                        continue
-                    choices.append(
-                        CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=c.finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
+        async for p, out in merge_streams(streams):
+            if p not in prompt_counts:
+                prompt_counts[p] = len(out.prompt_token_ids)
+            cached_counts[p] = out.num_cached_tokens
+            if (message := finish_error([out])) is not None:
+                yield stream_error(message, error_status(message))
+                return
+            choices = []
+            for c in out.outputs:
+                index = p * n + c.index
+                num_generated += len(c.token_ids)
+                text = c.text
+                if request.echo and index not in echoed:
+                    echoed.add(index)
+                    text = self._prompt_text(out) + text
+                    offsets[index] = len(text) - len(c.text)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self._logprobs(c, request, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(
+                        len(t) for t in logprobs.tokens
                     )
-                if not choices:
+                if not text and not c.token_ids and c.finish_reason is None:
                     continue
-                chunk = CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=choices
-                )
-                if continuous:
-                    chunk.usage = _usage(
-                        sum(prompt_counts.values()), num_generated, sum(cached_counts.values())
+                choices.append(
+                    CompletionChoice(
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
                     )
-                yield _sse(chunk.model_dump_json())
-            if include_usage:
-                chunk = CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[],
-                    usage=_usage(
-                        sum(prompt_counts.values()), num_generated, sum(cached_counts.values())
-                    ),
                 )
-                yield _sse(chunk.model_dump_json())
-        except EngineDeadError as e:
-            yield _sse(error_body(f"The engine is not available: {e}", 503).model_dump_json())
-        yield "data: [DONE]\n\n"
+            if not choices:
+                continue
+            chunk = CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=choices
+            )
+            if continuous:
+                chunk.usage = usage_info(
+                    sum(prompt_counts.values()), num_generated, sum(cached_counts.values())
+                )
+            yield sse(chunk.model_dump_json())
+        if include_usage:
+            chunk = CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[],
+                usage=usage_info(
+                    sum(prompt_counts.values()), num_generated, sum(cached_counts.values())
+                ),
+            )
+            yield sse(chunk.model_dump_json())
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -225,16 +191,3 @@ class OpenAIServingCompletion(OpenAIServing):
             top = self.top_logprobs(entry, k)
             result.top_logprobs.append({self.token_text(t, as_ids): lp for t, lp in top})
         return result
-
-
-def _usage(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt,
-        completion_tokens=num_generated,
-        total_tokens=num_prompt + num_generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached) if num_cached else None,
-    )
-
-
-def _sse(data: str) -> str:
-    return f"data: {data}\n\n"

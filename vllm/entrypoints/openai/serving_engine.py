@@ -4,26 +4,31 @@ parameters, structured-output options, logprob formatting and client-disconnect 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar
 
 import pydantic
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm.entrypoints.openai.protocol import (
     ErrorInfo,
     ErrorResponse,
     OpenAIBaseModel,
+    PromptTokensDetails,
     SamplingRequestFields,
+    UsageInfo,
+    random_id,
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 
 T = TypeVar("T", bound=OpenAIBaseModel)
 
@@ -88,7 +93,14 @@ async def parse_request(raw_request: Request, model_cls: type[T]) -> T | JSONRes
 
 
 class OpenAIServing:
-    """Base of the completion and chat handlers."""
+    """Base of the completion and chat handlers.
+
+    A subclass sets `id_prefix` and provides `_collect` (the final outputs of its streams),
+    `_response` (the full JSON response) and `_stream` (the server-sent event chunks); `serve`
+    runs one request through them.
+    """
+
+    id_prefix = "cmpl"
 
     def __init__(self, engine: AsyncLLM, models: OpenAIServingModels) -> None:
         self.engine = engine
@@ -157,6 +169,73 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running
 
+    async def serve(
+        self,
+        request: SamplingRequestFields,
+        raw_request: Request,
+        prepare: Callable[[], tuple[list[Any], SamplingParams]],
+    ) -> Response:
+        """The HTTP response of one request (errors in OpenAI's shape).
+
+        `prepare` gives the prompts and sampling parameters, raising ValueError (a 400) for bad
+        input. A disconnecting client gets 499 and its engine requests are aborted.
+        """
+        model = self.check_model(request)
+        if isinstance(model, JSONResponse):
+            return model
+        if (dead := self.engine_dead_response()) is not None:
+            return dead
+        try:
+            prompts, params = prepare()
+            request_id = request.request_id or random_id(self.id_prefix)
+            streams = await self.add_requests(request_id, prompts, params, delta=request.stream)
+        except ValueError as e:
+            return value_error_response(e)
+        except EngineDeadError as e:
+            return error_response(f"The engine is not available: {e}", 503)
+        created = int(time.time())
+        if request.stream:
+            return StreamingResponse(
+                sse_events(self._stream(request, streams, request_id, created, model)),
+                media_type="text/event-stream",
+            )
+        try:
+            finals = await cancel_on_disconnect(self._collect(streams), raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except EngineDeadError as e:
+            return error_response(f"The engine is not available: {e}", 503)
+        if (message := finish_error(finals)) is not None:
+            return error_response(message, error_status(message))
+        return json_response(self._response(request, finals, request_id, created, model))
+
+    async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """The final output of each stream, in stream order."""
+        raise NotImplementedError
+
+    def _response(
+        self,
+        request: Any,
+        finals: list[RequestOutput],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> OpenAIBaseModel:
+        """The full (non-streaming) response model of a finished request."""
+        raise NotImplementedError
+
+    def _stream(
+        self,
+        request: Any,
+        streams: list[RequestStream],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[str]:
+        """The server-sent event chunks of a streaming request, without the closing
+        `[DONE]`; raises EngineDeadError if the engine dies."""
+        raise NotImplementedError
+
     async def add_requests(
         self, request_id: str, prompts: list[Any], params: SamplingParams, delta: bool
     ) -> list[RequestStream]:
@@ -201,6 +280,39 @@ def finite(logprob: float | None) -> float | None:
     if logprob != logprob or logprob < -9999.0:
         return -9999.0
     return logprob
+
+
+def usage_info(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
+    """The usage block of a response (cached prompt tokens only when there are some)."""
+    return UsageInfo(
+        prompt_tokens=num_prompt,
+        completion_tokens=num_generated,
+        total_tokens=num_prompt + num_generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached) if num_cached else None,
+    )
+
+
+def sse(data: str) -> str:
+    """One server-sent event carrying `data`."""
+    return f"data: {data}\n\n"
+
+
+def stream_error(message: str, status: int) -> str:
+    """The server-sent event of an error in OpenAI's shape."""
+    return sse(error_body(message, status).model_dump_json())
+
+
+async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`chunks`, then `[DONE]`; an engine death while streaming becomes a 503 error event."""
+    # Closing this stream (client gone) must close `chunks` at once, so that it aborts
+    # its engine requests now rather than when garbage collected.
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except EngineDeadError as e:
+            yield stream_error(f"The engine is not available: {e}", 503)
+    yield "data: [DONE]\n\n"
 
 
 def json_response(model: Any, status: int = 200) -> Response:

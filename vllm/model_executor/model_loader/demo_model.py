@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,13 +139,23 @@ def build_demo_model(name: str = DEFAULT_MODEL, cache_root: Path | None = None) 
     spec = DEMO_MODELS.get(name)
     if spec is None:
         raise ValueError(f"model: {name!r} is not a demo model (known: {', '.join(DEMO_MODELS)})")
-    final = model_dir(name, cache_root)
+    return build_cached(model_dir(name, cache_root), lambda tmp: _write_model(tmp, spec))
+
+
+def build_cached(final: Path, write: Callable[[Path], None]) -> Path:
+    """Return `final`, first filling it by `write` unless it already holds a `config.json`.
+
+    `write` fills a fresh temporary sibling directory, which is then renamed to `final`, so
+    several processes may build at once: the first rename wins and the others discard theirs.
+    Nothing is left behind if `write` raises. Raises what `write` raises, OSError if the
+    cache cannot be written.
+    """
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
     try:
-        _write_model(tmp, spec)
+        write(tmp)
         try:
             os.rename(tmp, final)
         except OSError as exc:
@@ -279,17 +290,9 @@ def _write_model(path: Path, spec: DemoModelSpec) -> None:
     """Write every file of a demo model into the existing directory `path`."""
     from safetensors.torch import save_file
 
-    _write_json(path / "config.json", hf_config(spec))
-    _write_json(
-        path / "generation_config.json",
-        {
-            "bos_token_id": None,
-            "eos_token_id": [EOS_TOKEN_ID, PAD_TOKEN_ID],
-            "pad_token_id": PAD_TOKEN_ID,
-            "do_sample": False,
-        },
-    )
-    _write_json(path / "tokenizer_config.json", tokenizer_config())
+    write_json(path / "config.json", hf_config(spec))
+    write_json(path / "generation_config.json", generation_config(EOS_TOKEN_ID, PAD_TOKEN_ID))
+    write_json(path / "tokenizer_config.json", tokenizer_config())
     _write_tokenizer(path)
     save_file(random_weights(spec), str(path / "model.safetensors"), metadata={"format": "pt"})
 
@@ -305,7 +308,18 @@ def _write_tokenizer(path: Path) -> None:
     write_tokenizer_json(target)
 
 
-def _write_json(path: Path, data: dict) -> None:
+def generation_config(eos_token_id: int, pad_token_id: int) -> dict:
+    """Return `generation_config.json` contents: greedy, stopping at EOS or at padding."""
+    return {
+        "bos_token_id": None,
+        "eos_token_id": [eos_token_id, pad_token_id],
+        "pad_token_id": pad_token_id,
+        "do_sample": False,
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write `data` to `path` as indented UTF-8 JSON. Raises OSError on write failures."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, ensure_ascii=False)
         f.write("\n")

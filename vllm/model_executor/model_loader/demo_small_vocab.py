@@ -9,11 +9,6 @@ Built once and cached next to the other demo models.
 
 from __future__ import annotations
 
-import errno
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +21,13 @@ from vllm.model_executor.model_loader.demo_model import (
     NORM_NOISE,
     PAD_TOKEN,
     DemoModelSpec,
+    build_cached,
+    generation_config,
     hf_config,
     model_dir,
     tokenizer_config,
     weight_shapes,
+    write_json,
 )
 from vllm.transformers_utils.qwen_vocab import ADDED_TOKENS, build_tokenizer, load_ranks
 
@@ -77,24 +75,7 @@ def build_small_vocab_model(
     if spec is None:
         known = ", ".join(SMALL_VOCAB_MODELS)
         raise ValueError(f"model: {name!r} is not a reduced-vocabulary demo model (known: {known})")
-    final = model_dir(name, cache_root)
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
-    try:
-        write_model(tmp, spec)
-        try:
-            os.rename(tmp, final)
-        except OSError as exc:
-            # Another process finished first; its directory is as good as ours.
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not final.is_dir():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return build_cached(model_dir(name, cache_root), lambda tmp: write_model(tmp, spec))
 
 
 def resolve(model: str | None, cache_root: Path | None = None) -> Path | None:
@@ -151,21 +132,9 @@ def write_model(path: Path, spec: SmallVocabSpec) -> None:
     if len(ranks) != spec.num_base_tokens:
         raise ValueError(f"num_base_tokens: Qwen's vocabulary has only {len(ranks)} ranks")
     (path / "tokenizer.json").write_text(build_tokenizer(ranks).to_str(pretty=True), "utf-8")
-    _write_json(path / "config.json", small_hf_config(spec))
-    _write_json(
-        path / "generation_config.json",
-        {
-            "bos_token_id": None,
-            "eos_token_id": [spec.eos_token_id, spec.pad_token_id],
-            "pad_token_id": spec.pad_token_id,
-            "do_sample": False,
-        },
+    write_json(path / "config.json", small_hf_config(spec))
+    write_json(
+        path / "generation_config.json", generation_config(spec.eos_token_id, spec.pad_token_id)
     )
-    _write_json(path / "tokenizer_config.json", small_tokenizer_config(spec))
+    write_json(path / "tokenizer_config.json", small_tokenizer_config(spec))
     save_file(random_weights(spec), str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, ensure_ascii=False)
-        f.write("\n")

@@ -10,8 +10,6 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import msgspec
-
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -21,7 +19,7 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.engine.output_processor import OutputProcessor
-from vllm.v1.engine.processor import InputProcessor, params_to_dict
+from vllm.v1.engine.processor import InputProcessor, child_requests
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 from vllm.v1.metrics.stats import RequestStateStats
 from vllm.v1.structured_output import StructuredOutputManager
@@ -280,18 +278,8 @@ class AsyncLLM:
         for child in child_ids:
             self._child_to_parent[child] = request_id
         try:
-            for i, child in enumerate(child_ids):
-                child_params = params
-                if len(child_ids) > 1 and params.seed is not None:
-                    # Distinct seeds, or all n samples would be the same sequence.
-                    child_params = dataclasses.replace(params, seed=params.seed + i)
-                self.engine_core.add_request(
-                    msgspec.structs.replace(
-                        core_request,
-                        request_id=child,
-                        sampling_params=params_to_dict(child_params),
-                    )
-                )
+            for child_request in child_requests(core_request, params, child_ids):
+                self.engine_core.add_request(child_request)
         except EngineDeadError:
             self._forget(request_id)
             self.output_processor.abort_request(request_id)

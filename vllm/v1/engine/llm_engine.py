@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
-
-import msgspec
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
@@ -16,7 +13,7 @@ from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.output_processor import OutputProcessor
-from vllm.v1.engine.processor import InputProcessor, params_to_dict
+from vllm.v1.engine.processor import InputProcessor, child_requests
 
 
 class LLMEngine:
@@ -53,16 +50,8 @@ class LLMEngine:
         child_ids = self.output_processor.add_request(
             request_id, text, core_request.prompt_token_ids, params
         )
-        for i, child_id in enumerate(child_ids):
-            child_params = params
-            if len(child_ids) > 1 and params.seed is not None:
-                # Distinct seeds, or all n samples would be the same sequence.
-                child_params = dataclasses.replace(params, seed=params.seed + i)
-            self.engine_core.add_request(
-                msgspec.structs.replace(
-                    core_request, request_id=child_id, sampling_params=params_to_dict(child_params)
-                )
-            )
+        for child_request in child_requests(core_request, params, child_ids):
+            self.engine_core.add_request(child_request)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Aborts requests by their user-facing ids."""

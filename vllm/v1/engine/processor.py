@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -102,3 +104,20 @@ def params_to_dict(params: SamplingParams) -> dict[str, Any]:
             value = value.to_dict()
         out[name] = value
     return out
+
+
+def child_requests(
+    core_request: EngineCoreRequest, params: SamplingParams, child_ids: list[str]
+) -> Iterator[EngineCoreRequest]:
+    """The engine-core request of each of a request's samples, one per id in `child_ids`.
+
+    With several samples and a seed, sample i gets seed + i.
+    """
+    for i, child_id in enumerate(child_ids):
+        child_params = params
+        if len(child_ids) > 1 and params.seed is not None:
+            # Distinct seeds, or all n samples would be the same sequence.
+            child_params = dataclasses.replace(params, seed=params.seed + i)
+        yield msgspec.structs.replace(
+            core_request, request_id=child_id, sampling_params=params_to_dict(child_params)
+        )
