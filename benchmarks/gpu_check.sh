@@ -6,14 +6,15 @@
 # 1. installs the wheels in ./.whl (made by /work/shared/tools/device-wheels.sh) into /tmp/site
 #    and puts /tmp/site and the repository on PYTHONPATH (no `pip install -e .` needed);
 # 2. builds the optional native library (csrc/) in place when cmake and a C++ compiler exist;
-# 3. runs the CUDA tests and benchmarks/bench_attention.py;
+# 3. runs the CUDA tests, benchmarks/bench_attention.py and benchmarks/bench_decode.py (decode
+#    tok/s at batch 1, 64, 256 with and without CUDA graphs);
 # 4. runs the GPU preset of benchmarks/structured_sweep.py (Qwen3-1.7B config, dummy weights,
 #    4000 prompts, rate 200, max concurrency 800, output length 128).
 # Logs, the sweep's JSON/PNG and the table (table.md) go into RESULT_DIR; summary.txt lists
 # every step with its exit status and duration. The exit status is that of the first failed step.
 #
 # Knobs (environment): PYTHON (python3), SITE_DIR (/tmp/site), SKIP_NATIVE, SKIP_TESTS,
-# SKIP_BENCH_ATTENTION, SKIP_SWEEP (set to 1 to skip), TEST_TIMEOUT (s, 1200),
+# SKIP_BENCH_ATTENTION, SKIP_BENCH_DECODE, SKIP_SWEEP (set to 1 to skip), TEST_TIMEOUT (s, 1200),
 # SWEEP_NUM_PROMPTS (preset's 4000), SWEEP_CONFIGS (sync/uni,async/uni,async/mp),
 # SWEEP_RATIOS (0,0.2,0.8,1.0), SWEEP_TIMEOUT (s, 3600), SWEEP_PRESET (gpu); ALLOW_CPU=1 lets
 # the script go on without CUDA (to try its mechanics on a CPU with SWEEP_PRESET=cpu-overhead).
@@ -109,6 +110,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH_ATTENTION:-0}" != 1 ]; then
   step bench_attention timeout 600 "$PY" benchmarks/bench_attention.py
+fi
+# Decode throughput, Qwen3-1.7B config with dummy weights, batch 1/64/256, graphs vs eager.
+if [ "${SKIP_BENCH_DECODE:-0}" != 1 ]; then
+  step bench_decode timeout 900 "$PY" benchmarks/bench_decode.py --json "$RESULT_DIR/decode.json"
 fi
 
 # 4. The GPU preset sweep.
