@@ -7,7 +7,11 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.vllm-setup-stamp
 want=$(cat pyproject.toml setup.py CMakeLists.txt csrc/*/* 2>/dev/null | sha256sum | cut -c1-16)
-if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then exit 0; fi
+native_missing=0
+if command -v cmake >/dev/null && command -v c++ >/dev/null && ! compgen -G "vllm/_C*.so" >/dev/null; then
+  native_missing=1  # e.g. after `git clean -X`: rebuild even if nothing else changed
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ "$native_missing" = 0 ]; then exit 0; fi
 # On a CPU-only machine take the local CPU wheel; an unpinned torch would pull a multi-GB CUDA build.
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0
