@@ -424,3 +424,25 @@ def test_random_workload_matches_sync(make: MakeHarness, depth: int, seed: int) 
     assert runs[True].tokens == runs[False].tokens
     for r, _, _ in specs:
         assert runs[True].finish_reason(r) == runs[False].finish_reason(r)
+
+
+def test_preemption_in_an_empty_step_reaches_the_runner(model_config: ModelConfig) -> None:
+    """A step can schedule no tokens yet preempt a request (A has all its tokens in flight, B
+    needs a block and preempts itself). That step never runs, so unschedule() must carry the
+    preemption into the next step, or the runner keeps a stale row for B."""
+    from tests.v1.core.sched_utils import make_config, make_kv
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    config = make_config(model_config, num_blocks=3, async_scheduling=True)
+    scheduler = AsyncScheduler(config, make_kv(config))
+    scheduler.add_request(make_request("a", 4, max_tokens=1))
+    scheduler.add_request(make_request("b", 8, max_tokens=10))
+    first = scheduler.schedule()
+    assert first.sampled_req_ids == ["a", "b"]
+    empty = scheduler.schedule()  # step 1 still in flight
+    assert empty.total_num_scheduled_tokens == 0
+    assert empty.preempted_req_ids == {"b"}
+    scheduler.unschedule(empty)
+    assert scheduler.schedule().preempted_req_ids == {"b"}
+    scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv_cache_manager.num_free_blocks == 3

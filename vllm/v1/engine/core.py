@@ -128,8 +128,7 @@ class EngineCore:
                 ):
                     return None, True
             else:
-                # Nothing ran: the runner hears about these finished requests next step.
-                self.scheduler.finished_req_ids |= so.finished_req_ids
+                self.scheduler.unschedule(so)
         if not self.batch_queue:
             return self.scheduler.take_pending_outputs() or None, scheduled
 

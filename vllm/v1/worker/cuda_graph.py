@@ -45,7 +45,7 @@ class DecodeGraphs:
     ) -> None:
         """Captures run(B) -> hidden states for every size, largest first (so smaller graphs
         share its memory pool). prepare(B) stages dummy inputs outside the graph first (host
-        copies must not be captured). On failure logs a warning and keeps eager mode for B."""
+        copies must not be captured). On a failure logs a warning and captures nothing smaller."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -62,8 +62,12 @@ class DecodeGraphs:
                     self.graphs[size] = graph
                     self.outputs[size] = out
                 except Exception as e:  # noqa: BLE001 - any capture failure means eager
-                    logger.warning("CUDA graph capture for batch %d failed, running eagerly: %s",
-                                   size, e)
+                    # A failed capture can leave the stream unusable for further captures:
+                    # stop here; sizes without a graph run eagerly.
+                    logger.warning("CUDA graph capture for batch %d failed; smaller batches pad up to a "
+                                   "captured size or run eagerly: %s", size, e)
+                    torch.cuda.synchronize()
+                    break
         torch.cuda.current_stream().wait_stream(stream)
 
     def replay(self, size: int) -> torch.Tensor:

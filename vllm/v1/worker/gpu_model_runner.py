@@ -55,8 +55,12 @@ class _Step:
 class _SampledTokens:
     """A step's sampled ids (and logprobs) with their device-to-host copy in flight."""
 
-    def __init__(self, req_ids: list[str], out: SamplerOutput, copy_stream) -> None:
+    def __init__(
+        self, req_ids: list[str], positions: list[int], out: SamplerOutput, copy_stream
+    ) -> None:
         self.req_ids = req_ids
+        # Output index of each row's token: a resumed request may already hold it.
+        self.positions = positions
         self._event = None
         tensors = [out.sampled_token_ids]
         if out.logprobs is not None:
@@ -231,10 +235,12 @@ class GPUModelRunner:
         """Moves sampled token values that reached the host into the request states."""
         while self._unsettled and (block or self._unsettled[0].ready()):
             sampled = self._unsettled.popleft()
-            for req_id, token in zip(sampled.req_ids, sampled.token_lists()):
+            for req_id, position, token in zip(
+                sampled.req_ids, sampled.positions, sampled.token_lists()
+            ):
                 state = self.requests.get(req_id)
-                if state is None:
-                    continue
+                if state is None or position != len(state.output_token_ids):
+                    continue  # finished, or resumed from preemption with this token already
                 state.output_token_ids.append(token)
                 row = self.input_batch.req_id_to_index.get(req_id)
                 if row is not None and self.input_batch.states[row] is state:
@@ -298,8 +304,8 @@ class GPUModelRunner:
         # Device-side feedback: tokens not on the host yet come from the previous samples.
         unknown = np.nonzero(~known)[0]
         if len(unknown):
-            src = torch.from_numpy(req_indices[unknown].astype(np.int64)).to(self.device)
-            dst = torch.from_numpy(unknown.astype(np.int64)).to(self.device)
+            src = self.buffers.to_device(req_indices[unknown].astype(np.int64))
+            dst = self.buffers.to_device(unknown.astype(np.int64))
             input_ids[dst] = self.last_token[src]
         assert self.model is not None
         if graph_size is not None:
@@ -326,7 +332,7 @@ class GPUModelRunner:
         if pick:
             idx = np.zeros(max(len(pick), self.min_rows), dtype=np.int64)
             idx[: len(pick)] = cu[1:][pick] - 1
-            logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(self.device)])
+            logits = self.model.compute_logits(hidden[self.buffers.to_device(idx)])
             logits = logits[: len(pick)]
         self._step = _Step(
             req_ids=req_ids,
@@ -407,25 +413,27 @@ class GPUModelRunner:
         states = [self.input_batch.states[r] for r in step.sampled_rows]
         metadata = self._sampling_metadata(states)
         result = self.sampler(logits, metadata)
-        rows = torch.tensor(step.sampled_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = self.buffers.to_device(np.asarray(step.sampled_rows, dtype=np.int64))
         self.last_token.index_copy_(0, rows, result.sampled_token_ids)
+        positions = [state.num_output_tokens for state in states]
         for state in states:
             state.num_output_tokens += 1
-        sampled = _SampledTokens(step.sampled_req_ids, result, self.copy_stream)
+        sampled = _SampledTokens(step.sampled_req_ids, positions, result, self.copy_stream)
         self._unsettled.append(sampled)
         output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled)
         return output if self.async_scheduling else output.get_output()
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        dev = self.device
         params = [s.sampling_params for s in states]
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
 
-        def column(values: list, default, dtype) -> torch.Tensor | None:
-            if all(v == default for v in values):
+        def column(name: str, off=None, dtype=np.float32) -> torch.Tensor | None:
+            """Per-row values of one parameter on the device; None when every row has `off`."""
+            values = [getattr(p, name) for p in params]
+            if off is not None and all(v == off for v in values):
                 return None
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+            return self.buffers.to_device(np.asarray(values, dtype=dtype))
 
         no_penalties = all(
             p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
@@ -439,7 +447,7 @@ class GPUModelRunner:
             padded = np.full((len(states), width), self.vocab_size, dtype=np.int64)
             for i, s in enumerate(states):
                 padded[i, : len(s.prompt_token_ids)] = s.prompt_token_ids
-            prompt_ids = torch.from_numpy(padded).to(dev, non_blocking=True)
+            prompt_ids = self.buffers.to_device(padded)
             output_ids = [list(s.output_token_ids) for s in states]
         min_tokens = {
             i: (p.min_tokens, set(p.all_stop_token_ids))
@@ -448,27 +456,19 @@ class GPUModelRunner:
         }
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
-            temperature=None
-            if all_greedy
-            else torch.tensor([p.temperature for p in params], dtype=torch.float32).to(dev),
+            temperature=None if all_greedy else column("temperature"),
             all_greedy=all_greedy,
             all_random=not any(greedy),
-            top_p=column([p.top_p for p in params], 1.0, torch.float32),
-            top_k=column([p.top_k for p in params], 0, torch.int32),
-            min_p=column([p.min_p for p in params], 0.0, torch.float32),
+            top_p=column("top_p", 1.0),
+            top_k=column("top_k", 0, np.int32),
+            min_p=column("min_p", 0.0),
             seeds=[p.seed for p in params],
             output_positions=[s.num_output_tokens for s in states],
             generator=self.generator,
             no_penalties=no_penalties,
-            presence_penalties=None
-            if no_penalties
-            else torch.tensor([p.presence_penalty for p in params], dtype=torch.float32).to(dev),
-            frequency_penalties=None
-            if no_penalties
-            else torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32).to(dev),
-            repetition_penalties=None
-            if no_penalties
-            else torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32).to(dev),
+            presence_penalties=None if no_penalties else column("presence_penalty"),
+            frequency_penalties=None if no_penalties else column("frequency_penalty"),
+            repetition_penalties=None if no_penalties else column("repetition_penalty"),
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
             min_tokens=min_tokens,

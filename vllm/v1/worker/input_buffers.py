@@ -75,3 +75,12 @@ class InputBuffers:
             out[name] = target
         self.events[turn].record()
         return out
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A one-off copy of a small host array to the device that does not block the host
+        (pinned, non_blocking; the caching host allocator keeps the pinned copy alive until
+        the transfer is done). Zero-copy on CPU."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.on_cpu:
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)

@@ -50,6 +50,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(): the runner must drop them.
         self.finished_req_ids: set[str] = set()
+        # Preempted in a step that never ran (see unschedule): sent with the next step.
+        self._unsent_preempted_ids: set[str] = set()
         # Outputs for requests that ended outside update_from_output (compile errors).
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
@@ -227,15 +229,23 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in preempted} | self._unsent_preempted_ids,
             has_structured_output_requests=has_structured,
             pending_structured_output_tokens=pending_structured,
             sampled_req_ids=sampled,
             step_id=self._step_id,
         )
         self.finished_req_ids = set()
+        self._unsent_preempted_ids = set()
         self._update_after_schedule(output)
         return output
+
+    def unschedule(self, output: SchedulerOutput) -> None:
+        """Keeps the runner-facing news of a step that schedules no tokens and is never run:
+        its finished and preempted ids go out with the next step instead."""
+        assert output.total_num_scheduled_tokens == 0
+        self.finished_req_ids |= output.finished_req_ids
+        self._unsent_preempted_ids |= output.preempted_req_ids
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         for req_id, n in output.num_scheduled_tokens.items():
