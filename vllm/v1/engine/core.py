@@ -13,7 +13,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -162,6 +162,3 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         stats["timestamp"] = time.time()
         return stats
-
-    def make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.time())

@@ -58,8 +58,9 @@ class Executor(ABC):
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future:
-        """Samples the step started last; the result (or Future's result) is a
-        ModelRunnerOutput with every host copy finished."""
+        """Samples the step started last. The result (or the Future's result) is a
+        ModelRunnerOutput, or an AsyncModelRunnerOutput whose get_output() waits for its
+        device-to-host copy (see vllm.v1.engine.core.resolve_output)."""
 
     @abstractmethod
     def check_health(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker
 
 
@@ -37,13 +37,10 @@ class UniProcExecutor(Executor):
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future:
-        future = self._thread.submit(self._sample, grammar_output)
+        # An async output's host copy is awaited by whoever resolves it, not on the worker
+        # thread, so the worker is free to start the next forward at once.
+        future = self._thread.submit(self.worker.sample_tokens, grammar_output)
         return future if non_block else future.result()
-
-    def _sample(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        # The async output's host copy is awaited by the caller of the future's result, not
-        # here, so the worker thread is free to start the next forward at once.
-        return self.worker.sample_tokens(grammar_output)
 
     def check_health(self) -> None:
         return None

@@ -337,11 +337,11 @@ class Scheduler:
                 error=request.error_message,
                 num_cached_tokens=request.num_cached_tokens,
             )
-            if logprobs is not None and request.sampling_params.logprobs is not None:
-                n = len(new_ids)
-                out.new_logprobs_token_ids = [logprobs.token_ids[idx]][:n]
-                out.new_logprobs = [logprobs.logprobs[idx]][:n]
-                out.new_logprobs_ranks = [logprobs.ranks[idx]][:n]
+            if logprobs is not None and request.sampling_params.logprobs is not None and new_ids:
+                # One sampled token per step, so one logprobs row.
+                out.new_logprobs_token_ids = [logprobs.token_ids[idx]]
+                out.new_logprobs = [logprobs.logprobs[idx]]
+                out.new_logprobs_ranks = [logprobs.ranks[idx]]
             outputs.append(out)
             if request.is_finished():
                 if request in self.running:
