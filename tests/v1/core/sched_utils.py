@@ -3,10 +3,12 @@ that checks what the scheduler tells it, and a token-level fake grammar backend.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import zlib
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -533,3 +535,25 @@ def assert_all_released(harness: Harness, som: StructuredOutputManager) -> None:
         f"{harness.kv.num_blocks - harness.kv.num_free_blocks} KV blocks leaked"
     )
     assert som.num_live_grammars == 0
+
+
+@contextlib.contextmanager
+def harness_factory(
+    model_config: ModelConfig, **defaults: object
+) -> Iterator[Callable[..., Harness]]:
+    """Yields a function building harnesses (keyword arguments override `defaults`); on exit
+    asserts that every harness released every request, block and grammar."""
+    made = []
+
+    def make(**kwargs: object) -> Harness:
+        harness, som = build_harness(model_config, **{**defaults, **kwargs})  # type: ignore[arg-type]
+        made.append((harness, som))
+        return harness
+
+    try:
+        yield make
+        for harness, som in made:
+            assert_all_released(harness, som)
+    finally:
+        for _, som in made:
+            som.shutdown()

@@ -15,11 +15,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.v1.core.sched_utils import (
+    harness_factory,
     EOS,
     GRAMMAR_END,
     Harness,
-    assert_all_released,
-    build_harness,
     default_policy,
     demo_model_config,
     make_request,
@@ -41,21 +40,8 @@ def model_config() -> ModelConfig:
 def make(model_config: ModelConfig) -> Iterator[MakeHarness]:
     """Builds harnesses (async unless async_scheduling=False is passed); at teardown every
     request is gone, nothing is in flight and the KV pool is full."""
-    made = []
-
-    def _make(**kwargs: object) -> Harness:
-        kwargs.setdefault("async_scheduling", True)
-        harness, som = build_harness(model_config, **kwargs)  # type: ignore[arg-type]
-        made.append((harness, som))
-        return harness
-
-    yield _make
-    try:
-        for harness, som in made:
-            assert_all_released(harness, som)
-    finally:
-        for _, som in made:
-            som.shutdown()
+    with harness_factory(model_config, async_scheduling=True) as factory:
+        yield factory
 
 
 def expected(req_id: str, n: int) -> list[int]:

@@ -7,11 +7,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.v1.core.sched_utils import (
+    harness_factory,
     EOS,
     GRAMMAR_END,
     Harness,
-    assert_all_released,
-    build_harness,
     default_policy,
     demo_model_config,
     make_request,
@@ -30,20 +29,8 @@ def model_config() -> ModelConfig:
 @pytest.fixture
 def make(model_config: ModelConfig) -> Iterator[MakeHarness]:
     """Builds sync harnesses; at teardown every request is gone and the KV pool is full."""
-    made = []
-
-    def _make(**kwargs: object) -> Harness:
-        harness, som = build_harness(model_config, **kwargs)  # type: ignore[arg-type]
-        made.append((harness, som))
-        return harness
-
-    yield _make
-    try:
-        for harness, som in made:
-            assert_all_released(harness, som)
-    finally:
-        for _, som in made:
-            som.shutdown()
+    with harness_factory(model_config) as factory:
+        yield factory
 
 
 def expected(req_id: str, n: int) -> list[int]:
