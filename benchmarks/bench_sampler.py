@@ -21,27 +21,12 @@ from vllm.v1.sample.sampler import Sampler
 
 def metadata(n: int, device: torch.device, **fields) -> SamplingMetadata:
     """Metadata for n unseeded rows at temperature 0.8 with `fields` overridden."""
-    base = dict(
-        temperature=torch.full((n,), 0.8, device=device),
-        all_greedy=False,
-        all_random=True,
-        top_p=None,
-        top_k=None,
-        min_p=None,
-        seeds=[None] * n,
-        output_positions=[7] * n,
-        generator=torch.Generator(device=device).manual_seed(0),
-        no_penalties=True,
-        presence_penalties=None,
-        frequency_penalties=None,
-        repetition_penalties=None,
-        prompt_token_ids=None,
-        output_token_ids=[],
-        min_tokens={},
-        max_num_logprobs=None,
+    fields.setdefault("output_positions", [7] * n)
+    return SamplingMetadata.plain(
+        torch.full((n,), 0.8, device=device),
+        torch.Generator(device=device).manual_seed(0),
+        **fields,
     )
-    base.update(fields)
-    return SamplingMetadata(**base)
 
 
 def cases(n: int, device: torch.device) -> dict[str, SamplingMetadata]:

@@ -16,27 +16,7 @@ INF = float("inf")
 
 def make_md(n: int, **fields) -> SamplingMetadata:
     """Metadata for n random rows (temperature 1, unseeded) with `fields` overridden."""
-    base = dict(
-        temperature=torch.ones(n),
-        all_greedy=False,
-        all_random=True,
-        top_p=None,
-        top_k=None,
-        min_p=None,
-        seeds=[None] * n,
-        output_positions=[0] * n,
-        generator=torch.Generator().manual_seed(1234),
-        no_penalties=True,
-        presence_penalties=None,
-        frequency_penalties=None,
-        repetition_penalties=None,
-        prompt_token_ids=None,
-        output_token_ids=[],
-        min_tokens={},
-        max_num_logprobs=None,
-    )
-    base.update(fields)
-    return SamplingMetadata(**base)
+    return SamplingMetadata.plain(torch.ones(n), torch.Generator().manual_seed(1234), **fields)
 
 
 def allowed(row: torch.Tensor, temp: float, k: int, p: float, min_p: float) -> set[int]:

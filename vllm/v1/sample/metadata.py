@@ -47,6 +47,37 @@ class SamplingMetadata:
     # None = no logprobs this step; k >= 0 = the sampled token's logprob plus the top k.
     max_num_logprobs: int | None = None
 
+    @classmethod
+    def plain(
+        cls,
+        temperature: torch.Tensor,
+        generator: torch.Generator | None = None,
+        /,
+        **overrides,
+    ) -> SamplingMetadata:
+        """Random, unseeded rows at `temperature` ([N]) with no filters, penalties, min_tokens
+        or logprobs; `overrides` replace any field (benchmarks and tests start from this)."""
+        n = temperature.shape[0]
+        fields = dict(
+            temperature=temperature,
+            all_greedy=False,
+            all_random=True,
+            top_p=None,
+            top_k=None,
+            min_p=None,
+            seeds=[None] * n,
+            output_positions=[0] * n,
+            generator=generator,
+            no_penalties=True,
+            presence_penalties=None,
+            frequency_penalties=None,
+            repetition_penalties=None,
+            prompt_token_ids=None,
+            output_token_ids=[],
+        )
+        fields.update(overrides)
+        return cls(**fields)
+
     def validate(self, num_rows: int, vocab_size: int) -> None:
         """Checks shapes and ranges that need no device sync.
 
