@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from v1.sample.goodness_of_fit import chi_square_test
 
 from vllm.v1.sample import sampler as sampler_mod
+from vllm.v1.sample.ops import race
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
@@ -457,3 +459,81 @@ def test_chi_square_helper_detects_a_wrong_distribution() -> None:
     probs = torch.softmax(torch.tensor([1.0, 0.0, 2.0, -1.0, 0.5, 1.5, 0.3, 0.2]).double(), 0)
     assert chi_square(counts, probs) > 100
     assert math.isfinite(chi_square(counts, torch.full((8,), 1 / 8, dtype=torch.float64)))
+
+
+# ------------------------------------------------- distribution: goodness of fit
+
+
+def reference_probs(row: torch.Tensor, temp: float, k: int, p: float, min_p: float) -> torch.Tensor:
+    """float64 distribution a random row must follow: softmax(z / T) over the kept set."""
+    keep = torch.zeros(row.numel(), dtype=torch.bool)
+    keep[sorted(allowed(row, temp, k, p, min_p))] = True
+    z = (row.double() - row.double().max()) / temp
+    return torch.softmax(z.masked_fill(~keep, -INF), dim=0)
+
+
+GOF_CASES = {
+    # name: (temperature, top_k, top_p, min_p, sampler options)
+    "temperature_blocks": (0.7, 0, 1.0, 0.0, dict(race_block=7)),
+    "min_p_blocks": (1.0, 0, 1.0, 0.03, dict(race_block=7)),
+    "top_k": (1.3, 15, 1.0, 0.0, dict()),
+    "top_p_full_sort": (1.0, 0, 0.8, 0.0, dict(top_p_candidates=8)),
+    "all": (0.9, 25, 0.9, 0.02, dict()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOF_CASES))
+def test_sampler_distribution_chi_square(case: str) -> None:
+    temp, k, p, min_p, opts = GOF_CASES[case]
+    g = torch.Generator().manual_seed(41)
+    vocab, n = 60, 20_000
+    row = torch.randn(vocab, generator=g) * 1.5
+    row[[5, 17, 18, 19, 40]] = -INF  # grammar-style masking
+    fields: dict = {"temperature": torch.full((n,), temp)}
+    if k:
+        fields["top_k"] = torch.full((n,), k, dtype=torch.int32)
+    if p < 1.0:
+        fields["top_p"] = torch.full((n,), p)
+    if min_p:
+        fields["min_p"] = torch.full((n,), min_p)
+    # Half the rows seeded (distinct seeds), half drawing keys from the generator.
+    fields["seeds"] = [i if i % 2 else None for i in range(n)]
+    counts = sample_counts(row, n, Sampler(**opts), **fields)
+    probs = reference_probs(row, temp, k, p, min_p)
+    result = chi_square_test(counts, probs)
+    assert result.passed, f"{case}: {result}"
+    # The test can fail: the same draws against a slightly different temperature.
+    assert not chi_square_test(counts, reference_probs(row, temp * 1.1, k, p, min_p)).passed
+
+
+def test_masked_tokens_and_blocks_with_the_largest_noise_are_never_sampled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Pins the noise of every masked token and every all-masked block to the largest value
+    # the hash can give (all ones): a masked choice must still never win.
+    vocab, block = 4096, 512
+    g = torch.Generator().manual_seed(43)
+    logits = torch.full((1, vocab), -INF)
+    ok = torch.tensor([3, 100, 600, 700, 2600, 2601, 4095])
+    logits[0, ok] = torch.randn(ok.numel(), generator=g)
+    masked = torch.ones(vocab + vocab // block, dtype=torch.bool)
+    masked[ok] = False
+    masked[vocab + ok // block] = False
+    real = race.noise_hash
+
+    def pinned(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+        h = real(keys, counters)
+        return torch.where(masked[counters], torch.full_like(h, 0xFFFFFFFF), h)
+
+    monkeypatch.setattr(race, "noise_hash", pinned)
+    n = 8
+    md = make_md(
+        5 * n,
+        temperature=torch.tensor([1.0, 0.5, 1.0, 1.0, 2.0] * n),
+        top_k=torch.tensor([0, 0, 20, 0, 50] * n, dtype=torch.int32),
+        top_p=torch.tensor([1.0, 1.0, 1.0, 0.9, 0.95] * n),
+        min_p=torch.tensor([0.0, 0.1, 0.0, 0.0, 0.01] * n),
+        seeds=list(range(5 * n)),
+    )
+    out = Sampler(race_block=block, top_p_candidates=4)(logits.repeat(5 * n, 1), md)
+    assert set(out.sampled_token_ids.tolist()) <= set(ok.tolist())

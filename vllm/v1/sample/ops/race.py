@@ -27,6 +27,8 @@ _M32 = 0xFFFFFFFF
 # math never overflows on any device.
 _C1 = 0x7FEB352D
 _C2 = 0x2C1B3C6D
+# Bits of the hash that make a uniform: 23 keeps every (cell + 0.5) exact in float32.
+UNIFORM_BITS = 23
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -38,17 +40,40 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def noise_hash(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash [n, m] int64 of (keys[i], counters[i, j]) that the noise is made from.
+
+    `keys` [n, 2] int64 in [0, 2**32); `counters` [n, m] or [m] int64, non-negative."""
+    k1 = keys[:, 0:1]
+    k2 = keys[:, 1:2]
+    return _mix(_mix((counters ^ k1) & _M32) ^ k2)
+
+
+def uniform_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """Maps 32-bit hashes (int64 tensor) to float32 uniforms strictly inside (0, 1).
+
+    Uses the top UNIFORM_BITS bits only: u = (top + 0.5) / 2**UNIFORM_BITS, the midpoints of
+    2**23 equal cells, each hit by 2**9 hashes."""
+    # top + 0.5 needs UNIFORM_BITS + 1 = 24 significant bits, exactly float32's precision,
+    # so the sum and the power-of-two scaling are exact and the largest u is 1 - 2**-24.
+    # With 24 bits the top value 2**24 - 0.5 would round up to 2**24, giving u == 1.0 and
+    # +inf noise (a masked token would then score -inf + inf = nan and win the argmax).
+    top = (h >> (32 - UNIFORM_BITS)).to(torch.float32)
+    return (top + 0.5) * (1.0 / (1 << UNIFORM_BITS))
+
+
+def gumbel_from_uniform(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise -log(-log(u)) of uniforms u in (0, 1) (finite there)."""
+    return -torch.log(-torch.log(u))
+
+
 def gumbel(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise [n, m] float32, a pure function of (keys[i], counters[i, j]).
 
     `keys` [n, 2] int64 in [0, 2**32); `counters` [n, m] or [m] int64, non-negative.
-    Resolution is 24 bits (like torch's float32 uniform), so |noise| stays below about 17."""
-    k1 = keys[:, 0:1]
-    k2 = keys[:, 1:2]
-    h = _mix(_mix((counters ^ k1) & _M32) ^ k2)
-    # (top 24 bits + 0.5) / 2**24 is exact in float32 and lies strictly inside (0, 1).
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(u))
+    Underneath, u has 23 bits of resolution and lies strictly inside (0, 1), so the noise is
+    always finite: between about -2.82 and 16.64."""
+    return gumbel_from_uniform(uniform_from_hash(noise_hash(keys, counters)))
 
 
 def seeded_key(seed: int, position: int) -> tuple[int, int]:
