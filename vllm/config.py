@@ -150,10 +150,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int = 2048
     async_scheduling: bool = False
+    # Most sequences one request may ask for (n, times the prompts of a batched completion):
+    # each costs front-end work and memory before the engine can push back.
+    max_n: int = 128
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs: must be at least 1, got {self.max_num_seqs}")
+        if self.max_n < 1:
+            raise ValueError(f"--max-n: must be at least 1, got {self.max_n}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(2048, self.max_num_seqs)
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -3,8 +3,35 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+
+# Bounds on list sizes a request may carry (each entry costs work on every generated token).
+MAX_LOGPROBS = 20
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_LENGTH = 1024
+MAX_STOP_TOKEN_IDS = 1024
+
+_INT32_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs")
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
+)
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    """True for an int (not a bool) in [low, high]."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_unicode(text: str) -> bool:
+    """False when `text` holds a lone surrogate (it cannot be encoded as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -104,7 +131,22 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        # Types and ranges first: every number must fit the engine's int32/int64/float32
+        # columns, so no value that passes here can fail later inside the engine core.
+        for name in _INT32_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not _is_int(value, -(2**31), 2**31 - 1):
+                raise bad(name, f"must be an integer in the int32 range, got {value!r}")
+        if self.seed is not None and not _is_int(self.seed, -(2**63), 2**63 - 1):
+            raise bad("seed", f"must be an integer in the int64 range, got {self.seed!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise bad(name, f"must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise bad(name, f"must be a finite number, got {value!r}")
+
+        if self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")
         if self.temperature < 0.0:
             raise bad("temperature", f"must be non-negative, got {self.temperature}")
@@ -128,16 +170,26 @@ class SamplingParams:
             raise bad(
                 "min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None:
             raise bad("prompt_logprobs", "is not supported")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_SEQUENCES:
+            raise bad("stop", f"at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "must be non-empty strings")
+            if len(s) > MAX_STOP_LENGTH:
+                raise bad("stop", f"each sequence is at most {MAX_STOP_LENGTH} characters")
+            if not _is_unicode(s):
+                raise bad("stop", "must be valid Unicode (no lone surrogates)")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+            )
+        if any(not _is_int(t, 0, 2**31 - 1) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative int32 integers")
 
     @property
     def greedy(self) -> bool:

@@ -61,6 +61,11 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help("Force the number of KV blocks."))
     max_num_seqs: int = field(default=256, metadata=_help("Most requests in one step."))
     max_num_batched_tokens: int | None = field(default=None, metadata=_help("Token budget of one step."))
+    max_n: int = field(
+        default=128,
+        metadata=_help("Most sequences one request may generate (n, times the prompts of a "
+                       "batched completion); more is a 400."),
+    )
     async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass."))
     distributed_executor_backend: str = field(default="uni", metadata=_help("uni or mp."))
     structured_outputs_config: dict[str, Any] = field(
@@ -125,6 +130,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=model_config.max_model_len,
                 async_scheduling=self.async_scheduling,
+                max_n=self.max_n,
             ),
             parallel_config=ParallelConfig(
                 distributed_executor_backend=self.distributed_executor_backend

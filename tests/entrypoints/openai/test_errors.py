@@ -4,6 +4,7 @@ requests mixed with good ones leave no leaked KV blocks or requests behind."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -107,6 +108,39 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, 400,
      "logprobs"),
+    # Values that overflowed the runner's int32/int64 columns and killed the engine core.
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 4, "top_k": 2**31}, 400,
+     "top_k"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 4, "seed": 2**64}, 400, "seed"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 2**64}, 400,
+     "min_tokens"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "seed": -(2**64)}, 400,
+     "seed"),
+    # Unbounded fan-out froze the server.
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 1, "n": 1_000_000}, 400, "n"),
+    (COMPLETIONS, {"model": MODEL, "prompt": ["a"] * 20, "max_tokens": 1, "n": 10}, 400, "n"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 1, "stop": ["s"] * 1000}, 400,
+     "stop"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES * (MAX_MODEL_LEN + 1), "max_tokens": 1}, 400,
+     "messages"),
+    # Non-finite numbers were accepted and sampled garbage.
+    (COMPLETIONS, b'{"model": "demo-tiny", "prompt": "hi", "max_tokens": 2, "temperature": NaN}',
+     400, None),
+    (COMPLETIONS, b'{"model": "demo-tiny", "prompt": "hi", "temperature": Infinity}', 400, None),
+    (COMPLETIONS, b'{"model": "demo-tiny", "prompt": "hi", "top_p": -Infinity}', 400, None),
+    (COMPLETIONS, b'{"model": "demo-tiny", "prompt": "hi", "temperature": 1e309}', 400, None),
+    (CHAT, b'{"model": "demo-tiny", "messages": [{"role": "user", "content": "hi"}], '
+           b'"repetition_penalty": NaN}', 400, None),
+    # Malformed input that was a 500.
+    (COMPLETIONS, b"[" * 10000 + b"]" * 10000, 400, None),
+    (COMPLETIONS, b'{"model": "demo-tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400,
+     None),
+    (CHAT, b'{"model": "demo-tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     400, "messages[0].content"),
+    (COMPLETIONS, b'{"model": "demo-tiny", "prompt": "a\\udfff b"}', 400, "prompt"),
+    (COMPLETIONS, b'{"model": "demo-\\ud800", "prompt": "hi"}', 400, "model"),
+    (COMPLETIONS, b'{"model": "demo-tiny", "prompt": "hi", "stop": ["\\ud800"]}', 400,
+     "stop[0]"),
 ]
 
 
@@ -207,3 +241,34 @@ def test_many_bad_requests_mixed_with_good_leak_nothing(server):
     assert m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
     assert m["vllm:num_requests_api_server"] == 0
     assert httpx.get(server.url("/health"), timeout=30).status_code == 200
+
+
+def test_oversized_body_is_413_and_server_stays_up(server, http):
+    big = b'{"model": "demo-tiny", "prompt": "' + b"a" * (17 << 20) + b'"}'
+    assert_error(http.post(COMPLETIONS, content=big,
+                           headers={"Content-Type": "application/json"}), 413)
+
+    def chunks():  # no Content-Length: the limit must hold while reading
+        yield b'{"model": "demo-tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(17):
+            yield b"b" * (1 << 20)
+        yield b'"}]}'
+
+    assert_error(http.post(CHAT, content=chunks(),
+                           headers={"Content-Type": "application/json"}), 413)
+    assert httpx.get(server.url("/health"), timeout=30).status_code == 200
+
+
+def test_failed_requests_release_their_request_id(server, http):
+    """A request that fails validation must not leave its request_id registered."""
+    rid = "reused-request-id"
+    for bad in ({"seed": 2**64}, {"top_k": 2**31}, {"n": 10**6}, {"stop": ["\ud800"]}):
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": rid, **bad}
+        # ensure_ascii keeps the lone surrogate as a \ud800 escape, as a client would send it.
+        raw = json.dumps(body).encode()
+        assert_error(http.post(COMPLETIONS, content=raw,
+                               headers={"Content-Type": "application/json"}), 400)
+    ok = http.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                      "request_id": rid})
+    assert ok.status_code == 200, ok.text
+    assert server.wait_idle()["vllm:num_requests_api_server"] == 0

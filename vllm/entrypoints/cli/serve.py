@@ -23,7 +23,8 @@ class ServeSubcommand(CLISubcommand):
     name = "serve"
 
     def subparser_init(self, subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-        from vllm.engine.arg_utils import EngineArgs
+        from vllm.engine.arg_utils import EngineArgs, parse_bytes
+        from vllm.entrypoints.openai.protocol import DEFAULT_MAX_BODY_BYTES
 
         parser = subparsers.add_parser(
             "serve",
@@ -44,6 +45,10 @@ class ServeSubcommand(CLISubcommand):
         parser.add_argument("--uvicorn-log-level", default="info",
                             choices=["critical", "error", "warning", "info", "debug", "trace"],
                             help="uvicorn's log level.")
+        parser.add_argument("--max-request-body-bytes", type=parse_bytes,
+                            default=DEFAULT_MAX_BODY_BYTES,
+                            help="Largest request body accepted, e.g. 16MiB; larger ones get "
+                            "a 413 (default: %(default)s bytes).")
         parser.add_argument("--disable-log-requests", action="store_true",
                             help="Do not log each request.")
         EngineArgs.add_cli_args(parser)
@@ -80,7 +85,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from vllm.entrypoints.openai.api_server import ServerOptions, bind_socket
 
-    options = ServerOptions(args.host, args.port, args.api_key, args.uvicorn_log_level)
+    options = ServerOptions(
+        args.host, args.port, args.api_key, args.uvicorn_log_level, args.max_request_body_bytes
+    )
     try:
         sock = bind_socket(options.host, options.port)
     except OSError as e:

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm import __version__
 from vllm.entrypoints.openai.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIBaseModel,
@@ -47,6 +48,8 @@ class ServerOptions:
     port: int = 8000
     api_key: str | None = None
     uvicorn_log_level: str = "info"
+    # Larger request bodies get a 413 before they are read in full.
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 class APIKeyMiddleware:
@@ -73,23 +76,12 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _handle(
-    raw_request: Request,
-    model_cls: type[T],
-    handler: Callable[[T, Request], Awaitable[Response]],
-) -> Response:
-    """`handler`'s response to the parsed body, or the 400 of a body that does not parse."""
-    request = await parse_request(raw_request, model_cls)
-    if isinstance(request, Response):
-        return request
-    return await handler(request, raw_request)
-
-
 def build_app(
     engine: AsyncLLM,
     models: OpenAIServingModels,
     metrics: PrometheusMetrics | None = None,
     api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving `engine`. The app's lifespan shuts the engine down at exit."""
 
@@ -104,6 +96,19 @@ def build_app(
     app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__, lifespan=lifespan)
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models)
+    # Every message renders to at least one token, so more than the context cannot fit.
+    max_messages = engine.model_config.max_model_len
+
+    async def handle(
+        raw_request: Request,
+        model_cls: type[T],
+        handler: Callable[[T, Request], Awaitable[Response]],
+    ) -> Response:
+        """`handler`'s response to the parsed body, or the 400/413 of one that does not parse."""
+        request = await parse_request(raw_request, model_cls, max_body_bytes, max_messages)
+        if isinstance(request, Response):
+            return request
+        return await handler(request, raw_request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -131,12 +136,12 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
         """OpenAI completions (streaming with stream=true)."""
-        return await _handle(raw_request, CompletionRequest, completion.create_completion)
+        return await handle(raw_request, CompletionRequest, completion.create_completion)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw_request: Request) -> Response:
         """OpenAI chat completions (streaming with stream=true)."""
-        return await _handle(raw_request, ChatCompletionRequest, chat.create_chat_completion)
+        return await handle(raw_request, ChatCompletionRequest, chat.create_chat_completion)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -192,7 +197,7 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
 
     KeyboardInterrupt (Ctrl-C, or SIGTERM as the CLI maps it) propagates after the cleanup.
     """
-    app = build_app(engine, models, metrics, options.api_key)
+    app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes)
     try:
         asyncio.run(serve_http(app, sock, options.uvicorn_log_level))
     finally:

@@ -55,6 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.best_of is not None and request.best_of != request.n:
                 raise ValueError("best_of: only best_of == n is supported")
             prompts = normalize_prompts(request.prompt)
+            self.engine.processor.check_num_sequences(len(prompts), request.n)
             return prompts, self.sampling_params(request, request.max_tokens, request.logprobs)
 
         return await self.serve(request, raw_request, prepare)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm.entrypoints.openai.protocol import (
+    DEFAULT_MAX_BODY_BYTES,
     ErrorInfo,
     ErrorResponse,
     OpenAIBaseModel,
@@ -74,22 +76,119 @@ def value_error_response(e: ValueError) -> JSONResponse:
     return error_response(message, 400, param=m.group(1) if m else None)
 
 
-async def parse_request(raw_request: Request, model_cls: type[T]) -> T | JSONResponse:
-    """Reads and validates a JSON body; returns the model or a 400 error response."""
-    body = await raw_request.body()
+class BodyTooLarge(Exception):
+    """The request body exceeds the server's limit."""
+
+
+async def read_body(raw_request: Request, max_bytes: int) -> bytes:
+    """The request body; raises BodyTooLarge as soon as it is known to exceed `max_bytes`
+    (from Content-Length, or while reading a chunked body), without reading the rest."""
+    declared = raw_request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in raw_request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a JSON number")
+    return value
+
+
+def _surrogate_path(value: Any, path: str = "body") -> str | None:
+    """Where the first lone surrogate in parsed JSON is ("messages[0].content"), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            sub = key if path == "body" else f"{path}.{key}"
+            found = _surrogate_path(key, path) or _surrogate_path(item, sub)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _surrogate_path(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def decode_json_body(body: bytes) -> Any:
+    """Parses a request body as strict JSON: UTF-8, finite numbers only (no NaN, Infinity or
+    1e999), no lone surrogates, bounded nesting. Raises ValueError naming the problem."""
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_reject_constant, parse_float=_parse_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return error_response(f"Invalid JSON body: {e}", 400)
+        raise ValueError(f"Invalid JSON body: {e}") from None
+    except RecursionError:
+        raise ValueError("Invalid JSON body: nested too deeply") from None
+    except ValueError as e:
+        raise ValueError(f"Invalid JSON body: {e}") from None
+    # A cheap whole-body check first; the walk that finds the field runs only on failure.
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        where = _surrogate_path(data)
+        raise ValueError(f"{where}: contains a lone UTF-16 surrogate (not valid Unicode)") from None
+    except RecursionError:
+        raise ValueError("Invalid JSON body: nested too deeply") from None
+    return data
+
+
+async def parse_request(
+    raw_request: Request,
+    model_cls: type[T],
+    max_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_messages: int | None = None,
+) -> T | JSONResponse:
+    """Reads and validates a JSON body; returns the model, a 400 for a malformed body or
+    invalid fields (or more than `max_messages` chat messages), or a 413 for a body over
+    `max_bytes`."""
+    try:
+        body = await read_body(raw_request, max_bytes)
+    except BodyTooLarge:
+        return error_response(
+            f"Request body too large: the limit is {max_bytes} bytes "
+            "(--max-request-body-bytes)", 413
+        )
+    try:
+        data = decode_json_body(body)
+    except ValueError as e:
+        return value_error_response(e)
     if not isinstance(data, dict):
         return error_response("Invalid request body: expected a JSON object", 400)
+    messages = data.get("messages")
+    if max_messages is not None and isinstance(messages, list) and len(messages) > max_messages:
+        # Checked before validation, which costs microseconds per message on the event loop.
+        return error_response(
+            f"messages: {len(messages)} messages cannot fit in this model's context of "
+            f"{max_messages} tokens", 400, param="messages"
+        )
     try:
         return model_cls.model_validate(data)
     except pydantic.ValidationError as e:
-        errors = e.errors()
+        errors = e.errors(include_input=False, include_url=False)
         locs = [".".join(map(str, err.get("loc", ()))) for err in errors]
         parts = [f"{loc or 'body'}: {err['msg']}" for loc, err in zip(locs, errors)]
         return error_response("; ".join(parts[:5]), 400, param=locs[0] or None)
+    except RecursionError:
+        return error_response("Invalid request body: nested too deeply", 400)
 
 
 class OpenAIServing:
@@ -186,7 +285,9 @@ class OpenAIServing:
         if (dead := self.engine_dead_response()) is not None:
             return dead
         try:
-            prompts, params = prepare()
+            # Rendering a chat template and building parameters is Python work proportional
+            # to the request: off the event loop, so /health and other requests stay live.
+            prompts, params = await asyncio.to_thread(prepare)
             request_id = request.request_id or random_id(self.id_prefix)
             streams = await self.add_requests(request_id, prompts, params, delta=request.stream)
         except ValueError as e:

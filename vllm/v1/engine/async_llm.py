@@ -220,15 +220,14 @@ class AsyncLLM:
         engine is gone.
         """
         self._ensure_started()
-        if request_id in self._requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_unused(request_id)
         arrival = time.monotonic()
         if params.structured_outputs is not None:
             await self._check_compiles(params.structured_outputs)
-            self._ensure_started()
-            if request_id in self._requests:
-                raise ValueError(f"request_id: {request_id!r} is already in use")
-        text, core_request = self.processor.process(request_id, prompt, params, arrival)
+        # Tokenizing a long prompt takes a while: never on the event loop.
+        text, core_request = await asyncio.to_thread(
+            self.processor.process, request_id, prompt, params, arrival
+        )
         num_prompt = len(core_request.prompt_token_ids)
         max_len = self.model_config.max_model_len
         if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
@@ -237,7 +236,14 @@ class AsyncLLM:
                 f"prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}, "
                 f"{num_prompt + params.max_tokens} in all"
             )
+        # Checked again after the awaits: another request may have taken the id meanwhile.
+        self._ensure_started()
+        self._check_unused(request_id)
         return self._admit(text, core_request, params, delta, arrival)
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
 
     async def _check_compiles(self, so: StructuredOutputsParams) -> None:
         """Compiles the constraint off the event loop, within the engine's compile time limit;
@@ -277,13 +283,19 @@ class AsyncLLM:
         self._requests[request_id] = _Tracked(stream, child_ids, stats)
         for child in child_ids:
             self._child_to_parent[child] = request_id
+        sent: list[str] = []
         try:
             for child_request in child_requests(core_request, params, child_ids):
                 self.engine_core.add_request(child_request)
-        except EngineDeadError:
+                sent.append(child_request.request_id)
+        except BaseException as e:
+            # Whatever failed, the id and its children must not stay registered.
             self._forget(request_id)
             self.output_processor.abort_request(request_id)
-            raise
+            self.engine_core.abort_requests(sent)
+            if isinstance(e, (EngineDeadError, ValueError)) or not isinstance(e, Exception):
+                raise
+            raise ValueError(f"request: cannot be sent to the engine: {e}") from e
         if self.log_requests:
             logger.info(
                 "Received request %s: %d prompt tokens, params=%s",

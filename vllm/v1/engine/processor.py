@@ -27,6 +27,16 @@ class InputProcessor:
         self.structured_output_manager = structured_output_manager
         self.max_model_len = vllm_config.model_config.max_model_len
         self.vocab_size = vllm_config.model_config.vocab_size
+        self.max_n = vllm_config.scheduler_config.max_n
+
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """Raises ValueError when `num_prompts` prompts times `n` samples exceed --max-n."""
+        if num_prompts * n > self.max_n:
+            what = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts x n={n}"
+            raise ValueError(
+                f"n: {what} asks for {num_prompts * n} sequences; this server allows at most "
+                f"{self.max_n} per request (--max-n)"
+            )
 
     def tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError on bad input."""
@@ -70,6 +80,7 @@ class InputProcessor:
 
         Raises ValueError for an empty or too-long prompt and invalid structured outputs.
         """
+        self.check_num_sequences(1, params.n)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("prompt: must not be empty")
@@ -117,7 +128,9 @@ def child_requests(
         child_params = params
         if len(child_ids) > 1 and params.seed is not None:
             # Distinct seeds, or all n samples would be the same sequence.
-            child_params = dataclasses.replace(params, seed=params.seed + i)
+            # Wrapped into int64 so that seed + i never overflows the engine's seed column.
+            child_seed = (params.seed + i + 2**63) % 2**64 - 2**63
+            child_params = dataclasses.replace(params, seed=child_seed)
         yield msgspec.structs.replace(
             core_request, request_id=child_id, sampling_params=params_to_dict(child_params)
         )

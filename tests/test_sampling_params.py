@@ -1,0 +1,71 @@
+"""SamplingParams rejects every value the engine could not hold, naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm.sampling_params import (
+    MAX_STOP_SEQUENCES,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
+
+BAD = [
+    # Values that overflowed the runner's int32/int64 columns and killed the engine core.
+    ("top_k", 2**31),
+    ("top_k", 2**63),
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
+    ("min_tokens", 2**64),
+    ("max_tokens", 2**31),
+    ("n", 2**40),
+    ("logprobs", 2**64),
+    # Non-finite numbers were accepted and sampled garbage.
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("top_p", math.nan),
+    ("min_p", math.nan),
+    ("presence_penalty", math.nan),
+    ("frequency_penalty", -math.inf),
+    ("repetition_penalty", math.nan),
+    ("repetition_penalty", math.inf),
+    # Wrong types that Python would otherwise compare happily.
+    ("top_k", 2.5),
+    ("n", True),
+    ("temperature", "hot"),
+    ("seed", 1.5),
+    ("stop", ["\ud800"]),
+    ("stop", ["x" * 5000]),
+    ("stop", [str(i) for i in range(MAX_STOP_SEQUENCES + 1)]),
+    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1))),
+    ("stop_token_ids", [2**31]),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD, ids=[f"{f}={str(v)[:20]}" for f, v in BAD])
+def test_out_of_range_values_name_the_field(field, value):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: value})
+    assert str(e.value).startswith(f"{field}: "), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"top_k": 2**31 - 1, "seed": 2**63 - 1, "max_tokens": 2**31 - 1},
+        {"seed": -(2**63), "min_tokens": 5, "max_tokens": 5},
+        {"temperature": 0, "top_p": 1, "repetition_penalty": 2},
+        {"top_k": -1, "stop": "end", "stop_token_ids": [0, 7]},
+        {"max_tokens": None, "logprobs": 20},
+    ],
+)
+def test_boundary_values_are_accepted(kwargs):
+    params = SamplingParams(**kwargs)
+    for name, value in kwargs.items():
+        if name == "top_k" and value == -1:
+            value = 0
+        if name == "stop":
+            value = [value]
+        assert getattr(params, name) == value
