@@ -31,6 +31,8 @@ BAD = [
     ("frequency_penalty", -math.inf),
     ("repetition_penalty", math.nan),
     ("repetition_penalty", math.inf),
+    ("temperature", 1e300),  # finite, but infinite once in the runner's float32 column
+    ("presence_penalty", -1e39),
     # Wrong types that Python would otherwise compare happily.
     ("top_k", 2.5),
     ("n", True),

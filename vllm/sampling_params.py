@@ -20,6 +20,9 @@ _FLOAT_FIELDS = (
 )
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _is_int(value: object, low: int, high: int) -> bool:
     """True for an int (not a bool) in [low, high]."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
@@ -143,8 +146,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise bad(name, f"must be a number, got {value!r}")
-            if not math.isfinite(value):
-                raise bad(name, f"must be a finite number, got {value!r}")
+            if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+                raise bad(name, f"must be a finite float32 number, got {value!r}")
 
         if self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")

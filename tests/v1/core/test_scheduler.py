@@ -297,3 +297,60 @@ def test_grammar_that_cannot_advance_ends_only_its_request(make: MakeHarness) ->
     assert h.tokens["g1"] == [5]
     assert h.tokens["g2"] == [5, 6, 7, GRAMMAR_END] and h.finish_reason("g2") == "stop"
     assert h.tokens["plain"] == expected("plain", 5)
+
+
+def test_duplicate_request_id_is_refused(make: MakeHarness) -> None:
+    h = make()
+    h.add(make_request("a", 5, max_tokens=3))
+    h.schedule()
+    with pytest.raises(ValueError, match="already in use"):
+        h.sched.add_request(make_request("a", 7, max_tokens=3))
+    h.check()  # the live request is untouched and nothing else got registered
+    h.run()
+    assert h.tokens["a"] == expected("a", 3)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_finish_with_error_frees_whatever_the_request_holds(
+    make: MakeHarness, async_scheduling: bool
+) -> None:
+    h = make(async_scheduling=async_scheduling, max_num_seqs=2)
+    h.add(
+        make_request("running", 5, max_tokens=10),
+        make_request("plain", 5, max_tokens=4),
+        make_request("waiting", 5, max_tokens=4),
+        make_request("grammar", 5, max_tokens=4, grammar="5 6 7"),
+    )
+    h.schedule()  # "running" and "plain" are admitted; their step is in flight
+    sched = h.sched
+    for req_id in ("running", "waiting", "grammar", "never-admitted"):
+        sched.finish_with_error(req_id, f"bad {req_id}")
+    h.check()
+    errors = {out.request_id: out for out in sched.take_pending_outputs()}
+    assert set(errors) == {"running", "waiting", "grammar", "never-admitted"}
+    for req_id, out in errors.items():
+        assert out.finish_reason == "error" and out.error == f"bad {req_id}"
+        assert out.new_token_ids == []
+    assert set(sched.requests) == {"plain"}
+    h.run()  # the in-flight token of "running" is dropped when it lands
+    assert "running" not in h.tokens
+    assert h.tokens["plain"] == expected("plain", 4)
+
+
+def test_failed_grammar_start_registers_nothing(
+    make: MakeHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h = make()
+    som = h.sched.structured_output_manager
+    assert som is not None
+    grammar_init = som.grammar_init
+
+    def failing_grammar_init(request) -> None:
+        grammar_init(request)  # registered with the manager, then the start fails
+        raise RuntimeError("compile pool is gone")
+
+    monkeypatch.setattr(som, "grammar_init", failing_grammar_init)
+    with pytest.raises(RuntimeError, match="compile pool"):
+        h.sched.add_request(make_request("g", 5, max_tokens=4, grammar="5 6"))
+    assert "g" not in h.sched.requests and not h.sched.waiting
+    assert som.num_live_grammars == 0

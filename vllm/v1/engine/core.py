@@ -18,6 +18,7 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.gpu_input_batch import check_request_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class EngineCore:
         scheduler_cls = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
         self.scheduler: Scheduler = scheduler_cls(vllm_config, kv, self.structured_output_manager)
         self.eos_token_ids = vllm_config.model_config.eos_token_ids
+        self.vocab_size = vllm_config.model_config.vocab_size
+        self.max_model_len = vllm_config.model_config.max_model_len
         # (scheduler output, execute future, sample future or None when deferred)
         self.batch_queue: deque[tuple[SchedulerOutput, Future, Future | None]] = deque()
         self.batch_queue_size = self.model_executor.max_concurrent_batches
@@ -62,14 +65,36 @@ class EngineCore:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: EngineCoreRequest | Request) -> None:
-        """Admits a request into the scheduler's waiting queue."""
-        if isinstance(request, EngineCoreRequest):
-            params = SamplingParams(**request.sampling_params)
-            request = Request(
-                request.request_id, request.prompt_token_ids, params, request.arrival_time
+        """Admits a request into the scheduler's waiting queue.
+
+        Never raises for a bad request: one whose parameters do not build, whose inputs the
+        runner could not hold, or whose id is already live ends at once with finish reason
+        "error" and the message (delivered with the next step's outputs); with a live id the
+        running request of that id ends too, since the two can no longer be told apart.
+        Checking here, before any batch holds the request, is what keeps one request's bad
+        values from failing a whole step, which would end the engine for every request.
+        """
+        request_id = request.request_id
+        try:
+            if isinstance(request, EngineCoreRequest):
+                params = SamplingParams(**request.sampling_params)
+                request = Request(
+                    request.request_id, request.prompt_token_ids, params, request.arrival_time
+                )
+            request.sampling_params.update_from_model(self.eos_token_ids)
+            check_request_inputs(
+                request.prompt_token_ids,
+                request.sampling_params,
+                self.vocab_size,
+                self.max_model_len,
             )
-        request.sampling_params.update_from_model(self.eos_token_ids)
-        self.scheduler.add_request(request)
+            self.scheduler.add_request(request)
+        except Exception as e:
+            self.reject_request(request_id, str(e) or type(e).__name__)
+
+    def reject_request(self, request_id: str, message: str) -> None:
+        """Ends a request (admitted or not) with finish reason "error" and `message`."""
+        self.scheduler.finish_with_error(request_id, message)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Ends requests; their in-flight tokens are dropped when they arrive."""

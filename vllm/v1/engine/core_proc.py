@@ -122,9 +122,18 @@ class EngineCoreProc:
 
     def _dispatch(self, kind: bytes, payload: memoryview) -> None:
         if kind == RequestType.ADD.value:
-            self.engine_core.add_request(self._add_decoder.decode(payload))
+            try:
+                request = self._add_decoder.decode(payload)
+            except msgspec.DecodeError as e:  # ValidationError included
+                self._reject_undecodable(payload, e)
+                return
+            self.engine_core.add_request(request)
         elif kind == RequestType.ABORT.value:
-            ids = self._abort_decoder.decode(payload)
+            try:
+                ids = self._abort_decoder.decode(payload)
+            except msgspec.DecodeError as e:
+                logger.error("engine core: ignored an abort message that does not decode: %s", e)
+                return
             live = self.engine_core.scheduler.requests
             self._num_aborted += sum(1 for i in ids if i in live)
             self.engine_core.abort_requests(ids)
@@ -132,6 +141,19 @@ class EngineCoreProc:
             self._running = False
         else:
             logger.error("engine core: unknown message type %r ignored", kind)
+
+    def _reject_undecodable(self, payload: memoryview, error: msgspec.DecodeError) -> None:
+        """Fails an add message that is not a valid EngineCoreRequest. Its sender still
+        learns why when the request id can be read: the first field of the message."""
+        message = f"malformed request: {error}"
+        try:
+            fields = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError:
+            fields = None
+        if isinstance(fields, list) and fields and isinstance(fields[0], str):
+            self.engine_core.reject_request(fields[0], message)
+        else:
+            logger.error("engine core: dropped an add message without a request id: %s", error)
 
     # ------------------------------------------------------------------ output
 

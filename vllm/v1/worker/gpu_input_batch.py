@@ -2,11 +2,93 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from vllm.sampling_params import SamplingParams
+
+# How the runner stores each numeric sampling parameter (see
+# GPUModelRunner._sampling_metadata). Integer fields the runner keeps as Python ints are held
+# to int64 anyway, so that no runner needs to care about unbounded integers.
+INT32_PARAMS = ("top_k",)
+INT64_PARAMS = ("n", "seed", "max_tokens", "min_tokens", "logprobs")
+FLOAT32_PARAMS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+TOP_K_DTYPE = np.int32
+SAMPLING_FLOAT_DTYPE = np.float32
+# Integer parameter -> (dtype it must fit, smallest, largest value).
+_INT_RANGES = {
+    name: (np.dtype(dtype).name, int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
+    for names, dtype in ((INT32_PARAMS, TOP_K_DTYPE), (INT64_PARAMS, np.int64))
+    for name in names
+}
+# Integer parameters that may be None (unset).
+_OPTIONAL_PARAMS = frozenset({"seed", "max_tokens", "logprobs"})
+_FLOAT32_MAX = float(np.finfo(SAMPLING_FLOAT_DTYPE).max)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_request_inputs(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+) -> None:
+    """Checks that one request's inputs fit the runner's storage and limits.
+
+    The runner converts all rows of a step together, so a single value it cannot store (an
+    int32 top_k of 2**31, a token id outside the embedding) would fail the whole step and,
+    with it, the engine. The engine core calls this before admitting a request, so that
+    such a request fails alone. Raises ValueError naming the offending input.
+    """
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt: must not be empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+            f"max_model_len ({max_model_len})"
+        )
+    if not all(_is_int(t) for t in prompt_token_ids):
+        raise ValueError("prompt: token ids must be integers")
+    low, high = min(prompt_token_ids), max(prompt_token_ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    for name, (dtype, lo, hi) in _INT_RANGES.items():
+        value = getattr(params, name)
+        if value is None and name in _OPTIONAL_PARAMS:
+            continue
+        if not _is_int(value) or not lo <= value <= hi:
+            raise ValueError(f"{name}: must be an integer in the {dtype} range, got {value!r}")
+    for name in FLOAT32_PARAMS:
+        value = getattr(params, name)
+        if (
+            not isinstance(value, (int, float, np.integer, np.floating))
+            or isinstance(value, bool)
+            # Compared before isfinite, which cannot convert a huge int to a float.
+            or abs(value) > _FLOAT32_MAX
+            or not math.isfinite(value)
+        ):
+            raise ValueError(f"{name}: must be a finite float32 number, got {value!r}")
+    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
+        raise ValueError(f"logprobs: must be in [0, {vocab_size}], got {params.logprobs}")
+    _, int64_min, int64_max = _INT_RANGES["seed"]
+    for name in ("stop_token_ids", "all_stop_token_ids"):
+        ids = getattr(params, name)
+        if any(not _is_int(t) or not int64_min <= t <= int64_max for t in ids):
+            raise ValueError(f"{name}: must be integers in the int64 range")
 
 
 @dataclass

@@ -31,7 +31,12 @@ from vllm.v1.outputs import (
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler, SamplerOutput
 from vllm.v1.worker.cuda_graph import DecodeGraphs, capture_sizes
-from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.gpu_input_batch import (
+    SAMPLING_FLOAT_DTYPE,
+    TOP_K_DTYPE,
+    CachedRequestState,
+    InputBatch,
+)
 from vllm.v1.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -428,7 +433,9 @@ class GPUModelRunner:
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
 
-        def column(name: str, off=None, dtype=np.float32) -> torch.Tensor | None:
+        # The engine core admits only values these dtypes hold (check_request_inputs): a
+        # conversion error here would fail every request of the step.
+        def column(name: str, off=None, dtype=SAMPLING_FLOAT_DTYPE) -> torch.Tensor | None:
             """Per-row values of one parameter on the device; None when every row has `off`."""
             values = [getattr(p, name) for p in params]
             if off is not None and all(v == off for v in values):
@@ -460,7 +467,7 @@ class GPUModelRunner:
             all_greedy=all_greedy,
             all_random=not any(greedy),
             top_p=column("top_p", 1.0),
-            top_k=column("top_k", 0, np.int32),
+            top_k=column("top_k", 0, TOP_K_DTYPE),
             min_p=column("min_p", 0.0),
             seeds=[p.seed for p in params],
             output_positions=[s.num_output_tokens for s in states],

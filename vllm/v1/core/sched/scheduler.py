@@ -60,12 +60,42 @@ class Scheduler:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
-        """Queues a request; starts compiling its grammar in the background if it has one."""
-        self.requests[request.request_id] = request
+        """Queues a request; starts compiling its grammar in the background if it has one.
+
+        Raises ValueError when the id is already live, and whatever starting the compile
+        raised; either way nothing of the request stays registered.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.use_structured_output:
             assert self.structured_output_manager is not None
-            self.structured_output_manager.grammar_init(request)
+            try:
+                self.structured_output_manager.grammar_init(request)
+            except BaseException:
+                self.structured_output_manager.clear(request)
+                raise
+        self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def finish_with_error(self, request_id: str, message: str) -> None:
+        """Ends a request with finish reason "error" and `message`, freeing everything it holds.
+
+        An id the scheduler does not hold (a request that was never admitted) still gets its
+        error output, so whoever sent it learns why. The output goes out with the next step.
+        """
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish_with_error(request, message)
+            return
+        logger.warning("request %s rejected: %s", request_id, message)
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=[],
+                finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+                error=message,
+            )
+        )
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Ends the given requests (e.g. aborts) and frees their blocks and grammars.
@@ -76,15 +106,19 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
-            if request in self.running:
-                self.running.remove(request)
-            else:
-                try:
-                    self.waiting.remove(request)
-                except ValueError:
-                    pass
+            self._dequeue(request)
             request.status = status
             self._free_request(request)
+
+    def _dequeue(self, request: Request) -> None:
+        """Takes a request out of the running list or the waiting queue, wherever it is."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
@@ -167,9 +201,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 request = self.waiting[0]
                 if not self._ready_to_admit(request):
-                    if request.is_finished():
-                        self.waiting.popleft()
-                    else:
+                    # A request whose grammar failed has left the queue already.
+                    if not request.is_finished():
                         skipped.append(self.waiting.popleft())
                     continue
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(
@@ -276,8 +309,7 @@ class Scheduler:
                 error=message,
             )
         )
-        if request in self.running:
-            self.running.remove(request)
+        self._dequeue(request)
         self._free_request(request)
 
     def _preempt(self, request: Request) -> None:
