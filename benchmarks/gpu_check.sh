@@ -3,7 +3,8 @@
 #
 #   benchmarks/gpu_check.sh [RESULT_DIR]        (run from anywhere; default results/gpu-check-<time>)
 #
-# 1. installs the wheels in ./.whl (made by /work/shared/tools/device-wheels.sh) into /tmp/site
+# 1. installs the wheels in ./.whl into /tmp/site (make them beforehand on a machine with network
+#    access, e.g. `pip download`/`pip wheel` of the project's dependencies into ./.whl)
 #    and puts /tmp/site and the repository on PYTHONPATH (no `pip install -e .` needed);
 # 2. builds the optional native library (csrc/) in place when cmake and a C++ compiler exist;
 # 3. runs the CUDA tests, benchmarks/bench_attention.py and benchmarks/bench_decode.py (decode

@@ -1,4 +1,4 @@
-"""The grammar oracle (DESIGN.md section 8) for engine-level tests.
+"""The grammar oracle (docs/architecture.md §9) for engine-level tests.
 
 Every token of a structured output must be accepted by a fresh matcher, and an output that
 finished with reason "stop" must satisfy its constraint checked independently of xgrammar's

@@ -119,7 +119,7 @@ class EngineCore:
         return outputs, so.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
-        """One call of the overlapped loop (DESIGN.md section 4).
+        """One call of the overlapped loop (docs/architecture.md §4).
 
         Schedules and launches a new batch when there is work and room in the queue; returns
         early (None) while the queue is not full and more could be scheduled; otherwise
