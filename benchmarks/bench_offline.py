@@ -94,7 +94,7 @@ def main() -> None:
     for mode in ("sync", "async"):
         for backend in ("uni", "mp"):
             plain = results[f"{mode}/{backend}/0%"]["tok_per_s"]
-            so = results[f"{mode}/{backend}/100%"]["tok_per_s"]
+            structured = results[f"{mode}/{backend}/100%"]["tok_per_s"]
             print(f"{mode}/{backend:4s}   {plain:10.1f}   {so:10.1f}   {so / plain:7.2f}")
     for backend in ("uni", "mp"):
         for share in ("0%", "100%"):

@@ -159,17 +159,17 @@ class FakeRunner:
     # Every step the runner saw, in order.
     steps: list[SchedulerOutput] = field(default_factory=list)
 
-    def execute(self, so: SchedulerOutput) -> None:
+    def execute(self, scheduler_output: SchedulerOutput) -> None:
         """Applies one step's state changes, as the runner's execute_model would."""
-        self.steps.append(so)
-        for req_id in so.finished_req_ids | so.preempted_req_ids:
+        self.steps.append(scheduler_output)
+        for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.reqs.pop(req_id, None)
-            assert req_id not in so.num_scheduled_tokens, f"{req_id} scheduled and dropped"
-        for new in so.scheduled_new_reqs:
+            assert req_id not in scheduler_output.num_scheduled_tokens, f"{req_id} scheduled and dropped"
+        for new in scheduler_output.scheduled_new_reqs:
             assert new.req_id not in self.reqs, f"{new.req_id} sent as new twice"
             assert new.num_computed_tokens % self.block_size == 0
             self.reqs[new.req_id] = _RunnerReq(new.num_computed_tokens, len(new.block_ids))
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
                 assert req_id not in self.reqs, f"{req_id} resumed but never dropped"
@@ -185,8 +185,8 @@ class FakeRunner:
                 f"runner has {state.num_computed}"
             )
             state.num_blocks += len(cached.new_block_ids[i])
-        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
-        for req_id, n in so.num_scheduled_tokens.items():
+        assert scheduler_output.total_num_scheduled_tokens == sum(scheduler_output.num_scheduled_tokens.values())
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
             assert n > 0
             state = self.reqs[req_id]
             state.num_computed += n
@@ -194,10 +194,10 @@ class FakeRunner:
             assert state.num_blocks >= needed, (
                 f"{req_id}: {state.num_blocks} blocks for {state.num_computed} tokens"
             )
-        assert set(so.sampled_req_ids) <= set(so.num_scheduled_tokens)
+        assert set(scheduler_output.sampled_req_ids) <= set(scheduler_output.num_scheduled_tokens)
 
     def sample(
-        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
     ) -> ModelRunnerOutput:
         """The tokens of step `so` (call after execute(so), in step order)."""
         rows: dict[str, int] = {}
@@ -205,8 +205,8 @@ class FakeRunner:
             ids = grammar_output.structured_output_request_ids
             assert grammar_output.grammar_bitmask.shape[0] == len(ids)
             rows = {r: i for i, r in enumerate(ids)}
-        req_ids = list(so.num_scheduled_tokens)
-        sampled = set(so.sampled_req_ids)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled = set(scheduler_output.sampled_req_ids)
         tokens: list[list[int]] = []
         for req_id in req_ids:
             if req_id not in sampled:
@@ -229,11 +229,11 @@ class FakeRunner:
         )
 
     def run(
-        self, so: SchedulerOutput, grammar_output: GrammarOutput | None = None
+        self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
     ) -> ModelRunnerOutput:
         """execute + sample of one step."""
-        self.execute(so)
-        return self.sample(so, grammar_output)
+        self.execute(scheduler_output)
+        return self.sample(scheduler_output, grammar_output)
 
 
 # ---------------------------------------------------------------------- fake grammar
@@ -348,7 +348,7 @@ def wait_compiled(request: Request) -> None:
 class InFlight:
     """A scheduled step whose output has not been given to update_from_output yet."""
 
-    so: SchedulerOutput
+    scheduler_output: SchedulerOutput
     # None while sampling is deferred until every older step has been updated.
     output: ModelRunnerOutput | None = None
 
@@ -386,44 +386,44 @@ class Harness:
 
     def in_flight_samples(self, req_id: str) -> int:
         """Steps in flight that sample `req_id`."""
-        return sum(req_id in e.so.sampled_req_ids for e in self.in_flight)
+        return sum(req_id in e.scheduler_output.sampled_req_ids for e in self.in_flight)
 
     def schedule(self) -> SchedulerOutput:
         """Schedules one step; launches it unless it is empty (then its finished ids are
         handed back to the scheduler, as the engine does)."""
         sched = self.sched
-        so = sched.schedule()
+        scheduler_output = sched.schedule()
         waiting_for_token = {
-            r for r in so.num_scheduled_tokens
+            r for r in scheduler_output.num_scheduled_tokens
             if self.in_flight_samples(r) and self.added[r].use_structured_output
         }
-        assert so.pending_structured_output_tokens == bool(waiting_for_token), (
-            so.pending_structured_output_tokens, waiting_for_token)
-        if any(self.added[r].use_structured_output for r in so.sampled_req_ids):
-            assert so.has_structured_output_requests
-        if so.total_num_scheduled_tokens == 0:
-            sched.finished_req_ids |= so.finished_req_ids
+        assert scheduler_output.pending_structured_output_tokens == bool(waiting_for_token), (
+            scheduler_output.pending_structured_output_tokens, waiting_for_token)
+        if any(self.added[r].use_structured_output for r in scheduler_output.sampled_req_ids):
+            assert scheduler_output.has_structured_output_requests
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            sched.finished_req_ids |= scheduler_output.finished_req_ids
             self.check()
-            return so
-        self.runner.execute(so)
-        entry = InFlight(so)
-        if not so.pending_structured_output_tokens and all(
+            return scheduler_output
+        self.runner.execute(scheduler_output)
+        entry = InFlight(scheduler_output)
+        if not scheduler_output.pending_structured_output_tokens and all(
             e.output is not None for e in self.in_flight
         ):
-            entry.output = self.runner.sample(so, sched.get_grammar_bitmask(so))
+            entry.output = self.runner.sample(scheduler_output, sched.get_grammar_bitmask(scheduler_output))
         self.in_flight.append(entry)
-        for req_id, n in so.num_scheduled_tokens.items():
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.scheduled[req_id] += n
-            self.steps_of.setdefault(req_id, []).append(so.step_id)
+            self.steps_of.setdefault(req_id, []).append(scheduler_output.step_id)
         self.check()
-        return so
+        return scheduler_output
 
     def update(self) -> list[EngineCoreOutput]:
         """Gives the oldest in-flight step's output to update_from_output."""
         entry = self.in_flight.popleft()
         if entry.output is None:
-            entry.output = self.runner.sample(entry.so, self.sched.get_grammar_bitmask(entry.so))
-        outs = self.sched.update_from_output(entry.so, entry.output)
+            entry.output = self.runner.sample(entry.scheduler_output, self.sched.get_grammar_bitmask(entry.scheduler_output))
+        outs = self.sched.update_from_output(entry.scheduler_output, entry.output)
         for out in outs:
             self.outputs.setdefault(out.request_id, []).append(out)
             self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)

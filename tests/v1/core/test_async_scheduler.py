@@ -56,7 +56,7 @@ def special_policy(special: dict[str, dict[int, int]]) -> Callable[[str, int], i
 
 def num_sampling_steps(h: Harness, req_id: str) -> int:
     """Steps the runner sampled `req_id` in."""
-    return sum(req_id in so.sampled_req_ids for so in h.runner.steps)
+    return sum(req_id in scheduler_output.sampled_req_ids for scheduler_output in h.runner.steps)
 
 
 # ---------------------------------------------------------------------- max_tokens, max_model_len
@@ -170,8 +170,8 @@ def test_abort_running_request_with_steps_in_flight(
     assert h.kv.num_free_blocks == free_before + num_r
     h.drain()  # late outputs of r are dropped without error
     h.check()
-    so = h.schedule()
-    assert "r" in so.finished_req_ids
+    scheduler_output = h.schedule()
+    assert "r" in scheduler_output.finished_req_ids
     h.run()
     assert h.tokens.get("r", []) == tokens_before
     assert h.tokens["o"] == expected("o", 6)
@@ -189,9 +189,9 @@ def _preempt_y(h: Harness, num_in_flight: int, **y_params: object) -> None:
     h.schedule()
     if num_in_flight == 1:
         h.update()
-    so = h.schedule()
-    assert so.preempted_req_ids == {"y"}
-    assert "x" in so.num_scheduled_tokens and "y" not in so.num_scheduled_tokens
+    scheduler_output = h.schedule()
+    assert scheduler_output.preempted_req_ids == {"y"}
+    assert "x" in scheduler_output.num_scheduled_tokens and "y" not in scheduler_output.num_scheduled_tokens
     y = h.added["y"]
     assert y.status == RequestStatus.PREEMPTED and y.num_output_placeholders == num_in_flight
     assert h.sched.waiting[0] is y and h.kv.get_block_ids("y") == []
@@ -200,9 +200,9 @@ def _preempt_y(h: Harness, num_in_flight: int, **y_params: object) -> None:
 def _resumed_steps(h: Harness, req_id: str) -> list[int]:
     """Indexes into h.runner.steps of the steps that resumed `req_id`."""
     return [
-        n for n, so in enumerate(h.runner.steps)
-        for i, r in enumerate(so.scheduled_cached_reqs.req_ids)
-        if r == req_id and so.scheduled_cached_reqs.resumed_from_preemption[i]
+        n for n, scheduler_output in enumerate(h.runner.steps)
+        for i, r in enumerate(scheduler_output.scheduled_cached_reqs.req_ids)
+        if r == req_id and scheduler_output.scheduled_cached_reqs.resumed_from_preemption[i]
     ]
 
 
@@ -218,17 +218,17 @@ def test_preempted_request_resumes_after_its_in_flight_tokens(
     n_steps = len(h.runner.steps)
     while y.num_output_placeholders:
         h.step()
-        assert all("y" not in so.num_scheduled_tokens for so in h.runner.steps[n_steps:]), (
+        assert all("y" not in scheduler_output.num_scheduled_tokens for scheduler_output in h.runner.steps[n_steps:]), (
             "y resumed before its in-flight tokens arrived")
     # y sampled in the first two steps either way; some of them landed after preemption.
     assert y.output_token_ids == expected("y", 2)
     h.step()
     (n,) = _resumed_steps(h, "y")
-    so = h.runner.steps[n]
-    cached = so.scheduled_cached_reqs
+    scheduler_output = h.runner.steps[n]
+    cached = scheduler_output.scheduled_cached_reqs
     assert cached.resumed_req_token_ids["y"] == y.prompt_token_ids + expected("y", 2)
     assert cached.resumed_num_output_tokens["y"] == 2
-    assert "y" in so.sampled_req_ids
+    assert "y" in scheduler_output.sampled_req_ids
     h.run()
     assert h.tokens["y"] == expected("y", 10)
 
@@ -373,8 +373,8 @@ def test_prefix_cache_holds_only_confirmed_tokens(make: MakeHarness, depth: int)
     r = h.added["r"]
     # Once confirmed, r's outputs are cached: a request repeating them hits two blocks.
     h.add(make_request("t", r.all_token_ids[:8] + [1], max_tokens=1))
-    so = h.schedule()
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 8
+    scheduler_output = h.schedule()
+    assert scheduler_output.scheduled_new_reqs[0].num_computed_tokens == 8
     h.run()
 
 

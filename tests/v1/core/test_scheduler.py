@@ -50,10 +50,10 @@ def test_budget_shared_by_decodes_and_chunked_prefill(make: MakeHarness) -> None
         ({"a": 1, "b": 1, "c": 1}, ["a", "b", "c"]),
     ]
     for num_scheduled, sampled in plan:
-        so = h.schedule()
-        assert so.num_scheduled_tokens == num_scheduled
-        assert so.total_num_scheduled_tokens == sum(num_scheduled.values()) <= 8
-        assert sorted(so.sampled_req_ids) == sampled
+        scheduler_output = h.schedule()
+        assert scheduler_output.num_scheduled_tokens == num_scheduled
+        assert scheduler_output.total_num_scheduled_tokens == sum(num_scheduled.values()) <= 8
+        assert sorted(scheduler_output.sampled_req_ids) == sampled
         h.update()
     assert h.finish_reason("c") == "length"
     h.run()
@@ -85,24 +85,24 @@ def test_max_num_seqs_and_fcfs_admission(make: MakeHarness) -> None:
 def test_fcfs_head_that_does_not_fit_is_not_overtaken(make: MakeHarness) -> None:
     h = make(num_blocks=7, max_num_batched_tokens=32)
     h.add(make_request("big", 16, max_tokens=1))  # 4 of the 7 blocks
-    so = h.schedule()
-    assert so.num_scheduled_tokens == {"big": 16}
+    scheduler_output = h.schedule()
+    assert scheduler_output.num_scheduled_tokens == {"big": 16}
     h.add(make_request("mid", 12, max_tokens=1), make_request("small", 4, max_tokens=1))
     h.update()  # "big" finishes: its blocks are free again
     h.add(make_request("big2", 16, max_tokens=2))
-    so = h.schedule()
-    assert list(so.num_scheduled_tokens) == ["mid", "small"]
+    scheduler_output = h.schedule()
+    assert list(scheduler_output.num_scheduled_tokens) == ["mid", "small"]
     h.update()
-    so = h.schedule()
+    scheduler_output = h.schedule()
     # big2 needs 4 blocks; 7 are free again.
-    assert list(so.num_scheduled_tokens) == ["big2"]
+    assert list(scheduler_output.num_scheduled_tokens) == ["big2"]
     h.update()
     # Fill the pool so that the head cannot fit, then check that the tail waits behind it.
     h.add(make_request("huge", 20, max_tokens=1), make_request("tiny", 2, max_tokens=1))
-    so = h.schedule()
+    scheduler_output = h.schedule()
     # big2 decodes into its 5th block, leaving 2 free: huge needs 5, and tiny (1 block)
     # must wait behind it.
-    assert list(so.num_scheduled_tokens) == ["big2"]
+    assert list(scheduler_output.num_scheduled_tokens) == ["big2"]
     assert [r.request_id for r in h.sched.waiting] == ["huge", "tiny"]
     h.update()
     h.run()
@@ -113,22 +113,22 @@ def test_chunked_prefill_of_long_prompt(make: MakeHarness) -> None:
     h = make(max_num_batched_tokens=8, block_size=4)
     prompt = list(range(200, 220))
     h.add(make_request("long", prompt, max_tokens=3))
-    so = h.schedule()
-    assert [n.req_id for n in so.scheduled_new_reqs] == ["long"]
-    new = so.scheduled_new_reqs[0]
+    scheduler_output = h.schedule()
+    assert [n.req_id for n in scheduler_output.scheduled_new_reqs] == ["long"]
+    new = scheduler_output.scheduled_new_reqs[0]
     assert new.prompt_token_ids == prompt and new.num_computed_tokens == 0
     assert len(new.block_ids) == 2
-    assert so.num_scheduled_tokens == {"long": 8} and so.sampled_req_ids == []
+    assert scheduler_output.num_scheduled_tokens == {"long": 8} and scheduler_output.sampled_req_ids == []
     out = h.update()
     assert out == [], "a partial prefill must not produce output"
     for computed, n, new_blocks, sampled in ((8, 8, 2, False), (16, 4, 1, True)):
-        so = h.schedule()
-        cached = so.scheduled_cached_reqs
+        scheduler_output = h.schedule()
+        cached = scheduler_output.scheduled_cached_reqs
         assert cached.req_ids == ["long"] and cached.resumed_from_preemption == [False]
         assert cached.num_computed_tokens == [computed]
         assert len(cached.new_block_ids[0]) == new_blocks
-        assert so.num_scheduled_tokens == {"long": n}
-        assert so.sampled_req_ids == (["long"] if sampled else [])
+        assert scheduler_output.num_scheduled_tokens == {"long": n}
+        assert scheduler_output.sampled_req_ids == (["long"] if sampled else [])
         h.update()
     h.run()
     assert h.tokens["long"] == expected("long", 3)
@@ -143,34 +143,34 @@ def test_preemption_by_recompute(make: MakeHarness) -> None:
     h.add(make_request("c", 9, max_tokens=2))
     preempt_so = None
     while h.step():
-        so = h.runner.steps[-1]
-        if so.preempted_req_ids and preempt_so is None:
-            preempt_so = so
-            assert so.preempted_req_ids == {"b"}, "the latest running request is the victim"
-            assert "b" not in so.num_scheduled_tokens and "a" in so.num_scheduled_tokens
+        scheduler_output = h.runner.steps[-1]
+        if scheduler_output.preempted_req_ids and preempt_so is None:
+            preempt_so = scheduler_output
+            assert scheduler_output.preempted_req_ids == {"b"}, "the latest running request is the victim"
+            assert "b" not in scheduler_output.num_scheduled_tokens and "a" in scheduler_output.num_scheduled_tokens
             assert [r.request_id for r in h.sched.waiting][:2] == ["b", "c"]
             assert h.kv.get_block_ids("b") == []
             b_outputs_at_preemption = list(h.added["b"].output_token_ids)
     assert preempt_so is not None, "no preemption happened"
     assert h.added["b"].num_preemptions >= 1
     resumed = [
-        (so, i) for so in h.runner.steps
-        for i, r in enumerate(so.scheduled_cached_reqs.req_ids)
-        if r == "b" and so.scheduled_cached_reqs.resumed_from_preemption[i]
+        (scheduler_output, i) for scheduler_output in h.runner.steps
+        for i, r in enumerate(scheduler_output.scheduled_cached_reqs.req_ids)
+        if r == "b" and scheduler_output.scheduled_cached_reqs.resumed_from_preemption[i]
     ]
     assert resumed, "b never resumed"
-    so, i = resumed[0]
-    cached = so.scheduled_cached_reqs
+    scheduler_output, i = resumed[0]
+    cached = scheduler_output.scheduled_cached_reqs
     b = h.added["b"]
     token_ids = cached.resumed_req_token_ids["b"]
     assert token_ids == b.prompt_token_ids + b_outputs_at_preemption
     assert cached.resumed_num_output_tokens["b"] == len(b_outputs_at_preemption)
     assert cached.num_computed_tokens[i] % 4 == 0
     # Recompute everything that is not a prefix-cache hit, then sample the next token.
-    assert so.num_scheduled_tokens["b"] == len(token_ids) - cached.num_computed_tokens[i]
-    assert "b" in so.sampled_req_ids
+    assert scheduler_output.num_scheduled_tokens["b"] == len(token_ids) - cached.num_computed_tokens[i]
+    assert "b" in scheduler_output.sampled_req_ids
     assert len(cached.new_block_ids[i]) == -(-len(token_ids) // 4)
-    assert h.steps_of["c"][0] >= so.step_id, "c overtook the preempted b"
+    assert h.steps_of["c"][0] >= scheduler_output.step_id, "c overtook the preempted b"
     for r, n in (("a", 8), ("b", 8), ("c", 2)):
         assert h.tokens[r] == expected(r, n)
         assert h.finish_reason(r) == "length"
@@ -226,9 +226,9 @@ def test_abort_waiting_and_running_frees_blocks(make: MakeHarness) -> None:
     h.sched.finish_requests(["b", "nope"], RequestStatus.FINISHED_ABORTED)  # ignored
     assert h.kv.num_free_blocks == free_before + num_b
     assert h.added["b"].status == h.added["c"].status == RequestStatus.FINISHED_ABORTED
-    so = h.schedule()
-    assert so.finished_req_ids == {"b", "c"}
-    assert set(so.num_scheduled_tokens) == {"a"}
+    scheduler_output = h.schedule()
+    assert scheduler_output.finished_req_ids == {"b", "c"}
+    assert set(scheduler_output.num_scheduled_tokens) == {"a"}
     h.update()
     h.run()
     assert h.tokens["a"] == expected("a", 6)
@@ -251,24 +251,24 @@ def test_prefix_cache_hit_in_new_request_data(make: MakeHarness, enable_caching:
     h = make(block_size=4, enable_prefix_caching=enable_caching)
     prompt = list(range(300, 310))
     h.add(make_request("first", prompt, max_tokens=2))
-    so = h.schedule()
-    first_blocks = so.scheduled_new_reqs[0].block_ids
+    scheduler_output = h.schedule()
+    first_blocks = scheduler_output.scheduled_new_reqs[0].block_ids
     h.run()
     h.add(make_request("second", prompt[:8] + [1, 2, 3], max_tokens=2),
           make_request("whole", prompt[:8], max_tokens=1))
-    so = h.schedule()
-    new = {n.req_id: n for n in so.scheduled_new_reqs}
+    scheduler_output = h.schedule()
+    new = {n.req_id: n for n in scheduler_output.scheduled_new_reqs}
     if enable_caching:
         assert new["second"].num_computed_tokens == 8
         assert new["second"].block_ids[:2] == first_blocks[:2]
-        assert so.num_scheduled_tokens["second"] == 3
+        assert scheduler_output.num_scheduled_tokens["second"] == 3
         # A fully cached prompt still computes its last block's tokens to sample from.
         assert new["whole"].num_computed_tokens == 4
-        assert so.num_scheduled_tokens["whole"] == 4
+        assert scheduler_output.num_scheduled_tokens["whole"] == 4
         assert new["whole"].block_ids[0] == first_blocks[0]
     else:
         assert new["second"].num_computed_tokens == new["whole"].num_computed_tokens == 0
-        assert so.num_scheduled_tokens == {"second": 11, "whole": 8}
+        assert scheduler_output.num_scheduled_tokens == {"second": 11, "whole": 8}
     h.update()
     assert h.outputs["second"][0].num_cached_tokens == (8 if enable_caching else 0)
     h.run()

@@ -87,9 +87,9 @@ def _run(async_scheduling: bool, executor: str, condition: str):
         schedule = core.scheduler.schedule
 
         def recording_schedule():
-            so = schedule()
-            deferred.append(so.pending_structured_output_tokens)
-            return so
+            scheduler_output = schedule()
+            deferred.append(scheduler_output.pending_structured_output_tokens)
+            return scheduler_output
 
         core.scheduler.schedule = recording_schedule
         results = {}

@@ -146,19 +146,19 @@ class FakeExecutor(Executor):
         future = self._pool.submit(self._execute, scheduler_output)
         return future if non_block else future.result()
 
-    def _execute(self, so: SchedulerOutput) -> None:
-        self.rec.log("exec_start", so.step_id)
+    def _execute(self, scheduler_output: SchedulerOutput) -> None:
+        self.rec.log("exec_start", scheduler_output.step_id)
         # An empty step needs no sampling (the real runner lets the next step replace it).
         if self._pending is not None and self._pending.total_num_scheduled_tokens:
             raise RuntimeError(
                 f"execute_model(step {so.step_id}) while step {self._pending.step_id} is not "
                 "sampled: its logits and sampled-token feedback would be lost")
         if self.before_exec is not None:
-            self.before_exec(so.step_id)
+            self.before_exec(scheduler_output.step_id)
         time.sleep(self.forward_s)
-        self.runner.execute(so)
-        self._pending = so
-        self.rec.log("exec_end", so.step_id)
+        self.runner.execute(scheduler_output)
+        self._pending = scheduler_output
+        self.rec.log("exec_end", scheduler_output.step_id)
 
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
@@ -169,13 +169,13 @@ class FakeExecutor(Executor):
         return future if non_block else future.result()
 
     def _sample(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        so = self._pending
-        if so is None:
+        scheduler_output = self._pending
+        if scheduler_output is None:
             raise RuntimeError("sample_tokens without an executed step")
         self._pending = None
-        self.rec.log("sample_start", so.step_id)
-        out = self.runner.sample(so, grammar_output)
-        self.rec.log("sample_end", so.step_id)
+        self.rec.log("sample_start", scheduler_output.step_id)
+        out = self.runner.sample(scheduler_output, grammar_output)
+        self.rec.log("sample_end", scheduler_output.step_id)
         return out
 
     def check_health(self) -> None:
@@ -236,24 +236,24 @@ def _instrument(setup: Setup) -> None:
         sched.schedule, sched.get_grammar_bitmask, sched.update_from_output)
 
     def logged_schedule() -> SchedulerOutput:
-        so = schedule()
-        rec.log("schedule", so.step_id)
-        return so
+        scheduler_output = schedule()
+        rec.log("schedule", scheduler_output.step_id)
+        return scheduler_output
 
-    def logged_bitmask(so: SchedulerOutput) -> GrammarOutput | None:
-        out = bitmask(so)
-        rec.log("bitmask", so.step_id)
+    def logged_bitmask(scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        out = bitmask(scheduler_output)
+        rec.log("bitmask", scheduler_output.step_id)
         return out
 
-    def logged_update(so: SchedulerOutput, output: ModelRunnerOutput) -> list:
-        rec.log("update_start", so.step_id)
+    def logged_update(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> list:
+        rec.log("update_start", scheduler_output.step_id)
         if setup.before_update is not None:
-            setup.before_update(so.step_id)
+            setup.before_update(scheduler_output.step_id)
         time.sleep(setup.update_s)
         try:
-            return update(so, output)
+            return update(scheduler_output, output)
         finally:
-            rec.log("update_end", so.step_id)
+            rec.log("update_end", scheduler_output.step_id)
 
     sched.schedule = logged_schedule  # type: ignore[method-assign]
     sched.get_grammar_bitmask = logged_bitmask  # type: ignore[method-assign]
@@ -414,10 +414,10 @@ def test_deferred_sampling_waits_for_previous_update(make: MakeSetup) -> None:
     schedule = s.engine.scheduler.schedule
 
     def spy() -> SchedulerOutput:
-        so = schedule()
-        if so.total_num_scheduled_tokens:
-            pending[so.step_id] = so.pending_structured_output_tokens
-        return so
+        scheduler_output = schedule()
+        if scheduler_output.total_num_scheduled_tokens:
+            pending[scheduler_output.step_id] = scheduler_output.pending_structured_output_tokens
+        return scheduler_output
 
     s.engine.scheduler.schedule = spy  # type: ignore[method-assign]
     s.run()

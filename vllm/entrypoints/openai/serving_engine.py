@@ -442,9 +442,9 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
             found.append(("response_format", "json_object", True))
         elif rf.type == "structural_tag":
             found.append(("response_format", "structural_tag", rf.model_dump(exclude_none=True)))
-    so = request.structured_outputs
-    if so is not None:
-        data = so.model_dump(by_alias=True)
+    structured_outputs = request.structured_outputs
+    if structured_outputs is not None:
+        data = structured_outputs.model_dump(by_alias=True)
         for key in ("disable_any_whitespace", "disable_additional_properties"):
             options[key] = data.pop(key)
         for key, value in data.items():

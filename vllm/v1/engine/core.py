@@ -110,13 +110,13 @@ class EngineCore:
         update. Returns the outputs and whether the model ran."""
         if not self.scheduler.has_requests():
             return self.scheduler.take_pending_outputs(), False
-        so = self.scheduler.schedule()
-        exec_future = self.model_executor.execute_model(so, non_block=True)
-        grammar_output = self.scheduler.get_grammar_bitmask(so)
+        scheduler_output = self.scheduler.schedule()
+        exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
+        grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
         exec_future.result()
         output = resolve_output(self.model_executor.sample_tokens(grammar_output))
-        outputs = self.scheduler.update_from_output(so, output)
-        return outputs, so.total_num_scheduled_tokens > 0
+        outputs = self.scheduler.update_from_output(scheduler_output, output)
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
         """One call of the overlapped loop (docs/architecture.md §4).
@@ -137,15 +137,17 @@ class EngineCore:
             and len(self.batch_queue) < self.batch_queue_size
             and not deferred_queued
         ):
-            so = self.scheduler.schedule()
-            if so.total_num_scheduled_tokens > 0:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens > 0:
                 scheduled = True
-                exec_future = self.model_executor.execute_model(so, non_block=True)
+                exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
                 sample_future = None
-                if not so.pending_structured_output_tokens:
-                    grammar_output = self.scheduler.get_grammar_bitmask(so)
-                    sample_future = self.model_executor.sample_tokens(grammar_output, non_block=True)
-                self.batch_queue.appendleft((so, exec_future, sample_future))
+                if not scheduler_output.pending_structured_output_tokens:
+                    grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+                    sample_future = self.model_executor.sample_tokens(
+                        grammar_output, non_block=True
+                    )
+                self.batch_queue.appendleft((scheduler_output, exec_future, sample_future))
                 if (
                     len(self.batch_queue) < self.batch_queue_size
                     and sample_future is not None
@@ -153,28 +155,28 @@ class EngineCore:
                 ):
                     return None, True
             else:
-                self.scheduler.unschedule(so)
+                self.scheduler.unschedule(scheduler_output)
         if not self.batch_queue:
             return self.scheduler.take_pending_outputs() or None, scheduled
 
-        so, exec_future, sample_future = self.batch_queue.pop()
+        scheduler_output, exec_future, sample_future = self.batch_queue.pop()
         deferred = None
         if sample_future is None:
             # The deferred batch itself, now that nothing older is in flight. The worker runs
             # calls in order, so sampling follows the forward without waiting on it here.
             sample_future = self.model_executor.sample_tokens(
-                self.scheduler.get_grammar_bitmask(so), non_block=True
+                self.scheduler.get_grammar_bitmask(scheduler_output), non_block=True
             )
         elif self.batch_queue and self.batch_queue[-1][2] is None:
             deferred = self.batch_queue.pop()
         output = resolve_output(sample_future.result())
         exec_future.result()  # already done; re-raises a forward-pass error
-        outputs = self.scheduler.update_from_output(so, output)
+        outputs = self.scheduler.update_from_output(scheduler_output, output)
         if deferred is not None:
-            d_so, d_exec, _ = deferred
-            grammar_output = self.scheduler.get_grammar_bitmask(d_so)
+            deferred_scheduler_output, d_exec, _ = deferred
+            grammar_output = self.scheduler.get_grammar_bitmask(deferred_scheduler_output)
             d_sample = self.model_executor.sample_tokens(grammar_output, non_block=True)
-            self.batch_queue.append((d_so, d_exec, d_sample))
+            self.batch_queue.append((deferred_scheduler_output, d_exec, d_sample))
         return outputs, True
 
     def shutdown(self) -> None:

@@ -195,14 +195,14 @@ class GPUModelRunner:
 
     # ------------------------------------------------------------------ state
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
-        for req_id in so.finished_req_ids:
+        for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             self._remove_row(req_id)
-        for req_id in so.preempted_req_ids:
+        for req_id in scheduler_output.preempted_req_ids:
             self._remove_row(req_id)
-        for new in so.scheduled_new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
@@ -212,7 +212,7 @@ class GPUModelRunner:
             )
             self.requests[new.req_id] = state
             batch.add(state)
-        cached = so.scheduled_cached_reqs
+        cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
@@ -254,17 +254,18 @@ class GPUModelRunner:
     # ------------------------------------------------------------------ forward
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         """Runs the forward pass of one step and keeps the logits of the sampling rows."""
-        self._update_states(so)
+        self._update_states(scheduler_output)
         batch = self.input_batch
-        if so.total_num_scheduled_tokens == 0:
+        if scheduler_output.total_num_scheduled_tokens == 0:
             self._step = _Step([], [], [], None)
             return None
-        rows = [r for r, req_id in enumerate(batch.req_ids) if req_id in so.num_scheduled_tokens]
+        scheduled = scheduler_output.num_scheduled_tokens
+        rows = [r for r, req_id in enumerate(batch.req_ids) if req_id in scheduled]
         req_ids = [batch.req_ids[r] for r in rows]
         rows_np = np.asarray(rows, dtype=np.int32)
-        num_sched = np.asarray([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
+        num_sched = np.asarray([scheduled[r] for r in req_ids], dtype=np.int32)
         starts = batch.num_computed_tokens[rows_np]
         num_reqs, num_tokens = len(rows), int(num_sched.sum())
         graph_size = None
@@ -331,7 +332,7 @@ class GPUModelRunner:
             hidden = self.model(input_ids, dev["positions"], self.kv_caches, metadata)
         batch.num_computed_tokens[rows_np] = seq_lens[:num_reqs]
 
-        sampled = set(so.sampled_req_ids)
+        sampled = set(scheduler_output.sampled_req_ids)
         pick = [i for i, r in enumerate(req_ids) if r in sampled]
         logits = None
         if pick:
