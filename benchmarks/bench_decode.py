@@ -3,7 +3,7 @@
     python benchmarks/bench_decode.py [--model qwen3-1.7b] [--batch-sizes 1,64,256] \
         [--output-len 128] [--json RESULT.json]
 
-The default model is the Qwen3-1.7B config (benchmarks/configs/qwen3-1.7b) with dummy weights
+The default model is the Qwen3-1.7B config (vllm/benchmarks/assets.py) with dummy weights
 and the demo tokenizer, bf16 on CUDA. Prompts are 8 tokens, so the time is decode time; each
 batch runs once to warm up (Triton compiles, graphs capture at engine start) and once measured.
 Needs CUDA unless --allow-cpu (then use a demo model, e.g. --model demo-tiny, to try it out).

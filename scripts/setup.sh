@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Creates .venv and installs the project with its test extras. Idempotent: a second run with an
-# unchanged pyproject.toml/setup.py/csrc only checks a stamp file.
+# Creates .venv and installs the project with its test and bench extras. Idempotent: a second run
+# with unchanged pyproject.toml/setup.py/csrc/this script only checks a stamp file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.vllm-setup-stamp
-want=$(cat pyproject.toml setup.py CMakeLists.txt csrc/*/* 2>/dev/null | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml setup.py CMakeLists.txt scripts/setup.sh csrc/*/* 2>/dev/null \
+  | sha256sum | cut -c1-16)
 native_missing=0
 if command -v cmake >/dev/null && command -v c++ >/dev/null && ! compgen -G "vllm/_C*.so" >/dev/null; then
   native_missing=1  # e.g. after `git clean -X`: rebuild even if nothing else changed
@@ -16,5 +17,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && [ "$native_missing" = 0 ]; the
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0
 fi
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[test,bench]'
 echo "$want" > "$stamp"

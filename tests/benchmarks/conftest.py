@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-# Valid under benchmarks/structured_schemas/structured_schema_1.json (checked by a test).
+# Valid under the default shipped schema, assets.builtin_schema() (checked by a test).
 VALID_PROFILE: dict[str, Any] = {
     "name": "Ada",
     "email": "ada.l@analytic.org",
@@ -56,20 +56,20 @@ def valid_profile() -> dict[str, Any]:
 
 def answer_text(payload: dict[str, Any]) -> str:
     """The full text the fake server generates for a request."""
-    so = payload.get("structured_outputs") or {}
+    structured_outputs = payload.get("structured_outputs") or {}
     invalid = bool(payload.get("fake_invalid"))
-    if "json" in so:
+    if "json" in structured_outputs:
         doc = dict(VALID_PROFILE)
-        for name in so["json"].get("required", []):
+        for name in structured_outputs["json"].get("required", []):
             if name.startswith("flag_"):
                 doc[name] = True
         text = json.dumps(doc, separators=(",", ":"))
         return text[:-1] if invalid else text
-    if "regex" in so:
+    if "regex" in structured_outputs:
         return "ada lovelace" if invalid else "ada.lovelace@analytical.com"
-    if "choice" in so:
-        return "maybe" if invalid else so["choice"][0]
-    if "grammar" in so:
+    if "choice" in structured_outputs:
+        return "maybe" if invalid else structured_outputs["choice"][0]
+    if "grammar" in structured_outputs:
         return "SELECT FROM users" if invalid else "SELECT username, email FROM users;"
     return "word " * 64
 

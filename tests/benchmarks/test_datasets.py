@@ -8,8 +8,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from vllm.benchmarks.assets import DEFAULT_SCHEMA_NAME, SCHEMA_NAMES, builtin_schema
 from vllm.benchmarks.datasets import (
-    DEFAULT_SCHEMA_PATH,
     SQL_GRAMMAR,
     STRUCTURED_DATASETS,
     StructuredSpec,
@@ -20,17 +20,36 @@ from vllm.benchmarks.datasets import (
     unique_schema,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-SCHEMA_DIR = REPO / "benchmarks" / "structured_schemas"
 
 
 def test_shipped_schemas_are_valid_json_schemas() -> None:
-    paths = sorted(SCHEMA_DIR.glob("*.json"))
-    assert DEFAULT_SCHEMA_PATH in paths and len(paths) >= 3
-    for path in paths:
-        schema = load_schema(path)
+    assert DEFAULT_SCHEMA_NAME in SCHEMA_NAMES and len(SCHEMA_NAMES) >= 3
+    for name in SCHEMA_NAMES:
+        schema = load_schema(name)
         jsonschema.validators.validator_for(schema).check_schema(schema)
-        assert schema["type"] == "object" and len(schema["properties"]) >= 4, path.name
+        assert schema["type"] == "object" and len(schema["properties"]) >= 4, name
+    assert load_schema() == builtin_schema(DEFAULT_SCHEMA_NAME)
+    assert load_schema("structured_schema_2")["title"] == "Order"
+
+
+def test_schema_files_win_over_shipped_names(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"type": "object", "title": "FromFile"}))
+    assert load_schema(path)["title"] == "FromFile"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / DEFAULT_SCHEMA_NAME).write_text(json.dumps({"title": "Local"}))
+    assert load_schema(DEFAULT_SCHEMA_NAME) == {"title": "Local"}
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError, match="json_schema_path: .* must hold a JSON object"):
+        load_schema("list.json")
+    with pytest.raises(ValueError, match=f"shipped schema .*{DEFAULT_SCHEMA_NAME}"):
+        load_schema("structured_schema_99")
+
+
+def test_shipped_schemas_are_copies() -> None:
+    schema = load_schema()
+    schema["properties"].clear()
+    assert load_schema()["properties"]
 
 
 @pytest.mark.parametrize("ratio, expected", [(0.0, 0), (0.2, 4), (0.5, 10), (0.8, 16), (1.0, 20)])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from vllm.benchmarks import structured_output
+from vllm.benchmarks.assets import builtin_schema
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +63,8 @@ def test_unstructured_runs_report_no_correctness(fake_server, char_tokenizer) ->
 
 
 def test_chat_endpoint_and_saved_result(fake_server, char_tokenizer, tmp_path: Path) -> None:
-    schema_path = REPO / "benchmarks" / "structured_schemas" / "structured_schema_1.json"
+    schema_path = tmp_path / "schema.json"
+    schema_path.write_text(json.dumps(builtin_schema()))
     record = run(fake_server, char_tokenizer, "--endpoint", "/v1/chat/completions",
                  "--json-schema-path", str(schema_path), "--num-prompts", "2",
                  "--save-results", "--result-dir", str(tmp_path), "--result-filename", "s.json")
@@ -80,12 +82,16 @@ def test_report_text(fake_server, char_tokenizer, capsys) -> None:
     assert "Correct rate (%):" in text and "100.00" in text
 
 
-def test_script_rejects_bad_flags() -> None:
-    script = REPO / "benchmarks" / "benchmark_serving_structured_output.py"
+@pytest.mark.parametrize("entry", ["script", "module"])
+def test_script_and_module_reject_bad_flags(entry: str, tmp_path: Path) -> None:
+    if entry == "script":
+        command, cwd = [str(REPO / "benchmarks" / "benchmark_serving_structured_output.py")], REPO
+    else:  # the package alone, run from outside the checkout
+        command, cwd = ["-m", "vllm.benchmarks.structured_output"], tmp_path
     proc = subprocess.run(
-        [sys.executable, str(script), "--structured-output-ratio", "2", "--model", "m",
+        [sys.executable, *command, "--structured-output-ratio", "2", "--model", "m",
          "--tokenizer", "demo-tiny", "--port", "1"],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
+        capture_output=True, text=True, cwd=cwd, timeout=120,
     )
     assert proc.returncode == 2
     assert "--structured-output-ratio" in proc.stderr

@@ -6,6 +6,7 @@ The sweep itself (real servers, minutes) is not run here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -67,8 +68,11 @@ def test_tables(result: SweepResult) -> None:
 
 
 def test_chart(result: SweepResult, tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
     path = sweep.write_chart(result, tmp_path / "s.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert imread(path).shape[:2] == (540, 960)
 
 
 def test_serve_commands() -> None:
@@ -114,6 +118,12 @@ def test_prepare_gpu_model_assembles_config_and_tokenizer(tmp_path: Path) -> Non
     config = json.loads((root / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (2048, 28, 151936)
     assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in root.iterdir()}
+
+
+def test_prepare_unknown_model_names_the_shipped_configs(tmp_path: Path) -> None:
+    preset = dataclasses.replace(sweep.PRESETS["gpu"], model="no-such-model")
+    with pytest.raises(ValueError, match="preset.model: 'no-such-model' .*qwen3-1.7b"):
+        sweep.prepare_model(preset, tmp_path)
 
 
 def test_prepare_demo_and_small_vocab_models(tmp_path: Path) -> None:

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from vllm.benchmarks.assets import SCHEMA_NAMES, builtin_schema
+
 STRUCTURED_DATASETS = ("json", "json-unique", "grammar", "regex", "choice")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
-
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "structured_schemas"
-DEFAULT_SCHEMA_PATH = SCHEMA_DIR / "structured_schema_1.json"
 
 SQL_GRAMMAR = r"""
 root ::= "SELECT " columns " FROM " table where? ";"
@@ -162,13 +161,22 @@ def load_custom_requests(
 
 
 def load_schema(path: str | Path | None = None) -> dict[str, Any]:
-    """Read a JSON schema file (default: benchmarks/structured_schemas/structured_schema_1.json).
+    """A JSON schema from a file, or a shipped schema by name (see `assets.SCHEMA_NAMES`);
+    None gives the default shipped schema. A file of that name wins over a shipped schema.
 
-    Raises ValueError if the file is missing or does not hold a JSON object.
+    Raises ValueError if `path` is neither a file nor a shipped name, or the file does not hold
+    a JSON object.
     """
-    path = Path(path) if path is not None else DEFAULT_SCHEMA_PATH
+    if path is None:
+        return builtin_schema()
+    path = Path(path)
     if not path.is_file():
-        raise ValueError(f"json_schema_path: {str(path)!r} does not exist")
+        if str(path) in SCHEMA_NAMES:
+            return builtin_schema(str(path))
+        raise ValueError(
+            f"json_schema_path: {str(path)!r} is neither a file nor a shipped schema "
+            f"({', '.join(SCHEMA_NAMES)})"
+        )
     try:
         schema = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:

@@ -1,4 +1,5 @@
-"""The structured-output serving benchmark (benchmarks/benchmark_serving_structured_output.py).
+"""The structured-output serving benchmark: `python -m vllm.benchmarks.structured_output`, or
+benchmarks/benchmark_serving_structured_output.py in a checkout.
 
 Like the general serving benchmark, but a chosen share of the requests carries a JSON schema,
 regex, choice list or EBNF grammar, and every structured output is checked against it.
@@ -7,8 +8,10 @@ regex, choice list or EBNF grammar, and every structured output is checked again
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
+from vllm.benchmarks.assets import DEFAULT_SCHEMA_NAME, SCHEMA_NAMES
 from vllm.benchmarks.datasets import (
     STRUCTURED_DATASETS,
     SampleRequest,
@@ -40,8 +43,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="json: one schema for all; json-unique: a distinct schema per "
                         "request; grammar: SQL EBNF; regex: an email; choice: sentiment.")
     parser.add_argument("--json-schema-path", default=None,
-                        help="Schema for json/json-unique (default: "
-                        "benchmarks/structured_schemas/structured_schema_1.json).")
+                        help="Schema file for json/json-unique, or the name of a shipped "
+                        f"schema: {', '.join(SCHEMA_NAMES)} (default: {DEFAULT_SCHEMA_NAME}).")
     parser.add_argument("--structured-output-ratio", type=float, default=1.0,
                         help="Share of requests that carry the constraint (0..1).")
     parser.add_argument("--no-structured-output", action="store_true",
@@ -150,3 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     add_cli_args(parser)
     args = parser.parse_args(argv)
     return exit_status(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

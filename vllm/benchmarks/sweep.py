@@ -32,8 +32,8 @@ CONFIGS: dict[str, tuple[bool, str]] = {
     "async/mp": (True, "mp"),
 }
 RATIOS = (0.0, 0.2, 0.8, 1.0)
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
-BENCH_SCRIPT = "benchmarks/benchmark_serving_structured_output.py"
+# How the logged per-cell commands run the benchmark (they work from any directory).
+BENCH_COMMAND = "python -m vllm.benchmarks.structured_output"
 # Random weights favour whitespace inside JSON; compact JSON keeps outputs short and valid.
 _COMPACT_JSON = ("--structured-outputs-config.disable_any_whitespace", "true")
 
@@ -44,7 +44,7 @@ class Preset:
 
     name: str
     description: str
-    # A demo model name, a reduced-vocabulary demo name, or a directory under CONFIG_DIR.
+    # A demo model name, a reduced-vocabulary demo name, or a name in assets.MODEL_CONFIG_NAMES.
     model: str
     num_prompts: int
     output_len: int
@@ -145,10 +145,11 @@ def ratio_label(ratio: float) -> str:
 def prepare_model(preset: Preset, workdir: Path) -> ServedModel:
     """Build or assemble the preset's model directory and say how to name it.
 
-    For a CONFIG_DIR model the directory is assembled in `workdir` from its config.json plus
-    the demo model's tokenizer files (its weights come from --load-format dummy). Raises
+    For a shipped model config the directory is assembled in `workdir` from that config.json
+    plus the demo model's tokenizer files (its weights come from --load-format dummy). Raises
     ValueError for an unknown model.
     """
+    from vllm.benchmarks.assets import MODEL_CONFIG_NAMES, model_config
     from vllm.model_executor.model_loader import demo_small_vocab
     from vllm.model_executor.model_loader.demo_model import DEMO_MODELS, build_demo_model
 
@@ -158,12 +159,15 @@ def prepare_model(preset: Preset, workdir: Path) -> ServedModel:
     small = demo_small_vocab.resolve(preset.model)
     if small is not None:
         return ServedModel(str(small), preset.model, str(small))
-    config = CONFIG_DIR / preset.model / "config.json"
-    if not config.is_file():
-        raise ValueError(f"preset.model: {preset.model!r} is neither a demo model nor {config}")
+    if preset.model not in MODEL_CONFIG_NAMES:
+        raise ValueError(
+            f"preset.model: {preset.model!r} is neither a demo model nor a shipped config "
+            f"({', '.join(MODEL_CONFIG_NAMES)})"
+        )
     target = workdir / "models" / preset.model
     target.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(config, target / "config.json")
+    config = json.dumps(model_config(preset.model), indent=2) + "\n"
+    (target / "config.json").write_text(config, encoding="utf-8")
     demo = build_demo_model("demo-tiny")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copyfile(demo / name, target / name)
@@ -322,6 +326,8 @@ def run_sweep(
     Raises ValueError for an unknown configuration or model, OSError if results cannot be
     written.
     """
+    # Imported first so a missing matplotlib fails now, not after the sweep has run.
+    from vllm.benchmarks.plot import bar_chart_png  # noqa: F401
     from vllm.benchmarks.serve import load_tokenizer
 
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -386,7 +392,7 @@ def _run_config(
         for ratio in ratios:
             name = f"{config.replace('/', '-')}-ratio{ratio_label(ratio)}.json"
             argv = bench_argv(preset, model, port, ratio, num_prompts, 0, result_dir, name)
-            command = f"python {BENCH_SCRIPT} {shlex.join(argv)}"
+            command = f"{BENCH_COMMAND} {shlex.join(argv)}"
             log(f"[{config}] $ {command}")
             result.commands.append(command)
             record = structured_output.run(parser.parse_args(argv), tokenizer, quiet=True)
