@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 
 from tests.v1.core.sched_utils import (
@@ -16,6 +17,7 @@ from tests.v1.core.sched_utils import (
     make_request,
 )
 from vllm.config import ModelConfig
+from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.request import RequestStatus
 
 MakeHarness = Callable[..., Harness]
@@ -153,6 +155,7 @@ def test_preemption_by_recompute(make: MakeHarness) -> None:
             b_outputs_at_preemption = list(h.added["b"].output_token_ids)
     assert preempt_so is not None, "no preemption happened"
     assert h.added["b"].num_preemptions >= 1
+    assert h.sched.make_stats().num_preemptions == h.sched.num_preemptions >= 1
     resumed = [
         (scheduler_output, i) for scheduler_output in h.runner.steps
         for i, r in enumerate(scheduler_output.scheduled_cached_reqs.req_ids)
@@ -233,6 +236,36 @@ def test_abort_waiting_and_running_frees_blocks(make: MakeHarness) -> None:
     h.run()
     assert h.tokens["a"] == expected("a", 6)
     assert "c" not in h.tokens and h.tokens["b"] == expected("b", 1)
+
+
+def test_make_stats_reports_requests_blocks_and_counters(make: MakeHarness) -> None:
+    h = make(max_num_seqs=2, num_blocks=16, block_size=4)
+    idle = h.sched.make_stats()
+    assert isinstance(idle, EngineCoreStats)
+    assert (idle.num_running, idle.num_waiting, idle.num_aborted_requests) == (0, 0, 0)
+    assert idle.num_free_blocks == idle.num_blocks == 16 and idle.kv_cache_usage == 0.0
+    h.add(*(make_request(r, 6, max_tokens=6) for r in ("a", "b", "c")))
+    h.step()
+    busy = h.sched.make_stats()
+    assert (busy.num_running, busy.num_waiting) == (2, 1)
+    assert busy.num_free_blocks == h.kv.num_free_blocks < 16
+    assert busy.kv_cache_usage == pytest.approx(1 - busy.num_free_blocks / 16)
+    prefix = h.kv.prefix_cache_stats
+    assert (busy.prefix_cache_queries, busy.prefix_cache_hits) == (prefix.queries, prefix.hits)
+    assert busy.prefix_cache_queries > 0
+    assert busy.timestamp >= idle.timestamp
+    # The scheduler's own record crosses the process boundary unchanged.
+    wire = msgspec.msgpack.Encoder().encode(busy)
+    assert msgspec.msgpack.Decoder(EngineCoreStats).decode(wire) == busy
+    # Only aborts that find the request alive count: b and c, not b again nor "nope".
+    h.sched.finish_requests(["b", "c"], RequestStatus.FINISHED_ABORTED)
+    h.sched.finish_requests(["b", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert h.sched.make_stats().num_aborted_requests == 2
+    h.run()
+    done = h.sched.make_stats()
+    assert (done.num_running, done.num_waiting, done.num_aborted_requests) == (0, 0, 2)
+    assert done.num_free_blocks == done.num_blocks and done.kv_cache_usage == 0.0
+    assert not done.same_as(idle)  # the cumulative counters moved
 
 
 def test_abort_preempted_request(make: MakeHarness) -> None:

@@ -498,6 +498,12 @@ def test_abort_with_batches_in_flight(make: MakeSetup, depth: int) -> None:
     assert g_tokens == [1, 2, 3, 4, 5, 6][: len(g_tokens)]
     assert s.tokens["p"] == expected("p", 12)
     assert "a" not in s.finish and "g" not in s.finish
+    # Both aborts found their request alive; repeating one, or an unknown id, counts nothing.
+    s.engine.abort_requests(["a", "never-added"])
+    stats = s.engine.make_stats()
+    assert stats.num_aborted_requests == 2
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks == s.engine.num_blocks
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

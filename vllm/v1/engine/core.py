@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -14,6 +13,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -48,6 +48,7 @@ class EngineCore:
         except BaseException:
             self.model_executor.shutdown()
             raise
+        # KV blocks allocated (the startup handshake reports it to the client).
         self.num_blocks = num_blocks
         cache = vllm_config.cache_config
         kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -184,8 +185,6 @@ class EngineCore:
         self.model_executor.shutdown()
         self.structured_output_manager.shutdown()
 
-    def stats(self) -> dict[str, float]:
-        """Scheduler gauges plus time of the snapshot."""
-        stats = self.scheduler.make_stats()
-        stats["timestamp"] = time.time()
-        return stats
+    def make_stats(self) -> EngineCoreStats:
+        """The engine's current gauges and counters (the scheduler's record, unchanged)."""
+        return self.scheduler.make_stats()

@@ -73,7 +73,6 @@ class EngineCoreProc:
         self._running = True
         # Set when the loop ended because the parent process died.
         self.parent_died = False
-        self._num_aborted = 0
         self._last_stats: EngineCoreStats | None = None
         self._last_stats_time = 0.0
 
@@ -134,8 +133,6 @@ class EngineCoreProc:
             except msgspec.DecodeError as e:
                 logger.error("engine core: ignored an abort message that does not decode: %s", e)
                 return
-            live = self.engine_core.scheduler.requests
-            self._num_aborted += sum(1 for i in ids if i in live)
             self.engine_core.abort_requests(ids)
         elif kind == RequestType.SHUTDOWN.value:
             self._running = False
@@ -161,30 +158,11 @@ class EngineCoreProc:
         msg = EngineCoreOutputs(outputs=outputs, timestamp=time.time())
         self._output.send_multipart([OutputType.OUTPUTS.value, self._encoder.encode(msg)])
 
-    def make_stats(self) -> EngineCoreStats:
-        """The current gauges and counters."""
-        core = self.engine_core
-        kv = core.scheduler.kv_cache_manager
-        stats = core.stats()
-        prefix = kv.prefix_cache_stats
-        return EngineCoreStats(
-            num_running=int(stats["num_running"]),
-            num_waiting=int(stats["num_waiting"]),
-            kv_cache_usage=float(stats["kv_cache_usage"]),
-            num_free_blocks=int(kv.num_free_blocks),
-            num_blocks=int(kv.num_blocks),
-            num_preemptions=int(stats["num_preemptions"]),
-            prefix_cache_queries=int(prefix.queries),
-            prefix_cache_hits=int(prefix.hits),
-            num_aborted_requests=self._num_aborted,
-            timestamp=time.time(),
-        )
-
     def _send_stats(self, force: bool) -> None:
         now = time.monotonic()
         if not force and now - self._last_stats_time < STATS_INTERVAL_S:
             return
-        stats = self.make_stats()
+        stats = self.engine_core.make_stats()
         self._last_stats_time = now
         if stats.same_as(self._last_stats):
             return
@@ -247,7 +225,7 @@ def run_engine_core(
         ))
         raise SystemExit(1) from None
     _send_handshake(handshake, encoder, EngineCoreHandshake(
-        ok=True, num_blocks=int(proc.engine_core.scheduler.kv_cache_manager.num_blocks)
+        ok=True, num_blocks=proc.engine_core.num_blocks
     ))
     status = 0
     try:

@@ -27,28 +27,38 @@ class OutputType(bytes, enum.Enum):
 
 
 class EngineCoreStats(msgspec.Struct, array_like=True):
-    """A snapshot of the engine core's gauges and cumulative counters."""
+    """A snapshot of the engine core's gauges and cumulative counters.
 
+    The one stats schema: `Scheduler.make_stats` builds it, the engine core sends it as the
+    STATS payload, and the API server keeps it as-is for /metrics (`PrometheusMetrics`).
+    """
+
+    # Requests in the running batch.
     num_running: int
+    # Requests queued for a slot in the batch: new, preempted, or with a grammar compiling.
     num_waiting: int
     # Fraction of KV blocks owned by requests, in [0, 1].
     kv_cache_usage: float
-    # Blocks no request owns (free or evictable prefix-cache blocks), and all blocks.
+    # Blocks no request owns (free, or cached prefix blocks that can be evicted).
     num_free_blocks: int
+    # All KV blocks the engine allocated; fixed after startup.
     num_blocks: int
-    # Cumulative since startup.
+    # Preemptions since startup (cumulative).
     num_preemptions: int
+    # Prompt tokens looked up in the prefix cache (cumulative).
     prefix_cache_queries: int
+    # Prompt tokens found in the prefix cache (cumulative).
     prefix_cache_hits: int
     # Aborts that found the request still alive in the engine (cumulative).
     num_aborted_requests: int
+    # Wall-clock time of the snapshot (time.time()), in the engine-core process.
     timestamp: float
 
     def same_as(self, other: EngineCoreStats | None) -> bool:
-        """True when every field but the timestamp is equal."""
+        """True when every field but the timestamp is equal (nothing new to send)."""
         if other is None:
             return False
-        return msgspec.structs.astuple(self)[:-1] == msgspec.structs.astuple(other)[:-1]
+        return msgspec.structs.replace(other, timestamp=self.timestamp) == self
 
 
 class EngineCoreError(msgspec.Struct):

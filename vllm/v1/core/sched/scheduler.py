@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -15,6 +16,7 @@ from vllm.v1.core.sched.output import (
     SchedulerOutput,
 )
 from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -55,6 +57,8 @@ class Scheduler:
         # Outputs for requests that ended outside update_from_output (compile errors).
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Aborts that found the request still live (cumulative), for the stats record.
+        self.num_aborted_requests = 0
         self._step_id = 0
 
     # ------------------------------------------------------------------ requests
@@ -106,6 +110,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            if status == RequestStatus.FINISHED_ABORTED:
+                self.num_aborted_requests += 1
             self._dequeue(request)
             request.status = status
             self._free_request(request)
@@ -425,11 +431,22 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def make_stats(self) -> dict[str, float]:
-        """Scheduler gauges for metrics."""
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "kv_cache_usage": self.kv_cache_manager.usage,
-            "num_preemptions": self.num_preemptions,
-        }
+    def make_stats(self) -> EngineCoreStats:
+        """A snapshot of the scheduler's and its KV cache's gauges and counters.
+
+        This record is what the engine core sends and what /metrics renders, unchanged.
+        """
+        kv = self.kv_cache_manager
+        prefix = kv.prefix_cache_stats
+        return EngineCoreStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_aborted_requests=self.num_aborted_requests,
+            timestamp=time.time(),
+        )

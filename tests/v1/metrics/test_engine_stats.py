@@ -1,0 +1,100 @@
+"""Tests for the stats record (vllm/v1/engine/messages.py:EngineCoreStats) on its way from the
+engine core to /metrics: the wire encoding between the processes, and the Prometheus render."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.prometheus import PrometheusMetrics
+
+MODEL = "test-model"
+
+
+def _stats(**changes: object) -> EngineCoreStats:
+    """A record whose fields all differ, so a field rendered under the wrong name shows."""
+    stats = EngineCoreStats(
+        num_running=3,
+        num_waiting=5,
+        kv_cache_usage=0.375,
+        num_free_blocks=40,
+        num_blocks=64,
+        num_preemptions=7,
+        prefix_cache_queries=1200,
+        prefix_cache_hits=480,
+        num_aborted_requests=2,
+        timestamp=1_700_000_000.25,
+    )
+    return msgspec.structs.replace(stats, **changes)
+
+
+def _wire(stats: EngineCoreStats) -> EngineCoreStats:
+    """The record after the trip the engine core's STATS payload takes: encoded by a plain
+    msgpack encoder (EngineCoreProc), decoded by the typed decoder (EngineCoreClient)."""
+    payload = msgspec.msgpack.Encoder().encode(stats)
+    return msgspec.msgpack.Decoder(EngineCoreStats).decode(payload)
+
+
+def _samples(metrics: PrometheusMetrics) -> dict[str, tuple[str, float]]:
+    """The rendered gauges and counters as {sample name: (metric type, value)}, for MODEL."""
+    out: dict[str, tuple[str, float]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            if sample.labels == {"model_name": MODEL} and family.type in ("gauge", "counter"):
+                out[sample.name] = (family.type, sample.value)
+    return out
+
+
+def test_record_round_trips_through_the_process_boundary_encoding() -> None:
+    stats = _stats()
+    decoded = _wire(stats)
+    assert decoded == stats
+    assert type(decoded) is EngineCoreStats
+    # The decoder checks each field's type, so a mismatched sender fails loudly here.
+    fields = list(msgspec.structs.astuple(stats))
+    fields[0] = "many"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.Decoder(EngineCoreStats).decode(msgspec.msgpack.encode(fields))
+
+
+def test_same_as_ignores_only_the_timestamp() -> None:
+    stats = _stats()
+    assert stats.same_as(_stats(timestamp=stats.timestamp + 5.0))
+    assert not stats.same_as(None)
+    for field in msgspec.structs.fields(EngineCoreStats):
+        if field.name == "timestamp":
+            continue
+        changed = _stats(**{field.name: getattr(stats, field.name) + 1})
+        assert not stats.same_as(changed), field.name
+
+
+def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None:
+    metrics = PrometheusMetrics(MODEL)
+    before = _samples(metrics)
+    # Before the first snapshot only the front end's own engine gauges exist.
+    assert before["vllm:engine_alive"] == ("gauge", 1.0)
+    assert before["vllm:num_requests_api_server"] == ("gauge", 0.0)
+    assert "vllm:num_requests_running" not in before
+    stats = _stats()
+    metrics.record_engine_stats(_wire(stats))
+    after = _samples(metrics)
+    rendered = {k: v for k, v in after.items() if k not in before}
+    # One sample per field: a field added to the record must be rendered too.
+    assert len(rendered) == len(msgspec.structs.fields(EngineCoreStats)) - 1  # not timestamp
+    assert rendered == {
+        "vllm:num_requests_running": ("gauge", 3.0),
+        "vllm:num_requests_waiting": ("gauge", 5.0),
+        "vllm:kv_cache_usage_perc": ("gauge", 0.375),
+        "vllm:kv_cache_free_blocks": ("gauge", 40.0),
+        "vllm:kv_cache_total_blocks": ("gauge", 64.0),
+        "vllm:num_preemptions_total": ("counter", 7.0),
+        "vllm:prefix_cache_queries_total": ("counter", 1200.0),
+        "vllm:prefix_cache_hits_total": ("counter", 480.0),
+        "vllm:engine_aborted_requests_total": ("counter", 2.0),
+    }
+    # The decoded record renders exactly as the one the engine core built.
+    from_wire = metrics.render()
+    metrics.record_engine_stats(stats)
+    assert metrics.render() == from_wire
