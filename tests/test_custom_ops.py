@@ -6,8 +6,11 @@ Benchmark (not a test): `.venv/bin/python benchmarks/bench_custom_ops.py`.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -249,13 +252,19 @@ def load_fresh_module(name: str) -> object:
     spec = importlib.util.spec_from_file_location(name, ops.__file__)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # As for any import, the module is in sys.modules while it runs (dataclasses need it).
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
     return module
 
 
 def test_disable_env_falls_back_to_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("VLLM_DISABLE_NATIVE", "1")
     fresh = load_fresh_module("custom_ops_disabled")
+    # Read at the first call, not at import.
+    monkeypatch.setenv("VLLM_DISABLE_NATIVE", "1")
     assert fresh.HAS_NATIVE is False
     with pytest.raises(RuntimeError):
         fresh.compute_slot_mapping_native(
@@ -266,6 +275,55 @@ def test_disable_env_falls_back_to_numpy(monkeypatch: pytest.MonkeyPatch) -> Non
     out = np.zeros(2, dtype=np.int64)
     fresh.compute_slot_mapping(table, np.zeros(2, np.int32), np.array([1, 17], np.int64), 16, out)
     assert out.tolist() == [4 * 16 + 1, 6 * 16 + 1]
+
+
+_LAZY_SCRIPT = """
+import json, numpy as np
+import vllm._custom_ops as ops
+
+def mapped():
+    with open("/proc/self/maps") as f:
+        return any("/vllm/_C" in line for line in f)
+
+before = mapped()
+out_reqs, out_pos = np.zeros(3, np.int32), np.zeros(3, np.int64)
+ops.prepare_positions(np.array([0, 5], np.int32), np.array([2, 1], np.int32), out_reqs, out_pos)
+print(json.dumps({"before": before, "after": mapped(), "has_native": ops.HAS_NATIVE,
+                  "positions": out_pos.tolist()}))
+"""
+
+
+def test_library_loads_at_first_use_not_at_import() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_DISABLE_NATIVE"}
+    proc = subprocess.run([sys.executable, "-c", _LAZY_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["before"] is False
+    assert got["positions"] == [0, 1, 5]
+    # HAS_NATIVE's own test (above) covers whether the library should exist at all.
+    assert got["after"] is got["has_native"] is (ops.find_library() is not None)
+
+
+def test_native_or_numpy_is_decided_once_for_every_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh = load_fresh_module("custom_ops_once")
+    monkeypatch.setenv("VLLM_DISABLE_NATIVE", "1")
+    table = np.array([[4, 6]], dtype=np.int32)
+    out = np.zeros(2, dtype=np.int64)
+    fresh.compute_slot_mapping(table, np.zeros(2, np.int32), np.array([1, 17], np.int64), 16, out)
+    assert out.tolist() == [4 * 16 + 1, 6 * 16 + 1]
+    # The decision made at the first call holds for every op, whatever the environment says now.
+    monkeypatch.delenv("VLLM_DISABLE_NATIVE")
+    assert fresh.HAS_NATIVE is False
+    assert fresh._ops() == fresh._OpTable(
+        fresh.compute_slot_mapping_numpy, fresh.prepare_positions_numpy,
+        fresh.apply_token_bitmask_numpy,
+    )
+    with pytest.raises(RuntimeError, match="not loaded"):
+        fresh.apply_token_bitmask_native(
+            np.zeros((1, 32), np.float32), np.zeros((1, 1), np.int32), np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+        )
 
 
 def test_missing_or_broken_library_is_tolerated(tmp_path: Path) -> None:

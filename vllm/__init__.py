@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
-# OpenMP threads that spin between parallel regions (libgomp's default) starve the engine's
-# other threads and processes of the CPU: measured 305 -> 622 tok/s on the demo model with 2
-# cores. libgomp reads this when torch first loads it, so it must be set before torch imports.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Importing vllm changes nothing in the process: thread and OpenMP settings are applied where
+# engine processes start (see vllm.thread_policy).
 
 __version__ = "0.1.0"
 

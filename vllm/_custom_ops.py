@@ -1,8 +1,10 @@
 """CPU ops that build the model runner's flat varlen inputs, native when possible.
 
 The native versions live in csrc/cpu/prepare_inputs.cpp, built by setup.py into vllm/_C<suffix>
-and loaded here with ctypes. Without that library, or with VLLM_DISABLE_NATIVE=1, the public
-functions run numpy implementations with the same results and the same errors.
+and loaded here with ctypes on the first call of a public op (not at import). Without that
+library, or with VLLM_DISABLE_NATIVE=1 at that moment, the public functions run numpy
+implementations with the same results and the same errors. The choice is made once per process,
+for every op together (`_ops`); HAS_NATIVE reports it.
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -72,16 +77,30 @@ def native_disabled() -> bool:
     return os.environ.get("VLLM_DISABLE_NATIVE", "0").strip().lower() in ("1", "true", "yes")
 
 
-def _load_default() -> ctypes.CDLL | None:
-    if native_disabled():
-        return None
-    path = find_library()
-    return load_library(path) if path is not None else None
+_load_lock = threading.Lock()
+# Set together, once, by _library(); _LIB stays None when the numpy versions are used.
+_LIB: ctypes.CDLL | None = None
+_LIB_RESOLVED = False
 
 
-# Loaded once at import; never reassigned.
-_LIB: ctypes.CDLL | None = _load_default()
-HAS_NATIVE: bool = _LIB is not None
+def _library() -> ctypes.CDLL | None:
+    """The native library, loaded on the first call (None: use numpy); the same ever after."""
+    global _LIB, _LIB_RESOLVED
+    if not _LIB_RESOLVED:
+        # The engine thread and the worker thread may both make the first call.
+        with _load_lock:
+            if not _LIB_RESOLVED:
+                path = None if native_disabled() else find_library()
+                _LIB = load_library(path) if path is not None else None
+                _LIB_RESOLVED = True
+    return _LIB
+
+
+def _require_library() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("vllm native library is not loaded (HAS_NATIVE is False)")
+    return lib
 
 
 def _check(name: str, array: object, dtype: type, ndim: int, writeable: bool = False) -> np.ndarray:
@@ -178,10 +197,9 @@ def compute_slot_mapping_native(
     out: np.ndarray,
 ) -> None:
     """Native version of compute_slot_mapping; raises RuntimeError if the library is not loaded."""
-    if _LIB is None:
-        raise RuntimeError("vllm native library is not loaded (HAS_NATIVE is False)")
+    lib = _require_library()
     _check_slot_mapping_args(block_table, req_indices, positions, block_size, out)
-    status = _LIB.vllm_compute_slot_mapping(
+    status = lib.vllm_compute_slot_mapping(
         block_table.ctypes.data,
         block_table.shape[0],
         block_table.shape[1],
@@ -225,12 +243,11 @@ def prepare_positions_native(
     out_positions: np.ndarray,
 ) -> None:
     """Native version of prepare_positions; raises RuntimeError if the library is not loaded."""
-    if _LIB is None:
-        raise RuntimeError("vllm native library is not loaded (HAS_NATIVE is False)")
+    lib = _require_library()
     _check_prepare_positions_args(
         num_computed_tokens, num_scheduled, out_req_indices, out_positions
     )
-    status = _LIB.vllm_prepare_positions(
+    status = lib.vllm_prepare_positions(
         num_computed_tokens.ctypes.data,
         num_scheduled.ctypes.data,
         num_scheduled.shape[0],
@@ -239,17 +256,6 @@ def prepare_positions_native(
         out_positions.shape[0],
     )
     _raise_status(status)
-
-
-SlotMappingFn = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], None]
-PreparePositionsFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
-
-_compute_slot_mapping: SlotMappingFn = (
-    compute_slot_mapping_native if HAS_NATIVE else compute_slot_mapping_numpy
-)
-_prepare_positions: PreparePositionsFn = (
-    prepare_positions_native if HAS_NATIVE else prepare_positions_numpy
-)
 
 
 def compute_slot_mapping(
@@ -269,7 +275,7 @@ def compute_slot_mapping(
     index outside the table, or a negative position or one past its row's last block; out is
     untouched then.
     """
-    _compute_slot_mapping(block_table, req_indices, positions, block_size, out)
+    _ops().compute_slot_mapping(block_table, req_indices, positions, block_size, out)
 
 
 def prepare_positions(
@@ -287,7 +293,7 @@ def prepare_positions(
     HAS_NATIVE. Raises ValueError for a wrong dtype, shape, or contiguity, a negative count or
     start, or T != sum(num_scheduled); the outputs are untouched then.
     """
-    _prepare_positions(num_computed_tokens, num_scheduled, out_req_indices, out_positions)
+    _ops().prepare_positions(num_computed_tokens, num_scheduled, out_req_indices, out_positions)
 
 
 def _check_bitmask_args(
@@ -330,10 +336,9 @@ def apply_token_bitmask_native(
     logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
 ) -> None:
     """Native version of apply_token_bitmask; raises RuntimeError if the library is not loaded."""
-    if _LIB is None:
-        raise RuntimeError("vllm native library is not loaded (HAS_NATIVE is False)")
+    lib = _require_library()
     _check_bitmask_args(logits, bitmask, logit_rows, mask_rows)
-    status = _LIB.vllm_apply_token_bitmask(
+    status = lib.vllm_apply_token_bitmask(
         logits.ctypes.data,
         logits.shape[0],
         logits.shape[1],
@@ -358,7 +363,43 @@ def apply_token_bitmask(
     [N]. Uses the native library when HAS_NATIVE. Raises ValueError for a wrong dtype, shape or
     contiguity, or a row index out of range; logits are untouched then.
     """
-    if HAS_NATIVE:
-        apply_token_bitmask_native(logits, bitmask, logit_rows, mask_rows)
-    else:
-        apply_token_bitmask_numpy(logits, bitmask, logit_rows, mask_rows)
+    _ops().apply_token_bitmask(logits, bitmask, logit_rows, mask_rows)
+
+
+SlotMappingFn = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], None]
+PreparePositionsFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+TokenBitmaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+
+
+@dataclass(frozen=True)
+class _OpTable:
+    """One implementation of every op: all native or all numpy."""
+
+    compute_slot_mapping: SlotMappingFn
+    prepare_positions: PreparePositionsFn
+    apply_token_bitmask: TokenBitmaskFn
+
+
+_NATIVE_OPS = _OpTable(
+    compute_slot_mapping_native, prepare_positions_native, apply_token_bitmask_native
+)
+_NUMPY_OPS = _OpTable(
+    compute_slot_mapping_numpy, prepare_positions_numpy, apply_token_bitmask_numpy
+)
+
+
+def _ops() -> _OpTable:
+    """The implementations the public ops use: the one place native vs numpy is decided."""
+    return _NATIVE_OPS if _library() is not None else _NUMPY_OPS
+
+
+if TYPE_CHECKING:
+    # True when the ops run natively. Computed on access (below), since a plain module
+    # attribute would have to load the library at import.
+    HAS_NATIVE: bool
+
+
+def __getattr__(name: str) -> bool:
+    if name == "HAS_NATIVE":
+        return _ops() is _NATIVE_OPS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

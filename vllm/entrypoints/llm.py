@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from vllm.engine.arg_utils import EngineArgs
+from vllm import thread_policy
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.llm_engine import LLMEngine
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -24,7 +26,12 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        # First: OpenMP reads its wait policy once, when torch (imported below) loads it.
+        thread_policy.configure_process()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.llm_engine: LLMEngine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -39,6 +46,11 @@ class LLM:
         """Generates completions for the prompts, in prompt order.
 
         Every prompt is validated before any is queued: a ValueError leaves the engine as it was.
+        That includes each structured-output constraint, compiled here (blocking) within
+        `--structured-outputs-config.compile_timeout_s` of compiling: a constraint over the
+        configured limits, unsatisfiable, invalid, or slower to compile than that raises
+        ValueError naming the field (a compile past the limit finishes in a background
+        thread; its result is cached).
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)

@@ -3,7 +3,6 @@ fast failure when a worker dies, and a clean shutdown."""
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm import LLM, SamplingParams
+from vllm import LLM, SamplingParams, thread_policy
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
@@ -54,6 +53,16 @@ def _sleep_on_rank(worker: object, rank: int, seconds: float) -> int:
 
 def _getenv(worker: object, name: str) -> str | None:
     return os.environ.get(name)
+
+
+def _openmp_settings(worker: object) -> tuple[str | None, str | None, int]:
+    import torch
+
+    return (
+        os.environ.get("OMP_WAIT_POLICY"),
+        os.environ.get("OMP_NUM_THREADS"),
+        torch.get_num_threads(),
+    )
 
 
 def _raise_value_error(worker: object, message: str) -> None:
@@ -219,7 +228,8 @@ def test_shutdown_leaves_nothing(llm_pair: tuple[LLM, LLM], shm_before: set[str]
 def two_workers(shm_before: set[str]):
     """A world-size-2 executor built straight from an engine config."""
     config = EngineArgs(model="demo-tiny", distributed_executor_backend="mp").create_engine_config()
-    config.parallel_config = dataclasses.replace(config.parallel_config, world_size=2)
+    # Two ranks that each hold the whole model (world_size is derived, so set it directly).
+    config.parallel_config.world_size = 2
     executor = MultiprocExecutor(config)
     yield executor
     executor.shutdown()
@@ -235,13 +245,36 @@ def test_collective_rpc_gathers_every_rank(two_workers: MultiprocExecutor) -> No
 
 
 @pytest.mark.timeout(60)
-def test_workers_get_passive_openmp_threads(two_workers: MultiprocExecutor) -> None:
-    # Spinning OpenMP threads would steal the cores the engine needs between forwards; the
-    # default applies to the workers only, and a user's own setting wins.
-    user = os.environ.get("OMP_WAIT_POLICY")
-    want = user if user is not None else "PASSIVE"
-    assert two_workers.collective_rpc(_getenv, ("OMP_WAIT_POLICY",)) == [want, want]
-    assert os.environ.get("OMP_WAIT_POLICY") == user
+def test_workers_split_the_cpus(two_workers: MultiprocExecutor) -> None:
+    # Each of the two workers gets half the CPUs this process may use (as the fixture found the
+    # environment: a user's OMP_* values would win).
+    want = thread_policy.derive(2)
+    assert two_workers.collective_rpc(_openmp_settings) == [
+        (want.wait_policy, str(want.num_threads), want.num_threads)
+    ] * 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "user", [{}, {"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "1"}], ids=["derived", "user"]
+)
+def test_worker_openmp_policy(monkeypatch: pytest.MonkeyPatch, user: dict[str, str]) -> None:
+    # Sleeping OpenMP threads leave the cores to the engine between forwards. The policy goes
+    # to the workers only (this process's environment is unchanged), and a user's values win.
+    for key in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in user.items():
+        monkeypatch.setenv(key, value)
+    before = dict(os.environ)
+    config = EngineArgs(model="demo-tiny", distributed_executor_backend="mp").create_engine_config()
+    executor = MultiprocExecutor(config)
+    try:
+        got = executor.collective_rpc(_openmp_settings)
+    finally:
+        executor.shutdown()
+    threads = user.get("OMP_NUM_THREADS", str(thread_policy.available_cpus()))
+    assert got == [(user.get("OMP_WAIT_POLICY", "PASSIVE"), threads, int(threads))]
+    assert dict(os.environ) == before
 
 
 @pytest.mark.timeout(60)

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_proc import run_engine_core
@@ -90,7 +91,10 @@ class EngineCoreClient:
         # Runs before multiprocessing's own exit hook, which would wait for the process forever.
         atexit.register(_shutdown_ref, weakref.ref(self))
         try:
-            with _main_module_hidden():
+            # The engine core (and the workers it starts) inherit the thread policy.
+            with _main_module_hidden(), thread_policy.child_env(
+                vllm_config.parallel_config.world_size
+            ):
                 self.proc.start()
             writer.close()
             self._wait_ready(reader, startup_timeout_s)

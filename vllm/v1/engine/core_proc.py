@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
+from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -208,6 +209,9 @@ def run_engine_core(
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s [engine core] %(message)s"
     )
+    # Torch is loaded already (unpickling the config imports it), so the OpenMP policy came
+    # from the environment the parent started us with; this checks it and sets torch's threads.
+    thread_policy.configure_process(vllm_config.parallel_config.world_size)
     parent = multiprocessing.parent_process()
     proc: EngineCoreProc | None = None
     encoder = msgspec.msgpack.Encoder()

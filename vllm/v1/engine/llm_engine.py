@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import RequestOutput
@@ -20,6 +21,8 @@ class LLMEngine:
     """Adds requests, steps the engine core, and returns finished/updated RequestOutputs."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
+        # For an engine built directly; a no-op after LLM did it (before importing torch).
+        thread_policy.configure_process()
         self.vllm_config = vllm_config
         self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
         self.engine_core = EngineCore(vllm_config, tokenizer=self.tokenizer)

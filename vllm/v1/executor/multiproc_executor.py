@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import multiprocessing
 import os
 import pickle
@@ -14,13 +13,14 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
+from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor import mp_queue
@@ -40,25 +40,6 @@ _REAP_TIMEOUT_S = 1.0
 _TERMINATE_TIMEOUT_S = 2.0
 # The rank whose results answer execute_model and sample_tokens.
 _OUTPUT_RANK = 0
-# Environment defaults for the workers (a value the user set wins). OpenMP threads that spin
-# between parallel regions (libgomp's default) steal the cores the engine process, the ZMQ
-# I/O threads and the worker's output thread need between two forwards; on a 2-core machine
-# that made small-batch steps several times slower.
-_WORKER_ENV_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-@contextlib.contextmanager
-def _worker_env() -> Iterator[None]:
-    """Applies _WORKER_ENV_DEFAULTS to os.environ while workers are spawned (a spawned process
-    inherits the environment at start; the variables must be set before it imports torch)."""
-    added = [k for k in _WORKER_ENV_DEFAULTS if k not in os.environ]
-    for key in added:
-        os.environ[key] = _WORKER_ENV_DEFAULTS[key]
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
 
 
 def _make_ipc_dir() -> str:
@@ -165,7 +146,9 @@ class _WorkerGroup:
                     name=f"VllmWorker-{rank}",
                     daemon=True,
                 )
-                with _worker_env():
+                # The workers share this machine's CPUs; their OpenMP settings must be in
+                # their environment before they import torch.
+                with thread_policy.child_env(world_size):
                     proc.start()
                 self._procs.append(proc)
                 self.pids.append(proc.pid)
