@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -170,35 +173,169 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """Where the workers run."""
+    """How the model is split across ranks, and how the ranks run.
 
-    distributed_executor_backend: str = "uni"
-    world_size: int = 1
+    `world_size` is always `tensor_parallel_size * pipeline_parallel_size` (derived, never
+    passed). The executor defaults to `mp` (one process per rank) when the world size is above
+    1, else to `uni` (one worker in the engine process).
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # "uni" or "mp"; None picks mp for more than one rank, else uni.
+    distributed_executor_backend: str | None = None
+    world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
+        for flag, value in (
+            ("--tensor-parallel-size", self.tensor_parallel_size),
+            ("--pipeline-parallel-size", self.pipeline_parallel_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag}: must be a positive integer, got {value!r}")
+        self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "mp" if self.world_size > 1 else "uni"
         if self.distributed_executor_backend not in ("uni", "mp"):
             raise ValueError(
                 "--distributed-executor-backend: must be 'uni' or 'mp', got "
                 f"{self.distributed_executor_backend!r}"
             )
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                "--distributed-executor-backend uni: runs a single worker in the engine process, "
+                f"but {self.describe()} needs {self.world_size} ranks; use mp (the default when "
+                "the world size is above 1)"
+            )
+
+    def describe(self) -> str:
+        """The layout in flag terms, for error messages."""
+        return (
+            f"--tensor-parallel-size {self.tensor_parallel_size} x "
+            f"--pipeline-parallel-size {self.pipeline_parallel_size}"
+        )
+
+    def verify_with_model_config(self, model_config: ModelConfig) -> None:
+        """Checks that the model splits into this layout. Raises ValueError naming the flag.
+
+        Tensor parallelism splits the attention heads evenly across the ranks; the KV heads
+        are either split evenly too, or (when there are fewer of them than ranks) each is
+        replicated on the same number of ranks. Pipeline parallelism gives every stage at
+        least one layer.
+        """
+        hf = model_config.hf_config
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        num_heads = getattr(hf, "num_attention_heads", None)
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+        num_layers = getattr(hf, "num_hidden_layers", None)
+        if num_heads is not None and num_heads % tp:
+            raise ValueError(
+                f"--tensor-parallel-size {tp}: the model's {num_heads} attention heads do not "
+                f"divide evenly among {tp} ranks"
+            )
+        if num_kv_heads is not None and num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"--tensor-parallel-size {tp}: the model's {num_kv_heads} KV heads can neither "
+                f"be split evenly among {tp} ranks nor replicated evenly ({tp} is not a "
+                f"multiple of {num_kv_heads})"
+            )
+        if num_layers is not None and pp > num_layers:
+            raise ValueError(
+                f"--pipeline-parallel-size {pp}: more stages than the model's {num_layers} "
+                "layers (every stage needs at least one)"
+            )
+
+    def verify_devices(self, device: torch.device) -> None:
+        """Checks that this machine can host the ranks on `device`.
+
+        On CUDA every rank needs a GPU of its own (ValueError otherwise). On CPU the ranks
+        share the cores: more ranks than cores is allowed, with a warning, and each rank still
+        gets at least one thread.
+        """
+        if self.world_size == 1:
+            return
+        if device.type == "cuda":
+            count = torch.cuda.device_count()
+            if self.world_size > count:
+                raise ValueError(
+                    f"{self.describe()} = {self.world_size} ranks need {self.world_size} GPUs "
+                    f"(one per rank), but {count} {'is' if count == 1 else 'are'} visible"
+                )
+            return
+        from vllm import thread_policy
+
+        cpus = thread_policy.available_cpus()
+        if self.world_size > cpus:
+            threads = thread_policy.derive(self.world_size, cpus=cpus).num_threads
+            logger.warning(
+                "%s = %d ranks on %d CPU core(s): more ranks than cores, so the ranks share "
+                "them; each rank gets %d thread(s) and the forward passes will be slower",
+                self.describe(), self.world_size, cpus, threads,
+            )
 
 
 @dataclass
 class StructuredOutputsConfig:
-    """Structured-output backend options."""
+    """Structured-output backend options (CLI: `--structured-outputs-config.NAME VALUE`).
+
+    The limits bound what one request may ask of the grammar compiler; a constraint over a
+    limit is rejected with a 400 naming the option, before anything is compiled.
+    """
 
     backend: str = "xgrammar"
-    # Seconds a grammar may take to compile before its request fails.
+    # Seconds a grammar may spend compiling before its request fails. Only the compile counts:
+    # time spent waiting for a free compile worker does not.
     compile_timeout_s: float = 10.0
     disable_any_whitespace: bool = False
+    # Compile workers: processes that check constraints in the API server (a worker past the
+    # time limit is killed), and threads per lane in the engine. None: half the CPUs this
+    # process may run on, at least 2 and at most 8.
+    compile_workers: int | None = None
+    # Longest constraint, in characters: the JSON text of a schema or structural tag, a regex,
+    # a grammar, or all choices together. Real-world schemas are a few KB; 256 KiB leaves room.
+    max_constraint_length: int = 262_144
+    # Most values of all `enum` lists of one schema (or structural tag) together, and most
+    # options of a `choice`. xgrammar's compile time grows faster than linearly with them
+    # (10,000 values take seconds).
+    max_enum_values: int = 8_192
+    # Deepest nesting of objects and arrays in a JSON constraint (a schema nested 64 levels
+    # deep is about 128). Compile time grows quickly with depth.
+    max_json_depth: int = 128
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "xgrammar"):
             raise ValueError(
                 f"--structured-outputs-config.backend: {self.backend!r} is not one of auto, xgrammar"
             )
-        if self.compile_timeout_s <= 0:
-            raise ValueError("--structured-outputs-config.compile_timeout_s: must be positive")
+        if (
+            isinstance(self.compile_timeout_s, bool)
+            or not isinstance(self.compile_timeout_s, (int, float))
+            or not 0 < self.compile_timeout_s < float("inf")
+        ):
+            raise ValueError(
+                "--structured-outputs-config.compile_timeout_s: must be a positive number of "
+                f"seconds, got {self.compile_timeout_s!r}"
+            )
+        optional = ("compile_workers",) if self.compile_workers is None else ()
+        for name in ("compile_workers", "max_constraint_length", "max_enum_values",
+                     "max_json_depth"):
+            if name in optional:
+                continue
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"--structured-outputs-config.{name}: must be a positive integer, "
+                    f"got {value!r}"
+                )
+
+    @property
+    def num_compile_workers(self) -> int:
+        """`compile_workers`, or the default derived from this process's CPU affinity."""
+        if self.compile_workers is not None:
+            return self.compile_workers
+        from vllm import thread_policy
+
+        return max(2, min(8, thread_policy.available_cpus() // 2))
 
 
 @dataclass
@@ -215,8 +352,31 @@ class VllmConfig:
 
     def __post_init__(self) -> None:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        # The layout is checked in full before any process starts.
+        self.parallel_config.verify_with_model_config(self.model_config)
+        self.parallel_config.verify_devices(self.model_config.device)
+        _refuse_model_parallelism(self.parallel_config)
 
     @property
     def max_concurrent_batches(self) -> int:
-        """Batches in flight: 2 under async scheduling, else 1."""
-        return 2 if self.scheduler_config.async_scheduling else 1
+        """Depth of the engine core's batch queue (docs/architecture.md §4): one batch per
+        pipeline stage keeps every stage busy, and async scheduling needs at least 2 (the
+        next batch is scheduled while one is on the device). 1 runs the synchronous step."""
+        stages = self.parallel_config.pipeline_parallel_size
+        if self.scheduler_config.async_scheduling:
+            return max(2, stages)
+        return stages
+
+
+def _refuse_model_parallelism(parallel_config: ParallelConfig) -> None:
+    """Refuses a world size above 1: the model code cannot run sharded yet.
+
+    The one place that does; delete it (and its call in VllmConfig) when tensor and pipeline
+    parallelism land.
+    """
+    if parallel_config.world_size > 1:
+        raise ValueError(
+            f"{parallel_config.describe()}: tensor and pipeline parallelism are not implemented "
+            "yet; this engine runs the model on one rank (use --tensor-parallel-size 1 "
+            "--pipeline-parallel-size 1)"
+        )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm import LLM, SamplingParams
+from vllm import LLM, SamplingParams, StructuredOutputsParams
 
 PROMPTS = [
     "Hello world",
@@ -194,3 +194,49 @@ def test_bad_model_directories(tmp_path) -> None:
 def test_invalid_engine_options_name_the_flag(kwargs, flag) -> None:
     with pytest.raises(ValueError, match=flag):
         LLM("demo-tiny", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "constraint, fragment",
+    [
+        ({"json": {"anyOf": []}}, "'anyOf' is an empty list"),
+        (
+            {
+                "json": {
+                    "type": "object",
+                    "properties": {},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                }
+            },
+            "required property 'a'",
+        ),
+        ({"grammar": 'root ::= root "a"'}, "rule 'root' can never finish"),
+        ({"choice": [str(i) for i in range(10_000)]}, "max_enum_values"),
+    ],
+)
+def test_unsatisfiable_or_oversized_constraints_raise(llm, constraint, fragment) -> None:
+    kind = next(iter(constraint))
+    params = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(**constraint)
+    )
+    with pytest.raises(ValueError, match=rf"^structured_outputs\.{kind}: ") as info:
+        llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    assert fragment in str(info.value)
+    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_offline_compile_is_bounded_by_the_timeout(llm, monkeypatch) -> None:
+    # The engine's config object, read by its structured-output manager on each compile.
+    config = llm.llm_engine.vllm_config.structured_outputs_config
+    monkeypatch.setattr(config, "compile_timeout_s", 0.05)
+    # About a second to compile (150 patterned strings): far past 0.05 s.
+    schema = {
+        "type": "object",
+        "properties": {
+            f"offline_{i}": {"type": "string", "pattern": "^[a-z]{1,200}$"} for i in range(150)
+        },
+    }
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=schema))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json: .*longer than 0.05 s"):
+        llm.generate([PROMPTS[0]], params, use_tqdm=False)

@@ -190,3 +190,28 @@ def test_stop_matches_brute_force() -> None:
             if got:
                 break
         assert got == expected, (text, stops)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_valid_text_split_into_byte_tokens_never_shows_replacement_chars(
+    tok: Any, chunk: int
+) -> None:
+    # Valid UTF-8 written one byte per token (as a constrained sampler may): runs of many
+    # pending tokens (past the held-back limit) must still never emit a split character.
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = tok.get_vocab()
+    byte_token = {b: vocab[c] for b, c in bytes_to_unicode().items()}
+    rng = random.Random(77 + chunk)
+    alphabet = "a é€𝄞😀한\U0010fffd\ud7ff\ue000"
+    text = "".join(rng.choice(alphabet) for _ in range(300))
+    ids: list[int] = []
+    for ch in text:
+        raw = ch.encode("utf-8")
+        # Each character as single-byte tokens, or as the tokenizer's own tokens.
+        ids += [byte_token[b] for b in raw] if rng.random() < 0.7 else tok.encode(ch)
+    assert tok.decode(ids) == text
+    detok = IncrementalDetokenizer(tok)
+    deltas = stream(detok, ids, chunk)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)

@@ -67,16 +67,42 @@ class EngineArgs:
                        "batched completion); more is a 400."),
     )
     async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass."))
-    distributed_executor_backend: str = field(default="uni", metadata=_help("uni or mp."))
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_help("Ranks that split every layer (tensor parallelism; not implemented "
+                       "yet, so only 1 runs).", aliases=("-tp",)),
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=_help("Stages the layers are split into (pipeline parallelism; not "
+                       "implemented yet, so only 1 runs).", aliases=("-pp",)),
+    )
+    distributed_executor_backend: str | None = field(
+        default=None,
+        metadata=_help("uni (one worker in the engine process) or mp (one process per rank); "
+                       "default: mp when tensor x pipeline parallel size is above 1, else uni.",
+                       choices=("mp", "uni")),
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata=_help("Accepted for compatibility with vLLM and ignored: this engine runs only "
+                       "its own model code, never code shipped with a model."),
+    )
     structured_outputs_config: dict[str, Any] = field(
         default_factory=dict,
         metadata=_help("JSON, e.g. '{\"backend\": \"xgrammar\"}'; or dotted flags "
-                       "--structured-outputs-config.backend xgrammar.", type=json.loads),
+                       "--structured-outputs-config.backend xgrammar. Options: backend, "
+                       "compile_timeout_s (10; seconds of compiling, queueing not counted), "
+                       "disable_any_whitespace, compile_workers (half the CPUs, 2 to 8), "
+                       "max_constraint_length (262144 characters), max_enum_values (8192, "
+                       "enum values of a schema or choices), max_json_depth (128).",
+                       type=json.loads),
     )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Adds one flag per field (booleans get --x/--no-x)."""
+        """Adds one flag per field (booleans get --x/--no-x; some have upstream's short
+        aliases, e.g. -tp)."""
         for f in dataclasses.fields(EngineArgs):
             if f.name == "model":
                 continue  # positional in `vllm serve`, --model elsewhere
@@ -86,7 +112,9 @@ class EngineArgs:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = f.metadata.get("type") or _scalar_type(f.type)
-            parser.add_argument(flag, dest=f.name, **kwargs)
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, *f.metadata.get("aliases", ()), dest=f.name, **kwargs)
         return parser
 
     @classmethod
@@ -97,6 +125,12 @@ class EngineArgs:
 
     def create_engine_config(self) -> VllmConfig:
         """Validates the options and returns the VllmConfig. Raises ValueError naming the flag."""
+        # First, so a malformed layout fails before the model is looked at.
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
         model_config = ModelConfig(
             model=self.model or "demo",
             tokenizer=self.tokenizer,
@@ -132,9 +166,7 @@ class EngineArgs:
                 async_scheduling=self.async_scheduling,
                 max_n=self.max_n,
             ),
-            parallel_config=ParallelConfig(
-                distributed_executor_backend=self.distributed_executor_backend
-            ),
+            parallel_config=parallel_config,
             structured_outputs_config=StructuredOutputsConfig(**so_options),
         )
 

@@ -1,11 +1,15 @@
 """Structured outputs through every API surface; every output is checked by an oracle
-(jsonschema, re.fullmatch, membership, or a fresh xgrammar matcher for cut-off outputs)."""
+(jsonschema, re.fullmatch, membership, or a fresh xgrammar matcher for cut-off outputs).
+Unsatisfiable, oversized and too-slow constraints are 400s that hold up no other request."""
 
 from __future__ import annotations
 
 import json
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema
 import pytest
 
@@ -198,3 +202,59 @@ def test_compile_time_metric(server, client):
                               extra_body={"guided_regex": "[0-9]{4}"})
     after = server.metrics()
     assert after[key] == before.get(key, 0.0) + 1
+
+
+def _complete(server, structured_outputs: dict) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "temperature": 1.0, "seed": 1,
+            "structured_outputs": structured_outputs}
+    return httpx.post(server.url("/v1/completions"), json=body, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "structured_outputs,fragment",
+    [
+        ({"json": {"anyOf": []}}, "'anyOf' is an empty list"),
+        ({"json": {"type": "object", "properties": {}, "required": ["a"],
+                   "additionalProperties": False}}, "required property 'a'"),
+        ({"json": {"type": "string", "minLength": 4, "maxLength": 2}}, "minLength (4)"),
+        ({"grammar": 'root ::= root "a"'}, "rule 'root' can never finish"),
+        ({"grammar": 'root ::= "c" | "a" x\nx ::= "b" x'}, "rule 'x' can never finish"),
+        ({"choice": [str(i) for i in range(100_000)]}, "max_enum_values"),
+        ({"json": {"enum": list(range(100_000))}}, "max_enum_values"),
+    ],
+    ids=["empty_anyof", "forbidden_required", "min_over_max", "left_recursive", "stuck_rule",
+         "many_choices", "many_enum_values"],
+)
+def test_unsatisfiable_or_oversized_constraints_are_400(server, structured_outputs, fragment):
+    response = _complete(server, structured_outputs)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    kind = next(iter(structured_outputs))
+    assert error["param"] == f"structured_outputs.{kind}", error
+    assert fragment in error["message"], error
+
+
+# Passes the default limits (8,000 enum values, 255,000 characters) but takes xgrammar about a
+# minute to compile: longer than the server's 10 s limit.
+SLOW_SCHEMA = {"enum": [f"item number {i} of the list" for i in range(8000)]}
+
+
+def test_slow_compiles_do_not_block_other_structured_requests(server):
+    with ThreadPoolExecutor(8) as pool:
+        slow = [
+            pool.submit(_complete, server, {"json": SLOW_SCHEMA, "disable_any_whitespace": w})
+            for w in (False, True)
+        ]
+        time.sleep(3)  # both slow compiles have started (and hold what they hold)
+        quick = [pool.submit(_complete, server, {"choice": ["yes", "no", str(i)]})
+                 for i in range(4)]
+        for future in quick:
+            response = future.result()
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] in ("yes", "no", "0", "1", "2", "3")
+        for future in slow:
+            response = future.result()
+            assert response.status_code == 400, response.text
+            assert "compile_timeout_s" in response.json()["error"]["message"]
+    # The killed compiles hold nothing afterwards: a new structured request is served.
+    assert _complete(server, {"regex": "[0-9]{2}"}).status_code == 200

@@ -40,6 +40,12 @@ def backend(tokenizer: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def walk_vocab(tokenizer: Any) -> WalkVocab:
+def pieces(tokenizer: Any) -> list[bytes]:
+    """The raw bytes of every token of the demo vocabulary."""
+    return token_bytes(tokenizer)
+
+
+@pytest.fixture(scope="session")
+def walk_vocab(pieces: list[bytes]) -> WalkVocab:
     """Token classes for random walks over the demo vocabulary."""
-    return WalkVocab.build(token_bytes(tokenizer), VOCAB_SIZE, EOS_IDS)
+    return WalkVocab.build(pieces, VOCAB_SIZE, EOS_IDS)

@@ -603,3 +603,113 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "legacy",
     ),
 ]
+
+# Constraints no output can satisfy (xgrammar 0.2.9 would compile most of them into an empty or
+# wrong output, or a matcher that gets stuck): the error names the field and the given fragment.
+UNSATISFIABLE: list[tuple[str, dict[str, Any], str]] = [
+    ("empty_anyof", {"json": {"anyOf": []}}, "'anyOf' is an empty list"),
+    ("empty_oneof", {"json": {"oneOf": []}}, "'oneOf' is an empty list"),
+    ("empty_enum", {"json": {"enum": []}}, "'enum' is an empty list"),
+    ("empty_type", {"json": {"type": []}}, "'type' is an empty list"),
+    ("false_schema", {"json": "false"}, "`false`"),
+    (
+        "nested_empty_anyof",
+        {"json": {"type": "object", "properties": {"a": {"anyOf": []}}}},
+        "at #/properties/a: 'anyOf'",
+    ),
+    (
+        "required_not_allowed",
+        {
+            "json": {
+                "type": "object",
+                "properties": {},
+                "required": ["a"],
+                "additionalProperties": False,
+            }
+        },
+        "required property 'a'",
+    ),
+    (
+        "required_not_allowed_by_option",
+        {
+            "json": {"type": "object", "properties": {"b": {}}, "required": ["a"]},
+            "disable_additional_properties": True,
+        },
+        "required property 'a'",
+    ),
+    (
+        "required_not_matching_pattern",
+        {
+            "json": {
+                "type": "object",
+                "patternProperties": {"^x": {}},
+                "required": ["a"],
+                "additionalProperties": False,
+            }
+        },
+        "required property 'a'",
+    ),
+    (
+        "required_false",
+        {"json": {"type": "object", "properties": {"a": False}, "required": ["a"]}},
+        "has the schema false",
+    ),
+    (
+        "required_over_max_properties",
+        {"json": {"type": "object", "required": ["a", "b"], "maxProperties": 1}},
+        "maxProperties",
+    ),
+    ("length", {"json": {"type": "string", "minLength": 5, "maxLength": 2}}, "minLength (5)"),
+    ("items", {"json": {"type": "array", "minItems": 3, "maxItems": 1}}, "minItems (3)"),
+    (
+        "properties",
+        {"json": {"type": "object", "minProperties": 3, "maxProperties": 1}},
+        "minProperties (3)",
+    ),
+    ("range", {"json": {"type": "number", "minimum": 3, "maximum": 2}}, "between 3 and 2"),
+    (
+        "exclusive_range",
+        {"json": {"type": "number", "exclusiveMinimum": 2, "maximum": 2}},
+        "between 2 and 2",
+    ),
+    (
+        "no_integer_in_range",
+        {"json": {"type": "integer", "minimum": 1.2, "maximum": 1.8}},
+        "no integer",
+    ),
+    ("grammar_left_recursive", {"grammar": 'root ::= root "a"'}, "rule 'root' can never finish"),
+    ("grammar_cycle", {"grammar": "root ::= a\na ::= b\nb ::= a"}, "can never finish"),
+    (
+        "grammar_stuck_branch",
+        {"grammar": 'root ::= "c" | "a" x\nx ::= "b" x'},
+        "rule 'x' can never finish",
+    ),
+    ("grammar_stuck_repeat", {"grammar": "root ::= x{1,2}\nx ::= x"}, "rule 'root'"),
+    ("lark_left_recursive", {"grammar": 'start: start "a"'}, "rule 'start' can never finish"),
+]
+
+# Near misses of UNSATISFIABLE that some output does satisfy: (name, params, a valid output).
+SATISFIABLE_EDGES: list[tuple[str, dict[str, Any], str]] = [
+    (
+        "required_matching_pattern",
+        {
+            "json": {
+                "type": "object",
+                "patternProperties": {"^a.*": {"type": "integer"}},
+                "required": ["ab"],
+                "additionalProperties": False,
+            },
+            "disable_any_whitespace": True,
+        },
+        '{"ab":1}',
+    ),
+    ("equal_bounds", {"json": {"type": "integer", "minimum": 2, "maximum": 2}}, "2"),
+    (
+        "exclusive_integer",
+        {"json": {"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 3}},
+        "2",
+    ),
+    ("left_recursion_with_exit", {"grammar": 'root ::= "b" | root "a"'}, "baaa"),
+    ("lark_left_recursion_with_exit", {"grammar": 'start: "b" | start "a"'}, "baa"),
+    ("optional_useless_repeat", {"grammar": 'root ::= "a" x{0,0}\nx ::= "b"'}, "a"),
+]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import zlib
 from typing import Any
@@ -13,11 +14,20 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_xgrammar import (
     XgrammarBackend,
     find_lookaround,
+    find_stuck_rule,
     prepare_json_schema,
 )
 
 from .conftest import EOS_IDS, VOCAB_SIZE
-from .schemas import ALL_CASES, CHOICES, INVALID, JSON_SCHEMAS, Case
+from .schemas import (
+    ALL_CASES,
+    CHOICES,
+    INVALID,
+    JSON_SCHEMAS,
+    SATISFIABLE_EDGES,
+    UNSATISFIABLE,
+    Case,
+)
 from .walker import WalkVocab, allowed_token_ids, random_walk
 
 FIRST_ADDED_ID = 151_643  # Qwen's added tokens start here; the tokenizer ends at 151,668.
@@ -59,7 +69,11 @@ def test_corpus_is_large_enough() -> None:
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=lambda c: c.name)
 def test_random_walks_satisfy_the_constraint(
-    case: Case, backend: XgrammarBackend, tokenizer: Any, walk_vocab: WalkVocab
+    case: Case,
+    backend: XgrammarBackend,
+    tokenizer: Any,
+    walk_vocab: WalkVocab,
+    pieces: list[bytes],
 ) -> None:
     json_kind = "json" in case.params or "json_object" in case.params
     for compact in (False, True) if json_kind else (False,):
@@ -73,6 +87,7 @@ def test_random_walks_satisfy_the_constraint(
         assert not _forbidden_allowed(np.array(body, dtype=np.int64)), body
         text = tokenizer.decode(body, skip_special_tokens=False)
         case.check(text)
+        b"".join(pieces[t] for t in body).decode("utf-8")  # strict: raises on invalid UTF-8
         if compact:
             assert not _whitespace_outside_strings(text), text
         fresh = backend.compile_grammar(params)
@@ -275,3 +290,103 @@ def test_allocate_token_bitmask(backend: XgrammarBackend) -> None:
     assert (bitmask == -1).all()
     with pytest.raises(ValueError, match="max_num_seqs"):
         backend.allocate_token_bitmask(0)
+
+
+@pytest.mark.parametrize(
+    "name,params,fragment", UNSATISFIABLE, ids=[n for n, _, _ in UNSATISFIABLE]
+)
+def test_unsatisfiable_constraints_are_rejected(
+    name: str, params: dict[str, Any], fragment: str, backend: XgrammarBackend
+) -> None:
+    field = next(iter(params))
+    with pytest.raises(ValueError) as info:
+        backend.compile_grammar(StructuredOutputsParams(**params))
+    message = str(info.value)
+    assert message.startswith(f"structured_outputs.{field}: "), message
+    assert fragment in message, message
+
+
+@pytest.mark.parametrize(
+    "name,params,output", SATISFIABLE_EDGES, ids=[n for n, _, _ in SATISFIABLE_EDGES]
+)
+def test_satisfiable_edges_are_accepted(
+    name: str, params: dict[str, Any], output: str, backend: XgrammarBackend, tokenizer: Any
+) -> None:
+    grammar = backend.compile_grammar(StructuredOutputsParams(**params))
+    tokens = tokenizer.encode(output, add_special_tokens=False)
+    assert grammar.accept_tokens("edge", tokens + [EOS_IDS[0]])
+    assert grammar.is_terminated()
+
+
+def test_first_step_check_catches_what_the_static_checks_miss(
+    backend: XgrammarBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm.v1.structured_output.backend_xgrammar as module
+
+    monkeypatch.setattr(module, "find_stuck_rule", lambda grammar: None)
+    module._check_grammar_text.cache_clear()
+    with pytest.raises(ValueError, match=r"^structured_outputs.grammar: .*accepts no output"):
+        backend.compile_grammar(StructuredOutputsParams(grammar='root ::= root "q"'))
+    monkeypatch.setattr(module, "_check_satisfiable", lambda node, path: None)
+    with pytest.raises(ValueError, match=r"^structured_outputs.json: .*only an empty output"):
+        backend.compile_grammar(StructuredOutputsParams(json={"oneOf": []}))
+    module._check_grammar_text.cache_clear()
+
+
+def test_find_stuck_rule_reads_every_expression_kind() -> None:
+    import xgrammar as xgr
+
+    fine = (
+        'root ::= [a-z]* "x"? ("y" | "z"){2,3} "q"+ "" tail (= "!")\n'
+        'tail ::= TagDispatch(("<a>", inner), ("<b>", inner))\ninner ::= [0-9] | "(" inner ")"'
+    )
+    assert find_stuck_rule(xgr.Grammar.from_ebnf(fine)) is None
+    stuck = fine.replace('inner ::= [0-9] | "(" inner ")"', 'inner ::= "(" inner ")"')
+    assert find_stuck_rule(xgr.Grammar.from_ebnf(stuck)) == "inner"
+
+
+# UTF-8 lead bytes whose next byte is restricted, with a forbidden and an allowed next byte.
+_RESTRICTED = [(0xE0, 0x80, 0xA0), (0xED, 0xA0, 0x80), (0xF0, 0x80, 0x90), (0xF4, 0x90, 0x80)]
+
+
+@pytest.mark.parametrize(
+    "params,prefix",
+    [
+        ({"json": {"type": "string", "maxLength": 8}}, '"'),
+        ({"json": {"type": "string"}}, '"'),
+        ({"json": {"type": "string", "pattern": "^.{1,8}$"}}, '"'),
+        ({"regex": ".{1,8}"}, ""),
+        ({"grammar": "root ::= [^a]*"}, ""),
+    ],
+    ids=["max_length", "string", "pattern", "regex", "grammar"],
+)
+def test_outputs_stay_valid_utf8(
+    params: dict[str, Any],
+    prefix: str,
+    backend: XgrammarBackend,
+    tokenizer: Any,
+    pieces: list[bytes],
+) -> None:
+    """xgrammar alone accepts encoded surrogates (and overlong forms inside patterns), which
+    decode to several U+FFFD: a string with maxLength 8 came back 10 characters long."""
+    by_byte = {piece[0]: idx for idx, piece in enumerate(pieces) if len(piece) == 1}
+    start = tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+    for lead, bad_next, good_next in _RESTRICTED:
+        grammar = backend.compile_grammar(StructuredOutputsParams(**params))
+        assert grammar.accept_tokens("utf8", start + [by_byte[lead]])
+        allowed = _allowed(grammar)
+        for token in allowed:
+            if int(token) in EOS_IDS:
+                continue
+            decoder = codecs.getincrementaldecoder("utf-8")()
+            # Raises UnicodeDecodeError when lead + token cannot begin valid UTF-8.
+            decoder.decode(bytes([lead]) + pieces[int(token)], final=False)
+        assert by_byte[good_next] in allowed
+        assert not grammar.accept_tokens("utf8", [by_byte[bad_next]])
+        assert grammar.validate_tokens([by_byte[bad_next]]) == []
+        batch = np.zeros((1, (VOCAB_SIZE + 31) // 32), dtype=np.int32)
+        backend.fill_bitmasks([grammar], batch)
+        assert np.array_equal(allowed_token_ids(batch[0], VOCAB_SIZE), allowed)
+        # Rolling the lead back lifts the restriction.
+        grammar.rollback(1)
+        assert grammar.utf8_state == 0

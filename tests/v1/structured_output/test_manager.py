@@ -1,10 +1,14 @@
-"""StructuredOutputManager: background compiles, failures, timeouts, batch bitmasks, cleanup."""
+"""StructuredOutputManager: background compiles on two lanes, failures, timeouts that count only
+the compile, bounded validation, checks in killable processes, batch bitmasks, cleanup."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,8 @@ import pytest
 from vllm.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig, VllmConfig
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output import CompileAbortedError, StructuredOutputManager
+from vllm.v1.structured_output.limits import SMALL_CONSTRAINT_LENGTH
 
 from .conftest import EOS_IDS, VOCAB_SIZE
 from .schemas import ALL_CASES
@@ -36,6 +41,14 @@ def manager(demo_dir: Path, tokenizer: Any) -> StructuredOutputManager:
     manager = StructuredOutputManager(_config(demo_dir), tokenizer)
     yield manager
     manager.shutdown()
+
+
+def _manager_sharing(backend: Any, demo_dir: Path, **structured: Any) -> StructuredOutputManager:
+    """A manager with its own config that reuses the session's backend (building one takes
+    seconds). Its shutdown only clears the backend's cache."""
+    manager = StructuredOutputManager(_config(demo_dir, **structured))
+    manager._backend = backend
+    return manager
 
 
 def _request(req_id: str, **constraint: Any) -> Request:
@@ -272,3 +285,190 @@ def test_importing_the_manager_does_not_import_xgrammar() -> None:
         timeout=120,
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+def _big_regex(tag: str) -> str:
+    # Longer than SMALL_CONSTRAINT_LENGTH: compiles on the big-constraint lane.
+    return f"{tag}-" + "x" * (SMALL_CONSTRAINT_LENGTH + 1)
+
+
+def _block_big(monkeypatch: pytest.MonkeyPatch, manager: StructuredOutputManager) -> Any:
+    """Makes compiles of regexes starting with 'blocked' wait until the returned event is set."""
+    backend = manager.backend
+    compile_grammar = backend.compile_grammar
+    release = threading.Event()
+
+    def blocking(params: StructuredOutputsParams) -> Any:
+        if params.regex is not None and params.regex.startswith("blocked"):
+            assert release.wait(120), "the test never released the blocked compiles"
+            return compile_grammar(StructuredOutputsParams(regex="x+"))
+        return compile_grammar(params)
+
+    monkeypatch.setattr(backend, "compile_grammar", blocking)
+    return release
+
+
+def test_small_constraints_do_not_wait_behind_big_ones(
+    demo_dir: Path, backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = _manager_sharing(backend, demo_dir, compile_workers=2)
+    release = _block_big(monkeypatch, manager)
+    try:
+        big = [_request(f"big{i}", regex=_big_regex(f"blocked{i}")) for i in range(3)]
+        for request in big:
+            manager.grammar_init(request)
+        small = _request("small", choice=["yes", "no"])
+        manager.grammar_init(small)
+        # Every big-lane thread is stuck, yet the choice compiles.
+        assert _wait(small)
+        assert not any(r.structured_output_request.poll(60.0) for r in big)
+        release.set()
+        assert all(_wait(r, timeout_s=60.0) for r in big)
+    finally:
+        release.set()
+        manager.shutdown()
+
+
+def test_engine_compile_timeout_counts_only_the_compile(
+    demo_dir: Path, backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = _manager_sharing(backend, demo_dir, compile_workers=1)
+    release = _block_big(monkeypatch, manager)
+    try:
+        stuck = _request("stuck", regex=_big_regex("blocked"))
+        queued = _request("queued", regex=_big_regex("fine"))
+        manager.grammar_init(stuck)
+        manager.grammar_init(queued)
+        time.sleep(0.6)  # queued behind the stuck compile for longer than the limit below
+        assert not queued.structured_output_request.poll(0.3)
+        assert not queued.structured_output_request.failed
+        release.set()
+        assert _wait(queued, timeout_s=60.0)
+        assert _wait(stuck, timeout_s=60.0)
+        for request in (stuck, queued):
+            manager.clear(request)
+    finally:
+        release.set()
+        manager.shutdown()
+
+
+def test_lanes_follow_the_configured_worker_count(demo_dir: Path) -> None:
+    manager = StructuredOutputManager(_config(demo_dir, compile_workers=3))
+    try:
+        lanes = {manager._lane(StructuredOutputsParams(regex=r)) for r in ("a", _big_regex("b"))}
+        assert len(lanes) == 2
+        assert all(lane._max_workers == 3 for lane in lanes)
+    finally:
+        manager.shutdown()
+    default = StructuredOutputsConfig().num_compile_workers
+    assert default == max(2, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
+def test_validate_is_bounded_by_the_timeout(
+    demo_dir: Path, backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = _manager_sharing(backend, demo_dir, compile_timeout_s=0.3)
+    release = _block_big(monkeypatch, manager)
+    try:
+        with ThreadPoolExecutor(1) as caller:
+            # The offline path (LLM.generate) validates on the caller's thread.
+            call = caller.submit(manager.validate, StructuredOutputsParams(regex="blocked"))
+            with pytest.raises(CompileAbortedError, match="took longer than 0.3 s"):
+                call.result(timeout=60)
+            release.set()
+        # A timeout is not remembered as the constraint's verdict: it depends on the load.
+        manager.validate(StructuredOutputsParams(regex="blocked"))
+    finally:
+        release.set()
+        manager.shutdown()
+
+
+def test_validate_counts_only_the_compile(
+    demo_dir: Path, backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = _manager_sharing(backend, demo_dir, compile_timeout_s=0.3, compile_workers=1)
+    release = _block_big(monkeypatch, manager)
+    try:
+        stuck = _request("stuck", regex=_big_regex("blocked"))
+        manager.grammar_init(stuck)
+        with ThreadPoolExecutor(1) as caller:
+            call = caller.submit(manager.validate, StructuredOutputsParams(regex=_big_regex("q")))
+            # It waits behind the stuck compile for longer than the limit ...
+            time.sleep(0.6)
+            assert not call.done()
+            release.set()
+            # ... and still passes: only its own compile counts.
+            call.result(timeout=60)
+        assert _wait(stuck, timeout_s=60.0)
+        manager.clear(stuck)
+    finally:
+        release.set()
+        manager.shutdown()
+
+
+def test_validate_remembers_verdicts(
+    manager: StructuredOutputManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = manager.backend
+    compile_grammar = backend.compile_grammar
+    calls: list[str] = []
+
+    def counting(params: StructuredOutputsParams) -> Any:
+        calls.append(params.kind)
+        return compile_grammar(params)
+
+    monkeypatch.setattr(backend, "compile_grammar", counting)
+    good = StructuredOutputsParams(json={"type": "object", "properties": {"remember": {}}})
+    bad = StructuredOutputsParams(grammar='root ::= root "z"')
+    for _ in range(2):
+        manager.validate(good)
+        with pytest.raises(ValueError, match="rule 'root' can never finish"):
+            manager.validate(bad)
+    assert calls == ["json", "grammar"]
+    # Key order does not make a different constraint.
+    manager.validate(StructuredOutputsParams(json=dict(reversed(list(good.json.items())))))
+    assert calls == ["json", "grammar"]
+
+
+def test_validate_applies_the_limits(demo_dir: Path) -> None:
+    manager = StructuredOutputManager(_config(demo_dir, max_enum_values=3))
+    try:
+        with pytest.raises(ValueError, match=r"max_enum_values"):
+            manager.validate(StructuredOutputsParams(choice=["a", "b", "c", "d"]))
+        assert manager._backend is None  # rejected before anything compiled
+    finally:
+        manager.shutdown()
+
+
+# A schema that passes the default limits (8,000 values, 255,000 characters) yet takes
+# xgrammar 0.2.9 about a minute to compile.
+SLOW_SCHEMA = {"enum": [f"item number {i} of the list" for i in range(8000)]}
+
+
+def test_checks_in_processes_kill_slow_compiles(demo_dir: Path) -> None:
+    manager = StructuredOutputManager(
+        _config(demo_dir, compile_timeout_s=1.0), None, check_in_processes=True
+    )
+    try:
+        assert manager.check(StructuredOutputsParams(choice=["a", "b"])).result(120) >= 0.0
+        slow = [
+            manager.check(StructuredOutputsParams(json=SLOW_SCHEMA, disable_any_whitespace=w))
+            for w in (False, True)
+        ]
+        quick = [manager.check(StructuredOutputsParams(choice=["x", str(i)])) for i in range(3)]
+        for future in quick:
+            assert future.result(60) >= 0.0
+        for future in slow:
+            with pytest.raises(CompileAbortedError, match="took longer than 1 s"):
+                future.result(60)
+        with pytest.raises(ValueError, match="'anyOf' is an empty list"):
+            manager.check(StructuredOutputsParams(json={"anyOf": []})).result(60)
+        # The processor's own validate is then a lookup: nothing compiles in this process.
+        manager.validate(StructuredOutputsParams(choice=["x", "0"]))
+        with pytest.raises(ValueError, match="'anyOf' is an empty list"):
+            manager.validate(StructuredOutputsParams(json={"anyOf": []}))
+        assert manager._backend is None
+        with pytest.raises(ValueError, match="max_json_depth"):
+            manager.check(StructuredOutputsParams(json="[" * 200 + "]" * 200))
+    finally:
+        manager.shutdown()

@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -150,13 +149,14 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.metrics = metrics
         self.tokenizer = get_tokenizer(self.model_config.tokenizer)
-        # Its own manager: compile checks run here, before the engine ever sees a request.
-        self.structured_output_manager = StructuredOutputManager(vllm_config, self.tokenizer)
+        # Its own manager: compile checks run here, before the engine ever sees a request, in
+        # worker processes (started on the first structured request) that are killed when a
+        # compile runs past its time limit, so no constraint can hold them for long.
+        self.structured_output_manager = StructuredOutputManager(
+            vllm_config, self.tokenizer, check_in_processes=True
+        )
         self.processor = InputProcessor(vllm_config, self.tokenizer, self.structured_output_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # Compiles must not block the event loop; two threads, so one slow grammar does not
-        # hold up every other structured request (xgrammar uses threads inside, too).
-        self._compile_pool = ThreadPoolExecutor(2, thread_name_prefix="compile-check")
         self._requests: dict[str, _Tracked] = {}
         self._child_to_parent: dict[str, str] = {}
         self._dead_reason: str | None = None
@@ -246,25 +246,16 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
 
     async def _check_compiles(self, so: StructuredOutputsParams) -> None:
-        """Compiles the constraint off the event loop, within the engine's compile time limit;
-        the processor's own check is then a cache hit. Raises ValueError when it fails."""
-        loop = asyncio.get_running_loop()
+        """Checks the constraint off the event loop: limits first, then a compile in a worker
+        process within the time limit (counted from when a worker takes it); the processor's
+        own check is then a lookup. Raises ValueError when it fails, RuntimeError when the
+        compile workers cannot run."""
         manager = self.structured_output_manager
-        # Building the backend (once, about a second) does not count against the limit.
-        await loop.run_in_executor(self._compile_pool, lambda: manager.backend)
-        limit = manager.compile_timeout_s
-        start = time.perf_counter()
-        try:
-            await asyncio.wait_for(
-                loop.run_in_executor(self._compile_pool, manager.validate, so), limit
-            )
-        except asyncio.TimeoutError:
-            raise ValueError(
-                f"structured_outputs.{so.kind}: compiling the grammar took longer than "
-                f"{limit:g} s (--structured-outputs-config.compile_timeout_s)"
-            ) from None
+        # The limit checks walk the whole constraint: not on the event loop either.
+        future = await asyncio.to_thread(manager.check, so)
+        seconds = await asyncio.wrap_future(future)
         if self.metrics is not None:
-            self.metrics.record_compile(so.kind, time.perf_counter() - start)
+            self.metrics.record_compile(so.kind, seconds)
 
     def _admit(
         self,
@@ -410,7 +401,6 @@ class AsyncLLM:
             self._forget(request_id, finish_reason="abort")
             tracked.stream.fail(error)
         self.engine_core.shutdown()
-        self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self.structured_output_manager.shutdown()
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -13,31 +16,50 @@ from vllm.v1.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
 )
+from vllm.v1.structured_output.compile_pool import CompileAbortedError
+from vllm.v1.structured_output.limits import (
+    SMALL_CONSTRAINT_LENGTH,
+    check_constraint_limits,
+    constraint_key,
+    constraint_length,
+)
 from vllm.v1.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
+    from vllm.v1.structured_output.compile_pool import CompileCheckPool
 
-__all__ = ["StructuredOutputManager", "StructuredOutputRequest"]
+__all__ = ["CompileAbortedError", "StructuredOutputManager", "StructuredOutputRequest"]
 
-# Two compile threads match the two-core machines this runs on; xgrammar's compiler uses
-# its own threads inside each compile as well.
-_COMPILE_WORKERS = 2
+# Verdicts remembered per constraint (a digest and at most a short message each), so that a
+# repeated schema is not compiled again to be checked.
+_REMEMBERED_VERDICTS = 4096
+_MISSING = object()
 
 
 class StructuredOutputManager:
-    """Compiles each request's constraint in a thread pool and fills the batch bitmask.
+    """Compiles each request's constraint in the background and fills the batch bitmask.
 
-    The backend (and xgrammar itself) is created on the first structured request, so engines
-    that never see one never import xgrammar.
+    Compiles run on two lanes of `compile_workers` threads each: constraints up to
+    SMALL_CONSTRAINT_LENGTH characters on one, bigger ones on the other, so that a choice or a
+    short regex never waits behind big schemas. A compile's time limit counts from when a
+    thread takes it, never the time queued.
+
+    With `check_in_processes` (the API server), `check` compiles in worker processes that are
+    killed at the time limit (see compile_pool); elsewhere nothing but threads is started.
+    The backend (and xgrammar itself) is created on the first compile in this process, so a
+    process that never compiles never imports xgrammar.
     """
 
-    def __init__(self, vllm_config: VllmConfig, tokenizer: Any = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, tokenizer: Any = None, *, check_in_processes: bool = False
+    ) -> None:
         # Loaded on the first structured request when not given (engine-core processes).
         self._tokenizer = tokenizer
         self._tokenizer_path = vllm_config.model_config.tokenizer
         self._config = vllm_config.structured_outputs_config
+        self._num_workers = self._config.num_compile_workers
         self._vocab_size = int(vllm_config.model_config.vocab_size)
         self._stop_token_ids = list(vllm_config.model_config.eos_token_ids)
         self._max_num_seqs = vllm_config.scheduler_config.max_num_seqs
@@ -45,7 +67,15 @@ class StructuredOutputManager:
         self._num_buffers = vllm_config.max_concurrent_batches + 1
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        self._lanes_lock = threading.Lock()
+        self._small_lane: ThreadPoolExecutor | None = None
+        self._big_lane: ThreadPoolExecutor | None = None
+        # Threads that wait on in-process checks when worker processes are not available.
+        self._waiters: ThreadPoolExecutor | None = None
+        self._use_processes = check_in_processes and hasattr(os, "fork")
+        self._check_pool: CompileCheckPool | None = None
+        self._verdicts: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._verdicts_lock = threading.Lock()
         self._live: dict[str, StructuredOutputRequest] = {}
         self._buffers: list[np.ndarray] = []
         self._next_buffer = 0
@@ -63,7 +93,7 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> StructuredOutputBackend:
-        """The backend, built on first use (about a second).
+        """The backend, built on first use (about two seconds).
 
         Raises ValueError when the tokenizer cannot be loaded.
         """
@@ -86,6 +116,21 @@ class StructuredOutputManager:
             disable_any_whitespace=self._config.disable_any_whitespace,
         )
 
+    def _lane(self, params: StructuredOutputsParams) -> ThreadPoolExecutor:
+        """The compile lane for `params` (created on first use). RuntimeError after shutdown."""
+        small = constraint_length(params, cap=SMALL_CONSTRAINT_LENGTH) <= SMALL_CONSTRAINT_LENGTH
+        with self._lanes_lock:
+            if self._closed:
+                raise RuntimeError("StructuredOutputManager: used after shutdown")
+            if self._small_lane is None:
+                self._small_lane = ThreadPoolExecutor(
+                    self._num_workers, thread_name_prefix="grammar-small"
+                )
+                self._big_lane = ThreadPoolExecutor(
+                    self._num_workers, thread_name_prefix="grammar-big"
+                )
+            return self._small_lane if small else self._big_lane
+
     def grammar_init(self, request: Request) -> None:
         """Starts compiling the request's constraint in the background (no-op without one).
 
@@ -98,22 +143,139 @@ class StructuredOutputManager:
             return
         if self._closed:
             raise RuntimeError("StructuredOutputManager: used after shutdown")
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_COMPILE_WORKERS, thread_name_prefix="grammar")
+        lane = self._lane(so_req.params)
         self._live[request.request_id] = so_req
-        so_req.future = self._pool.submit(self._compile, so_req)
+        so_req.future = lane.submit(self._compile, so_req)
 
     def _compile(self, so_req: StructuredOutputRequest) -> StructuredOutputGrammar:
         backend = self.backend
         so_req.mark_started()
         return backend.compile_grammar(so_req.params)
 
-    def validate(self, params: StructuredOutputsParams) -> None:
-        """Compiles `params` now, blocking; the engine's later compile is then a cache hit.
+    # ------------------------------------------------------------------ validation
 
-        Raises ValueError naming the field when the constraint is invalid or unsupported.
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Checks `params` before its request is admitted; blocks while it compiles here.
+
+        The compile runs on the lanes, within `compile_timeout_s` of compiling (a compile past
+        it is abandoned: its thread finishes it in the background, and the engine's own compile
+        of the same constraint is then a cache hit). A constraint already checked (by `check`
+        or an earlier call) is not compiled again.
+        Raises ValueError naming the field when the constraint is over a configured limit,
+        invalid, unsatisfiable, or too slow to compile.
         """
-        self.backend.compile_grammar(params)
+        check_constraint_limits(params, self._config)
+        key = constraint_key(params)
+        if self._recall(key):
+            return
+        self._compile_here(params, key)
+
+    def _compile_here(self, params: StructuredOutputsParams, key: str) -> float:
+        """Compiles `params` on a lane within the time limit; returns the compile's seconds."""
+        so_req = StructuredOutputRequest(params)
+        so_req.future = self._lane(params).submit(self._compile, so_req)
+        ok = so_req.wait(self.compile_timeout_s)
+        seconds = time.monotonic() - (so_req.compile_started_at or time.monotonic())
+        so_req.release()
+        if not ok:
+            if so_req.timed_out:
+                raise CompileAbortedError(so_req.error)
+            self._remember(key, so_req.error)
+            raise ValueError(so_req.error)
+        self._remember(key, None)
+        return seconds
+
+    def check(self, params: StructuredOutputsParams) -> Future[float]:
+        """Starts checking `params` without blocking; returns a future of the compile's seconds.
+
+        Runs the limit checks now (raising ValueError naming the field), then compiles in a
+        killable worker process with `check_in_processes` (else on the lanes here). The
+        future raises ValueError when the constraint is invalid, unsatisfiable or too slow
+        (CompileAbortedError), and RuntimeError when the compile workers cannot run.
+        Cancelling it drops the check. A later `validate` of a passed constraint returns at
+        once. Raises RuntimeError after shutdown.
+        """
+        length = check_constraint_limits(params, self._config)
+        key = constraint_key(params)
+        future: Future[float]
+        try:
+            remembered = self._recall(key)
+        except ValueError as e:
+            future = Future()
+            future.set_exception(e)
+            return future
+        if remembered:
+            future = Future()
+            future.set_result(0.0)
+            return future
+        if self._use_processes:
+            future = self._pool().submit(params, small=length <= SMALL_CONSTRAINT_LENGTH)
+        else:
+            future = self._waiter_pool().submit(self._compile_here, params, key)
+
+        def remember(done: Future[float]) -> None:
+            if done.cancelled():
+                return
+            error = done.exception()
+            if error is None:
+                self._remember(key, None)
+            elif isinstance(error, ValueError) and not isinstance(error, CompileAbortedError):
+                self._remember(key, str(error))
+
+        future.add_done_callback(remember)
+        return future
+
+    def _pool(self) -> CompileCheckPool:
+        with self._lanes_lock:
+            if self._closed:
+                raise RuntimeError("StructuredOutputManager: used after shutdown")
+            if self._check_pool is None:
+                from vllm.v1.structured_output.compile_pool import (
+                    CompileCheckPool,
+                    XgrammarChecker,
+                )
+
+                checker = XgrammarChecker(
+                    tokenizer=str(self._tokenizer_path),
+                    vocab_size=self._vocab_size,
+                    stop_token_ids=self._stop_token_ids,
+                    disable_any_whitespace=self._config.disable_any_whitespace,
+                )
+                self._check_pool = CompileCheckPool(
+                    checker, self._num_workers, self.compile_timeout_s
+                )
+            return self._check_pool
+
+    def _waiter_pool(self) -> ThreadPoolExecutor:
+        with self._lanes_lock:
+            if self._closed:
+                raise RuntimeError("StructuredOutputManager: used after shutdown")
+            if self._waiters is None:
+                # Waiting costs no CPU; the lanes bound the compiles themselves.
+                self._waiters = ThreadPoolExecutor(
+                    4 * self._num_workers, thread_name_prefix="grammar-check"
+                )
+            return self._waiters
+
+    def _recall(self, key: str) -> bool:
+        """True when the constraint passed before; raises its ValueError when it failed."""
+        with self._verdicts_lock:
+            verdict = self._verdicts.get(key, _MISSING)
+            if verdict is _MISSING:
+                return False
+            self._verdicts.move_to_end(key)
+        if verdict is not None:
+            raise ValueError(verdict)
+        return True
+
+    def _remember(self, key: str, error: str | None) -> None:
+        with self._verdicts_lock:
+            self._verdicts[key] = error
+            self._verdicts.move_to_end(key)
+            while len(self._verdicts) > _REMEMBERED_VERDICTS:
+                self._verdicts.popitem(last=False)
+
+    # ------------------------------------------------------------------ bitmasks
 
     def grammar_bitmask(self, requests: dict[str, Request], req_ids: list[str]) -> np.ndarray:
         """Returns int32 [len(req_ids), ceil(vocab/32)]: row i masks the next token of req_ids[i].
@@ -163,14 +325,21 @@ class StructuredOutputManager:
             request.structured_output_request.release()
 
     def shutdown(self) -> None:
-        """Stops the compile threads, drops every grammar and the backend's cache."""
-        self._closed = True
+        """Stops the compile threads and processes, drops every grammar and the backend's
+        cache. Idempotent."""
+        with self._lanes_lock:
+            self._closed = True
+            lanes = [self._small_lane, self._big_lane, self._waiters]
+            self._small_lane = self._big_lane = self._waiters = None
+            pool, self._check_pool = self._check_pool, None
         for so_req in self._live.values():
             so_req.release()
         self._live.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        for lane in lanes:
+            if lane is not None:
+                lane.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown()
         with self._backend_lock:
             if self._backend is not None:
                 self._backend.destroy()

@@ -29,6 +29,17 @@ tokens other than the stop ids, and ids past the tokenizer's vocabulary) are mas
 strings bounded by minLength/maxLength never contain raw control characters (xgrammar 0.2.9
 allows them there, which is invalid JSON).
 
+Outputs are valid UTF-8: xgrammar 0.2.9 accepts a few byte sequences that are not (encoded
+surrogates `ED A0..BF xx` everywhere; overlong `E0 80..9F xx` and `F0 80..8F xx xx` inside
+JSON-schema patterns), which decode to several U+FFFD each, so a string with `maxLength: 8`
+could come back 10 characters long. The grammar masks the tokens that would complete them.
+
+Constraints that no output can satisfy are rejected with a ValueError instead of producing
+an empty or invalid output: an empty `anyOf`/`oneOf`/`enum`/`type` list, the schema `false`,
+a required property the schema forbids, minimum above maximum (and the like), a grammar rule
+that can never finish (`root ::= root "a"`: left-recursive or cyclic with no way out), and any
+compiled constraint whose first step allows no token (for JSON: allows only an empty output).
+
 Known xgrammar 0.2.9 bug left as is: inside a JSON-schema `pattern`, a ranged repeat followed
 by an optional group holding another one (`^\\d{1,3}(\\.\\d{1,3})?$`) can accept strings the
 pattern rejects ("910.22730"). Top-level `regex` constraints compile correctly.
@@ -37,15 +48,19 @@ pattern rejects ("910.22730"). Top-level `regex` constraints compile correctly.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
+import math
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xgrammar as xgr
 
+from vllm.thread_policy import available_cpus
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     StructuredOutputBackend,
@@ -117,9 +132,12 @@ def prepare_json_schema(
     """Returns a copy of `schema` ready for xgrammar.
 
     Raises ValueError naming the location and keyword when the schema uses a feature xgrammar
-    would not enforce. With `disable_additional_properties`, object schemas get
-    `additionalProperties: false` unless they set it.
+    would not enforce, or when no value can satisfy it (see `_check_satisfiable`). With
+    `disable_additional_properties`, object schemas get `additionalProperties: false` unless
+    they set it.
     """
+    if schema is False:
+        raise ValueError("structured_outputs.json: the schema `false` accepts no value")
     if isinstance(schema, bool):
         return schema
     if not isinstance(schema, dict):
@@ -163,6 +181,7 @@ def _prepare_node(node: Any, path: str, no_extra: bool) -> None:
     if no_extra and "additionalProperties" not in node:
         if node.get("type") == "object" or "properties" in node:
             node["additionalProperties"] = False
+    _check_satisfiable(node, path)
 
     for key in _SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
@@ -174,6 +193,93 @@ def _prepare_node(node: Any, path: str, no_extra: bool) -> None:
                 _prepare_node(sub, f"{path}/{key}/{i}", no_extra)
     for key in _SCHEMA_SINGLES:
         _prepare_node(node.get(key), f"{path}/{key}", no_extra)
+
+
+# (lower bound, upper bound) keyword pairs whose crossing leaves no valid value.
+_BOUND_PAIRS = (
+    ("minLength", "maxLength"),
+    ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_satisfiable(node: dict[str, Any], path: str) -> None:
+    """Raises ValueError when no value can match the schema `node`.
+
+    xgrammar compiles some of these into a grammar that still produces output: an empty
+    `anyOf` becomes the empty string (an output of "" with finish reason stop, or invalid JSON
+    when nested), and a required property that the schema forbids is silently dropped.
+    A nested `anyOf: []` is rejected even under an optional property for the same reason.
+    """
+
+    def empty(why: str) -> ValueError:
+        return ValueError(f"structured_outputs.json: at {path}: {why}, so no value can match")
+
+    for key in ("anyOf", "oneOf", "enum", "type"):
+        if isinstance(node.get(key), list) and not node[key]:
+            raise empty(f"{key!r} is an empty list")
+    for low, high in _BOUND_PAIRS:
+        lo, hi = node.get(low), node.get(high)
+        if _is_number(lo) and _is_number(hi) and lo > hi:
+            raise empty(f"{low} ({lo}) is greater than {high} ({hi})")
+    _check_numeric_range(node, empty)
+    required = node.get("required")
+    if not isinstance(required, list):
+        return
+    names = [r for r in dict.fromkeys(required) if isinstance(r, str)]
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    for name in names:
+        if props.get(name) is False:
+            raise empty(f"required property {name!r} has the schema false")
+    max_props = node.get("maxProperties")
+    if _is_number(max_props) and len(names) > max_props:
+        raise empty(f"{len(names)} properties are required but maxProperties is {max_props}")
+    if node.get("additionalProperties") is not False:
+        return
+    patterns = node.get("patternProperties")
+    patterns = list(patterns) if isinstance(patterns, dict) else []
+    for name in names:
+        if name not in props and not _matches_any(patterns, name):
+            raise empty(
+                f"required property {name!r} is not in 'properties' (nor matched by "
+                "'patternProperties') and additional properties are not allowed"
+            )
+
+
+def _check_numeric_range(node: dict[str, Any], empty: Any) -> None:
+    """Raises `empty(...)` when minimum/maximum (inclusive or exclusive) leave no number."""
+    lows = [(v, False) for v in [node.get("minimum")] if _is_number(v)]
+    lows += [(v, True) for v in [node.get("exclusiveMinimum")] if _is_number(v)]
+    highs = [(v, False) for v in [node.get("maximum")] if _is_number(v)]
+    highs += [(v, True) for v in [node.get("exclusiveMaximum")] if _is_number(v)]
+    if not lows or not highs:
+        return
+    # The tightest bound of each side; at equal values the exclusive one is tighter.
+    lo, lo_ex = max(lows, key=lambda b: (b[0], b[1]))
+    hi, hi_ex = min(highs, key=lambda b: (b[0], not b[1]))
+    if lo > hi or (lo == hi and (lo_ex or hi_ex)):
+        raise empty(f"the bounds leave no number between {lo} and {hi}")
+    if node.get("type") == "integer":
+        first = math.floor(lo) + 1 if lo_ex or lo != math.floor(lo) else lo
+        last = math.ceil(hi) - 1 if hi_ex or hi != math.ceil(hi) else hi
+        if first > last:
+            raise empty(f"no integer lies between {lo} and {hi}")
+
+
+def _matches_any(patterns: list[str], name: str) -> bool:
+    """True when a patternProperties regex may match `name` (also when one cannot be parsed
+    here: only a certain mismatch may reject the schema)."""
+    for pattern in patterns:
+        try:
+            if re.search(pattern, name):
+                return True
+        except (re.error, RecursionError, OverflowError):
+            return True
+    return False
 
 
 def choice_to_ebnf(choices: Sequence[str]) -> str:
@@ -229,6 +335,13 @@ def build_tokenizer_info(
     literal text. Ids past the tokenizer's vocabulary are empty too.
     Raises ValueError when the tokenizer has no vocabulary.
     """
+    info, masked, _ = _build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+    return info, masked
+
+
+def _build_tokenizer_info(
+    tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+) -> tuple[xgr.TokenizerInfo, frozenset[int], list[str]]:
     try:
         vocab: dict[str, int] = tokenizer.get_vocab()
     except AttributeError as e:
@@ -251,44 +364,137 @@ def build_tokenizer_info(
             encoded[idx] = ""
     info = xgr.TokenizerInfo.from_vocab_and_metadata(encoded, base.dump_metadata())
     masked = frozenset(i for i, s in enumerate(encoded) if not s and i not in stop_set)
-    return info, masked
+    return info, masked, encoded
+
+
+# UTF-8 lead bytes after which only part of the continuation range may follow (RFC 3629):
+# E0 needs A0..BF (else overlong), ED 80..9F (else a surrogate), F0 90..BF (else overlong),
+# F4 80..8F (else past U+10FFFF). Index = the guard state; 0 = no restriction.
+_RESTRICTED_LEADS = (0xE0, 0xED, 0xF0, 0xF4)
+_FORBIDDEN_NEXT = ((0x80, 0x9F), (0xA0, 0xBF), (0x80, 0x8F), (0x90, 0xBF))
+
+
+class Utf8Guard:
+    """Keeps outputs valid UTF-8 where xgrammar 0.2.9 accepts invalid byte sequences.
+
+    The state after a token is the index (1-4) of `_RESTRICTED_LEADS` when the token's last
+    byte is one of those lead bytes, else 0; `allowed[state]` is a bitmask row that clears
+    the tokens whose first byte may not follow that lead. A restricted pair inside one token
+    is not guarded: BPE vocabularies learnt from valid text hold none.
+    """
+
+    def __init__(self, first_bytes: np.ndarray, last_bytes: np.ndarray) -> None:
+        vocab_size = len(first_bytes)
+        self.state_after = np.zeros(vocab_size, dtype=np.int8)
+        self.forbidden: list[np.ndarray] = [np.zeros(vocab_size, dtype=bool)]
+        words = (vocab_size + 31) // 32
+        self.allowed = np.full((len(_RESTRICTED_LEADS) + 1, words), -1, dtype=np.int32)
+        for state, (lead, (lo, hi)) in enumerate(zip(_RESTRICTED_LEADS, _FORBIDDEN_NEXT), 1):
+            self.state_after[last_bytes == lead] = state
+            forbidden = (first_bytes >= lo) & (first_bytes <= hi)
+            self.forbidden.append(forbidden)
+            bits = np.zeros(words * 32, dtype=np.uint8)
+            bits[:vocab_size] = ~forbidden
+            self.allowed[state] = np.packbits(bits, bitorder="little").view(np.int32)
+
+    @classmethod
+    def from_vocab(cls, info: xgr.TokenizerInfo, encoded: list[str]) -> Utf8Guard:
+        """Builds the guard from xgrammar's vocabulary view (`encoded`: the HF token strings,
+        "" for masked ids)."""
+        n = len(encoded)
+        first = np.zeros(n, dtype=np.uint8)
+        last = np.zeros(n, dtype=np.uint8)
+        if info.vocab_type == xgr.VocabType.BYTE_LEVEL:
+            # Each character of a byte-level token stands for one byte: reading just the ends
+            # takes a fraction of the second that decoding the whole vocabulary does.
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            to_byte = {c: b for b, c in bytes_to_unicode().items()}
+            for i, token in enumerate(encoded):
+                if token:
+                    first[i] = to_byte.get(token[0], ord(token[0]) & 0xFF)
+                    last[i] = to_byte.get(token[-1], ord(token[-1]) & 0xFF)
+        else:
+            for i, raw in enumerate(info.decoded_vocab[:n]):
+                if raw and encoded[i]:
+                    first[i], last[i] = raw[0], raw[-1]
+        return cls(first, last)
+
+
+@dataclass(frozen=True)
+class PreparedVocab:
+    """Everything a backend needs from the tokenizer, built once (about two seconds).
+
+    Plain data: a process that built it can fork compile workers that share it.
+    """
+
+    info: xgr.TokenizerInfo
+    masked_token_ids: frozenset[int]
+    utf8_guard: Utf8Guard
+    vocab_size: int
+
+    @classmethod
+    def build(
+        cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> PreparedVocab:
+        """Raises ValueError when the tokenizer has no vocabulary or vocab_size < 1."""
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
+        info, masked, encoded = _build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        return cls(info, masked, Utf8Guard.from_vocab(info, encoded), vocab_size)
 
 
 class XgrammarGrammar(StructuredOutputGrammar):
     """One request's xgrammar matcher plus the bookkeeping the scheduler needs."""
 
     def __init__(
-        self, matcher: xgr.GrammarMatcher, vocab_size: int, masked_token_ids: frozenset[int]
+        self,
+        matcher: xgr.GrammarMatcher,
+        vocab_size: int,
+        masked_token_ids: frozenset[int],
+        utf8_guard: Utf8Guard | None = None,
     ) -> None:
         self.matcher = matcher
         self._vocab_size = vocab_size
         self._masked = masked_token_ids
-        self._num_processed = 0
+        self._guard = utf8_guard
+        # The guard state after each accepted token (see Utf8Guard), so rollback restores it.
+        self._states: list[int] = []
         self._terminated = False
 
     @property
     def num_processed_tokens(self) -> int:
-        return self._num_processed
+        return len(self._states)
 
-    def _accept(self, token: int) -> bool:
+    @property
+    def utf8_state(self) -> int:
+        """The Utf8Guard state after the accepted tokens (0: no restriction)."""
+        return self._states[-1] if self._states else 0
+
+    def _accept(self, token: int, state: int) -> bool:
         # Checked here because xgrammar logs a warning for every masked token it rejects.
         if not 0 <= token < self._vocab_size or token in self._masked:
             return False
+        if state and self._guard.forbidden[state][token]:
+            return False
         return self.matcher.accept_token(token)
+
+    def _state_after(self, token: int) -> int:
+        return int(self._guard.state_after[token]) if self._guard is not None else 0
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
         """Advances by `tokens`; returns False (and logs) at the first rejected token."""
         for token in tokens:
-            if self._terminated or not self._accept(token):
+            if self._terminated or not self._accept(token, self.utf8_state):
                 logger.error(
                     "request %s: the grammar rejected token %d after %d tokens%s",
                     request_id,
                     token,
-                    self._num_processed,
+                    len(self._states),
                     " (already terminated)" if self._terminated else "",
                 )
                 return False
-            self._num_processed += 1
+            self._states.append(self._state_after(token))
             self._terminated = self.matcher.is_terminated()
         return True
 
@@ -297,10 +503,12 @@ class XgrammarGrammar(StructuredOutputGrammar):
         if self._terminated:
             return []
         accepted: list[int] = []
+        state = self.utf8_state
         for token in tokens:
-            if not self._accept(token):
+            if not self._accept(token, state):
                 break
             accepted.append(token)
+            state = self._state_after(token)
             if self.matcher.is_terminated():
                 break
         if accepted:
@@ -309,21 +517,28 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` tokens. Raises ValueError past the start."""
-        if not 0 <= num_tokens <= self._num_processed:
+        if not 0 <= num_tokens <= len(self._states):
             raise ValueError(
-                f"rollback: num_tokens must be in [0, {self._num_processed}], got {num_tokens}"
+                f"rollback: num_tokens must be in [0, {len(self._states)}], got {num_tokens}"
             )
         if num_tokens:
             self.matcher.rollback(num_tokens)
-            self._num_processed -= num_tokens
+            del self._states[-num_tokens:]
             self._terminated = self.matcher.is_terminated()
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Writes the allowed next tokens into `bitmask[row]`."""
         if self._terminated:
             bitmask[row] = -1
-        else:
-            self.matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.apply_utf8_guard(bitmask, row)
+
+    def apply_utf8_guard(self, bitmask: np.ndarray, row: int) -> None:
+        """Clears the tokens that would make the output invalid UTF-8 from `bitmask[row]`."""
+        state = self.utf8_state
+        if state:
+            bitmask[row] &= self._guard.allowed[state]
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -331,15 +546,135 @@ class XgrammarGrammar(StructuredOutputGrammar):
     def reset(self) -> None:
         """Returns to the initial state."""
         self.matcher.reset()
-        self._num_processed = 0
+        self._states.clear()
         self._terminated = False
+
+
+# xgrammar's serialized grammar format this module can read (Grammar.serialize_json); its
+# expression types, in xgrammar's order.
+_KNOWN_GRAMMAR_FORMAT = "v18"
+(
+    _BYTE_STRING,
+    _CHAR_CLASS,
+    _CHAR_CLASS_STAR,
+    _EMPTY_STR,
+    _RULE_REF,
+    _SEQUENCE,
+    _CHOICES,
+    _TAG_DISPATCH,
+    _REPEAT,
+) = range(9)
+
+
+def find_stuck_rule(grammar: xgr.Grammar) -> str | None:
+    """Returns the name of a rule reachable from the root that can never finish, else None.
+
+    Such a rule derives no finite string (`root ::= root "a"`, or `a ::= b` and `b ::= a`):
+    once generation enters it, no token is ever allowed again. Left recursion with a way out
+    (`root ::= "b" | root "a"`) is fine. Returns None, checking nothing, when the grammar's
+    serialized form is not the one this function knows.
+    """
+    data = json.loads(grammar.serialize_json())
+    if data.get("__VERSION__") != _KNOWN_GRAMMAR_FORMAT:
+        return None
+    rules = data["rules"]
+    flat, starts = data["grammar_expr_data"], data["grammar_expr_indptr"]
+
+    def expr(i: int) -> tuple[int, list[int]]:
+        start = starts[i]
+        return flat[start], flat[start + 2 : start + 2 + flat[start + 1]]
+
+    # Rules each rule refers to (through its body and its lookahead), for reachability and to
+    # revisit a rule when one it uses becomes finishable.
+    uses: list[set[int]] = []
+    for rule in rules:
+        refs: set[int] = set()
+        todo = [e for e in (rule[1], rule[2]) if e >= 0]
+        while todo:
+            kind, args = expr(todo.pop())
+            if kind in (_RULE_REF, _REPEAT):
+                refs.add(args[0])
+            elif kind in (_SEQUENCE, _CHOICES):
+                todo.extend(args)
+            elif kind == _TAG_DISPATCH:
+                refs.update(args[1:-2:2])
+            elif kind not in (_BYTE_STRING, _CHAR_CLASS, _CHAR_CLASS_STAR, _EMPTY_STR):
+                return None  # an expression type this function does not know
+        uses.append(refs)
+
+    finishable: set[int] = set()
+
+    def can_finish(i: int) -> bool:
+        kind, args = expr(i)
+        if kind == _RULE_REF:
+            return args[0] in finishable
+        if kind == _REPEAT:
+            return args[1] == 0 or args[0] in finishable
+        if kind == _SEQUENCE:
+            return all(can_finish(a) for a in args)
+        if kind == _CHOICES:
+            return any(can_finish(a) for a in args)
+        return True  # literals, character classes, empty strings, tag dispatch
+
+    # Least fixpoint: a rule can finish once its body can, given the rules known to finish.
+    used_by: list[list[int]] = [[] for _ in rules]
+    for user, refs in enumerate(uses):
+        for ref in refs:
+            used_by[ref].append(user)
+    todo = list(range(len(rules)))
+    while todo:
+        r = todo.pop()
+        if r not in finishable and can_finish(rules[r][1]):
+            finishable.add(r)
+            todo.extend(used_by[r])
+
+    root = data["root_rule_id"]
+    reachable, todo = {root}, [root]
+    while todo:
+        for ref in uses[todo.pop()]:
+            if ref not in reachable:
+                reachable.add(ref)
+                todo.append(ref)
+    stuck = sorted(r for r in reachable if r not in finishable)
+    if not stuck:
+        return None
+    return rules[root if root in stuck else stuck[0]][0]
+
+
+@functools.lru_cache(maxsize=256)
+def _check_grammar_text(text: str) -> None:
+    """Raises ValueError when the EBNF or Lark grammar `text` has a rule that cannot finish.
+
+    Cached: the engine compiles each request's grammar again after the API server did.
+    Parse errors are left to the compiler, which reports them.
+    """
+    lark = "::=" not in text
+    try:
+        grammar = xgr.Grammar.from_lark(text) if lark else xgr.Grammar.from_ebnf(text)
+    except (RuntimeError, ValueError, TypeError):
+        return
+    rule = find_stuck_rule(grammar)
+    if rule is not None:
+        if lark and rule == "root":
+            rule = "start"  # xgrammar renames Lark's start rule
+        raise ValueError(
+            f"structured_outputs.grammar: rule {rule!r} can never finish (it is left-recursive "
+            "or cyclic with no alternative that ends), so generation would get stuck"
+        )
+
+
+def default_compile_threads() -> int:
+    """Threads one xgrammar compile (or batch bitmask fill) may use: half this process's CPUs,
+    at least 2 and at most 8."""
+    return max(2, min(8, available_cpus() // 2))
 
 
 class XgrammarBackend(StructuredOutputBackend):
     """Compiles constraints with one caching xgrammar compiler per engine.
 
-    Building it costs about a second (xgrammar's view of the vocabulary); the manager does it
-    on the first structured request. Raises ValueError when the tokenizer has no vocabulary.
+    Building it costs about two seconds (xgrammar's view of the vocabulary) unless `vocab`
+    is given; the manager does it on the first structured request. Raises ValueError when the
+    tokenizer has no vocabulary.
     """
 
     def __init__(
@@ -349,22 +684,29 @@ class XgrammarBackend(StructuredOutputBackend):
         stop_token_ids: Sequence[int],
         *,
         disable_any_whitespace: bool = False,
-        max_threads: int = 2,
+        max_threads: int | None = None,
+        cache_limit_bytes: int = _CACHE_LIMIT_BYTES,
+        vocab: PreparedVocab | None = None,
     ) -> None:
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
+        if vocab is None:
+            vocab = PreparedVocab.build(tokenizer, vocab_size, stop_token_ids)
+        elif vocab.vocab_size != vocab_size:
+            raise ValueError(f"vocab_size: {vocab_size} differs from the prepared vocabulary's")
+        threads = max_threads if max_threads is not None else default_compile_threads()
         self.vocab_size = vocab_size
+        self.vocab = vocab
         self.disable_any_whitespace = disable_any_whitespace
-        info, self.masked_token_ids = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
-        self.stop_token_ids: tuple[int, ...] = tuple(info.stop_token_ids)
+        self.masked_token_ids = vocab.masked_token_ids
+        self.stop_token_ids: tuple[int, ...] = tuple(vocab.info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(
-            info, max_threads=max_threads, cache_limit_bytes=_CACHE_LIMIT_BYTES
+            vocab.info, max_threads=threads, cache_limit_bytes=cache_limit_bytes
         )
-        self._batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._batch_serial = xgr.BatchGrammarMatcher(max_threads=1)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> XgrammarGrammar:
-        """Compiles `params` (cached by content). Raises ValueError naming the field."""
+        """Compiles `params` (cached by content). Raises ValueError naming the field, also when
+        no output can satisfy the constraint."""
         kind = params.kind
         try:
             compiled = self._compile(params, kind)
@@ -374,7 +716,30 @@ class XgrammarBackend(StructuredOutputBackend):
             raise ValueError(f"structured_outputs.{kind}: {_clean_error(e)}") from e
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"structured_outputs.{kind}: {_clean_error(e)}") from e
-        return XgrammarGrammar(xgr.GrammarMatcher(compiled), self.vocab_size, self.masked_token_ids)
+        grammar = XgrammarGrammar(
+            xgr.GrammarMatcher(compiled), self.vocab_size, self.masked_token_ids,
+            self.vocab.utf8_guard,
+        )
+        self._check_first_step(grammar, kind)
+        return grammar
+
+    def _check_first_step(self, grammar: XgrammarGrammar, kind: str) -> None:
+        """Raises ValueError when the grammar allows no first token at all, or (JSON) only a
+        stop token: an empty output."""
+        row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        grammar.matcher.fill_next_token_bitmask(row, 0)
+        if not row.any():
+            raise ValueError(
+                f"structured_outputs.{kind}: the constraint accepts no output at all"
+            )
+        if kind in ("json", "json_object"):
+            bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+            bits[[t for t in self.stop_token_ids if t < bits.size]] = 0
+            if not bits.any():
+                raise ValueError(
+                    f"structured_outputs.{kind}: the schema accepts only an empty output, "
+                    "which is not JSON"
+                )
 
     def _compile(self, params: StructuredOutputsParams, kind: str) -> xgr.CompiledGrammar:
         compact = self.disable_any_whitespace or params.disable_any_whitespace
@@ -398,6 +763,7 @@ class XgrammarBackend(StructuredOutputBackend):
         if kind == "choice":
             return self.compiler.compile_grammar(choice_to_ebnf(params.choice))
         if kind == "grammar":
+            _check_grammar_text(params.grammar)
             if "::=" in params.grammar:
                 return self.compiler.compile_grammar(params.grammar)
             return self.compiler.compile_lark(params.grammar)
@@ -425,10 +791,13 @@ class XgrammarBackend(StructuredOutputBackend):
         """Fills every row in one multi-threaded xgrammar call (rows of finished ones: all ones)."""
         matchers: list[xgr.GrammarMatcher] = []
         rows: list[int] = []
+        guarded: list[tuple[XgrammarGrammar, int]] = []
         for row, grammar in enumerate(grammars):
             if isinstance(grammar, XgrammarGrammar) and not grammar.is_terminated():
                 matchers.append(grammar.matcher)
                 rows.append(row)
+                if grammar.utf8_state:
+                    guarded.append((grammar, row))
             elif grammar is None or grammar.is_terminated():
                 bitmask[row] = -1
             else:
@@ -438,6 +807,8 @@ class XgrammarBackend(StructuredOutputBackend):
             # milliseconds when the cores are busy).
             batch = self._batch if len(matchers) >= _PARALLEL_FILL_MIN else self._batch_serial
             batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for grammar, row in guarded:
+            grammar.apply_utf8_guard(bitmask, row)
 
     def destroy(self) -> None:
         """Drops the compiled-grammar cache."""

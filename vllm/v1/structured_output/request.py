@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
@@ -25,6 +27,9 @@ class StructuredOutputRequest:
         # time.monotonic() when a worker began compiling: time spent queued behind other
         # compiles (or building the backend) does not count against the timeout.
         self.compile_started_at: float | None = None
+        # True when `error` is a timeout (which depends on the load, not only the constraint).
+        self.timed_out = False
+        self._started = threading.Event()
 
     @property
     def failed(self) -> bool:
@@ -39,6 +44,27 @@ class StructuredOutputRequest:
     def mark_started(self) -> None:
         """Records that a worker began compiling now (called from the worker thread)."""
         self.compile_started_at = time.monotonic()
+        self._started.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Blocks until the grammar is ready (True) or the request failed (False): at most
+        `timeout_s` seconds of compiling, plus however long the job waits for a worker.
+
+        Side effects: those of `poll`.
+        """
+        while not self.poll(timeout_s):
+            future = self.future
+            if self.failed or future is None:
+                return False
+            started = self.compile_started_at
+            if started is None:
+                # Queued: wake up when a worker takes it (or it finishes without starting).
+                self._started.wait(0.05)
+                continue
+            left = started + timeout_s - time.monotonic()
+            # A little past the deadline, so the next poll sees it expired.
+            wait_futures([future], timeout=max(0.0, left) + 0.001)
+        return True
 
     def poll(self, timeout_s: float) -> bool:
         """Returns True once the grammar is ready.
@@ -65,6 +91,7 @@ class StructuredOutputRequest:
         if started is not None and time.monotonic() - started > timeout_s:
             future.cancel()
             self.future = None
+            self.timed_out = True
             self.error = (
                 f"structured_outputs.{self.params.kind}: compiling the grammar took longer than "
                 f"{timeout_s:g} s (--structured-outputs-config.compile_timeout_s)"
