@@ -187,6 +187,39 @@ async def fetch_model_id(root: str, api_key: str | None = None) -> str:
     return data[0]["id"]
 
 
+async def wait_until_ready(root: str, timeout_s: float, api_key: str | None = None) -> None:
+    """Polls GET `root`/health until the server answers it: 200, or 404 from a server that
+    has no such route (the initial test request then decides). Connection errors and other
+    statuses (503 while the engine starts) are retried every 0.5 s.
+
+    Raises RuntimeError, with the last answer, once `timeout_s` seconds have passed.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession(trust_env=False) as session:
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                async with session.get(
+                    root + "/health",
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=max(0.1, min(5.0, remaining))),
+                ) as response:
+                    if response.status in (200, 404):
+                        return
+                    last = f"HTTP {response.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(
+                    f"the server at {root} was not ready within {timeout_s:g} s "
+                    f"(--ready-check-timeout-sec); last attempt: {last}"
+                )
+            await asyncio.sleep(min(0.5, remaining))
+
+
 def load_tokenizer(name: str) -> Tokenizer:
     """A tokenizer from a local directory or a built-in demo model name.
 
@@ -279,6 +312,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="Keep the custom dataset's order.")
     parser.add_argument("--extra-body", default=None,
                         help="JSON object merged into every request body.")
+    parser.add_argument("--ready-check-timeout-sec", type=float, default=600.0,
+                        help="Seconds to wait for the server to answer GET /health before the "
+                        "run starts (0: do not wait; default: %(default)g).")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="Accepted for compatibility with vLLM and ignored: tokenizers load "
+                        "without running code shipped with a model.")
     return parser
 
 
@@ -404,7 +443,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     Raises ValueError for bad flags and RuntimeError if the server cannot be used.
     """
     check_common_args(args)
+    if not args.ready_check_timeout_sec >= 0:
+        raise ValueError(
+            f"--ready-check-timeout-sec: must be 0 or more, got {args.ready_check_timeout_sec}"
+        )
     extra_body = parse_extra_body(args.extra_body)
+    if args.ready_check_timeout_sec > 0:
+        asyncio.run(wait_until_ready(base_url(args), args.ready_check_timeout_sec, args.api_key))
     model = resolve_model(args)
     tokenizer = load_tokenizer(args.tokenizer or model)
     if args.dataset_name == "random":

@@ -1,7 +1,9 @@
 """The `vllm` console script: `vllm serve`, and whatever other subcommands are installed.
 
-A subcommand is any module of this package with a `cmd_init() -> list[CLISubcommand]`
-function; adding `vllm/entrypoints/cli/bench.py` with one is enough to add `vllm bench`.
+`python -m vllm.entrypoints.cli.main ARGS` is the same command. A subcommand is any module of
+this package with a `cmd_init() -> list[CLISubcommand]` function; adding
+`vllm/entrypoints/cli/bench.py` with one is enough to add `vllm bench`. Flags are parsed as
+upstream vLLM spells them (`arg_parser.py`).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import pkgutil
 import sys
 
 from vllm import __version__
+from vllm.entrypoints.cli.arg_parser import FlexibleArgumentParser, prepare_argv
 from vllm.entrypoints.cli.types import CLISubcommand
 
 # Modules here that are not subcommands.
-_NOT_COMMANDS = {"main", "types"}
+_NOT_COMMANDS = {"main", "types", "arg_parser"}
 
 
 def discover_subcommands() -> list[CLISubcommand]:
@@ -44,7 +47,7 @@ def discover_subcommands() -> list[CLISubcommand]:
 
 def make_parser(commands: list[CLISubcommand]) -> argparse.ArgumentParser:
     """The top-level parser with one subparser per command."""
-    parser = argparse.ArgumentParser(
+    parser = FlexibleArgumentParser(
         prog="vllm", description="vLLM-style LLM serving engine command line."
     )
     parser.add_argument("-v", "--version", action="version", version=__version__)
@@ -55,14 +58,15 @@ def make_parser(commands: list[CLISubcommand]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parses the command line and runs the subcommand; returns the exit status."""
-    from vllm.engine.arg_utils import merge_dotted_args
+    """Parses the command line and runs the subcommand; returns the exit status.
 
+    A malformed command line exits (SystemExit, status 2) with a one-line error.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = discover_subcommands()
     parser = make_parser(commands)
     try:
-        argv = merge_dotted_args(argv)
+        argv = prepare_argv(argv)
     except ValueError as e:
         parser.error(str(e))
     args = parser.parse_args(argv)

@@ -17,45 +17,68 @@ if TYPE_CHECKING:
     from vllm.entrypoints.openai.api_server import ServerOptions
 
 
+# The help texts of `vllm serve` and of `python -m vllm.entrypoints.openai.api_server`.
+SERVE_DESCRIPTION = (
+    "Start the OpenAI-compatible API server. With no MODEL, serves the built-in demo model."
+)
+SERVE_EPILOG = (
+    "Flags are spelled as in vLLM: underscores or dashes (--max_model_len=8192), -tp/-pp "
+    "with a space or '=', and any unambiguous prefix of a flag (--gpu-memory-util). A vLLM "
+    "flag this engine does not implement is refused by name. "
+    "Environment: the engine gives each worker one OpenMP thread per CPU it may use (CPUs "
+    "shared among workers) and makes idle threads sleep; OMP_NUM_THREADS and "
+    "OMP_WAIT_POLICY, when set, override that."
+)
+
+
 class ServeSubcommand(CLISubcommand):
     """Starts the engine process and the HTTP server; Ctrl-C or SIGTERM stops both."""
 
     name = "serve"
 
     def subparser_init(self, subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-        from vllm.engine.arg_utils import EngineArgs, parse_bytes
-        from vllm.entrypoints.openai.protocol import DEFAULT_MAX_BODY_BYTES
-
         parser = subparsers.add_parser(
             "serve",
             help="Start the OpenAI-compatible API server.",
-            description="Start the OpenAI-compatible API server. With no MODEL, serves the "
-            "built-in demo model.",
+            description=SERVE_DESCRIPTION,
             usage="vllm serve [MODEL] [options]",
+            epilog=SERVE_EPILOG,
         )
-        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                            help="Model directory, or 'demo' / 'demo-tiny' (default: demo).")
-        parser.add_argument("--model", dest="model", default=None,
-                            help="Same as the positional MODEL.")
-        parser.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
-        parser.add_argument("--port", type=int, default=8000, help="Port (0 picks a free one).")
-        parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
-                            help="Require 'Authorization: Bearer KEY' on /v1 routes "
-                            "(default: $VLLM_API_KEY).")
-        parser.add_argument("--uvicorn-log-level", default="info",
-                            choices=["critical", "error", "warning", "info", "debug", "trace"],
-                            help="uvicorn's log level.")
-        parser.add_argument("--max-request-body-bytes", type=parse_bytes,
-                            default=DEFAULT_MAX_BODY_BYTES,
-                            help="Largest request body accepted, e.g. 16MiB; larger ones get "
-                            "a 413 (default: %(default)s bytes).")
-        parser.add_argument("--disable-log-requests", action="store_true",
-                            help="Do not log each request.")
-        EngineArgs.add_cli_args(parser)
-        return parser
+        return add_serve_args(parser)
 
     def cmd(self, args: argparse.Namespace) -> int:
         return run_serve(args)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the flags of `vllm serve` (server flags, then one per EngineArgs field) to
+    `parser`, which `run_serve` can then run; returns it.
+
+    `python -m vllm.entrypoints.openai.api_server` builds its parser with this too.
+    """
+    from vllm.engine.arg_utils import EngineArgs, parse_bytes
+    from vllm.entrypoints.openai.protocol import DEFAULT_MAX_BODY_BYTES
+
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="Model directory, or 'demo' / 'demo-tiny' (default: demo).")
+    parser.add_argument("--model", dest="model", default=None,
+                        help="Same as the positional MODEL.")
+    parser.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
+    parser.add_argument("--port", type=int, default=8000, help="Port (0 picks a free one).")
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                        help="Require 'Authorization: Bearer KEY' on /v1 routes "
+                        "(default: $VLLM_API_KEY).")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level.")
+    parser.add_argument("--max-request-body-bytes", type=parse_bytes,
+                        default=DEFAULT_MAX_BODY_BYTES,
+                        help="Largest request body accepted, e.g. 16MiB; larger ones get "
+                        "a 413 (default: %(default)s bytes).")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="Do not log each request.")
+    EngineArgs.add_cli_args(parser)
+    return parser
 
 
 def cmd_init() -> list[CLISubcommand]:

@@ -203,3 +203,36 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
     finally:
         engine.shutdown()
         sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m vllm.entrypoints.openai.api_server [--model M] [flags]`: the same server,
+    flags, errors and exit statuses as `vllm serve M [flags]`.
+
+    A malformed command line exits (SystemExit, status 2) with a one-line error.
+    """
+    import sys
+
+    from vllm.entrypoints.cli.arg_parser import FlexibleArgumentParser, prepare_argv
+    from vllm.entrypoints.cli.serve import (
+        SERVE_DESCRIPTION,
+        SERVE_EPILOG,
+        add_serve_args,
+        run_serve,
+    )
+
+    parser = FlexibleArgumentParser(
+        prog="python -m vllm.entrypoints.openai.api_server",
+        description=SERVE_DESCRIPTION + " Same as `vllm serve`.",
+        epilog=SERVE_EPILOG,
+    )
+    add_serve_args(parser)
+    try:
+        args = parser.parse_args(prepare_argv(sys.argv[1:] if argv is None else argv))
+    except ValueError as e:
+        parser.error(str(e))
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,227 @@
+"""Tests for vllm/engine/arg_utils.py and the flag spellings of the `vllm` command line
+(vllm/entrypoints/cli/arg_parser.py): upstream vLLM's commands parse as written, unknown flags
+are refused by name, and parallel layouts are checked before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.cli.arg_parser import (
+    FlexibleArgumentParser,
+    normalize_flag_spellings,
+    prepare_argv,
+    unknown_arguments_message,
+)
+from vllm.entrypoints.cli.main import discover_subcommands, main, make_parser
+
+MODEL = "demo-tiny"
+
+# The server command of the upstream report (issue 17), after `--model MODEL`.
+UPSTREAM_SERVE_FLAGS = (
+    "--enforce-eager --port 8000 --host 0.0.0.0 -pp 2 --distributed_executor_backend=mp "
+    "--trust-remote-code --gpu-memory-util=0.9 --no-enable-prefix-caching "
+    "--max-num-batched-tokens=8192 --disable-log-requests --max-model-len=8192 --block-size 64 "
+    "--dtype=float16 -tp=2"
+).split()
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    """`vllm ARGV` parsed as main() parses it."""
+    return make_parser(discover_subcommands()).parse_args(prepare_argv(list(argv)))
+
+
+def serve_args(*flags: str) -> EngineArgs:
+    """EngineArgs of `vllm serve demo-tiny FLAGS`."""
+    return EngineArgs.from_cli_args(parse("serve", MODEL, *flags))
+
+
+def test_upstream_report_command_parses() -> None:
+    args = parse("serve", "--model", MODEL, *UPSTREAM_SERVE_FLAGS)
+    assert args.model == MODEL and args.model_tag is None
+    assert (args.host, args.port, args.disable_log_requests) == ("0.0.0.0", 8000, True)
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.tensor_parallel_size == 2
+    assert engine_args.pipeline_parallel_size == 2
+    assert engine_args.distributed_executor_backend == "mp"
+    assert engine_args.trust_remote_code is True
+    assert engine_args.gpu_memory_utilization == 0.9
+    assert engine_args.enforce_eager is True
+    assert engine_args.enable_prefix_caching is False
+    assert engine_args.max_num_batched_tokens == 8192
+    assert engine_args.max_model_len == 8192
+    assert engine_args.block_size == 64
+    assert engine_args.dtype == "float16"
+
+
+@pytest.mark.parametrize("flags", [
+    ["-tp", "2"], ["-tp=2"], ["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"],
+    ["--tensor_parallel_size", "2"], ["--tensor_parallel_size=2"],
+])
+def test_tensor_parallel_spellings(flags: list[str]) -> None:
+    assert serve_args(*flags).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("flags", [
+    ["-pp", "2"], ["-pp=2"], ["--pipeline-parallel-size", "2"], ["--pipeline_parallel_size=2"],
+])
+def test_pipeline_parallel_spellings(flags: list[str]) -> None:
+    assert serve_args(*flags).pipeline_parallel_size == 2
+
+
+@pytest.mark.parametrize("flags", [
+    ["--distributed-executor-backend", "mp"], ["--distributed-executor-backend=mp"],
+    ["--distributed_executor_backend=mp"], ["--distributed_executor_backend", "mp"],
+])
+def test_executor_backend_spellings(flags: list[str]) -> None:
+    assert serve_args(*flags).distributed_executor_backend == "mp"
+
+
+def test_prefixes_and_underscores_of_any_flag() -> None:
+    # argparse's allow_abbrev (inherited by the subcommand parsers) resolves prefixes.
+    assert serve_args("--gpu-memory-util=0.5").gpu_memory_utilization == 0.5
+    assert serve_args("--gpu_memory_util", "0.5").gpu_memory_utilization == 0.5
+    assert serve_args("--max_model_len=128").max_model_len == 128
+    assert serve_args("--no_enable_prefix_caching").enable_prefix_caching is False
+    assert serve_args("--trust_remote_code").trust_remote_code is True
+    assert parse("serve", "--disable_log_requests").disable_log_requests is True
+
+
+def test_defaults_leave_the_layout_to_the_config() -> None:
+    args = serve_args()
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (1, 1)
+    assert args.distributed_executor_backend is None
+    assert args.trust_remote_code is False
+
+
+def test_normalize_touches_only_long_flag_names() -> None:
+    argv = ["--max_model_len=a_b", "-tp=2", "--served-model-name", "my_model", "x_y",
+            "--", "--not_a_flag"]
+    assert normalize_flag_spellings(argv) == [
+        "--max-model-len=a_b", "-tp=2", "--served-model-name", "my_model", "x_y",
+        "--", "--not_a_flag",
+    ]
+
+
+def test_dotted_structured_outputs_flags_with_underscores() -> None:
+    args = serve_args("--structured_outputs_config.compile_timeout_s", "5")
+    assert args.structured_outputs_config == {"compile_timeout_s": 5}
+
+
+def _main_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """stderr of `vllm ARGV`, which must exit with status 2 and print no usage."""
+    with pytest.raises(SystemExit) as exc:
+        main(list(argv))
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert "usage:" not in captured.err + captured.out
+    return captured.err
+
+
+def test_unknown_flag_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(capsys, "serve", MODEL, "--quantization", "fp8")
+    assert err.startswith("vllm serve: error: unsupported option --quantization: this engine "
+                          "does not implement it")
+    assert "--quantization fp8" in err
+    assert "vllm serve --help" in err
+    # With --model, argparse takes `fp8` for the positional MODEL; the flag is still refused.
+    err = _main_error(capsys, "serve", "--model", MODEL, "--quantization=fp8", "--foo_bar")
+    assert "unsupported options --quantization, --foo-bar" in err
+
+
+def test_unknown_bench_flag_names_the_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(capsys, "bench", "serve", "--model", "m", "--quantization", "fp8")
+    assert err.startswith("vllm bench serve: error: unsupported option --quantization")
+
+
+def test_bad_values_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(capsys, "serve", MODEL, "-tp", "two")
+    assert "invalid int value: 'two'" in err and "-tp" in err
+    err = _main_error(capsys, "serve", MODEL, "--distributed-executor-backend", "ray")
+    assert "invalid choice: 'ray'" in err
+    err = _main_error(capsys, "serve", MODEL, "--max-num", "8")  # two flags start with it
+    assert "ambiguous option: --max-num" in err
+
+
+def test_unknown_arguments_message() -> None:
+    assert unknown_arguments_message(["--a=1", "x", "-b"]) == (
+        "unsupported options --a, -b: this engine does not implement them "
+        "(unrecognized arguments: --a=1 x -b)"
+    )
+    assert unknown_arguments_message(["x", "y"]) == "unexpected argument(s): x y"
+
+
+def test_flexible_parser_on_its_own(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = FlexibleArgumentParser(prog="p")
+    parser.add_argument("--some-flag", type=int)
+    assert parser.parse_args(["--some_flag=3"]).some_flag == 3
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--other"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.startswith("p: error: unsupported option --other")
+
+
+def test_serve_help_documents_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
+                 "--distributed-executor-backend {mp,uni}", "--trust-remote-code"):
+        assert flag in text, flag
+    assert "runs only its own model code" in text
+    assert "default: mp when tensor x pipeline parallel size is above 1" in text
+
+
+# --- EngineArgs -> VllmConfig ------------------------------------------------------------
+
+
+def test_world_size_one_resolves_to_uni_or_mp() -> None:
+    config = EngineArgs(model=MODEL, trust_remote_code=True).create_engine_config()
+    pc = config.parallel_config
+    assert (pc.tensor_parallel_size, pc.pipeline_parallel_size, pc.world_size) == (1, 1, 1)
+    assert pc.distributed_executor_backend == "uni"
+    mp = EngineArgs(model=MODEL, distributed_executor_backend="mp").create_engine_config()
+    assert mp.parallel_config.distributed_executor_backend == "mp"
+    assert mp.parallel_config.world_size == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel_size": 3}, r"--tensor-parallel-size 3: the model's 4 attention heads"),
+    ({"pipeline_parallel_size": 3}, r"--pipeline-parallel-size 3: more stages than the "
+                                    r"model's 2 layers"),
+    ({"tensor_parallel_size": 0}, r"--tensor-parallel-size: must be a positive integer"),
+    ({"pipeline_parallel_size": -1}, r"--pipeline-parallel-size: must be a positive integer"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
+     r"--distributed-executor-backend uni: .* needs 2 ranks; use mp"),
+    ({"distributed_executor_backend": "ray"}, r"--distributed-executor-backend: must be"),
+])
+def test_invalid_layouts_name_the_flag(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=MODEL, **kwargs).create_engine_config()
+
+
+@pytest.fixture
+def many_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Enough GPUs for any layout here, so that a CUDA machine checks the same as a CPU one."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+
+
+@pytest.mark.usefixtures("many_gpus")
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+def test_valid_parallel_layouts_are_refused_until_implemented(tp: int, pp: int) -> None:
+    with pytest.raises(ValueError, match="tensor and pipeline parallelism are not implemented "
+                                         "yet"):
+        EngineArgs(model=MODEL, tensor_parallel_size=tp,
+                   pipeline_parallel_size=pp).create_engine_config()
+
+
+@pytest.mark.usefixtures("many_gpus")
+def test_serve_reports_layout_errors_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", MODEL, "-tp", "3", "--port", "0"]) == 2
+    assert "--tensor-parallel-size 3" in capsys.readouterr().err
+    assert main(["serve", MODEL, "-tp=2", "-pp=2", "--port", "0"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err

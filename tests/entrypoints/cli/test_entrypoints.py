@@ -1,0 +1,113 @@
+"""The module entry points upstream vLLM users run: `python -m vllm.entrypoints.cli.main` is
+the `vllm` command, and `python -m vllm.entrypoints.openai.api_server --model M [flags]` serves
+like `vllm serve M [flags]`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from vllm.entrypoints.openai import api_server
+
+REPO = Path(__file__).resolve().parents[3]
+MODEL = "demo-tiny"
+API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+CLI_MAIN = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=_env())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_api_server_module_help() -> None:
+    result = run([*API_SERVER, "--help"])
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert text.startswith("usage: python -m vllm.entrypoints.openai.api_server")
+    for flag in ("--model", "--port", "--tensor-parallel-size", "-tp", "-pp",
+                 "--distributed-executor-backend {mp,uni}", "--trust-remote-code",
+                 "--disable-log-requests", "Same as `vllm serve`"):
+        assert flag in text, flag
+
+
+def test_cli_main_module_is_the_vllm_command() -> None:
+    result = run([*CLI_MAIN, "--help"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: vllm")
+    assert "serve" in result.stdout and "bench" in result.stdout
+
+
+def test_api_server_refuses_unknown_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        api_server.main(["--model", MODEL, "--quantization", "fp8"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m vllm.entrypoints.openai.api_server: error: unsupported "
+                          "option --quantization")
+    assert "usage:" not in err
+
+
+def test_api_server_reports_config_errors_like_serve(capsys: pytest.CaptureFixture[str]) -> None:
+    assert api_server.main(["--model", MODEL, "-tp=3", "--port", "0"]) == 2
+    assert "--tensor-parallel-size 3: the model's 4 attention heads" in capsys.readouterr().err
+    assert api_server.main(["--model", MODEL, "--max_model_len=-5", "--port", "0"]) == 2
+    assert "--max-model-len" in capsys.readouterr().err
+
+
+def test_api_server_module_serves(tmp_path: Path) -> None:
+    """One short start: upstream-style flags, a completion, then Ctrl-C exits cleanly."""
+    port = free_port()
+    cmd = [*API_SERVER, "--model", MODEL, "--host", "127.0.0.1", f"--port={port}",
+           "--max_model_len=256", "--trust-remote-code", "--disable-log-requests",
+           "--enforce-eager", "--gpu-memory-util=0.9", "-tp=1", "-pp", "1",
+           "--distributed_executor_backend=uni"]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.25)
+        models = httpx.get(base + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        response = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True,
+        })
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()
+        assert "vLLM API server shut down" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
