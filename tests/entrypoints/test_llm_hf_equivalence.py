@@ -46,7 +46,7 @@ def _capture_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
     original = runner.sample_tokens
 
     def sample_tokens(grammar_output):
-        step = runner._step
+        step = runner._steps[0] if runner._steps else None  # the oldest unsampled step
         if step is not None and step.logits is not None:
             for i, req_id in enumerate(step.sampled_req_ids):
                 captured.setdefault(req_id, []).append(step.logits[i].float().cpu())

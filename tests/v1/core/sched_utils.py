@@ -401,29 +401,49 @@ class Harness:
             scheduler_output.pending_structured_output_tokens, waiting_for_token)
         if any(self.added[r].use_structured_output for r in scheduler_output.sampled_req_ids):
             assert scheduler_output.has_structured_output_requests
+        # The runner feeds a request's previous token from the device, so a request must not
+        # be scheduled while a step that samples it has not been sampled.
+        unsampled = {
+            r for e in self.in_flight if e.output is None
+            for r in e.scheduler_output.sampled_req_ids
+        }
+        assert not unsampled & set(scheduler_output.num_scheduled_tokens), (
+            "scheduled before its previous token was sampled",
+            unsampled & set(scheduler_output.num_scheduled_tokens))
         if scheduler_output.total_num_scheduled_tokens == 0:
             sched.finished_req_ids |= scheduler_output.finished_req_ids
             self.check()
             return scheduler_output
         self.runner.execute(scheduler_output)
-        entry = InFlight(scheduler_output)
-        if not scheduler_output.pending_structured_output_tokens and all(
-            e.output is not None for e in self.in_flight
-        ):
-            entry.output = self.runner.sample(scheduler_output, sched.get_grammar_bitmask(scheduler_output))
-        self.in_flight.append(entry)
+        self.in_flight.append(InFlight(scheduler_output))
+        self.sample_ready()
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.scheduled[req_id] += n
             self.steps_of.setdefault(req_id, []).append(scheduler_output.step_id)
         self.check()
         return scheduler_output
 
+    def sample_ready(self) -> None:
+        """Samples in-flight steps in order, as the engine's batch queue does: a step whose
+        structured requests have a token in flight only once it is the oldest (every older
+        step updated), any other step at once, but never before an older step."""
+        for position, entry in enumerate(self.in_flight):
+            if entry.output is not None:
+                continue
+            scheduler_output = entry.scheduler_output
+            if scheduler_output.pending_structured_output_tokens and position > 0:
+                return
+            entry.output = self.runner.sample(
+                scheduler_output, self.sched.get_grammar_bitmask(scheduler_output))
+            self.sched.sampling_issued(scheduler_output)
+
     def update(self) -> list[EngineCoreOutput]:
         """Gives the oldest in-flight step's output to update_from_output."""
+        self.sample_ready()  # the oldest step can always be sampled
         entry = self.in_flight.popleft()
-        if entry.output is None:
-            entry.output = self.runner.sample(entry.scheduler_output, self.sched.get_grammar_bitmask(entry.scheduler_output))
+        assert entry.output is not None
         outs = self.sched.update_from_output(entry.scheduler_output, entry.output)
+        self.sample_ready()
         for out in outs:
             self.outputs.setdefault(out.request_id, []).append(out)
             self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)

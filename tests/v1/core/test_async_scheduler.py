@@ -250,7 +250,10 @@ def test_preempted_request_finished_by_its_late_token(
     assert h.tokens["x"] == expected("x", 10)
 
 
-@pytest.mark.parametrize("num_in_flight", [1, 2])
+# One token in flight only: y's second in-flight step would be deferred (its structured
+# token is pending), and until that step is sampled nothing that samples in it (x included)
+# is scheduled, so nothing can preempt y then (AsyncScheduler._waits_for_sampling).
+@pytest.mark.parametrize("num_in_flight", [1])
 def test_structured_request_preempted_with_token_in_flight(
     make: MakeHarness, num_in_flight: int
 ) -> None:
@@ -425,6 +428,7 @@ def test_preemption_in_an_empty_step_reaches_the_runner(model_config: ModelConfi
     scheduler.add_request(make_request("b", 8, max_tokens=10))
     first = scheduler.schedule()
     assert first.sampled_req_ids == ["a", "b"]
+    scheduler.sampling_issued(first)  # as the engine does right behind the forward
     empty = scheduler.schedule()  # step 1 still in flight
     assert empty.total_num_scheduled_tokens == 0
     assert empty.preempted_req_ids == {"b"}
@@ -432,3 +436,33 @@ def test_preemption_in_an_empty_step_reaches_the_runner(model_config: ModelConfi
     assert scheduler.schedule().preempted_req_ids == {"b"}
     scheduler.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
     assert scheduler.kv_cache_manager.num_free_blocks == 3
+
+
+def test_request_waits_until_its_previous_step_is_sampled(model_config: ModelConfig) -> None:
+    """The runner feeds a request's previous token from the device, so a request that
+    samples in a step whose sample_tokens is not issued yet (a deferred step) is not
+    scheduled; other requests are, and it runs again once the engine reports the sampling."""
+    from tests.v1.core.sched_utils import make_config, make_kv
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    config = make_config(model_config, async_scheduling=True)
+    scheduler = AsyncScheduler(config, make_kv(config))
+    scheduler.add_request(make_request("a", 4, max_tokens=10))
+    scheduler.add_request(make_request("b", 4, max_tokens=10))
+    first = scheduler.schedule()
+    scheduler.sampling_issued(first)
+    second = scheduler.schedule()  # a and b again; its sampling is not issued
+    assert second.sampled_req_ids == ["a", "b"]
+    scheduler.add_request(make_request("c", 4, max_tokens=10))
+    third = scheduler.schedule()
+    assert list(third.num_scheduled_tokens) == ["c"]
+    assert [scheduler.requests[r].num_output_placeholders for r in "abc"] == [2, 2, 1]
+    assert scheduler.schedule().total_num_scheduled_tokens == 0  # everyone waits now
+    scheduler.sampling_issued(second)
+    fourth = scheduler.schedule()  # c still waits for the third step's sampling
+    assert fourth.sampled_req_ids == ["a", "b"]
+    scheduler.sampling_issued(third)
+    scheduler.sampling_issued(fourth)
+    assert scheduler.schedule().sampled_req_ids == ["a", "b", "c"]
+    scheduler.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks

@@ -106,11 +106,13 @@ class FakeExecutor(Executor):
     """An executor whose worker thread runs execute_model / sample_tokens in call order,
     like UniProcExecutor, on a FakeRunner.
 
-    Like the real runner it holds one executed-but-unsampled step: an execute_model before
-    the previous (non-empty) step was sampled, or a sample_tokens without a step, raises
-    RuntimeError
-    (in the returned Future). Class attributes set the pipeline depth and the forward time;
-    `before_exec` (run on the worker at the start of a forward) lets tests hold a forward.
+    Like the real runner it keeps executed-but-unsampled steps first in, first out, and
+    sample_tokens samples the oldest. It raises RuntimeError (in the returned Future) where
+    the real runner would compute garbage: a forward that feeds a request whose previous
+    step is not sampled yet (its input token is not on the device), more unsampled steps than
+    the queue depth, or a sample_tokens without an executed step. Class attributes set the
+    pipeline depth and the forward time; `before_exec` (run on the worker at the start of a
+    forward) lets tests hold a forward.
     """
 
     depth: ClassVar[int | None] = None  # None: VllmConfig's max_concurrent_batches
@@ -124,7 +126,7 @@ class FakeExecutor(Executor):
         self.before_exec: Callable[[int], None] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fake-worker")
         self._unsampled: deque[int] = deque()  # engine side: executed, sample not requested
-        self._pending: SchedulerOutput | None = None  # worker side: executed, not sampled
+        self._pending: deque[SchedulerOutput] = deque()  # worker side: executed, not sampled
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -148,16 +150,22 @@ class FakeExecutor(Executor):
 
     def _execute(self, scheduler_output: SchedulerOutput) -> None:
         self.rec.log("exec_start", scheduler_output.step_id)
-        # An empty step needs no sampling (the real runner lets the next step replace it).
-        if self._pending is not None and self._pending.total_num_scheduled_tokens:
+        for pending in self._pending:
+            stale = set(pending.sampled_req_ids) & set(scheduler_output.num_scheduled_tokens)
+            if stale:
+                raise RuntimeError(
+                    f"execute_model(step {scheduler_output.step_id}) feeds {sorted(stale)} "
+                    f"while step {pending.step_id}, which samples their input token, is not "
+                    "sampled")
+        if len(self._pending) >= self.max_concurrent_batches:
             raise RuntimeError(
-                f"execute_model(step {so.step_id}) while step {self._pending.step_id} is not "
-                "sampled: its logits and sampled-token feedback would be lost")
+                f"execute_model(step {scheduler_output.step_id}) with "
+                f"{len(self._pending)} steps unsampled: more than the queue depth")
         if self.before_exec is not None:
             self.before_exec(scheduler_output.step_id)
         time.sleep(self.forward_s)
         self.runner.execute(scheduler_output)
-        self._pending = scheduler_output
+        self._pending.append(scheduler_output)
         self.rec.log("exec_end", scheduler_output.step_id)
 
     def sample_tokens(
@@ -169,10 +177,9 @@ class FakeExecutor(Executor):
         return future if non_block else future.result()
 
     def _sample(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        scheduler_output = self._pending
-        if scheduler_output is None:
+        if not self._pending:
             raise RuntimeError("sample_tokens without an executed step")
-        self._pending = None
+        scheduler_output = self._pending.popleft()
         self.rec.log("sample_start", scheduler_output.step_id)
         out = self.runner.sample(scheduler_output, grammar_output)
         self.rec.log("sample_end", scheduler_output.step_id)
@@ -486,7 +493,7 @@ def test_abort_with_batches_in_flight(make: MakeSetup, depth: int) -> None:
     s.engine.abort_requests(["a"])
     a_tokens = list(s.tokens.get("a", []))
     s.add(make_request("g", 4, grammar="1 2 3 4 5 6"))
-    while "g" not in s.engine.batch_queue[0][0].num_scheduled_tokens:
+    while "g" not in s.engine.batch_queue.newest.scheduler_output.num_scheduled_tokens:
         s.step()
     s.step()
     g = s.engine.scheduler.requests["g"]

@@ -49,3 +49,92 @@ def test_lagging_copies_with_preemption_match_sync(monkeypatch) -> None:
                               enable_prefix_caching=False)
         assert scheduler.num_preemptions > 0
         assert got == want, num_blocks
+
+
+# ---------------------------------------------------------------------- unsampled steps FIFO
+
+
+def _runner_and_scheduler():
+    """A CPU GPUModelRunner on demo-tiny and an AsyncScheduler over the same config."""
+    from tests.v1.core.sched_utils import demo_model_config, make_config, make_kv
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    config = make_config(demo_model_config(), async_scheduling=True, num_blocks=32)
+    runner = GPUModelRunner(config)
+    runner.load_model()
+    runner.initialize_kv_cache(32)
+    return config, runner, AsyncScheduler(config, make_kv(config))
+
+
+def _seeded(req_id: str, seed: int):
+    from tests.v1.core.sched_utils import EOS_IDS
+    from vllm.v1.request import Request
+
+    params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True,
+                            logprobs=2)
+    params.update_from_model(EOS_IDS)
+    return Request(req_id, [100 + seed * 7 + i for i in range(5 + seed)], params)
+
+
+def test_several_unsampled_steps_sample_in_order_after_rows_moved() -> None:
+    """Step B is executed but not sampled (a deferred step) when step C's forward runs and
+    drops a finished request, which moves another request's row. Sampling B afterwards must
+    give what sampling it right away gives: the states, seeds and device-side feedback
+    follow the requests, not the rows they had when B ran."""
+    from vllm.v1.request import RequestStatus
+
+    config, _, scheduler = _runner_and_scheduler()
+    for i, req_id in enumerate("abc"):
+        scheduler.add_request(_seeded(req_id, i))
+    step_a = scheduler.schedule()
+    scheduler.sampling_issued(step_a)
+    step_b = scheduler.schedule()  # a, b, c again; its sampling stays deferred
+    assert step_b.sampled_req_ids == ["a", "b", "c"]
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    scheduler.add_request(_seeded("d", 3))
+    step_c = scheduler.schedule()
+    # b and c wait for B's sampling (their input token); only the new request runs.
+    assert list(step_c.num_scheduled_tokens) == ["d"] and "a" in step_c.finished_req_ids
+
+    def run(overlapped: bool):
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        runner = GPUModelRunner(config)
+        runner.load_model()
+        runner.initialize_kv_cache(32)
+        outs = {}
+        runner.execute_model(step_a)
+        outs["a"] = runner.sample_tokens(None).get_output()
+        runner.execute_model(step_b)
+        if overlapped:
+            runner.execute_model(step_c)  # drops a: c's row moves into a's
+            outs["b"] = runner.sample_tokens(None).get_output()
+        else:
+            outs["b"] = runner.sample_tokens(None).get_output()
+            runner.execute_model(step_c)
+        outs["c"] = runner.sample_tokens(None).get_output()
+        return runner, outs
+
+    serial_runner, serial = run(False)
+    overlapped_runner, overlapped = run(True)
+    for name in "abc":
+        assert overlapped[name].req_ids == serial[name].req_ids
+        assert overlapped[name].sampled_token_ids == serial[name].sampled_token_ids, name
+        assert overlapped[name].logprobs == serial[name].logprobs, name
+    # One more step feeds b and c from the device: their tokens from B must be where
+    # their rows are now.
+    for step, name in ((step_a, "a"), (step_b, "b"), (step_c, "c")):
+        scheduler.sampling_issued(step)
+        scheduler.update_from_output(step, overlapped[name])
+    step_d = scheduler.schedule()
+    assert set(step_d.num_scheduled_tokens) == {"b", "c", "d"}
+    results = []
+    for runner in (serial_runner, overlapped_runner):
+        runner.execute_model(step_d)
+        results.append(runner.sample_tokens(None).get_output())
+    assert results[0].sampled_token_ids == results[1].sampled_token_ids
+    assert results[0].logprobs == results[1].logprobs
+    with pytest.raises(RuntimeError, match="without an executed"):
+        overlapped_runner.sample_tokens(None)
+    scheduler.finish_requests(["b", "c", "d"], RequestStatus.FINISHED_ABORTED)

@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import logging
-from collections import deque
-from concurrent.futures import Future
 
 from vllm.config import VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+from vllm.v1.engine.batch_queue import BatchQueue, resolve_output
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu_input_batch import check_request_inputs
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_output(output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelRunnerOutput:
-    """Waits for an async output's host copy, if it is one."""
-    if isinstance(output, AsyncModelRunnerOutput):
-        return output.get_output()
-    return output
 
 
 class EngineCore:
@@ -58,9 +48,10 @@ class EngineCore:
         self.eos_token_ids = vllm_config.model_config.eos_token_ids
         self.vocab_size = vllm_config.model_config.vocab_size
         self.max_model_len = vllm_config.model_config.max_model_len
-        # (scheduler output, execute future, sample future or None when deferred)
-        self.batch_queue: deque[tuple[SchedulerOutput, Future, Future | None]] = deque()
+        # The in-flight batches of the overlapped loop; its depth is the executor's
+        # max_concurrent_batches (2 under async scheduling, one per pipeline stage).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue = BatchQueue(self.scheduler, self.model_executor, self.batch_queue_size)
         self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
 
     # ------------------------------------------------------------------ requests
@@ -115,70 +106,20 @@ class EngineCore:
         exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
         grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
         exec_future.result()
-        output = resolve_output(self.model_executor.sample_tokens(grammar_output))
+        sample_future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+        self.scheduler.sampling_issued(scheduler_output)
+        output = resolve_output(sample_future.result())
         outputs = self.scheduler.update_from_output(scheduler_output, output)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
-        """One call of the overlapped loop (docs/architecture.md §4).
-
-        Schedules and launches a new batch when there is work and room in the queue; returns
-        early (None) while the queue is not full and more could be scheduled; otherwise
-        finishes the oldest batch, and only then computes the deferred batch's bitmask.
-        """
+        """One call of the overlapped loop (docs/architecture.md §4; the rules are in
+        vllm/v1/engine/batch_queue.py). Returns None as outputs when the call only launched a
+        batch."""
         if not self.batch_queue and not self.scheduler.has_unfinished_requests():
             # Idle: a plain step still reports finished ids to the runner and pending outputs.
             return self.step()
-        scheduled = False
-        # A queued deferred batch must sample before any newer forward: the runner holds the
-        # logits of one executed-but-unsampled step only.
-        deferred_queued = any(sample is None for _, _, sample in self.batch_queue)
-        if (
-            self.scheduler.has_unfinished_requests()
-            and len(self.batch_queue) < self.batch_queue_size
-            and not deferred_queued
-        ):
-            scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens > 0:
-                scheduled = True
-                exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
-                sample_future = None
-                if not scheduler_output.pending_structured_output_tokens:
-                    grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
-                    sample_future = self.model_executor.sample_tokens(
-                        grammar_output, non_block=True
-                    )
-                self.batch_queue.appendleft((scheduler_output, exec_future, sample_future))
-                if (
-                    len(self.batch_queue) < self.batch_queue_size
-                    and sample_future is not None
-                    and self.scheduler.has_unfinished_requests()
-                ):
-                    return None, True
-            else:
-                self.scheduler.unschedule(scheduler_output)
-        if not self.batch_queue:
-            return self.scheduler.take_pending_outputs() or None, scheduled
-
-        scheduler_output, exec_future, sample_future = self.batch_queue.pop()
-        deferred = None
-        if sample_future is None:
-            # The deferred batch itself, now that nothing older is in flight. The worker runs
-            # calls in order, so sampling follows the forward without waiting on it here.
-            sample_future = self.model_executor.sample_tokens(
-                self.scheduler.get_grammar_bitmask(scheduler_output), non_block=True
-            )
-        elif self.batch_queue and self.batch_queue[-1][2] is None:
-            deferred = self.batch_queue.pop()
-        output = resolve_output(sample_future.result())
-        exec_future.result()  # already done; re-raises a forward-pass error
-        outputs = self.scheduler.update_from_output(scheduler_output, output)
-        if deferred is not None:
-            deferred_scheduler_output, d_exec, _ = deferred
-            grammar_output = self.scheduler.get_grammar_bitmask(deferred_scheduler_output)
-            d_sample = self.model_executor.sample_tokens(grammar_output, non_block=True)
-            self.batch_queue.append((deferred_scheduler_output, d_exec, d_sample))
-        return outputs, True
+        return self.batch_queue.step()
 
     def shutdown(self) -> None:
         """Stops the executor and the grammar compiler threads."""

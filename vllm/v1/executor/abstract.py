@@ -58,9 +58,9 @@ class Executor(ABC):
     def sample_tokens(
         self, grammar_output: GrammarOutput | None, non_block: bool = False
     ) -> ModelRunnerOutput | Future:
-        """Samples the step started last. The result (or the Future's result) is a
-        ModelRunnerOutput, or an AsyncModelRunnerOutput whose get_output() waits for its
-        device-to-host copy (see vllm.v1.engine.core.resolve_output)."""
+        """Samples the oldest executed-but-unsampled step. The result (or the Future's result)
+        is a ModelRunnerOutput, or an AsyncModelRunnerOutput whose get_output() waits for its
+        device-to-host copy (see vllm.v1.engine.batch_queue.resolve_output)."""
 
     @abstractmethod
     def check_health(self) -> None:

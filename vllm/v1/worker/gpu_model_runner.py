@@ -2,11 +2,15 @@
 
 `execute_model` runs the forward pass and keeps the logits of the rows that sample this step;
 `sample_tokens` applies the grammar bitmask (if any) and samples. Between the two, the engine
-computes the bitmask on the CPU while the forward runs.
+computes the bitmask on the CPU while the forward runs. Several steps may be executed before
+the oldest is sampled (a deferred structured-output step, docs/architecture.md §4): the runner
+keeps them first in, first out, and each sample_tokens call samples the oldest.
 
 Sampled ids stay on the device: the next step's input for a request whose newest token is not
 on the host yet is copied from `last_token` on the device, so building a step never waits for
-the previous one (this is what makes async scheduling possible).
+the previous one (this is what makes async scheduling possible). It also means a step must not
+feed a request whose previous step is executed but not sampled yet: the scheduler never
+schedules one (AsyncScheduler).
 """
 
 from __future__ import annotations
@@ -52,18 +56,28 @@ class _Step:
     """What execute_model leaves for sample_tokens."""
 
     req_ids: list[str]  # scheduled requests, batch order
-    sampled_rows: list[int]  # batch rows that sample, batch order
-    sampled_req_ids: list[str]
-    logits: torch.Tensor | None  # [len(sampled_rows), vocab] float32
+    sampled_req_ids: list[str]  # the requests that sample, batch order
+    # Their states, kept by reference rather than by batch row: a later step's forward may
+    # run before this step is sampled, and it can move rows or drop finished and preempted
+    # requests.
+    sampled_states: list[CachedRequestState]
+    logits: torch.Tensor | None  # [len(sampled_req_ids), vocab] float32
 
 
 class _SampledTokens:
     """A step's sampled ids (and logprobs) with their device-to-host copy in flight."""
 
     def __init__(
-        self, req_ids: list[str], positions: list[int], out: SamplerOutput, copy_stream
+        self,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        positions: list[int],
+        out: SamplerOutput,
+        copy_stream,
     ) -> None:
         self.req_ids = req_ids
+        # The states sampled for: a finished id may be reused by a new request meanwhile.
+        self.states = states
         # Output index of each row's token: a resumed request may already hold it.
         self.positions = positions
         self._event = None
@@ -152,7 +166,8 @@ class GPUModelRunner:
         self.generator.manual_seed(mc.seed)
         self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._unsettled: deque[_SampledTokens] = deque()
-        self._step: _Step | None = None
+        # Executed steps not sampled yet, oldest first (see module docstring).
+        self._steps: deque[_Step] = deque()
         sched = vllm_config.scheduler_config
         self.buffers = InputBuffers(
             max(sched.max_num_batched_tokens, self.max_num_reqs, self.min_rows),
@@ -240,11 +255,11 @@ class GPUModelRunner:
         """Moves sampled token values that reached the host into the request states."""
         while self._unsettled and (block or self._unsettled[0].ready()):
             sampled = self._unsettled.popleft()
-            for req_id, position, token in zip(
-                sampled.req_ids, sampled.positions, sampled.token_lists()
+            for req_id, sampled_state, position, token in zip(
+                sampled.req_ids, sampled.states, sampled.positions, sampled.token_lists()
             ):
                 state = self.requests.get(req_id)
-                if state is None or position != len(state.output_token_ids):
+                if state is not sampled_state or position != len(state.output_token_ids):
                     continue  # finished, or resumed from preemption with this token already
                 state.output_token_ids.append(token)
                 row = self.input_batch.req_id_to_index.get(req_id)
@@ -255,11 +270,12 @@ class GPUModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        """Runs the forward pass of one step and keeps the logits of the sampling rows."""
+        """Runs the forward pass of one step and queues the logits of its sampling rows for
+        sample_tokens (every call is matched by one sample_tokens call, in order)."""
         self._update_states(scheduler_output)
         batch = self.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0:
-            self._step = _Step([], [], [], None)
+            self._steps.append(_Step([], [], [], None))
             return None
         scheduled = scheduler_output.num_scheduled_tokens
         rows = [r for r, req_id in enumerate(batch.req_ids) if req_id in scheduled]
@@ -340,11 +356,13 @@ class GPUModelRunner:
             idx[: len(pick)] = cu[1:][pick] - 1
             logits = self.model.compute_logits(hidden[self.buffers.to_device(idx)])
             logits = logits[: len(pick)]
-        self._step = _Step(
-            req_ids=req_ids,
-            sampled_rows=[rows[i] for i in pick],
-            sampled_req_ids=[req_ids[i] for i in pick],
-            logits=logits,
+        self._steps.append(
+            _Step(
+                req_ids=req_ids,
+                sampled_req_ids=[req_ids[i] for i in pick],
+                sampled_states=[batch.states[rows[i]] for i in pick],
+                logits=logits,
+            )
         )
         self._settle(block=False)
         return None
@@ -397,11 +415,12 @@ class GPUModelRunner:
     def sample_tokens(
         self, grammar_output: GrammarOutput | None
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """Samples the rows kept by execute_model. Applies the grammar bitmask to the
-        constrained rows only. Side effect: the sampled ids become next step's inputs."""
-        step = self._step
-        assert step is not None, "sample_tokens called without execute_model"
-        self._step = None
+        """Samples the oldest executed-but-unsampled step. Applies the grammar bitmask to
+        the constrained rows only. Side effect: the sampled ids become the inputs of the
+        requests' next steps."""
+        if not self._steps:
+            raise RuntimeError("sample_tokens called without an executed, unsampled step")
+        step = self._steps.popleft()
         if step.logits is None:
             out = ModelRunnerOutput(
                 req_ids=step.req_ids,
@@ -416,18 +435,43 @@ class GPUModelRunner:
             apply_grammar_bitmask(
                 logits, grammar_output, {r: i for i, r in enumerate(step.sampled_req_ids)}
             )
-        states = [self.input_batch.states[r] for r in step.sampled_rows]
+        states = step.sampled_states
         metadata = self._sampling_metadata(states)
         result = self.sampler(logits, metadata)
-        rows = self.buffers.to_device(np.asarray(step.sampled_rows, dtype=np.int64))
-        self.last_token.index_copy_(0, rows, result.sampled_token_ids)
+        self._feed_back(step, result.sampled_token_ids)
         positions = [state.num_output_tokens for state in states]
         for state in states:
             state.num_output_tokens += 1
-        sampled = _SampledTokens(step.sampled_req_ids, positions, result, self.copy_stream)
+        sampled = _SampledTokens(
+            step.sampled_req_ids, states, positions, result, self.copy_stream
+        )
         self._unsettled.append(sampled)
         output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled)
         return output if self.async_scheduling else output.get_output()
+
+    def _feed_back(self, step: _Step, token_ids: torch.Tensor) -> None:
+        """Writes a step's sampled ids into `last_token` at the requests' current rows.
+
+        Rows are looked up now, not at execute time: a newer step executed in between may
+        have moved a row (the last row fills a hole) or dropped a request that finished or
+        was preempted. A dropped request needs no feedback; its token still reaches the
+        engine, which keeps it (preempted) or drops it (finished).
+        """
+        batch = self.input_batch
+        rows: list[int] = []
+        keep: list[int] = []
+        for i, (req_id, state) in enumerate(zip(step.sampled_req_ids, step.sampled_states)):
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None and batch.states[row] is state:
+                rows.append(row)
+                keep.append(i)
+        if not rows:
+            return
+        if len(keep) < len(step.sampled_req_ids):
+            token_ids = token_ids[self.buffers.to_device(np.asarray(keep, dtype=np.int64))]
+        self.last_token.index_copy_(
+            0, self.buffers.to_device(np.asarray(rows, dtype=np.int64)), token_ids
+        )
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]

@@ -64,5 +64,5 @@ class Worker:
     def sample_tokens(
         self, grammar_output: GrammarOutput | None
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
-        """Samples the step started by the last execute_model."""
+        """Samples the oldest executed-but-unsampled step."""
         return self.model_runner.sample_tokens(grammar_output)

@@ -2,24 +2,57 @@
 
 from __future__ import annotations
 
+from vllm.config import VllmConfig
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
 
 
 class AsyncScheduler(Scheduler):
     """A Scheduler whose steps may overlap: step N+1 is scheduled while step N is in flight.
 
     Every token a step will sample is counted in `Request.num_output_placeholders` until its
-    value arrives in update_from_output. The base scheduling rules already count placeholders
-    as tokens to feed (the runner feeds them from the device) and never schedule past
+    value arrives in update_from_output; a request that samples in several in-flight steps
+    holds one placeholder per step. The base scheduling rules already count placeholders as
+    tokens to feed (the runner feeds them from the device) and never schedule past
     max_tokens or max_model_len; prefix caching only ever hashes confirmed tokens.
+
+    The runner feeds an unconfirmed token from the device copy of the newest sample of its
+    row, which exists only once that step's sample_tokens has run, and the workers run calls
+    in issue order. So a request that samples in a step whose sample_tokens is not issued yet
+    (a deferred structured-output step, or one queued behind it, docs/architecture.md §4) is
+    not scheduled again until the engine reports `sampling_issued` for that step: its next
+    forward would read a stale token. It simply waits; other requests are still scheduled.
     """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_manager: KVCacheManager,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
+        super().__init__(vllm_config, kv_cache_manager, structured_output_manager)
+        # step_id -> ids that sample in that step, for steps whose sample_tokens is not issued.
+        # Ids of requests that finish meanwhile stay until then: a reused id waits a little.
+        self._unsampled_steps: dict[int, frozenset[str]] = {}
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         super()._update_after_schedule(output)
         for req_id in output.sampled_req_ids:
             self.requests[req_id].num_output_placeholders += 1
+        if output.sampled_req_ids:
+            self._unsampled_steps[output.step_id] = frozenset(output.sampled_req_ids)
+
+    def sampling_issued(self, scheduler_output: SchedulerOutput) -> None:
+        """From now on every forward runs after this step's sampling in the workers' call
+        order, so it finds the step's tokens on the device: its requests may run again."""
+        self._unsampled_steps.pop(scheduler_output.step_id, None)
+
+    def _waits_for_sampling(self, request: Request) -> bool:
+        # At most max_concurrent_batches steps are ever listed.
+        return any(request.request_id in ids for ids in self._unsampled_steps.values())
 
     def _release_placeholders(self, request: Request, num_tokens: int) -> None:
         request.num_output_placeholders -= num_tokens

@@ -174,7 +174,11 @@ class Scheduler:
             request = self.running[i]
             num_new = min(self._num_new_tokens(request), budget)
             samples = num_new == self._num_new_tokens(request)
-            if num_new <= 0 or (samples and not self._can_sample_more(request)):
+            if (
+                num_new <= 0
+                or (samples and not self._can_sample_more(request))
+                or self._waits_for_sampling(request)
+            ):
                 i += 1
                 continue
             while True:
@@ -285,6 +289,18 @@ class Scheduler:
         assert output.total_num_scheduled_tokens == 0
         self.finished_req_ids |= output.finished_req_ids
         self._unsent_preempted_ids |= output.preempted_req_ids
+
+    def sampling_issued(self, scheduler_output: SchedulerOutput) -> None:
+        """Tells the scheduler that the engine has issued `scheduler_output`'s sample_tokens.
+
+        The synchronous scheduler needs no bookkeeping: it never schedules a request whose
+        token is not known yet. AsyncScheduler overrides it.
+        """
+
+    def _waits_for_sampling(self, request: Request) -> bool:
+        """True while `request` must not be scheduled because its next input token is sampled
+        in a step whose sample_tokens has not been issued (AsyncScheduler)."""
+        return False
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         for req_id, n in output.num_scheduled_tokens.items():
