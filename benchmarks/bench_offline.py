@@ -95,7 +95,8 @@ def main() -> None:
         for backend in ("uni", "mp"):
             plain = results[f"{mode}/{backend}/0%"]["tok_per_s"]
             structured = results[f"{mode}/{backend}/100%"]["tok_per_s"]
-            print(f"{mode}/{backend:4s}   {plain:10.1f}   {so:10.1f}   {so / plain:7.2f}")
+            ratio = structured / plain
+            print(f"{mode}/{backend:4s}   {plain:10.1f}   {structured:10.1f}   {ratio:7.2f}")
     for backend in ("uni", "mp"):
         for share in ("0%", "100%"):
             ratio = results[f"async/{backend}/{share}"]["tok_per_s"] / results[

@@ -21,7 +21,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import CompileAbortedError, StructuredOutputManager
 from vllm.v1.structured_output.limits import SMALL_CONSTRAINT_LENGTH
 
-from .conftest import EOS_IDS, VOCAB_SIZE
+from .conftest import VOCAB_SIZE
 from .schemas import ALL_CASES
 from .walker import WalkVocab, allowed_token_ids, random_walk
 

@@ -9,12 +9,10 @@ import multiprocessing
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for
 
 import msgspec
@@ -32,6 +30,7 @@ from vllm.v1.engine.messages import (
     OutputType,
     RequestType,
 )
+from vllm.v1.process import main_module_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +91,7 @@ class EngineCoreClient:
         atexit.register(_shutdown_ref, weakref.ref(self))
         try:
             # The engine core (and the workers it starts) inherit the thread policy.
-            with _main_module_hidden(), thread_policy.child_env(
+            with main_module_hidden(), thread_policy.child_env(
                 vllm_config.parallel_config.world_size
             ):
                 self.proc.start()
@@ -277,31 +276,6 @@ class EngineCoreClient:
         self._sync_ctx.term()
         self._async_ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-@contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Keeps spawn from re-running the parent's main script in the child.
-
-    The child needs nothing from it (its target and arguments live in vllm), and a script
-    without an `if __name__ == "__main__"` guard would otherwise start a second engine.
-    """
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved_spec = getattr(main, "__spec__", None)
-    had_file = hasattr(main, "__file__")
-    saved_file = getattr(main, "__file__", None)
-    try:
-        main.__spec__ = None
-        if had_file:
-            del main.__file__
-        yield
-    finally:
-        main.__spec__ = saved_spec
-        if had_file:
-            main.__file__ = saved_file
 
 
 def _kill_group(pgid: int) -> None:

@@ -38,12 +38,12 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
 from concurrent.futures import Future, InvalidStateError
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.process import main_module_hidden
 
 __all__ = ["CompileCheckPool", "CompileAbortedError", "Checker", "XgrammarChecker"]
 
@@ -183,7 +183,7 @@ class CompileCheckPool:
             # dies, the supervisor sees its pipe close and exits.
             daemon=True,
         )
-        with _main_module_hidden():
+        with main_module_hidden():
             proc.start()
         theirs.close()
         link = _Link(proc, ours)
@@ -302,28 +302,6 @@ def _settle(future: Future[float], status: str, message: str | None, seconds: fl
             future.set_exception(RuntimeError(message))
     except InvalidStateError:
         pass
-
-
-@contextlib.contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """Keeps spawn from running the owner's main script again in the supervisor (a script
-    without an `if __name__ == "__main__"` guard would start a second server)."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    saved_spec = getattr(main, "__spec__", None)
-    had_file = hasattr(main, "__file__")
-    saved_file = getattr(main, "__file__", None)
-    try:
-        main.__spec__ = None
-        if had_file:
-            del main.__file__
-        yield
-    finally:
-        main.__spec__ = saved_spec
-        if had_file:
-            main.__file__ = saved_file
 
 
 # ---------------------------------------------------------------------- supervisor process
