@@ -219,7 +219,7 @@ class Setup:
     def in_flight(self) -> list[SchedulerOutput]:
         """Launched steps not yet given to update_from_output."""
         updated = set(self.trace.steps("update"))
-        return [so for n, so in self.launched.items() if n not in updated]
+        return [scheduler_output for n, scheduler_output in self.launched.items() if n not in updated]
 
     def add(self, *requests: Request) -> None:
         for request in requests:
@@ -247,7 +247,7 @@ class Setup:
             return
         in_flight = self.in_flight()
         for req_id, request in self.engine.scheduler.requests.items():
-            want = sum(req_id in so.sampled_req_ids for so in in_flight)
+            want = sum(req_id in scheduler_output.sampled_req_ids for scheduler_output in in_flight)
             assert request.num_output_placeholders == want, (req_id, want)
 
 
@@ -348,8 +348,8 @@ def check_trace(s: Setup) -> None:
     # 3. A bitmask only after every older batch that samples one of its structured requests
     # went through update_from_output.
     for n in trace.steps("bitmask"):
-        so = s.launched[n]
-        mine = set(so.sampled_req_ids) & s.structured
+        scheduler_output = s.launched[n]
+        mine = set(scheduler_output.sampled_req_ids) & s.structured
         at = trace.index("bitmask", n)
         for m, older in s.launched.items():
             shared = mine & set(older.sampled_req_ids)
@@ -380,7 +380,7 @@ def test_forwards_launch_up_to_the_depth_without_waiting(make: MakeSetup, depth:
     assert all(e.kind != "wait" for e in trace.events[:first_wait])
     # Every wait but those of the drain at the end (the last depth - 1 batches) finds the
     # queue full.
-    batches = [n for n, so in s.launched.items() if so.total_num_scheduled_tokens]
+    batches = [n for n, scheduler_output in s.launched.items() if scheduler_output.total_num_scheduled_tokens]
     waits = [e.detail[0] for e in trace.events if e.kind == "wait" and e.step in batches]
     assert len(waits) == len(batches)
     assert waits[: len(batches) - (depth - 1)] == [depth] * (len(batches) - (depth - 1))
@@ -413,7 +413,7 @@ def test_deferred_batch_does_not_stop_newer_forwards(make: MakeSetup, depth: int
     _deferred_workload(s)
     check_trace(s)
     trace = s.trace
-    deferred = [n for n, so in s.launched.items() if so.pending_structured_output_tokens]
+    deferred = [n for n, scheduler_output in s.launched.items() if scheduler_output.pending_structured_output_tokens]
     assert deferred, "the workload must defer some batches"
     # A deferred batch's sampling is issued only after every older batch was updated.
     for n in deferred:
@@ -443,11 +443,11 @@ def test_requests_of_a_deferred_batch_wait_for_its_sampling(make: MakeSetup) -> 
     s.run()
     check_trace(s)
     trace = s.trace
-    for n, so in s.launched.items():
+    for n, scheduler_output in s.launched.items():
         for m, older in s.launched.items():
-            if m < n and set(older.sampled_req_ids) & set(so.num_scheduled_tokens):
+            if m < n and set(older.sampled_req_ids) & set(scheduler_output.num_scheduled_tokens):
                 assert trace.index("sample", m) < trace.index("exec", n), (m, n)
-    deferred = [n for n, so in s.launched.items() if so.pending_structured_output_tokens]
+    deferred = [n for n, scheduler_output in s.launched.items() if scheduler_output.pending_structured_output_tokens]
     newer = [n + 1 for n in deferred
              if n + 1 in s.launched and trace.index("exec", n + 1) < trace.index("sample", n)]
     assert newer and all("g" not in s.launched[n].num_scheduled_tokens for n in newer)

@@ -245,17 +245,17 @@ class AsyncLLM:
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
 
-    async def _check_compiles(self, so: StructuredOutputsParams) -> None:
+    async def _check_compiles(self, structured_outputs: StructuredOutputsParams) -> None:
         """Checks the constraint off the event loop: limits first, then a compile in a worker
         process within the time limit (counted from when a worker takes it); the processor's
         own check is then a lookup. Raises ValueError when it fails, RuntimeError when the
         compile workers cannot run."""
         manager = self.structured_output_manager
         # The limit checks walk the whole constraint: not on the event loop either.
-        future = await asyncio.to_thread(manager.check, so)
+        future = await asyncio.to_thread(manager.check, structured_outputs)
         seconds = await asyncio.wrap_future(future)
         if self.metrics is not None:
-            self.metrics.record_compile(so.kind, seconds)
+            self.metrics.record_compile(structured_outputs.kind, seconds)
 
     def _admit(
         self,
