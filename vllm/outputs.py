@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.exceptions import ErrorKind
+
 
 @dataclass
 class CompletionOutput:
@@ -17,8 +19,10 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Set when finish_reason is "error".
+    # Set when finish_reason is "error": the message, and whose fault it was (callers
+    # decide by the kind, never by the message's text).
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm.exceptions import InvalidRequestError
+
 
 # Bounds on list sizes a request may carry (each entry costs work on every generated token).
 MAX_LOGPROBS = 20
@@ -55,32 +57,43 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_ = [name for name in self._CONSTRAINTS if getattr(self, name) not in (None, False)]
         if not set_:
-            raise ValueError(
-                "structured_outputs: exactly one of json, json_object, regex, choice, grammar, "
+            raise InvalidRequestError(
+                "structured_outputs",
+                "exactly one of json, json_object, regex, choice, grammar, "
                 "structural_tag must be set, got none"
             )
         if len(set_) > 1:
-            raise ValueError(
-                f"structured_outputs: exactly one constraint may be set, got {', '.join(set_)}"
+            raise InvalidRequestError(
+                "structured_outputs",
+                f"exactly one constraint may be set, got {', '.join(set_)}"
             )
         if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError("structured_outputs.json: must be a JSON schema (dict or string)")
+            raise InvalidRequestError(
+                "structured_outputs.json",
+                "must be a JSON schema (dict or string)"
+            )
         if isinstance(self.json, str):
             try:
                 json.loads(self.json)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.json: not valid JSON: {e}") from e
+                raise InvalidRequestError("structured_outputs.json", f"not valid JSON: {e}") from e
         if self.choice is not None:
             if (
                 not isinstance(self.choice, list)
                 or not self.choice
                 or not all(isinstance(c, str) for c in self.choice)
             ):
-                raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+                raise InvalidRequestError(
+                    "structured_outputs.choice",
+                    "must be a non-empty list of strings"
+                )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+                raise InvalidRequestError(
+                    f"structured_outputs.{name}",
+                    "must be a non-empty string"
+                )
 
     @property
     def kind(self) -> str:
@@ -131,8 +144,9 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name}: {why}")
+        def bad(name: str, why: str) -> InvalidRequestError:
+            # The field name travels as an attribute: the server reports it as `param`.
+            return InvalidRequestError(name, why)
 
         # Types and ranges first: every number must fit the engine's int32/int64/float32
         # columns, so no value that passes here can fail later inside the engine core.
@@ -171,7 +185,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(
-                "min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
+                "min_tokens",
+                f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")

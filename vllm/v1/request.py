@@ -6,6 +6,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from vllm.exceptions import ErrorKind
 from vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Human-readable cause for FINISHED_ERROR.
         self.error_message: str | None = None
+        # Whose fault FINISHED_ERROR was (see ErrorKind); set with error_message.
+        self.error_kind: ErrorKind | None = None
         self.structured_output_request: StructuredOutputRequest | None = None
         if sampling_params.structured_outputs is not None:
             from vllm.v1.structured_output.request import StructuredOutputRequest

@@ -17,6 +17,7 @@ from tests.v1.core.sched_utils import (
     make_request,
 )
 from vllm.config import ModelConfig
+from vllm.exceptions import ErrorKind, InvalidRequestError
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.request import RequestStatus
 
@@ -315,6 +316,8 @@ def test_structured_request_follows_its_grammar(make: MakeHarness) -> None:
     h.run()
     assert h.tokens["g"] == [5, 6, 7, GRAMMAR_END] and h.finish_reason("g") == "stop"
     assert h.finish_reason("bad") == "error" and h.outputs["bad"][-1].error
+    # A grammar that does not compile is the client's fault, whatever its message says.
+    assert h.outputs["bad"][-1].error_kind is ErrorKind.GRAMMAR
     assert h.tokens.get("bad", []) == []
     assert h.tokens["plain"] == expected("plain", 4)
 
@@ -327,6 +330,8 @@ def test_grammar_that_cannot_advance_ends_only_its_request(make: MakeHarness) ->
     h.runner.force[("g1", 1)] = 9  # the grammar wants 6
     h.run()
     assert h.finish_reason("g1") == "error" and h.outputs["g1"][-1].error
+    # A sampled token the grammar rejects is an engine bug (the bitmask should exclude it).
+    assert h.outputs["g1"][-1].error_kind is ErrorKind.INTERNAL
     assert h.tokens["g1"] == [5]
     assert h.tokens["g2"] == [5, 6, 7, GRAMMAR_END] and h.finish_reason("g2") == "stop"
     assert h.tokens["plain"] == expected("plain", 5)
@@ -336,8 +341,9 @@ def test_duplicate_request_id_is_refused(make: MakeHarness) -> None:
     h = make()
     h.add(make_request("a", 5, max_tokens=3))
     h.schedule()
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(InvalidRequestError, match="already in use") as info:
         h.sched.add_request(make_request("a", 7, max_tokens=3))
+    assert info.value.param == "request_id"
     h.check()  # the live request is untouched and nothing else got registered
     h.run()
     assert h.tokens["a"] == expected("a", 3)
@@ -357,12 +363,13 @@ def test_finish_with_error_frees_whatever_the_request_holds(
     h.schedule()  # "running" and "plain" are admitted; their step is in flight
     sched = h.sched
     for req_id in ("running", "waiting", "grammar", "never-admitted"):
-        sched.finish_with_error(req_id, f"bad {req_id}")
+        sched.finish_with_error(req_id, f"bad {req_id}", ErrorKind.INVALID_REQUEST)
     h.check()
     errors = {out.request_id: out for out in sched.take_pending_outputs()}
     assert set(errors) == {"running", "waiting", "grammar", "never-admitted"}
     for req_id, out in errors.items():
         assert out.finish_reason == "error" and out.error == f"bad {req_id}"
+        assert out.error_kind is ErrorKind.INVALID_REQUEST
         assert out.new_token_ids == []
     assert set(sched.requests) == {"plain"}
     h.run()  # the in-flight token of "running" is dropped when it lands

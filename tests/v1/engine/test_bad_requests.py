@@ -22,6 +22,7 @@ import pytest
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import ErrorKind
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.core_client import EngineCoreClient
@@ -187,6 +188,10 @@ def test_bad_requests_fail_alone(core: EngineCore, reference: list[int]) -> None
         assert outs[0].finish_reason == "error", (req_id, outs[0])
         assert outs[0].new_token_ids == []
         assert outs[0].error and fragment in outs[0].error, (req_id, outs[0].error)
+        # Typed by the check that refused it: bad values are the client's fault; a payload
+        # that does not even build SamplingParams can only come from a broken front end.
+        kind = ErrorKind.INTERNAL if req_id == "unknown_field" else ErrorKind.INVALID_REQUEST
+        assert outs[0].error_kind is kind, (req_id, outs[0])
     for req_id in ("before", "after"):
         assert _tokens(outputs[req_id]) == reference, req_id
         assert outputs[req_id][-1].finish_reason == "length"
@@ -205,6 +210,7 @@ def test_duplicate_request_id_ends_that_id_only(core: EngineCore, reference: lis
     finished = [out for out in outputs["dup"] if out.finished]
     assert len(finished) == 1 and finished[0].finish_reason == "error"
     assert "dup" in (finished[0].error or "")
+    assert finished[0].error_kind is ErrorKind.INVALID_REQUEST
     assert outputs["dup"][-1] is finished[0]
     assert _tokens(outputs["other"]) == reference
     _assert_released(core)

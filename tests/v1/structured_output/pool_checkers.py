@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+from vllm.exceptions import GrammarCompileError
 from vllm.sampling_params import StructuredOutputsParams
 
 
@@ -19,7 +20,7 @@ class ScriptChecker:
     """Runs the steps in each check's `regex`, separated by ";":
 
     `pid=PATH` writes the worker's pid to PATH; `sleep=S` sleeps S seconds; `bad=MSG` raises
-    ValueError; `boom` raises RuntimeError; `crash` exits the worker; `ok` does nothing.
+    GrammarCompileError; `boom` raises RuntimeError; `crash` exits the worker; `ok` does nothing.
     `prepare_error` makes the supervisor's preparation fail, `start_error` every worker's start.
     """
 
@@ -42,7 +43,7 @@ class ScriptChecker:
             elif op == "sleep":
                 time.sleep(float(arg))
             elif op == "bad":
-                raise ValueError(f"structured_outputs.regex: {arg}")
+                raise GrammarCompileError("structured_outputs.regex", arg)
             elif op == "boom":
                 raise RuntimeError("boom")
             elif op == "crash":

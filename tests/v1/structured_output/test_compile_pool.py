@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from v1.structured_output.pool_checkers import ScriptChecker
 
+from vllm.exceptions import GrammarCompileError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.compile_pool import CompileAbortedError, CompileCheckPool
 
@@ -72,8 +73,10 @@ def test_outcomes(make_pool: Callable[..., CompileCheckPool]) -> None:
     pool = make_pool()
     assert pool.supervisor_pid is None  # nothing runs before the first check
     assert pool.submit(_params("ok"), small=True).result(RESULT_TIMEOUT_S) >= 0.0
-    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: nope$"):
+    with pytest.raises(GrammarCompileError, match=r"^structured_outputs\.regex: nope$") as info:
         pool.submit(_params("bad=nope"), small=True).result(RESULT_TIMEOUT_S)
+    # The error crossed two pipes by pickle with its type and fields intact.
+    assert (info.value.param, info.value.message) == ("structured_outputs.regex", "nope")
     with pytest.raises(RuntimeError, match="compiling the grammar failed: RuntimeError"):
         pool.submit(_params("boom"), small=False).result(RESULT_TIMEOUT_S)
 

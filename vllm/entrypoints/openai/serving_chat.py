@@ -22,14 +22,13 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    error_status,
     finish_error,
     finite,
     merge_streams,
     sse,
-    stream_error,
     usage_info,
 )
+from vllm.exceptions import InvalidRequestError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
@@ -47,9 +46,9 @@ class OpenAIServingChat(OpenAIServing):
 
         def prepare() -> tuple[list[Any], SamplingParams]:
             if request.tools:
-                raise ValueError("tools: tool calling is not supported by this server")
+                raise InvalidRequestError("tools", "tool calling is not supported by this server")
             if request.top_logprobs is not None and not request.logprobs:
-                raise ValueError("top_logprobs: requires logprobs to be true")
+                raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
             prompt = self.render(request)
             max_tokens = request.max_completion_tokens
             if max_tokens is None:
@@ -69,8 +68,9 @@ class OpenAIServingChat(OpenAIServing):
                 texts = []
                 for part in content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise ValueError(
-                            f"messages[{i}].content: only text parts are supported"
+                        raise InvalidRequestError(
+                            f"messages[{i}].content",
+                            "only text parts are supported"
                         )
                     texts.append(part["text"])
                 msg["content"] = "".join(texts)
@@ -88,7 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError:
             raise
         except Exception as e:  # template errors (jinja) are the request's fault
-            raise ValueError(f"messages: cannot apply the chat template: {e}") from e
+            raise InvalidRequestError("messages", f"cannot apply the chat template: {e}") from e
 
     async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
         final = None
@@ -155,8 +155,8 @@ class OpenAIServingChat(OpenAIServing):
         async for _, out in merge_streams(streams):
             num_prompt = len(out.prompt_token_ids)
             num_cached = out.num_cached_tokens
-            if (message := finish_error([out])) is not None:
-                yield stream_error(message, error_status(message))
+            if (failed := finish_error([out])) is not None:
+                yield failed.event()
                 return
             choices = []
             for c in out.outputs:

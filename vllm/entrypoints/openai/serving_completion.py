@@ -17,14 +17,13 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    error_status,
     finish_error,
     finite,
     merge_streams,
     sse,
-    stream_error,
     usage_info,
 )
+from vllm.exceptions import InvalidRequestError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
@@ -39,7 +38,7 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     else:
         prompts = list(prompt)
     if not prompts:
-        raise ValueError("prompt: must not be empty")
+        raise InvalidRequestError("prompt", "must not be empty")
     return prompts
 
 
@@ -51,9 +50,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def prepare() -> tuple[list[Any], SamplingParams]:
             if request.suffix:
-                raise ValueError("suffix: is not supported")
+                raise InvalidRequestError("suffix", "is not supported")
             if request.best_of is not None and request.best_of != request.n:
-                raise ValueError("best_of: only best_of == n is supported")
+                raise InvalidRequestError("best_of", "only best_of == n is supported")
             prompts = normalize_prompts(request.prompt)
             self.engine.processor.check_num_sequences(len(prompts), request.n)
             return prompts, self.sampling_params(request, request.max_tokens, request.logprobs)
@@ -123,8 +122,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if p not in prompt_counts:
                 prompt_counts[p] = len(out.prompt_token_ids)
             cached_counts[p] = out.num_cached_tokens
-            if (message := finish_error([out])) is not None:
-                yield stream_error(message, error_status(message))
+            if (failed := finish_error([out])) is not None:
+                yield failed.event()
                 return
             choices = []
             for c in out.outputs:

@@ -7,9 +7,9 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -28,13 +28,13 @@ from vllm.entrypoints.openai.protocol import (
     random_id,
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
-from vllm.outputs import RequestOutput
+from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 T = TypeVar("T", bound=OpenAIBaseModel)
 
-_FIELD_PREFIX = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
@@ -69,11 +69,72 @@ def error_body(
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
 
 
-def value_error_response(e: ValueError) -> JSONResponse:
-    """400 for a ValueError whose message starts with the offending field ("max_tokens: ...")."""
+# The one table of what a failure means to an HTTP client: its status and OpenAI error type.
+# A request that failed inside the engine arrives with an ErrorKind on its last output; an
+# exception raised in this process is looked up by its kind (InvalidRequestError and its
+# subclasses carry one) or else by its type, most specific class first. Nothing here reads
+# an error's message.
+ERROR_TABLE: dict[ErrorKind | type[BaseException], tuple[int, str]] = {
+    ErrorKind.INVALID_REQUEST: (400, "BadRequestError"),
+    ErrorKind.GRAMMAR: (400, "BadRequestError"),
+    ErrorKind.CONFIG: (500, "InternalServerError"),
+    ErrorKind.INTERNAL: (500, "InternalServerError"),
+    EngineDeadError: (503, "ServiceUnavailableError"),
+    # Untyped ValueErrors raised while preparing a request in this process (a tokenizer or
+    # chat template rejecting its input) are still the request's fault.
+    ValueError: (400, "BadRequestError"),
+}
+
+
+@dataclass(frozen=True)
+class ServerError:
+    """A failure as the client will see it: status, OpenAI error type, message, field."""
+
+    status: int
+    err_type: str
+    message: str
+    param: str | None = None
+
+    def response(self) -> JSONResponse:
+        """The JSON error response."""
+        return error_response(self.message, self.status, self.param, self.err_type)
+
+    def event(self) -> str:
+        """The server-sent error event of a stream that already answered 200."""
+        body = error_body(self.message, self.status, self.param, self.err_type)
+        return sse(body.model_dump_json())
+
+
+def classify(error: BaseException | ErrorKind) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) of an exception or an engine error kind, from
+    ERROR_TABLE; anything the table does not name is a 500."""
+    key: ErrorKind | type[BaseException] | None = None
+    if isinstance(error, ErrorKind):
+        key = error
+    elif isinstance(error, InvalidRequestError):
+        key = error.kind
+    else:
+        key = next((cls for cls in type(error).__mro__ if cls in ERROR_TABLE), None)
+    if key is None:
+        return ERROR_TABLE[ErrorKind.INTERNAL]
+    return ERROR_TABLE[key]
+
+
+def exception_error(e: BaseException) -> ServerError:
+    """The client's view of an exception raised while admitting or running a request."""
+    status, err_type = classify(e)
     message = str(e) or type(e).__name__
-    m = _FIELD_PREFIX.match(message)
-    return error_response(message, 400, param=m.group(1) if m else None)
+    if isinstance(e, EngineDeadError):
+        message = f"The engine is not available: {message}"
+    param = e.param if isinstance(e, InvalidRequestError) else None
+    return ServerError(status, err_type, message, param)
+
+
+def output_error(output: CompletionOutput) -> ServerError:
+    """The client's view of a sequence that ended with finish reason "error", by the kind
+    the engine gave it (an output without one is treated as an engine bug)."""
+    status, err_type = classify(output.error_kind or ErrorKind.INTERNAL)
+    return ServerError(status, err_type, output.error or "the request failed in the engine")
 
 
 class BodyTooLarge(Exception):
@@ -135,19 +196,22 @@ def decode_json_body(body: bytes) -> Any:
     try:
         data = json.loads(body, parse_constant=_reject_constant, parse_float=_parse_float)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"Invalid JSON body: {e}") from None
+        raise InvalidRequestError(None, f"Invalid JSON body: {e}") from None
     except RecursionError:
-        raise ValueError("Invalid JSON body: nested too deeply") from None
+        raise InvalidRequestError(None, "Invalid JSON body: nested too deeply") from None
     except ValueError as e:
-        raise ValueError(f"Invalid JSON body: {e}") from None
+        raise InvalidRequestError(None, f"Invalid JSON body: {e}") from None
     # A cheap whole-body check first; the walk that finds the field runs only on failure.
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         where = _surrogate_path(data)
-        raise ValueError(f"{where}: contains a lone UTF-16 surrogate (not valid Unicode)") from None
+        raise InvalidRequestError(
+            where,
+            "contains a lone UTF-16 surrogate (not valid Unicode)"
+        ) from None
     except RecursionError:
-        raise ValueError("Invalid JSON body: nested too deeply") from None
+        raise InvalidRequestError(None, "Invalid JSON body: nested too deeply") from None
     return data
 
 
@@ -170,7 +234,7 @@ async def parse_request(
     try:
         data = decode_json_body(body)
     except ValueError as e:
-        return value_error_response(e)
+        return exception_error(e).response()
     if not isinstance(data, dict):
         return error_response("Invalid request body: expected a JSON object", 400)
     messages = data.get("messages")
@@ -237,11 +301,11 @@ class OpenAIServing:
     ) -> SamplingParams:
         """SamplingParams of a request. Raises ValueError naming the bad field."""
         if request.stream_options is not None and not request.stream:
-            raise ValueError("stream_options: only allowed when stream is true")
+            raise InvalidRequestError("stream_options", "only allowed when stream is true")
         if request.guided_whitespace_pattern is not None:
-            raise ValueError("guided_whitespace_pattern: is not supported")
+            raise InvalidRequestError("guided_whitespace_pattern", "is not supported")
         if getattr(request, "logit_bias", None):
-            raise ValueError("logit_bias: is not supported")
+            raise InvalidRequestError("logit_bias", "is not supported")
         return SamplingParams(
             n=request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -290,10 +354,8 @@ class OpenAIServing:
             prompts, params = await asyncio.to_thread(prepare)
             request_id = request.request_id or random_id(self.id_prefix)
             streams = await self.add_requests(request_id, prompts, params, delta=request.stream)
-        except ValueError as e:
-            return value_error_response(e)
-        except EngineDeadError as e:
-            return error_response(f"The engine is not available: {e}", 503)
+        except (ValueError, EngineDeadError) as e:
+            return exception_error(e).response()
         created = int(time.time())
         if request.stream:
             return StreamingResponse(
@@ -305,9 +367,9 @@ class OpenAIServing:
         except ClientDisconnected:
             return Response(status_code=499)
         except EngineDeadError as e:
-            return error_response(f"The engine is not available: {e}", 503)
-        if (message := finish_error(finals)) is not None:
-            return error_response(message, error_status(message))
+            return exception_error(e).response()
+        if (failed := finish_error(finals)) is not None:
+            return failed.response()
         return json_response(self._response(request, finals, request_id, created, model))
 
     async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
@@ -398,11 +460,6 @@ def sse(data: str) -> str:
     return f"data: {data}\n\n"
 
 
-def stream_error(message: str, status: int) -> str:
-    """The server-sent event of an error in OpenAI's shape."""
-    return sse(error_body(message, status).model_dump_json())
-
-
 async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """`chunks`, then `[DONE]`; an engine death while streaming becomes a 503 error event."""
     # Closing this stream (client gone) must close `chunks` at once, so that it aborts
@@ -412,7 +469,7 @@ async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             async for chunk in chunks:
                 yield chunk
         except EngineDeadError as e:
-            yield stream_error(f"The engine is not available: {e}", 503)
+            yield exception_error(e).event()
     yield "data: [DONE]\n\n"
 
 
@@ -434,8 +491,9 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
         if rf.type == "json_schema":
             schema = rf.json_schema.json_schema if rf.json_schema is not None else None
             if schema is None:
-                raise ValueError(
-                    "response_format.json_schema: a JSON schema object ('schema') is required"
+                raise InvalidRequestError(
+                    "response_format.json_schema",
+                    "a JSON schema object ('schema') is required"
                 )
             found.append(("response_format", "json", schema))
         elif rf.type == "json_object":
@@ -451,8 +509,9 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
             if value is not None and value is not False:
                 found.append(("structured_outputs", key, value))
         if not any(where == "structured_outputs" for where, _, _ in found):
-            raise ValueError(
-                "structured_outputs: exactly one of json, json_object, regex, choice, grammar, "
+            raise InvalidRequestError(
+                "structured_outputs",
+                "exactly one of json, json_object, regex, choice, grammar, "
                 "structural_tag must be set, got none"
             )
     for field, key in (
@@ -470,8 +529,9 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
         names = ", ".join(
             where if where.startswith("guided_") else f"{where}.{key}" for where, key, _ in found
         )
-        raise ValueError(
-            f"structured_outputs: only one output constraint may be given, got {names}"
+        raise InvalidRequestError(
+            "structured_outputs",
+            f"only one output constraint may be given, got {names}"
         )
     _, key, value = found[0]
     return StructuredOutputsParams(**{key: value}, **options)
@@ -551,15 +611,10 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
             s.abort()
 
 
-def finish_error(outputs: list[RequestOutput]) -> str | None:
-    """The error message of the first sequence that ended with finish reason 'error'."""
+def finish_error(outputs: list[RequestOutput]) -> ServerError | None:
+    """The error of the first sequence that ended with finish reason "error", else None."""
     for out in outputs:
         for c in out.outputs:
             if c.finish_reason == "error":
-                return c.error or "the request failed in the engine"
+                return output_error(c)
     return None
-
-
-def error_status(message: str) -> int:
-    """400 for failures caused by the request's constraint, else 500."""
-    return 400 if message.startswith("structured_outputs") else 500

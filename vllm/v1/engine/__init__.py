@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from vllm.exceptions import ErrorKind
+
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """A validated, tokenized request entering the engine core."""
@@ -31,6 +33,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     # Prompt tokens served from the prefix cache (set on the first output).
     num_cached_tokens: int = 0
+    # With finish_reason "error": whose fault it was, decided where the error was found
+    # (the server maps it to an HTTP status; the message is for people only).
+    error_kind: ErrorKind | None = None
 
     @property
     def finished(self) -> bool:

@@ -11,11 +11,12 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import EngineDeadError, InvalidRequestError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
-from vllm.v1.engine.core_client import EngineCoreClient, EngineDeadError
+from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
@@ -115,6 +116,7 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         old.finish_reason = c.finish_reason
         old.stop_reason = c.stop_reason
         old.error = c.error
+        old.error_kind = c.error_kind
     into.outputs.sort(key=lambda c: c.index)
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
@@ -231,8 +233,9 @@ class AsyncLLM:
         num_prompt = len(core_request.prompt_token_ids)
         max_len = self.model_config.max_model_len
         if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
-            raise ValueError(
-                f"max_tokens: this model's maximum context length is {max_len} tokens; the "
+            raise InvalidRequestError(
+                "max_tokens",
+                f"this model's maximum context length is {max_len} tokens; the "
                 f"prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}, "
                 f"{num_prompt + params.max_tokens} in all"
             )
@@ -243,7 +246,7 @@ class AsyncLLM:
 
     def _check_unused(self, request_id: str) -> None:
         if request_id in self._requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
 
     async def _check_compiles(self, structured_outputs: StructuredOutputsParams) -> None:
         """Checks the constraint off the event loop: limits first, then a compile in a worker
@@ -286,7 +289,7 @@ class AsyncLLM:
             self.engine_core.abort_requests(sent)
             if isinstance(e, (EngineDeadError, ValueError)) or not isinstance(e, Exception):
                 raise
-            raise ValueError(f"request: cannot be sent to the engine: {e}") from e
+            raise InvalidRequestError("request", f"cannot be sent to the engine: {e}") from e
         if self.log_requests:
             logger.info(
                 "Received request %s: %d prompt tokens, params=%s",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from vllm.config import VllmConfig
+from vllm.exceptions import ErrorKind, error_kind_of
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -82,11 +83,16 @@ class EngineCore:
             )
             self.scheduler.add_request(request)
         except Exception as e:
-            self.reject_request(request_id, str(e) or type(e).__name__)
+            # The kind comes from the exception's type: the typed request errors raised by
+            # the checks above are the client's fault (400), anything else an engine bug.
+            self.reject_request(request_id, str(e) or type(e).__name__, error_kind_of(e))
 
-    def reject_request(self, request_id: str, message: str) -> None:
-        """Ends a request (admitted or not) with finish reason "error" and `message`."""
-        self.scheduler.finish_with_error(request_id, message)
+    def reject_request(
+        self, request_id: str, message: str, kind: ErrorKind = ErrorKind.INTERNAL
+    ) -> None:
+        """Ends a request (admitted or not) with finish reason "error", `message` and the
+        `kind` of failure."""
+        self.scheduler.finish_with_error(request_id, message, kind)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Ends requests; their in-flight tokens are dropped when they arrive."""

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from vllm import thread_policy
 from vllm.config import VllmConfig
+from vllm.exceptions import EngineConfigError, EngineDeadError, ErrorKind
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_proc import run_engine_core
 from vllm.v1.engine.messages import (
@@ -35,19 +36,15 @@ from vllm.v1.process import main_module_hidden
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone; no request can be served any more."""
-
-
 class EngineCoreClient:
     """Starts an engine-core process and talks to it over ZMQ (ipc sockets in a temp dir).
 
     Requests and aborts are sent at once (never blocking). Outputs arrive in a background
     asyncio task started by `start(...)`, which hands them to the given callbacks; when the
     process dies (or its loop fails) the `on_dead` callback gets the reason, once.
-    The constructor blocks until the engine is ready; it raises ValueError (bad
-    configuration found in the engine) or RuntimeError (any other startup failure) with the
-    engine's message, leaving nothing behind.
+    The constructor blocks until the engine is ready; it raises EngineConfigError, a
+    ValueError (bad configuration found in the engine), or RuntimeError (any other startup
+    failure) with the engine's message, leaving nothing behind.
     """
 
     def __init__(self, vllm_config: VllmConfig, startup_timeout_s: float | None = None) -> None:
@@ -124,8 +121,9 @@ class EngineCoreClient:
                 if msg.ok:
                     self.num_blocks = msg.num_blocks
                     return
-                exc_type = ValueError if msg.error_type == "ValueError" else RuntimeError
-                raise exc_type(msg.error)
+                if msg.error_kind is ErrorKind.CONFIG:
+                    raise EngineConfigError(msg.error)
+                raise RuntimeError(msg.error)
             if self.proc.sentinel in ready:
                 self.proc.join(5)
                 raise RuntimeError(

@@ -15,6 +15,7 @@ import zmq
 
 from vllm import thread_policy
 from vllm.config import VllmConfig
+from vllm.exceptions import ErrorKind
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
@@ -224,8 +225,11 @@ def run_engine_core(
         )
     except BaseException as e:  # report every startup failure instead of leaving a hang
         logger.error("engine core failed to start:\n%s", traceback.format_exc())
+        # Configuration checks raise ValueError while the engine is built; any other
+        # failure (out of memory, a missing library, a bug) is internal.
+        kind = ErrorKind.CONFIG if isinstance(e, ValueError) else ErrorKind.INTERNAL
         _send_handshake(handshake, encoder, EngineCoreHandshake(
-            ok=False, error_type=type(e).__name__, error=str(e) or repr(e)
+            ok=False, error_kind=kind, error=str(e) or repr(e)
         ))
         raise SystemExit(1) from None
     _send_handshake(handshake, encoder, EngineCoreHandshake(

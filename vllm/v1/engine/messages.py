@@ -9,6 +9,8 @@ import enum
 
 import msgspec
 
+from vllm.exceptions import ErrorKind
+
 
 class RequestType(bytes, enum.Enum):
     """Client -> engine core."""
@@ -73,6 +75,7 @@ class EngineCoreHandshake(msgspec.Struct):
     ok: bool
     # Set when ok: KV blocks the engine allocated.
     num_blocks: int = 0
-    # Set when not ok: the exception's type name and message.
-    error_type: str = ""
+    # Set when not ok: what kind of failure (CONFIG: the configuration is invalid; INTERNAL:
+    # anything else) and its message. The client raises by the kind, never by the text.
+    error_kind: ErrorKind = ErrorKind.INTERNAL
     error: str = ""

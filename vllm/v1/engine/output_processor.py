@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.exceptions import ErrorKind
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -24,6 +25,7 @@ class _SeqState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
     # Text length already handed to a streaming consumer.
     num_streamed_chars: int = 0
     num_streamed_tokens: int = 0
@@ -40,6 +42,7 @@ class _SeqState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             error=self.error,
+            error_kind=self.error_kind,
         )
 
     def take_delta(self) -> CompletionOutput | None:
@@ -73,6 +76,7 @@ class _SeqState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             error=self.error,
+            error_kind=self.error_kind,
         )
         self.num_streamed_chars = end
         self.num_streamed_tokens = num_tokens
@@ -229,4 +233,5 @@ class OutputProcessor:
             seq.finish_reason = out.finish_reason
             seq.stop_reason = out.stop_reason
             seq.error = out.error
+            seq.error_kind = out.error_kind
         return False

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from vllm.config import VllmConfig
+from vllm.exceptions import InvalidRequestError
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 
@@ -33,8 +34,9 @@ class InputProcessor:
         """Raises ValueError when `num_prompts` prompts times `n` samples exceed --max-n."""
         if num_prompts * n > self.max_n:
             what = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts x n={n}"
-            raise ValueError(
-                f"n: {what} asks for {num_prompts * n} sequences; this server allows at most "
+            raise InvalidRequestError(
+                "n",
+                f"{what} asks for {num_prompts * n} sequences; this server allows at most "
                 f"{self.max_n} per request (--max-n)"
             )
 
@@ -46,26 +48,33 @@ class InputProcessor:
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                raise InvalidRequestError(
+                    "prompt",
+                    "a dict prompt needs 'prompt' or 'prompt_token_ids'"
+                )
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(
-                    f"prompt_token_ids: token id {bad[0]} is outside the vocabulary "
+                raise InvalidRequestError(
+                    "prompt_token_ids",
+                    f"token id {bad[0]} is outside the vocabulary "
                     f"[0, {self.vocab_size})"
                 )
             return None, list(prompt)
-        raise ValueError("prompt: must be a string, a list of token ids, or a dict")
+        raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a dict")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """Renders chat messages with the model's chat template (generation prompt added)."""
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages: must be a non-empty list")
+            raise InvalidRequestError("messages", "must be a non-empty list")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m:
-                raise ValueError(f"messages[{i}]: each message needs a 'role' and 'content'")
+                raise InvalidRequestError(
+                    f"messages[{i}]",
+                    "each message needs a 'role' and 'content'"
+                )
         kwargs.setdefault("add_generation_prompt", True)
         return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
 
@@ -83,16 +92,18 @@ class InputProcessor:
         self.check_num_sequences(1, params.n)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
-            raise ValueError("prompt: must not be empty")
+            raise InvalidRequestError("prompt", "must not be empty")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens leave no room to generate within "
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(token_ids)} tokens leave no room to generate within "
                 f"max_model_len ({self.max_model_len})"
             )
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
-            raise ValueError(
-                f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
+            raise InvalidRequestError(
+                "stop_token_ids",
+                f"{bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
         if params.structured_outputs is not None:
             self.structured_output_manager.validate(params.structured_outputs)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm.exceptions import InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     StructuredOutputBackend,
@@ -74,7 +75,10 @@ class StructuredOutputManager:
         self._waiters: ThreadPoolExecutor | None = None
         self._use_processes = check_in_processes and hasattr(os, "fork")
         self._check_pool: CompileCheckPool | None = None
-        self._verdicts: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        # Constraint key -> None (it passed) or the error it failed with (re-raised as a copy).
+        self._verdicts: collections.OrderedDict[str, InvalidRequestError | None] = (
+            collections.OrderedDict()
+        )
         self._verdicts_lock = threading.Lock()
         self._live: dict[str, StructuredOutputRequest] = {}
         self._buffers: list[np.ndarray] = []
@@ -161,8 +165,9 @@ class StructuredOutputManager:
         it is abandoned: its thread finishes it in the background, and the engine's own compile
         of the same constraint is then a cache hit). A constraint already checked (by `check`
         or an earlier call) is not compiled again.
-        Raises ValueError naming the field when the constraint is over a configured limit,
-        invalid, unsatisfiable, or too slow to compile.
+        Raises GrammarCompileError naming the field when the constraint is over a configured
+        limit, does not compile, is unsatisfiable, or is too slow to compile
+        (CompileAbortedError), and InvalidRequestError when it is malformed.
         """
         check_constraint_limits(params, self._config)
         key = constraint_key(params)
@@ -178,20 +183,23 @@ class StructuredOutputManager:
         seconds = time.monotonic() - (so_req.compile_started_at or time.monotonic())
         so_req.release()
         if not ok:
-            if so_req.timed_out:
-                raise CompileAbortedError(so_req.error)
-            self._remember(key, so_req.error)
-            raise ValueError(so_req.error)
+            error = so_req.exception
+            if error is None:  # never submitted: a bug here, not the constraint's fault
+                raise RuntimeError("StructuredOutputManager: the compile job was lost")
+            if not so_req.timed_out:  # a timeout depends on the load: never remembered
+                self._remember(key, error)
+            raise error
         self._remember(key, None)
         return seconds
 
     def check(self, params: StructuredOutputsParams) -> Future[float]:
         """Starts checking `params` without blocking; returns a future of the compile's seconds.
 
-        Runs the limit checks now (raising ValueError naming the field), then compiles in a
-        killable worker process with `check_in_processes` (else on the lanes here). The
-        future raises ValueError when the constraint is invalid, unsatisfiable or too slow
-        (CompileAbortedError), and RuntimeError when the compile workers cannot run.
+        Runs the limit checks now (raising GrammarCompileError naming the field), then
+        compiles in a killable worker process with `check_in_processes` (else on the lanes
+        here). The future raises GrammarCompileError when the constraint does not compile, is
+        unsatisfiable or too slow (CompileAbortedError), and RuntimeError when the compile
+        workers cannot run.
         Cancelling it drops the check. A later `validate` of a passed constraint returns at
         once. Raises RuntimeError after shutdown.
         """
@@ -200,7 +208,7 @@ class StructuredOutputManager:
         future: Future[float]
         try:
             remembered = self._recall(key)
-        except ValueError as e:
+        except InvalidRequestError as e:
             future = Future()
             future.set_exception(e)
             return future
@@ -219,8 +227,10 @@ class StructuredOutputManager:
             error = done.exception()
             if error is None:
                 self._remember(key, None)
-            elif isinstance(error, ValueError) and not isinstance(error, CompileAbortedError):
-                self._remember(key, str(error))
+            elif isinstance(error, InvalidRequestError) and not isinstance(
+                error, CompileAbortedError
+            ):
+                self._remember(key, error)
 
         future.add_done_callback(remember)
         return future
@@ -258,17 +268,18 @@ class StructuredOutputManager:
             return self._waiters
 
     def _recall(self, key: str) -> bool:
-        """True when the constraint passed before; raises its ValueError when it failed."""
+        """True when the constraint passed before; raises (a copy of) its error when it
+        failed."""
         with self._verdicts_lock:
             verdict = self._verdicts.get(key, _MISSING)
             if verdict is _MISSING:
                 return False
             self._verdicts.move_to_end(key)
         if verdict is not None:
-            raise ValueError(verdict)
+            raise verdict.copy()
         return True
 
-    def _remember(self, key: str, error: str | None) -> None:
+    def _remember(self, key: str, error: InvalidRequestError | None) -> None:
         with self._verdicts_lock:
             self._verdicts[key] = error
             self._verdicts.move_to_end(key)

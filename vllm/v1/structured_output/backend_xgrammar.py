@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 import xgrammar as xgr
 
+from vllm.exceptions import GrammarCompileError, InvalidRequestError
 from vllm.thread_policy import available_cpus
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
@@ -137,12 +138,13 @@ def prepare_json_schema(
     they set it.
     """
     if schema is False:
-        raise ValueError("structured_outputs.json: the schema `false` accepts no value")
+        raise GrammarCompileError("structured_outputs.json", "the schema `false` accepts no value")
     if isinstance(schema, bool):
         return schema
     if not isinstance(schema, dict):
-        raise ValueError(
-            f"structured_outputs.json: a schema must be a JSON object, got {type(schema).__name__}"
+        raise GrammarCompileError(
+            "structured_outputs.json",
+            f"a schema must be a JSON object, got {type(schema).__name__}"
         )
     out = copy.deepcopy(schema)
     _prepare_node(out, "#", disable_additional_properties)
@@ -154,7 +156,10 @@ def _prepare_node(node: Any, path: str, no_extra: bool) -> None:
         return
 
     def bad(why: str) -> ValueError:
-        return ValueError(f"structured_outputs.json: at {path}: {why} (unsupported by xgrammar)")
+        return GrammarCompileError(
+            "structured_outputs.json",
+            f"at {path}: {why} (unsupported by xgrammar)"
+        )
 
     for key in _UNENFORCED_KEYWORDS:
         if key in node:
@@ -217,7 +222,10 @@ def _check_satisfiable(node: dict[str, Any], path: str) -> None:
     """
 
     def empty(why: str) -> ValueError:
-        return ValueError(f"structured_outputs.json: at {path}: {why}, so no value can match")
+        return GrammarCompileError(
+            "structured_outputs.json",
+            f"at {path}: {why}, so no value can match"
+        )
 
     for key in ("anyOf", "oneOf", "enum", "type"):
         if isinstance(node.get(key), list) and not node[key]:
@@ -297,9 +305,12 @@ def normalize_structural_tag(value: str | dict[str, Any]) -> str:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.structural_tag: not valid JSON: {e}") from e
+            raise GrammarCompileError(
+                "structured_outputs.structural_tag",
+                f"not valid JSON: {e}"
+            ) from e
     if not isinstance(value, dict):
-        raise ValueError("structured_outputs.structural_tag: must be a JSON object")
+        raise GrammarCompileError("structured_outputs.structural_tag", "must be a JSON object")
     if "structures" in value:
         try:
             items = [
@@ -308,8 +319,9 @@ def normalize_structural_tag(value: str | dict[str, Any]) -> str:
             ]
             tag = xgr.StructuralTag.from_legacy_structural_tag(items, list(value["triggers"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(
-                "structured_outputs.structural_tag: legacy tags need 'structures' "
+            raise GrammarCompileError(
+                "structured_outputs.structural_tag",
+                "legacy tags need 'structures' "
                 f"(each with begin, schema, end) and 'triggers': {e}"
             ) from e
         return tag.model_dump_json()
@@ -657,8 +669,9 @@ def _check_grammar_text(text: str) -> None:
     if rule is not None:
         if lark and rule == "root":
             rule = "start"  # xgrammar renames Lark's start rule
-        raise ValueError(
-            f"structured_outputs.grammar: rule {rule!r} can never finish (it is left-recursive "
+        raise GrammarCompileError(
+            "structured_outputs.grammar",
+            f"rule {rule!r} can never finish (it is left-recursive "
             "or cyclic with no alternative that ends), so generation would get stuck"
         )
 
@@ -705,17 +718,17 @@ class XgrammarBackend(StructuredOutputBackend):
         self._batch_serial = xgr.BatchGrammarMatcher(max_threads=1)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> XgrammarGrammar:
-        """Compiles `params` (cached by content). Raises ValueError naming the field, also when
-        no output can satisfy the constraint."""
+        """Compiles `params` (cached by content). Raises GrammarCompileError naming the field
+        when it does not compile or no output can satisfy it, InvalidRequestError when it is
+        malformed."""
         kind = params.kind
         try:
             compiled = self._compile(params, kind)
-        except ValueError as e:
-            if str(e).startswith("structured_outputs."):
-                raise
-            raise ValueError(f"structured_outputs.{kind}: {_clean_error(e)}") from e
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"structured_outputs.{kind}: {_clean_error(e)}") from e
+        except InvalidRequestError:
+            raise  # found by our own checks, already naming its field
+        except (ValueError, RuntimeError, TypeError) as e:
+            # xgrammar's own parse and compile errors: the constraint's fault, named by kind.
+            raise GrammarCompileError(f"structured_outputs.{kind}", _clean_error(e)) from e
         grammar = XgrammarGrammar(
             xgr.GrammarMatcher(compiled), self.vocab_size, self.masked_token_ids,
             self.vocab.utf8_guard,
@@ -729,15 +742,17 @@ class XgrammarBackend(StructuredOutputBackend):
         row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
         grammar.matcher.fill_next_token_bitmask(row, 0)
         if not row.any():
-            raise ValueError(
-                f"structured_outputs.{kind}: the constraint accepts no output at all"
+            raise GrammarCompileError(
+                f"structured_outputs.{kind}",
+                "the constraint accepts no output at all"
             )
         if kind in ("json", "json_object"):
             bits = np.unpackbits(row.view(np.uint8), bitorder="little")
             bits[[t for t in self.stop_token_ids if t < bits.size]] = 0
             if not bits.any():
-                raise ValueError(
-                    f"structured_outputs.{kind}: the schema accepts only an empty output, "
+                raise GrammarCompileError(
+                    f"structured_outputs.{kind}",
+                    "the schema accepts only an empty output, "
                     "which is not JSON"
                 )
 
@@ -756,8 +771,9 @@ class XgrammarBackend(StructuredOutputBackend):
         if kind == "regex":
             opener = find_lookaround(params.regex)
             if opener is not None:
-                raise ValueError(
-                    f"structured_outputs.regex: lookaround {opener!r} is not supported by xgrammar"
+                raise GrammarCompileError(
+                    "structured_outputs.regex",
+                    f"lookaround {opener!r} is not supported by xgrammar"
                 )
             return self.compiler.compile_regex(params.regex)
         if kind == "choice":
@@ -771,7 +787,7 @@ class XgrammarBackend(StructuredOutputBackend):
             return self.compiler.compile_structural_tag(
                 normalize_structural_tag(params.structural_tag)
             )
-        raise ValueError(f"structured_outputs: unknown constraint {kind!r}")
+        raise GrammarCompileError("structured_outputs", f"unknown constraint {kind!r}")
 
     def _compile_schema(self, schema: str, compact: bool) -> xgr.CompiledGrammar:
         style: dict[str, Any] = {"any_whitespace": not compact}

@@ -42,6 +42,7 @@ from concurrent.futures import Future, InvalidStateError
 from multiprocessing.connection import Connection, wait
 from typing import Any, Protocol
 
+from vllm.exceptions import GrammarCompileError, InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.process import main_module_hidden
 
@@ -53,7 +54,12 @@ _PR_SET_PDEATHSIG = 1
 _SHUTTING_DOWN = "structured outputs: the server is shutting down"
 
 
-class CompileAbortedError(ValueError):
+# What a check's outcome carries: nothing ("ok"), the typed request error ("invalid",
+# "aborted"), or the text of an internal failure ("error").
+_Message = InvalidRequestError | str | None
+
+
+class CompileAbortedError(GrammarCompileError):
     """A compile was stopped: it ran past its time limit, or its worker died. Depends on the
     load as much as on the constraint, so it is never remembered as the constraint's verdict."""
 
@@ -69,7 +75,8 @@ class Checker(Protocol):
         """Runs once in each worker right after the fork, before its first check."""
 
     def check(self, params: StructuredOutputsParams) -> None:
-        """Compiles `params`; raises ValueError naming the field when it is invalid."""
+        """Compiles `params`; raises InvalidRequestError (usually GrammarCompileError) naming
+        the field when it is invalid."""
 
 
 @dataclasses.dataclass
@@ -289,15 +296,18 @@ def _send_loop(link: _Link) -> None:
             return  # the supervisor is gone; the receiver fails what is pending
 
 
-def _settle(future: Future[float], status: str, message: str | None, seconds: float) -> None:
+def _settle(
+    future: Future[float], status: str, message: _Message, seconds: float
+) -> None:
     """Completes `future` from a check's outcome (no-op when it was cancelled meanwhile)."""
     try:
         if status == "ok":
             future.set_result(seconds)
-        elif status == "invalid":
-            future.set_exception(ValueError(message))
-        elif status == "aborted":
-            future.set_exception(CompileAbortedError(message))
+        elif status in ("invalid", "aborted"):
+            # The worker or supervisor built the typed error (GrammarCompileError,
+            # CompileAbortedError); it crossed the pipe by pickle.
+            assert isinstance(message, InvalidRequestError)
+            future.set_exception(message)
         else:
             future.set_exception(RuntimeError(message))
     except InvalidStateError:
@@ -412,7 +422,7 @@ class _Supervisor:
             self._report(job_id, status, message, seconds)
         return True
 
-    def _report(self, job_id: int, status: str, message: str | None, seconds: float) -> None:
+    def _report(self, job_id: int, status: str, message: _Message, seconds: float) -> None:
         with contextlib.suppress(OSError):
             self.conn.send(("done", job_id, status, message, seconds))
 
@@ -436,8 +446,11 @@ class _Supervisor:
                 self._report(
                     job_id,
                     "aborted",
-                    f"structured_outputs.{kind}: compiling the grammar took longer than "
-                    f"{self.timeout_s:g} s (--structured-outputs-config.compile_timeout_s)",
+                    CompileAbortedError(
+                        f"structured_outputs.{kind}",
+                        f"compiling the grammar took longer than {self.timeout_s:g} s "
+                        "(--structured-outputs-config.compile_timeout_s)",
+                    ),
                     now - worker.started,
                 )
 
@@ -449,8 +462,11 @@ class _Supervisor:
             self._report(
                 job[0],
                 "aborted",
-                f"structured_outputs.{job[1]}: compiling the grammar crashed its worker "
-                f"({status}); the constraint is too large or too complex",
+                CompileAbortedError(
+                    f"structured_outputs.{job[1]}",
+                    f"compiling the grammar crashed its worker ({status}); the constraint is "
+                    "too large or too complex",
+                ),
                 time.monotonic() - worker.started,
             )
 
@@ -565,8 +581,10 @@ def _worker_loop(conn: Connection, checker: Checker) -> None:
         try:
             checker.check(params)
             status, message = "ok", None
-        except ValueError as e:
-            status, message = "invalid", str(e)
+        except InvalidRequestError as e:
+            # Sent as the exception itself (it pickles by its fields), so the owner re-raises
+            # it with its type and `param` intact.
+            status, message = "invalid", e
         except Exception as e:  # a compiler bug must fail this check, not the worker
             status = "error"
             message = f"structured_outputs.{params.kind}: compiling the grammar failed: {e!r}"

@@ -10,6 +10,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import GrammarCompileError
 from vllm.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -51,7 +52,10 @@ def constraint_length(params: StructuredOutputsParams, cap: int | None = None) -
     try:
         return len(json.dumps(value, ensure_ascii=False))
     except (TypeError, ValueError, RecursionError) as e:
-        raise ValueError(f"structured_outputs.{kind}: not serializable as JSON: {e}") from e
+        raise GrammarCompileError(
+            f"structured_outputs.{kind}",
+            f"not serializable as JSON: {e}"
+        ) from e
 
 
 def _estimate_length(document: Any, cap: int) -> int:
@@ -79,9 +83,12 @@ def _parse(kind: str, value: str | dict[str, Any]) -> Any:
     try:
         return json.loads(value)
     except RecursionError:
-        raise ValueError(f"structured_outputs.{kind}: the JSON nests too deeply") from None
+        raise GrammarCompileError(
+            f"structured_outputs.{kind}",
+            "the JSON nests too deeply"
+        ) from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"structured_outputs.{kind}: not valid JSON: {e}") from e
+        raise GrammarCompileError(f"structured_outputs.{kind}", f"not valid JSON: {e}") from e
 
 
 def _walk(document: Any) -> tuple[int, int]:
@@ -120,8 +127,9 @@ def check_constraint_limits(
         return 0
     value = getattr(params, kind)
     if kind == "choice" and len(value) > config.max_enum_values:
-        raise ValueError(
-            f"structured_outputs.choice: {len(value)} options; this server accepts at most "
+        raise GrammarCompileError(
+            "structured_outputs.choice",
+            f"{len(value)} options; this server accepts at most "
             f"{config.max_enum_values} ({_FLAG}max_enum_values)"
         )
     if kind in ("json", "structural_tag"):
@@ -130,13 +138,15 @@ def check_constraint_limits(
             _check_length(kind, len(value), config)
         depth, num_enum = _walk(_parse(kind, value))
         if depth > config.max_json_depth:
-            raise ValueError(
-                f"structured_outputs.{kind}: objects and arrays nest {depth} levels deep; this "
+            raise GrammarCompileError(
+                f"structured_outputs.{kind}",
+                f"objects and arrays nest {depth} levels deep; this "
                 f"server accepts at most {config.max_json_depth} ({_FLAG}max_json_depth)"
             )
         if num_enum > config.max_enum_values:
-            raise ValueError(
-                f"structured_outputs.{kind}: {num_enum} enum values in all; this server accepts "
+            raise GrammarCompileError(
+                f"structured_outputs.{kind}",
+                f"{num_enum} enum values in all; this server accepts "
                 f"at most {config.max_enum_values} ({_FLAG}max_enum_values)"
             )
     length = constraint_length(params)
@@ -146,8 +156,9 @@ def check_constraint_limits(
 
 def _check_length(kind: str, length: int, config: StructuredOutputsConfig) -> None:
     if length > config.max_constraint_length:
-        raise ValueError(
-            f"structured_outputs.{kind}: the constraint is {length} characters long; this server "
+        raise GrammarCompileError(
+            f"structured_outputs.{kind}",
+            f"the constraint is {length} characters long; this server "
             f"accepts at most {config.max_constraint_length} ({_FLAG}max_constraint_length)"
         )
 

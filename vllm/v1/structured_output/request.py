@@ -7,8 +7,10 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
+from vllm.exceptions import GrammarCompileError, InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+from vllm.v1.structured_output.compile_pool import CompileAbortedError
 
 
 class StructuredOutputRequest:
@@ -22,7 +24,7 @@ class StructuredOutputRequest:
         self.params = params
         self.grammar: StructuredOutputGrammar | None = None
         # Why the request cannot run (compile error or timeout); None while all is well.
-        self.error: str | None = None
+        self.exception: GrammarCompileError | None = None
         self.future: Future[StructuredOutputGrammar] | None = None
         # time.monotonic() when a worker began compiling: time spent queued behind other
         # compiles (or building the backend) does not count against the timeout.
@@ -33,8 +35,13 @@ class StructuredOutputRequest:
 
     @property
     def failed(self) -> bool:
-        """True when the grammar will never be ready (see `error`)."""
-        return self.error is not None
+        """True when the grammar will never be ready (see `exception`)."""
+        return self.exception is not None
+
+    @property
+    def error(self) -> str | None:
+        """The text of `exception` ("structured_outputs.json: ..."), or None."""
+        return None if self.exception is None else str(self.exception)
 
     @property
     def ready(self) -> bool:
@@ -82,19 +89,26 @@ class StructuredOutputRequest:
             self.future = None
             try:
                 self.grammar = future.result()
-            except ValueError as e:
-                self.error = str(e)
+            except GrammarCompileError as e:
+                self.exception = e
+            except InvalidRequestError as e:
+                # Malformed constraint found while compiling: still the constraint's fault.
+                self.exception = GrammarCompileError(e.param, e.message)
             except Exception as e:  # an engine bug must fail this request, not the engine
-                self.error = f"structured_outputs: compiling the grammar failed: {e!r}"
+                self.exception = GrammarCompileError(
+                    f"structured_outputs.{self.params.kind}",
+                    f"compiling the grammar failed: {e!r}",
+                )
             return self.grammar is not None
         started = self.compile_started_at
         if started is not None and time.monotonic() - started > timeout_s:
             future.cancel()
             self.future = None
             self.timed_out = True
-            self.error = (
-                f"structured_outputs.{self.params.kind}: compiling the grammar took longer than "
-                f"{timeout_s:g} s (--structured-outputs-config.compile_timeout_s)"
+            self.exception = CompileAbortedError(
+                f"structured_outputs.{self.params.kind}",
+                f"compiling the grammar took longer than {timeout_s:g} s "
+                "(--structured-outputs-config.compile_timeout_s)",
             )
         return False
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm.exceptions import InvalidRequestError
 from vllm.sampling_params import SamplingParams
 
 # How the runner stores each numeric sampling parameter (see
@@ -54,24 +55,31 @@ def check_request_inputs(
     such a request fails alone. Raises ValueError naming the offending input.
     """
     if len(prompt_token_ids) == 0:
-        raise ValueError("prompt: must not be empty")
+        raise InvalidRequestError("prompt", "must not be empty")
     if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(
-            f"prompt: {len(prompt_token_ids)} tokens leave no room to generate within "
+        raise InvalidRequestError(
+            "prompt",
+            f"{len(prompt_token_ids)} tokens leave no room to generate within "
             f"max_model_len ({max_model_len})"
         )
     if not all(_is_int(t) for t in prompt_token_ids):
-        raise ValueError("prompt: token ids must be integers")
+        raise InvalidRequestError("prompt", "token ids must be integers")
     low, high = min(prompt_token_ids), max(prompt_token_ids)
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        raise InvalidRequestError(
+            "prompt",
+            f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
     for name, (dtype, lo, hi) in _INT_RANGES.items():
         value = getattr(params, name)
         if value is None and name in _OPTIONAL_PARAMS:
             continue
         if not _is_int(value) or not lo <= value <= hi:
-            raise ValueError(f"{name}: must be an integer in the {dtype} range, got {value!r}")
+            raise InvalidRequestError(
+                name,
+                f"must be an integer in the {dtype} range, got {value!r}"
+            )
     for name in FLOAT32_PARAMS:
         value = getattr(params, name)
         if (
@@ -81,14 +89,17 @@ def check_request_inputs(
             or abs(value) > _FLOAT32_MAX
             or not math.isfinite(value)
         ):
-            raise ValueError(f"{name}: must be a finite float32 number, got {value!r}")
+            raise InvalidRequestError(name, f"must be a finite float32 number, got {value!r}")
     if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
-        raise ValueError(f"logprobs: must be in [0, {vocab_size}], got {params.logprobs}")
+        raise InvalidRequestError(
+            "logprobs",
+            f"must be in [0, {vocab_size}], got {params.logprobs}"
+        )
     _, int64_min, int64_max = _INT_RANGES["seed"]
     for name in ("stop_token_ids", "all_stop_token_ids"):
         ids = getattr(params, name)
         if any(not _is_int(t) or not int64_min <= t <= int64_max for t in ids):
-            raise ValueError(f"{name}: must be integers in the int64 range")
+            raise InvalidRequestError(name, "must be integers in the int64 range")
 
 
 @dataclass

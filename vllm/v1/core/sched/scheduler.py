@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from vllm.config import VllmConfig
+from vllm.exceptions import ErrorKind, InvalidRequestError
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import (
     CachedRequestData,
@@ -70,7 +71,7 @@ class Scheduler:
         raised; either way nothing of the request stays registered.
         """
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
         if request.use_structured_output:
             assert self.structured_output_manager is not None
             try:
@@ -81,15 +82,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def finish_with_error(self, request_id: str, message: str) -> None:
-        """Ends a request with finish reason "error" and `message`, freeing everything it holds.
+    def finish_with_error(self, request_id: str, message: str, kind: ErrorKind) -> None:
+        """Ends a request with finish reason "error", `message` and `kind`, freeing everything
+        it holds.
 
         An id the scheduler does not hold (a request that was never admitted) still gets its
         error output, so whoever sent it learns why. The output goes out with the next step.
         """
         request = self.requests.get(request_id)
         if request is not None:
-            self._finish_with_error(request, message)
+            self._finish_with_error(request, message, kind)
             return
         logger.warning("request %s rejected: %s", request_id, message)
         self._pending_outputs.append(
@@ -98,6 +100,7 @@ class Scheduler:
                 new_token_ids=[],
                 finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
                 error=message,
+                error_kind=kind,
             )
         )
 
@@ -313,22 +316,27 @@ class Scheduler:
             assert so_request is not None
             if not so_request.poll(self.compile_timeout_s):
                 if so_request.failed:
-                    self._finish_with_error(request, so_request.error or "grammar failed")
+                    # A constraint that does not compile (or in time) is the client's fault.
+                    self._finish_with_error(
+                        request, so_request.error or "grammar failed", ErrorKind.GRAMMAR
+                    )
                 return False
             request.status = RequestStatus.WAITING
         # A preempted request whose sampled tokens are still in flight resumes once they land.
         return request.num_output_placeholders == 0
 
-    def _finish_with_error(self, request: Request, message: str) -> None:
+    def _finish_with_error(self, request: Request, message: str, kind: ErrorKind) -> None:
         logger.warning("request %s failed: %s", request.request_id, message)
         request.status = RequestStatus.FINISHED_ERROR
         request.error_message = message
+        request.error_kind = kind
         self._pending_outputs.append(
             EngineCoreOutput(
                 request_id=request.request_id,
                 new_token_ids=[],
                 finish_reason=request.get_finish_reason(),
                 error=message,
+                error_kind=kind,
             )
         )
         self._dequeue(request)
@@ -389,6 +397,7 @@ class Scheduler:
                 finish_reason=request.get_finish_reason(),
                 stop_reason=request.stop_reason,
                 error=request.error_message,
+                error_kind=request.error_kind,
                 num_cached_tokens=request.num_cached_tokens,
             )
             if logprobs is not None and request.sampling_params.logprobs is not None and new_ids:
@@ -423,6 +432,8 @@ class Scheduler:
                 logger.error("request %s: %s (engine bug)", request.request_id, message)
                 request.status = RequestStatus.FINISHED_ERROR
                 request.error_message = message
+                # The bitmask should have excluded the token: an engine bug, not the client's.
+                request.error_kind = ErrorKind.INTERNAL
                 break
             request.append_output_token_ids([token])
             kept.append(token)

@@ -1,0 +1,85 @@
+"""The engine's error vocabulary: what kind of failure happened, decided where it happened.
+
+Layers above (the OpenAI server, the offline API) decide what a failure means to the caller
+by its type or its `ErrorKind`, never by its wording. A request error raised in the API
+server is an exception from this module; one that ends a request inside the engine-core
+process travels back as an `ErrorKind` on the request's last output, next to its message.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a request (or the engine) failed, in terms the caller can act on.
+
+    Sent across the engine-core boundary by value (msgspec encodes the string), so adding a
+    member is a protocol change for both processes; they always ship together.
+    """
+
+    # The request itself is malformed or out of range; the client must change it (400).
+    INVALID_REQUEST = "invalid_request"
+    # The request's output constraint does not compile, cannot be satisfied, exceeds a
+    # limit or took too long to compile; the client must change it (400).
+    GRAMMAR = "grammar"
+    # The engine's configuration is invalid (a startup failure, never a request's).
+    CONFIG = "config"
+    # An engine bug: the request was valid but the engine failed it (500).
+    INTERNAL = "internal"
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine will not run because of one of its inputs.
+
+    `param` names the offending field the way the client spelled it ("max_tokens",
+    "structured_outputs.json", "messages[2]"), or is None when no single field is to blame.
+    `str(e)` is "param: message", the text clients have always seen, so the field name is
+    visible in logs too; code reads the attributes instead of parsing the text.
+    A ValueError so that callers that predate this hierarchy still catch it.
+    """
+
+    kind: ErrorKind = ErrorKind.INVALID_REQUEST
+
+    def __init__(self, param: str | None, message: str) -> None:
+        self.param = param
+        self.message = message
+        super().__init__(f"{param}: {message}" if param else message)
+
+    def __reduce__(self) -> tuple[type[InvalidRequestError], tuple[str | None, str]]:
+        # Crosses process boundaries (compile workers) by pickle; the default reduce would
+        # call the constructor with the formatted text as the only argument.
+        return (type(self), (self.param, self.message))
+
+    def copy(self) -> InvalidRequestError:
+        """A fresh exception of the same type and fields (no traceback), for re-raising a
+        remembered verdict from several threads without sharing one traceback."""
+        return type(self)(self.param, self.message)
+
+
+class GrammarCompileError(InvalidRequestError):
+    """The output constraint does not compile, admits no output, exceeds a configured limit,
+    or took longer than the compile time limit. The client's fault, like any bad input."""
+
+    kind = ErrorKind.GRAMMAR
+
+
+class EngineConfigError(ValueError):
+    """The engine cannot start with this configuration (reported from the engine-core
+    process at startup). A ValueError, as configuration errors raised in-process are."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no request can be served any more."""
+
+
+def error_kind_of(e: BaseException) -> ErrorKind:
+    """The kind of an exception that ends one request where it was raised.
+
+    Only this module's request errors are the client's fault; any other exception (a plain
+    ValueError included) comes from code that should have raised a typed error and is
+    treated as an engine bug.
+    """
+    if isinstance(e, InvalidRequestError):
+        return e.kind
+    return ErrorKind.INTERNAL
