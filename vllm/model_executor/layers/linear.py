@@ -1,4 +1,9 @@
-"""Dense linear layers, including fused projections that load from several checkpoint tensors."""
+"""Dense linear layers, replicated or sharded across the tensor-parallel ranks.
+
+Column-parallel layers keep a slice of the output rows (no communication); row-parallel
+layers keep a slice of the input columns and sum their partial outputs over the group.
+Every layer loads itself from full checkpoint tensors, reading only its own slice.
+"""
 
 from __future__ import annotations
 
@@ -6,58 +11,242 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed.parallel_state import ParallelContext, shard_range
+from vllm.model_executor.model_loader.weight_utils import CheckpointTensor, check_shape
+
+
+def _parameter(module: nn.Module, param_name: str) -> nn.Parameter:
+    param = getattr(module, param_name, None)
+    if not isinstance(param, nn.Parameter):
+        raise ValueError(f"this layer has no {param_name!r} parameter")
+    return param
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    # Uninitialized on purpose: the loader overwrites every parameter, and initializing
+    # billions of weights only to discard them would slow startup.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
 
 class Linear(nn.Module):
-    """A dense ``y = x W^T + b`` layer whose weights are filled by the model loader."""
+    """A dense ``y = x W^T + b`` layer, the same on every rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        # Uninitialized on purpose: the loader overwrites every parameter, and initializing
-        # billions of weights only to discard them would slow startup.
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        )
+        self.weight = _empty(output_size, input_size)
+        self.bias = _empty(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the layer to the last dimension of x."""
         return F.linear(x, self.weight, self.bias)
 
+    def load_weight(
+        self, param_name: str, tensor: CheckpointTensor, part: int | None = None
+    ) -> None:
+        """Copies a whole checkpoint tensor into ``weight`` or ``bias``.
+
+        Raises ValueError for a part index (this layer is not fused), an unknown parameter
+        or a wrong shape.
+        """
+        if part is not None:
+            raise ValueError(f"this layer has no part {part}")
+        param = _parameter(self, param_name)
+        check_shape(tensor, tuple(param.shape))
+        with torch.no_grad():
+            param.data.copy_(tensor.read())
+
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
-class MergedLinear(Linear):
-    """Several linear layers over the same input, stored as one matrix (e.g. q/k/v or gate/up).
+class MergedColumnParallelLinear(nn.Module):
+    """Several linear layers over the same input, fused into one matrix, each sharded by rows.
 
-    Output ``i`` occupies rows ``offsets[i]:offsets[i] + output_sizes[i]`` of the fused weight.
+    Part ``i`` has ``full_sizes[i]`` output rows in the checkpoint; this rank holds rows
+    ``shards[i] = (start, length)`` of it, stored at rows ``offsets[i]:offsets[i] + length``
+    of the fused weight. By default each part is split evenly among the ranks.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        parallel: ParallelContext | None = None,
+        shards: list[tuple[int, int]] | None = None,
+    ) -> None:
+        super().__init__()
+        ctx = parallel or ParallelContext.single()
+        if shards is None:
+            shards = [shard_range(size, ctx.tp_size, ctx.tp_rank) for size in output_sizes]
+        if len(shards) != len(output_sizes):
+            raise ValueError(f"{len(shards)} shards for {len(output_sizes)} parts")
+        self.input_size = input_size
+        self.full_sizes = list(output_sizes)
+        self.shards = list(shards)
+        # Sizes of the parts on this rank: what forward's output splits into.
+        self.output_sizes = [length for _, length in self.shards]
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        local = sum(self.output_sizes)
+        self.weight = _empty(local, input_size)
+        self.bias = _empty(local) if bias else None
 
-    def load_shard(self, param_name: str, index: int, tensor: torch.Tensor) -> None:
-        """Copies one checkpoint tensor into part ``index`` of ``weight`` or ``bias``.
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps [..., input_size] to this rank's fused outputs [..., sum(output_sizes)]."""
+        return F.linear(x, self.weight, self.bias)
 
-        Raises ValueError if the part does not exist or the tensor has the wrong shape.
+    def load_weight(
+        self, param_name: str, tensor: CheckpointTensor, part: int | None = None
+    ) -> None:
+        """Copies this rank's rows of one full checkpoint part into ``weight`` or ``bias``.
+
+        ``part`` may be omitted when the layer has a single part. Raises ValueError for a
+        part that does not exist, an unknown parameter, or a checkpoint tensor whose full
+        shape is wrong.
         """
-        if not 0 <= index < len(self.output_sizes):
-            raise ValueError(f"shard index {index} out of range for {len(self.output_sizes)} parts")
-        param = getattr(self, param_name, None)
-        if param is None:
-            raise ValueError(f"this layer has no {param_name!r} parameter")
-        start, size = self.offsets[index], self.output_sizes[index]
-        target = param.data.narrow(0, start, size)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"shape {tuple(tensor.shape)} does not match expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
+        if part is None and len(self.shards) == 1:
+            part = 0
+        if part is None or not 0 <= part < len(self.shards):
+            raise ValueError(f"part index {part} out of range for {len(self.shards)} parts")
+        param = _parameter(self, param_name)
+        check_shape(tensor, (self.full_sizes[part],) + tuple(param.shape[1:]))
+        start, length = self.shards[part]
+        with torch.no_grad():
+            target = param.data.narrow(0, self.offsets[part], length)
+            target.copy_(tensor.read_range(0, start, length))
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Splits a fused output into the outputs of the individual layers."""
+        """Splits a fused output into this rank's outputs of the individual layers."""
         return tuple(y.split(self.output_sizes, dim=-1))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.full_sizes}, shards={self.shards}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+class ColumnParallelLinear(MergedColumnParallelLinear):
+    """A linear layer whose output rows are split evenly among the tensor-parallel ranks;
+    each rank returns its slice of the output."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        parallel: ParallelContext | None = None,
+    ) -> None:
+        super().__init__(input_size, [output_size], bias, parallel)
+
+
+def qkv_shards(
+    num_heads: int, num_kv_heads: int, head_dim: int, tp_size: int, tp_rank: int
+) -> list[tuple[int, int]]:
+    """(start, length) of the q, k and v rows that tensor-parallel rank ``tp_rank`` holds.
+
+    Query heads split evenly. KV heads split evenly while there are at least as many as
+    ranks; otherwise each rank holds one whole KV head, head ``tp_rank * num_kv_heads //
+    tp_size``, so every KV head is replicated on ``tp_size / num_kv_heads`` consecutive
+    ranks (the ranks whose query heads use it). Raises ValueError when neither works.
+    """
+    q_start, q_heads = shard_range(num_heads, tp_size, tp_rank)
+    if tp_size <= num_kv_heads:
+        kv_start, kv_heads = shard_range(num_kv_heads, tp_size, tp_rank)
+    else:
+        if tp_size % num_kv_heads:
+            raise ValueError(
+                f"{num_kv_heads} KV heads can neither be split nor replicated evenly over "
+                f"{tp_size} tensor-parallel ranks"
+            )
+        kv_start, kv_heads = tp_rank * num_kv_heads // tp_size, 1
+    q = (q_start * head_dim, q_heads * head_dim)
+    kv = (kv_start * head_dim, kv_heads * head_dim)
+    return [q, kv, kv]
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """The fused q/k/v projection, sharded by attention heads (see qkv_shards).
+
+    ``num_heads`` and ``num_kv_heads`` are the heads on this rank.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        parallel: ParallelContext | None = None,
+    ) -> None:
+        ctx = parallel or ParallelContext.single()
+        shards = qkv_shards(num_heads, num_kv_heads, head_dim, ctx.tp_size, ctx.tp_rank)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, [q_size, kv_size, kv_size], bias, ctx, shards)
+        self.head_dim = head_dim
+        self.num_heads = shards[0][1] // head_dim
+        self.num_kv_heads = shards[1][1] // head_dim
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input columns are split evenly among the tensor-parallel ranks.
+
+    Takes this rank's slice of the input (the output of a column-parallel layer) and returns
+    the full output, identical on every rank: the partial products are summed over the
+    group, and the bias (replicated) is added once, after the sum.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        parallel: ParallelContext | None = None,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel or ParallelContext.single()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.input_start, local = shard_range(
+            input_size, self.parallel.tp_size, self.parallel.tp_rank
+        )
+        self.weight = _empty(output_size, local)
+        self.bias = _empty(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Maps this rank's input slice [..., input_size / tp] to the full [..., output_size].
+
+        Side effect (tp > 1): an all-reduce over the tensor-parallel group.
+        """
+        if self.parallel.tp_size == 1:
+            # Same kernel as an unsharded layer, so single-rank results are unchanged.
+            return F.linear(x, self.weight, self.bias)
+        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y.add_(self.bias)
+
+    def load_weight(
+        self, param_name: str, tensor: CheckpointTensor, part: int | None = None
+    ) -> None:
+        """Copies this rank's columns of the full checkpoint weight, or the whole bias.
+
+        Raises ValueError for a part index, an unknown parameter or a wrong full shape.
+        """
+        if part is not None:
+            raise ValueError(f"this layer has no part {part}")
+        param = _parameter(self, param_name)
+        with torch.no_grad():
+            if param_name == "bias":
+                check_shape(tensor, (self.output_size,))
+                param.data.copy_(tensor.read())
+                return
+            check_shape(tensor, (self.output_size, self.input_size))
+            param.data.copy_(tensor.read_range(1, self.input_start, param.shape[1]))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size} (from {self.input_start}: {self.weight.shape[1]}), "
+            f"out={self.output_size}, bias={self.bias is not None}"
+        )

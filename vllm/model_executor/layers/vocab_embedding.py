@@ -1,4 +1,9 @@
-"""Token embedding and the language-model head, optionally sharing one matrix."""
+"""Token embedding and the language-model head, split by vocabulary across tensor-parallel ranks.
+
+Each rank owns a contiguous slice of ceil(vocab_size / tp) vocabulary rows; the last slice
+is padded with zero rows when the vocabulary does not divide evenly. Both layers use the
+same slices, so a tied head can share the embedding's shard.
+"""
 
 from __future__ import annotations
 
@@ -6,31 +11,79 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed.parallel_state import ParallelContext
+from vllm.model_executor.model_loader.weight_utils import CheckpointTensor, check_shape
 
-class VocabEmbedding(nn.Module):
-    """Looks up one row of a [vocab_size, hidden_size] table per token id."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+class VocabShard(nn.Module):
+    """A [rows_per_rank, hidden_size] slice of a [vocab_size, hidden_size] table.
+
+    Rank t holds vocabulary rows ``vocab_start:vocab_start + num_valid``; its remaining
+    ``rows_per_rank - num_valid`` rows are padding.
+    """
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, parallel: ParallelContext | None = None
+    ) -> None:
         super().__init__()
+        self.parallel = parallel or ParallelContext.single()
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.rows_per_rank = -(-vocab_size // self.parallel.tp_size)
+        self.vocab_start = self.parallel.tp_rank * self.rows_per_rank
+        self.num_valid = max(0, min(self.rows_per_rank, vocab_size - self.vocab_start))
+        # Uninitialized on purpose: the loader overwrites it.
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, hidden_size), requires_grad=False
+        )
+
+    def load_weight(
+        self, param_name: str, tensor: CheckpointTensor, part: int | None = None
+    ) -> None:
+        """Copies this rank's rows of the full [vocab_size, hidden_size] checkpoint table
+        and zeroes the padding rows.
+
+        Raises ValueError for anything but ``weight`` or for a wrong full shape.
+        """
+        if param_name != "weight" or part is not None:
+            raise ValueError(f"this layer has no {param_name!r} parameter part {part}")
+        check_shape(tensor, (self.vocab_size, self.hidden_size))
+        with torch.no_grad():
+            if self.num_valid:
+                rows = tensor.read_range(0, self.vocab_start, self.num_valid)
+                self.weight.data[: self.num_valid].copy_(rows)
+            self.weight.data[self.num_valid :].zero_()
+
+    def extra_repr(self) -> str:
+        return (
+            f"vocab={self.vocab_size}, hidden={self.hidden_size}, "
+            f"rows={self.vocab_start}:{self.vocab_start + self.num_valid}"
+        )
+
+
+class VocabParallelEmbedding(VocabShard):
+    """Looks up one row of the [vocab_size, hidden_size] table per token id."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Maps [T] token ids to [T, hidden_size]."""
-        return F.embedding(input_ids, self.weight)
+        """Maps [T] token ids to [T, hidden_size], the same on every tensor-parallel rank.
+
+        Side effect (tp > 1): an all-reduce over the tensor-parallel group.
+        """
+        if self.parallel.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids of other ranks' slices look up row 0 and are then zeroed, so the sum over the
+        # group leaves exactly the owner's row (adding zeros is exact).
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_valid)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.parallel.all_reduce(out)
 
 
-class LMHead(nn.Module):
+class ParallelLMHead(VocabShard):
     """Projects hidden states to vocabulary logits; can share its weight with an embedding."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
-
-    def tie(self, embedding: VocabEmbedding) -> None:
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Makes this head use the embedding's matrix (tie_word_embeddings).
 
         Side effect: replaces this module's weight parameter with the embedding's.
@@ -44,5 +97,16 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Maps [N, hidden_size] to float32 logits [N, vocab_size]."""
-        return F.linear(hidden, self.weight).float()
+        """Maps [N, hidden_size] to float32 logits [N, vocab_size], the full vocabulary on
+        every tensor-parallel rank.
+
+        Side effect (tp > 1): an all-gather over the tensor-parallel group.
+        """
+        logits = F.linear(hidden, self.weight).float()
+        if self.parallel.tp_size == 1:
+            return logits
+        full = self.parallel.all_gather(logits)
+        if full.shape[-1] == self.vocab_size:
+            return full
+        # Drop the padding rows' logits; contiguous so callers get an ordinary tensor.
+        return full[..., : self.vocab_size].contiguous()

@@ -10,6 +10,7 @@ from torch import nn
 
 from vllm.attention.selector import get_attn_backend_cls
 from vllm.config import ModelConfig
+from vllm.distributed.parallel_state import ParallelContext
 from vllm.model_executor.model_loader.weight_utils import (
     fill_dummy_weights,
     iterate_safetensors,
@@ -28,20 +29,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def get_model(model_config: ModelConfig) -> nn.Module:
-    """Returns the model for model_config in eval mode, on its device, in its dtype.
+def get_model(model_config: ModelConfig, parallel: ParallelContext | None = None) -> nn.Module:
+    """Returns this rank's part of the model for model_config in eval mode, on its device,
+    in its dtype.
 
-    load_format "auto"/"safetensors" reads the checkpoint in model_dir; "dummy" fills seeded
-    random weights from model_config.seed. Raises ValueError for an unsupported architecture,
-    a missing, unknown or misshapen checkpoint tensor, or an unknown load format.
+    ``parallel`` places the rank in the tensor x pipeline layout (None: a single rank, the
+    whole model). load_format "auto"/"safetensors" reads the checkpoint in model_dir, only
+    the slices this rank keeps; "dummy" fills seeded random weights from model_config.seed
+    (see fill_dummy_weights). Raises ValueError for an unsupported architecture, a missing,
+    unknown or misshapen checkpoint tensor, a model that does not split into the layout,
+    or an unknown load format.
     """
     hf_config = model_config.hf_config
     model_cls = get_model_class(list(getattr(hf_config, "architectures", None) or []))
     backend_cls = get_attn_backend_cls(model_config.attention_backend, model_config.device)
+    parallel = parallel or ParallelContext.single()
     with _default_dtype(model_config.torch_dtype), torch.device(model_config.device):
-        model = model_cls(hf_config, backend_cls)
+        model = model_cls(hf_config, backend_cls, parallel)
     if model_config.load_format == "dummy":
-        fill_dummy_weights(model, model_config.seed)
+        aliases = model.weight_aliases() if hasattr(model, "weight_aliases") else {}
+        fill_dummy_weights(model, model_config.seed, aliases=aliases)
     elif model_config.load_format in ("auto", "safetensors"):
         model.load_weights(iterate_safetensors(model_config.model_dir))
     else:

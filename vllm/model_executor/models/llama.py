@@ -1,20 +1,37 @@
-"""Llama decoder-only transformer; Qwen2 and Qwen3 are small variations of it."""
+"""Llama decoder-only transformer; Qwen2 and Qwen3 are small variations of it.
+
+The model runs sharded: tensor parallelism splits attention heads, the MLP's intermediate
+dimension and the vocabulary among the ranks of a stage (see layers/linear.py and
+layers/vocab_embedding.py); pipeline parallelism gives each stage a contiguous run of decoder
+layers, the embedding to the first stage and the final norm and LM head to the last.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from vllm.distributed.parallel_state import ParallelContext
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import Linear, MergedLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from vllm.model_executor.layers.vocab_embedding import LMHead, VocabEmbedding
+from vllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import (
+    CheckpointTensor,
+    as_checkpoint_tensor,
+    check_shape,
+)
 
 # Checkpoint tensors that land in a part of a fused parameter: (fused, checkpoint, part index).
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -24,6 +41,15 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
     (".gate_up_proj.", ".gate_proj.", 0),
     (".gate_up_proj.", ".up_proj.", 1),
 )
+
+# Checkpoint tensors outside the decoder layers that only the first or last stage holds.
+_STAGE_EDGE_TENSORS = frozenset(
+    {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+)
+_LAYER_TENSOR = re.compile(r"model\.layers\.(\d+)\.")
+
+# A hidden state with its residual stream, passed from one pipeline stage to the next.
+Intermediate = tuple[torch.Tensor, torch.Tensor]
 
 
 def head_dim_of(config: Any) -> int:
@@ -38,25 +64,31 @@ def num_kv_heads_of(config: Any) -> int:
 
 
 class LlamaMLP(nn.Module):
-    """Gated feed-forward block: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward block: down(silu(gate(x)) * up(x)), its intermediate dimension
+    split among the tensor-parallel ranks."""
 
-    def __init__(self, config: Any, bias: bool) -> None:
+    def __init__(self, config: Any, bias: bool, parallel: ParallelContext) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act: {act!r} is not supported (only 'silu')")
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [size, size], bias=bias, parallel=parallel
+        )
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, parallel=parallel)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Maps [T, hidden] to [T, hidden]."""
+        """Maps [T, hidden] to [T, hidden] (all-reduced over the tensor-parallel group)."""
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention block: fused qkv projection, optional per-head q/k norm, RoPE, output."""
+    """Self-attention block: fused qkv projection, optional per-head q/k norm, RoPE, output.
+
+    ``num_heads`` and ``num_kv_heads`` are this tensor-parallel rank's heads.
+    """
 
     def __init__(
         self,
@@ -65,16 +97,26 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        parallel: ParallelContext,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        total_heads = config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            total_heads,
+            num_kv_heads_of(config),
+            bias=qkv_bias,
+            parallel=parallel,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, bias=o_bias, parallel=parallel
+        )
         eps = config.rms_norm_eps
+        # Per-head norms act on each head alike, so every rank holds all of their weights.
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else None
         self.rotary_emb = RotaryEmbedding(
@@ -95,7 +137,8 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Maps [T, hidden] to [T, hidden]. Side effect: writes this step's K/V into kv_cache."""
+        """Maps [T, hidden] to [T, hidden]. Side effect: writes this step's K/V of this
+        rank's KV heads into kv_cache."""
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         if self.q_norm is not None and self.k_norm is not None:
             q = self._norm_heads(self.q_norm, q)
@@ -107,10 +150,12 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm transformer block; carries the residual stream separately to fuse its adds."""
 
-    def __init__(self, config: Any, attn: LlamaAttention, mlp_bias: bool) -> None:
+    def __init__(
+        self, config: Any, attn: LlamaAttention, mlp_bias: bool, parallel: ParallelContext
+    ) -> None:
         super().__init__()
         self.self_attn = attn
-        self.mlp = LlamaMLP(config, mlp_bias)
+        self.mlp = LlamaMLP(config, mlp_bias, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -133,14 +178,39 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+class AbsentLayer(nn.Module):
+    """Holds the place of a decoder layer that another pipeline stage runs, so the layers
+    this stage does run keep their global index (and checkpoint names)."""
 
-    def __init__(self, config: Any, layers: list[LlamaDecoderLayer]) -> None:
+    def forward(self, *args: Any) -> None:
+        """Always raises RuntimeError: this stage does not run the layer."""
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
+class LlamaModel(nn.Module):
+    """Embedding (first stage), this stage's decoder layers and the final norm (last stage)."""
+
+    def __init__(
+        self,
+        config: Any,
+        make_layer: Callable[[int], LlamaDecoderLayer],
+        parallel: ParallelContext,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layout = parallel.layout
+        self.stage = layout.stage_layers(config.num_hidden_layers)
+        self.embed_tokens: VocabParallelEmbedding | None = None
+        if layout.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel
+            )
+        self.layers = nn.ModuleList(
+            make_layer(i) if i in self.stage else AbsentLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm: RMSNorm | None = None
+        if layout.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -148,12 +218,28 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Maps [T] token ids at [T] positions to final hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        intermediate: Intermediate | None = None,
+    ) -> torch.Tensor | Intermediate:
+        """Runs this stage's layers over [T] tokens at [T] positions.
+
+        The first stage embeds input_ids; a later stage starts from ``intermediate``, the
+        previous stage's (hidden, residual). The last stage returns the final-normed hidden
+        states [T, hidden]; another stage returns its (hidden, residual) for the next one.
+        Raises ValueError when a later stage gets no intermediate.
+        """
+        residual: torch.Tensor | None
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        elif intermediate is None:
+            raise ValueError("a pipeline stage after the first needs the previous (hidden, "
+                             "residual) as intermediate")
+        else:
+            hidden, residual = intermediate
+        for i, kv_cache in zip(self.stage, kv_caches, strict=True):
+            hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, metadata)
+        assert residual is not None  # every stage has at least one layer
+        if self.norm is None:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -163,7 +249,10 @@ class LlamaForCausalLM(nn.Module):
 
     Subclasses change the attention details through the class attributes below.
     Parameter names follow the Hugging Face checkpoint, except q/k/v and gate/up, which are
-    fused (see STACKED_PARAMS).
+    fused (see STACKED_PARAMS). Under a ParallelContext the module holds only this rank's
+    part: its stage's layers (``num_layers`` of them) and its tensor-parallel shards
+    (``num_kv_heads`` is this rank's KV heads); ``vocab_size`` and ``hidden_size`` are the
+    model's.
     """
 
     # Per-head RMSNorm on queries and keys before RoPE (Qwen3).
@@ -174,30 +263,40 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
 
-    def __init__(self, hf_config: Any, attn_backend_cls: type[AttentionBackend]) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        attn_backend_cls: type[AttentionBackend],
+        parallel: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
         self.config = hf_config
         self.attn_backend_cls = attn_backend_cls
-        self.num_layers: int = hf_config.num_hidden_layers
-        self.num_kv_heads: int = num_kv_heads_of(hf_config)
+        self.parallel = parallel or ParallelContext.single()
         self.head_dim: int = head_dim_of(hf_config)
         self.vocab_size: int = hf_config.vocab_size
         self.hidden_size: int = hf_config.hidden_size
-        qkv_bias, o_bias = self.attention_biases(hf_config)
-        mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
-        layers = [
-            LlamaDecoderLayer(
-                hf_config,
-                LlamaAttention(hf_config, attn_backend_cls, qkv_bias, o_bias, self.qk_norm),
-                mlp_bias,
-            )
-            for _ in range(self.num_layers)
-        ]
-        self.model = LlamaModel(hf_config, layers)
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.tie(self.model.embed_tokens)
+        self.model = LlamaModel(hf_config, self._make_layer, self.parallel)
+        self.num_layers: int = len(self.model.stage)
+        first_layer = self.model.layers[self.model.stage.start]
+        self.num_kv_heads: int = first_layer.self_attn.num_kv_heads
+        self.lm_head: ParallelLMHead | None = None
+        if self.parallel.layout.is_last_stage:
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size,
+                                          self.parallel)
+            if self.tied and self.model.embed_tokens is not None:
+                self.lm_head.tie(self.model.embed_tokens)
+
+    def _make_layer(self, index: int) -> LlamaDecoderLayer:
+        config = self.config
+        qkv_bias, o_bias = self.attention_biases(config)
+        attn = LlamaAttention(
+            config, self.attn_backend_cls, qkv_bias, o_bias, self.qk_norm, self.parallel
+        )
+        return LlamaDecoderLayer(
+            config, attn, bool(getattr(config, "mlp_bias", False)), self.parallel
+        )
 
     def forward(
         self,
@@ -205,65 +304,100 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Returns final hidden states [T, hidden_size] for [T] tokens at [T] positions.
+        intermediate: Intermediate | None = None,
+    ) -> torch.Tensor | Intermediate:
+        """Runs this rank's stage over [T] tokens at [T] positions (see LlamaModel.forward).
 
-        Side effect: writes every layer's K/V for these tokens into kv_caches (one per layer).
+        Returns final hidden states [T, hidden_size] on the last stage, else the
+        (hidden, residual) pair the next stage takes as ``intermediate``.
+        Side effect: writes each local layer's K/V for these tokens into kv_caches (one per
+        layer of this stage).
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Maps hidden states [N, hidden_size] to float32 logits [N, vocab_size]."""
+        """Maps hidden states [N, hidden_size] to float32 logits [N, vocab_size] (the full
+        vocabulary on every tensor-parallel rank). Raises RuntimeError off the last stage."""
+        if self.lm_head is None:
+            raise RuntimeError("compute_logits: only the last pipeline stage has the LM head")
         return self.lm_head(hidden)
 
-    def checkpoint_names(self) -> set[str]:
-        """Names of the checkpoint tensors this model needs."""
-        names: set[str] = set()
-        for name, _ in self.named_parameters():
-            parts = [(fused, ckpt) for fused, ckpt, _ in STACKED_PARAMS if fused in name]
-            if not parts:
-                names.add(name)
-            names.update(name.replace(fused, ckpt) for fused, ckpt in parts)
-        return names
+    def weight_aliases(self) -> dict[str, str]:
+        """Parameters that take their values from a checkpoint tensor of another name.
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors (Hugging Face names) into the parameters.
-
-        Side effect: overwrites parameters in place (cast to their dtype and device).
-        Raises ValueError naming a tensor that is missing, unknown, or has the wrong shape.
+        A tied LM head on a last stage that has no embedding loads the embedding's matrix.
         """
-        params = dict(self.named_parameters())
-        needed = self.checkpoint_names()
+        if self.tied and self.lm_head is not None and self.model.embed_tokens is None:
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return {}
+
+    def _checkpoint_targets(self) -> dict[str, tuple[str, str, int | None]]:
+        """Checkpoint name -> (module name, parameter name, fused part or None) on this rank."""
+        aliases = self.weight_aliases()
+        targets: dict[str, tuple[str, str, int | None]] = {}
+        for name, _ in self.named_parameters():
+            module_name, param_name = name.rsplit(".", 1)
+            stacked = [(f, c, i) for f, c, i in STACKED_PARAMS if f in name]
+            for fused, ckpt, index in stacked:
+                targets[name.replace(fused, ckpt)] = (module_name, param_name, index)
+            if not stacked:
+                targets[aliases.get(name, name)] = (module_name, param_name, None)
+        return targets
+
+    def checkpoint_names(self) -> set[str]:
+        """Names of the checkpoint tensors this rank needs."""
+        return set(self._checkpoint_targets())
+
+    def _held_elsewhere(self, name: str) -> bool:
+        """Whether a checkpoint tensor this rank lacks belongs to another pipeline stage."""
+        match = _LAYER_TENSOR.match(name)
+        if match:
+            index = int(match.group(1))
+            return index < self.config.num_hidden_layers and index not in self.model.stage
+        return name in _STAGE_EDGE_TENSORS
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | CheckpointTensor]]
+    ) -> None:
+        """Copies checkpoint tensors (Hugging Face names) into this rank's parameters.
+
+        Takes plain tensors or lazy CheckpointTensor handles; of each, only the slice this
+        rank keeps is read. Tensors of other pipeline stages are skipped.
+        Side effect: overwrites parameters in place (cast to their dtype and device).
+        Raises ValueError naming a tensor that is missing (for this rank), unknown, or has
+        the wrong shape.
+        """
+        targets = self._checkpoint_targets()
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, value in weights:
             if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
                 continue  # recomputed, or shared with the embedding
-            if name not in needed:
+            target = targets.get(name)
+            if target is None:
+                if self._held_elsewhere(name):
+                    continue
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
             try:
-                self._load_one(params, name, tensor)
+                self._load_one(target, as_checkpoint_tensor(value))
             except ValueError as e:
                 raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
             loaded.add(name)
-        missing = sorted(needed - loaded)
+        missing = sorted(set(targets) - loaded)
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ValueError(f"checkpoint is missing tensor {missing[0]!r}{more}")
 
-    def _load_one(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    def _load_one(self, target: tuple[str, str, int | None], tensor: CheckpointTensor) -> None:
+        module_name, param_name, part = target
+        module = self.get_submodule(module_name)
+        load = getattr(module, "load_weight", None)
+        if load is not None:
+            load(param_name, tensor, part)
+            return
+        # Replicated parameters (norms) are copied whole.
+        param = getattr(module, param_name)
+        check_shape(tensor, tuple(param.shape))
         with torch.no_grad():
-            for fused, part, index in STACKED_PARAMS:
-                if part in name:
-                    module_name, param_name = name.replace(part, fused).rsplit(".", 1)
-                    layer = self.get_submodule(module_name)
-                    assert isinstance(layer, MergedLinear)
-                    layer.load_shard(param_name, index, tensor)
-                    return
-            param = params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"shape {tuple(tensor.shape)} does not match expected {tuple(param.shape)}"
-                )
-            param.data.copy_(tensor)
+            param.data.copy_(tensor.read())
