@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm import thread_policy
-from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+from vllm.config import ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
 
 def fake_model(heads: int, kv_heads: int | None, layers: int) -> SimpleNamespace:
@@ -130,15 +130,25 @@ def test_vllm_config_checks_the_layout_against_the_model(demo_tiny: ModelConfig)
         VllmConfig(model_config=demo_tiny, parallel_config=ParallelConfig(3, 1))
     with pytest.raises(ValueError, match="more stages than the model's 2 layers"):
         VllmConfig(model_config=demo_tiny, parallel_config=ParallelConfig(1, 3))
+    odd_mlp = dataclasses.replace(demo_tiny)
+    odd_mlp.hf_config = SimpleNamespace(**{**vars(demo_tiny.hf_config), "intermediate_size": 130,
+                                           "num_attention_heads": 4, "num_key_value_heads": 4})
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 4: the model's MLP width"):
+        VllmConfig(model_config=odd_mlp, parallel_config=ParallelConfig(4, 1))
 
 
-def test_vllm_config_refuses_model_parallelism_for_now(
+def test_vllm_config_accepts_parallel_layouts(
     demo_tiny: ModelConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    VllmConfig(model_config=demo_tiny, parallel_config=ParallelConfig(1, 1, "mp"))
-    for tp, pp in ((2, 1), (1, 2), (2, 2)):
-        with pytest.raises(ValueError, match=rf"--tensor-parallel-size {tp} x "
-                                             rf"--pipeline-parallel-size {pp}: tensor and "
-                                             r"pipeline parallelism are not implemented yet"):
-            VllmConfig(model_config=demo_tiny, parallel_config=ParallelConfig(tp, pp))
+    for tp, pp, async_scheduling, depth in ((2, 1, False, 1), (1, 2, False, 2),
+                                             (2, 2, True, 2), (1, 1, True, 2)):
+        config = VllmConfig(
+            model_config=demo_tiny,
+            parallel_config=ParallelConfig(tp, pp),
+            scheduler_config=SchedulerConfig(async_scheduling=async_scheduling),
+        )
+        assert config.parallel_config.distributed_executor_backend == (
+            "mp" if tp * pp > 1 else "uni"
+        )
+        assert config.max_concurrent_batches == depth

@@ -220,8 +220,8 @@ class ParallelConfig:
 
         Tensor parallelism splits the attention heads evenly across the ranks; the KV heads
         are either split evenly too, or (when there are fewer of them than ranks) each is
-        replicated on the same number of ranks. Pipeline parallelism gives every stage at
-        least one layer.
+        replicated on the same number of ranks, and so must the MLP width. Pipeline
+        parallelism gives every stage at least one layer.
         """
         hf = model_config.hf_config
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
@@ -238,6 +238,12 @@ class ParallelConfig:
                 f"--tensor-parallel-size {tp}: the model's {num_kv_heads} KV heads can neither "
                 f"be split evenly among {tp} ranks nor replicated evenly ({tp} is not a "
                 f"multiple of {num_kv_heads})"
+            )
+        intermediate = getattr(hf, "intermediate_size", None)
+        if intermediate is not None and intermediate % tp:
+            raise ValueError(
+                f"--tensor-parallel-size {tp}: the model's MLP width ({intermediate}) does not "
+                f"divide evenly among {tp} ranks"
             )
         if num_layers is not None and pp > num_layers:
             raise ValueError(
@@ -355,7 +361,6 @@ class VllmConfig:
         # The layout is checked in full before any process starts.
         self.parallel_config.verify_with_model_config(self.model_config)
         self.parallel_config.verify_devices(self.model_config.device)
-        _refuse_model_parallelism(self.parallel_config)
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -367,16 +372,3 @@ class VllmConfig:
             return max(2, stages)
         return stages
 
-
-def _refuse_model_parallelism(parallel_config: ParallelConfig) -> None:
-    """Refuses a world size above 1: the model code cannot run sharded yet.
-
-    The one place that does; delete it (and its call in VllmConfig) when tensor and pipeline
-    parallelism land.
-    """
-    if parallel_config.world_size > 1:
-        raise ValueError(
-            f"{parallel_config.describe()}: tensor and pipeline parallelism are not implemented "
-            "yet; this engine runs the model on one rank (use --tensor-parallel-size 1 "
-            "--pipeline-parallel-size 1)"
-        )

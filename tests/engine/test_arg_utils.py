@@ -212,16 +212,16 @@ def many_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("many_gpus")
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
-def test_valid_parallel_layouts_are_refused_until_implemented(tp: int, pp: int) -> None:
-    with pytest.raises(ValueError, match="tensor and pipeline parallelism are not implemented "
-                                         "yet"):
-        EngineArgs(model=MODEL, tensor_parallel_size=tp,
-                   pipeline_parallel_size=pp).create_engine_config()
+def test_valid_parallel_layouts_build_a_config(tp: int, pp: int) -> None:
+    config = EngineArgs(model=MODEL, tensor_parallel_size=tp,
+                        pipeline_parallel_size=pp).create_engine_config()
+    assert config.parallel_config.world_size == tp * pp
+    assert config.parallel_config.distributed_executor_backend == "mp"
 
 
 @pytest.mark.usefixtures("many_gpus")
 def test_serve_reports_layout_errors_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", MODEL, "-tp", "3", "--port", "0"]) == 2
     assert "--tensor-parallel-size 3" in capsys.readouterr().err
-    assert main(["serve", MODEL, "-tp=2", "-pp=2", "--port", "0"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    assert main(["serve", MODEL, "-pp=3", "--port", "0"]) == 2
+    assert "more stages than the model's" in capsys.readouterr().err

@@ -69,13 +69,13 @@ class EngineArgs:
     async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass."))
     tensor_parallel_size: int = field(
         default=1,
-        metadata=_help("Ranks that split every layer (tensor parallelism; not implemented "
-                       "yet, so only 1 runs).", aliases=("-tp",)),
+        metadata=_help("Ranks that split every layer (tensor parallelism): one process per "
+                       "rank; on CPU the ranks share the cores.", aliases=("-tp",)),
     )
     pipeline_parallel_size: int = field(
         default=1,
-        metadata=_help("Stages the layers are split into (pipeline parallelism; not "
-                       "implemented yet, so only 1 runs).", aliases=("-pp",)),
+        metadata=_help("Stages the layers are split into (pipeline parallelism): one batch "
+                       "in flight per stage.", aliases=("-pp",)),
     )
     distributed_executor_backend: str | None = field(
         default=None,

@@ -65,6 +65,9 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens scheduled for sampling whose values the scheduler has not seen yet.
         self.num_output_placeholders = 0
+        # Tokens of all_token_ids the model runner has been given (the prompt when new, every
+        # token when resumed, new tokens under pipeline parallelism: SchedulerOutput).
+        self.num_tokens_sent = 0
         self.num_preemptions = 0
         # Prompt tokens served from the prefix cache at first admission.
         self.num_cached_tokens = 0

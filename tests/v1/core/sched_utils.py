@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -59,6 +59,7 @@ def make_config(
     max_num_batched_tokens: int = 64,
     async_scheduling: bool = False,
     enable_prefix_caching: bool = True,
+    pipeline_parallel_size: int = 1,
 ) -> VllmConfig:
     """A VllmConfig over a copy of `model_config` with the given scheduler and cache sizes."""
     mc = copy.copy(model_config)
@@ -75,6 +76,7 @@ def make_config(
             max_num_batched_tokens=max_num_batched_tokens,
             async_scheduling=async_scheduling,
         ),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
     )
 
 
@@ -158,6 +160,11 @@ class FakeRunner:
     num_sampled: dict[str, int] = field(default_factory=dict)
     # Every step the runner saw, in order.
     steps: list[SchedulerOutput] = field(default_factory=list)
+    # Pipeline parallelism: the runner learns tokens only from new_token_ids, which must
+    # carry exactly the outputs it has not been told about (checked at every execute).
+    pipelined: bool = False
+    sampled_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_told: dict[str, int] = field(default_factory=dict)
 
     def execute(self, scheduler_output: SchedulerOutput) -> None:
         """Applies one step's state changes, as the runner's execute_model would."""
@@ -169,6 +176,7 @@ class FakeRunner:
             assert new.req_id not in self.reqs, f"{new.req_id} sent as new twice"
             assert new.num_computed_tokens % self.block_size == 0
             self.reqs[new.req_id] = _RunnerReq(new.num_computed_tokens, len(new.block_ids))
+            self.num_told[new.req_id] = 0
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if cached.resumed_from_preemption[i]:
@@ -177,7 +185,16 @@ class FakeRunner:
                 self.reqs[req_id] = _RunnerReq(
                     cached.num_computed_tokens[i], len(cached.new_block_ids[i])
                 )
+                self.num_told[req_id] = cached.resumed_num_output_tokens[req_id]
                 continue
+            if self.pipelined:
+                sampled = self.sampled_tokens.get(req_id, [])
+                told = self.num_told[req_id]
+                assert cached.new_token_ids.get(req_id, []) == sampled[told:], (
+                    req_id, cached.new_token_ids.get(req_id), sampled[told:])
+                self.num_told[req_id] = len(sampled)
+            else:
+                assert not cached.new_token_ids, "new_token_ids sent without pipeline stages"
             assert req_id not in cached.resumed_req_token_ids
             state = self.reqs[req_id]
             assert cached.num_computed_tokens[i] == state.num_computed, (
@@ -222,6 +239,7 @@ class FakeRunner:
             else:
                 token = self.policy(req_id, k)
             tokens.append([token])
+            self.sampled_tokens.setdefault(req_id, []).append(token)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -411,7 +429,7 @@ class Harness:
             "scheduled before its previous token was sampled",
             unsampled & set(scheduler_output.num_scheduled_tokens))
         if scheduler_output.total_num_scheduled_tokens == 0:
-            sched.finished_req_ids |= scheduler_output.finished_req_ids
+            sched.unschedule(scheduler_output)
             self.check()
             return scheduler_output
         self.runner.execute(scheduler_output)
@@ -538,11 +556,15 @@ def build_harness(
     )
     kv = make_kv(vllm_config)
     som = FakeStructuredOutputManager(vllm_config)
-    cls = AsyncScheduler if async_scheduling else Scheduler
+    # As in EngineCore: pipeline stages always overlap steps, so they need in-flight tokens
+    # counted.
+    pipelined = vllm_config.parallel_config.pipeline_parallel_size > 1
+    cls = AsyncScheduler if async_scheduling or pipelined else Scheduler
     sched = cls(vllm_config, kv, som)
     if depth is None:
         depth = 2 if async_scheduling else 1
     runner = FakeRunner(vllm_config.cache_config.block_size, policy)
+    runner.pipelined = vllm_config.parallel_config.pipeline_parallel_size > 1
     return Harness(sched, runner, depth), som
 
 

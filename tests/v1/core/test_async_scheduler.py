@@ -384,11 +384,14 @@ def test_prefix_cache_holds_only_confirmed_tokens(make: MakeHarness, depth: int)
 # ---------------------------------------------------------------------- equivalence
 
 
+@pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_workload_matches_sync(make: MakeHarness, depth: int, seed: int) -> None:
+def test_random_workload_matches_sync(make: MakeHarness, depth: int, seed: int,
+                                      stages: int) -> None:
     """Outputs under async scheduling equal sync scheduling's, with chunked prefill, grammars,
-    stop tokens and preemption (asserted to happen) in the mix."""
+    stop tokens and preemption (asserted to happen) in the mix; with pipeline stages too
+    (where the fake runner also checks that every new token reaches the workers)."""
     rng = random.Random(seed)
     specs = []
     special: dict[str, dict[int, int]] = {}
@@ -404,6 +407,7 @@ def test_random_workload_matches_sync(make: MakeHarness, depth: int, seed: int) 
     runs = {}
     for async_scheduling in (False, True):
         h = make(async_scheduling=async_scheduling, depth=depth if async_scheduling else 1,
+                 pipeline_parallel_size=stages if async_scheduling else 1,
                  policy=special_policy(special), num_blocks=14, block_size=4,
                  max_num_batched_tokens=16, max_num_seqs=6)
         h.add(*(make_request(r, p, **kw) for r, p, kw in specs))

@@ -394,3 +394,41 @@ def test_failed_grammar_start_registers_nothing(
         h.sched.add_request(make_request("g", 5, max_tokens=4, grammar="5 6"))
     assert "g" not in h.sched.requests and not h.sched.waiting
     assert som.num_live_grammars == 0
+
+
+# ---------------------------------------------------------------------- pipeline stages
+
+
+def test_pipeline_stages_split_requests_between_in_flight_steps(make: MakeHarness) -> None:
+    """With two stages the first step takes half the requests, and the second (scheduled
+    while the first is in flight) the other half; no request is ever in two in-flight steps."""
+    h = make(pipeline_parallel_size=2, depth=2)
+    h.add(*(make_request(f"r{i}", 3, max_tokens=4) for i in range(4)))
+    first = h.schedule()
+    second = h.schedule()
+    assert sorted(first.num_scheduled_tokens) == ["r0", "r1"]
+    assert sorted(second.num_scheduled_tokens) == ["r2", "r3"]
+    while h.step():
+        in_flight = [set(e.scheduler_output.num_scheduled_tokens) for e in h.in_flight]
+        assert all(not (a & b) for i, a in enumerate(in_flight) for b in in_flight[i + 1:])
+    for i in range(4):
+        assert h.tokens[f"r{i}"] == expected(f"r{i}", 4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pipeline_stages_give_the_workers_every_new_token(
+    make: MakeHarness, async_scheduling: bool
+) -> None:
+    """Under pipeline parallelism the workers learn each sampled token from the next step's
+    new_token_ids (the fake runner checks every one), with preemption and chunked prefill
+    in the mix; outputs equal one stage's."""
+    runs = {}
+    for stages in (1, 2):
+        h = make(pipeline_parallel_size=stages, depth=stages, async_scheduling=async_scheduling,
+                 num_blocks=10, block_size=4, max_num_batched_tokens=12, max_num_seqs=6)
+        h.add(*(make_request(f"q{i}", 3 + 4 * i, max_tokens=6 + i) for i in range(6)))
+        h.run()
+        runs[stages] = h
+    assert runs[2].sched.num_preemptions > 0, "the workload must force preemption"
+    assert any(s.scheduled_cached_reqs.new_token_ids for s in runs[2].runner.steps)
+    assert runs[2].tokens == runs[1].tokens

@@ -226,10 +226,8 @@ def test_shutdown_leaves_nothing(llm_pair: tuple[LLM, LLM], shm_before: set[str]
 
 @pytest.fixture(scope="module")
 def two_workers(shm_before: set[str]):
-    """A world-size-2 executor built straight from an engine config."""
-    config = EngineArgs(model="demo-tiny", distributed_executor_backend="mp").create_engine_config()
-    # Two ranks that each hold the whole model (world_size is derived, so set it directly).
-    config.parallel_config.world_size = 2
+    """A world-size-2 (tensor-parallel) executor built straight from an engine config."""
+    config = EngineArgs(model="demo-tiny", tensor_parallel_size=2).create_engine_config()
     executor = MultiprocExecutor(config)
     yield executor
     executor.shutdown()

@@ -138,3 +138,36 @@ def test_several_unsampled_steps_sample_in_order_after_rows_moved() -> None:
     with pytest.raises(RuntimeError, match="without an executed"):
         overlapped_runner.sample_tokens(None)
     scheduler.finish_requests(["b", "c", "d"], RequestStatus.FINISHED_ABORTED)
+
+
+# ---------------------------------------------------------------------- row order across ranks
+
+
+class _ReversedSet(set):
+    """A set that iterates in the reverse of a plain set's order, as a set of strings may in
+    another process (string hashes are salted per process)."""
+
+    def __iter__(self):
+        return reversed(list(set.__iter__(self)))
+
+
+def test_row_order_does_not_depend_on_set_iteration_order() -> None:
+    """Every rank of a parallel engine unpickles the same SchedulerOutput, but its sets of
+    finished and preempted ids iterate in a per-process order. The rows (and so the token
+    order of every tensor the ranks exchange) must come out the same anyway."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    _, first, _ = _runner_and_scheduler()
+    _, second, _ = _runner_and_scheduler()
+    ids = [f"r{i}" for i in range(6)]
+    new = [
+        NewRequestData(r, [100 + i, 200 + i], SamplingParams(max_tokens=4), [i], 0)
+        for i, r in enumerate(ids)
+    ]
+    start = SchedulerOutput(new, CachedRequestData(), {r: 2 for r in ids}, 12, set())
+    for runner in (first, second):
+        runner._update_states(start)
+    gone = {"r0", "r2", "r3"}
+    for runner, finished in ((first, set(gone)), (second, _ReversedSet(gone))):
+        runner._update_states(SchedulerOutput([], CachedRequestData(), {}, 0, finished))
+    assert first.input_batch.req_ids == second.input_batch.req_ids

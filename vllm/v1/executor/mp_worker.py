@@ -155,23 +155,27 @@ def run_worker(spec: WorkerProcSpec, death_reader: Connection) -> None:
     sock.connect(spec.response_address)
     out = _OutputThread(sock, spec.rank)
     exit_code = 0
+    told_to_stop = False
     try:
         try:
             from vllm.v1.worker.gpu_worker import Worker
 
-            worker = Worker(spec.vllm_config)
+            worker = Worker(spec.vllm_config, spec.rank, f"file://{spec.ipc_dir}/distributed-init")
             worker.load_model()
         except Exception as exc:
             out.put(mp_queue.STARTUP_CALL_ID, mp_queue.ERROR, RemoteError.capture(exc))
             exit_code = 1
         else:
             out.put(mp_queue.STARTUP_CALL_ID, mp_queue.READY, os.getpid())
-            if not _serve(worker, spec, rpc, death_reader.fileno(), out):
+            told_to_stop = _serve(worker, spec, rpc, death_reader.fileno(), out)
+            if not told_to_stop:
                 # The engine process died: nobody reads our replies or removes its sockets.
                 sock.setsockopt(zmq.LINGER, 0)
                 if spec.rank == spec.output_rank:
                     shutil.rmtree(spec.ipc_dir, ignore_errors=True)
         out.stop()
+        if exit_code == 0 and told_to_stop:
+            worker.close()
     finally:
         rpc.close(linger=0)
         sock.close()

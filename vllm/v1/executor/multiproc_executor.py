@@ -22,6 +22,7 @@ import zmq
 
 from vllm import thread_policy
 from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import ParallelLayout
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor import mp_queue
 from vllm.v1.executor.abstract import Executor
@@ -38,8 +39,6 @@ _EXIT_AFTER_FAILURE_TIMEOUT_S = 0.5
 # Seconds to wait for a worker whose sentinel fired to become reapable (for its exit code).
 _REAP_TIMEOUT_S = 1.0
 _TERMINATE_TIMEOUT_S = 2.0
-# The rank whose results answer execute_model and sample_tokens.
-_OUTPUT_RANK = 0
 
 
 def _make_ipc_dir() -> str:
@@ -71,6 +70,8 @@ class _Call:
     future: Future
     # Ranks that must reply before the call is complete.
     waiting: set[int]
+    # The rank whose result answers a call that is not gathered.
+    output_rank: int
     # True: the result is the list of every rank's result; False: the output rank's result.
     gather: bool
     results: dict[int, Any] = field(default_factory=dict)
@@ -85,7 +86,7 @@ class _Call:
         elif self.gather:
             self.future.set_result([self.results[r] for r in sorted(self.results)])
         else:
-            self.future.set_result(self.results[_OUTPUT_RANK])
+            self.future.set_result(self.results[self.output_rank])
 
 
 class _WorkerGroup:
@@ -99,6 +100,11 @@ class _WorkerGroup:
         if world_size < 1:
             raise ValueError(f"parallel_config.world_size: must be at least 1, got {world_size}")
         self.world_size = world_size
+        # The first rank of the last pipeline stage: it samples, so it answers the engine.
+        pc = vllm_config.parallel_config
+        self.output_rank = ParallelLayout(
+            pc.tensor_parallel_size, pc.pipeline_parallel_size
+        ).output_rank
         self.pids: list[int] = []
         self._lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
@@ -132,7 +138,7 @@ class _WorkerGroup:
                 spec = WorkerProcSpec(
                     rank,
                     world_size,
-                    _OUTPUT_RANK,
+                    self.output_rank,
                     vllm_config,
                     rpc_address,
                     response_address,
@@ -175,8 +181,8 @@ class _WorkerGroup:
             self._raise_if_unusable()
             call_id = self._next_call_id
             self._next_call_id += 1
-            waiting = set(range(self.world_size)) if reply_all else {_OUTPUT_RANK}
-            call = _Call(call_id, future, waiting, gather=reply_all)
+            waiting = set(range(self.world_size)) if reply_all else {self.output_rank}
+            call = _Call(call_id, future, waiting, self.output_rank, gather=reply_all)
             self._calls[call_id] = call
             self._order.append(call)
             header = pickle.dumps((call_id, reply_all), protocol=5)
@@ -382,7 +388,8 @@ class _WorkerGroup:
 
 class MultiprocExecutor(Executor):
     """Runs `parallel_config.world_size` workers in spawned processes. Every call is sent to
-    all of them and answered by rank 0 (collective_rpc gathers every rank's result); futures
+    all of them and answered by the output rank, the first rank of the last pipeline stage
+    (collective_rpc gathers every rank's result); futures
     complete in call order. A dead worker fails pending and later calls with RuntimeError.
 
     Raises at construction what a worker raised while loading its model (with the remote
@@ -419,7 +426,7 @@ class MultiprocExecutor(Executor):
     ) -> list[Any] | Any | Future:
         """Calls `method` on every worker: a Worker method name, or a picklable function
         called as `method(worker, *args)`. Returns every rank's result as a list by rank, or
-        only rank 0's result with output_rank_only. With non_block, returns a Future of that.
+        only the output rank's result with output_rank_only. With non_block, returns a Future of that.
 
         Raises what the worker method raised (its remote traceback as __cause__), RuntimeError
         when a worker died, TimeoutError after `timeout` seconds (blocking calls only).

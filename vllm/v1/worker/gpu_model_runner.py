@@ -11,6 +11,14 @@ on the host yet is copied from `last_token` on the device, so building a step ne
 the previous one (this is what makes async scheduling possible). It also means a step must not
 feed a request whose previous step is executed but not sampled yet: the scheduler never
 schedules one (AsyncScheduler).
+
+With pipeline stages (docs/architecture.md §10) each rank runs its stage's layers: a stage
+other than the first receives the hidden states and residual of the previous one, a stage
+other than the last sends its own to the next, and only the last stage computes logits and
+samples. The first stage never sees a sample, so there every rank learns a request's tokens
+from the scheduler output instead (the scheduler never runs a request in two in-flight
+steps under pipeline parallelism). With tensor parallelism every rank of the last stage
+samples the same gathered logits; rank 0's tokens are broadcast so the ranks cannot drift.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 from vllm import _custom_ops as ops
 from vllm.attention.backends.abstract import AttentionMetadata
 from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import ParallelContext
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -145,8 +154,14 @@ class _AsyncOutput(AsyncModelRunnerOutput):
 class GPUModelRunner:
     """Runs one model on one device (CUDA when present, else CPU) for the engine core."""
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, parallel: ParallelContext | None = None) -> None:
         self.config = vllm_config
+        self.parallel = parallel or ParallelContext.single()
+        layout = self.parallel.layout
+        # Tokens come from the scheduler output rather than from this rank's own samples.
+        self.pipelined = layout.pp_size > 1
+        self.first_stage = layout.is_first_stage
+        self.last_stage = layout.is_last_stage
         mc = vllm_config.model_config
         self.device = mc.device
         self.dtype = mc.torch_dtype
@@ -183,7 +198,7 @@ class GPUModelRunner:
         """Builds the model and loads its weights onto the device."""
         from vllm.model_executor.model_loader.loader import get_model
 
-        self.model = get_model(self.config.model_config)
+        self.model = get_model(self.config.model_config, self.parallel)
 
     def kv_cache_block_bytes(self) -> int:
         """Bytes one KV block takes across all layers."""
@@ -204,6 +219,7 @@ class GPUModelRunner:
         if (
             self.device.type == "cuda"
             and not self.config.model_config.enforce_eager
+            and self.parallel.layout.world_size == 1
             and self.model.attn_backend_cls.__name__ == "TritonAttentionBackend"
         ):
             self._capture_graphs()
@@ -212,10 +228,12 @@ class GPUModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
-        for req_id in scheduler_output.finished_req_ids:
+        # Sorted: a set of ids iterates in a per-process order, and every rank of a parallel
+        # engine must move its rows identically (the ranks exchange tensors row by row).
+        for req_id in sorted(scheduler_output.finished_req_ids):
             self.requests.pop(req_id, None)
             self._remove_row(req_id)
-        for req_id in scheduler_output.preempted_req_ids:
+        for req_id in sorted(scheduler_output.preempted_req_ids):
             self._remove_row(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(
@@ -244,6 +262,10 @@ class GPUModelRunner:
                 row = batch.req_id_to_index[req_id]
                 batch.append_blocks(row, cached.new_block_ids[i])
                 batch.num_computed_tokens[row] = state.num_computed_tokens
+                new_tokens = cached.new_token_ids.get(req_id)
+                if new_tokens:
+                    state.output_token_ids.extend(new_tokens)
+                    batch.append_tokens(row, new_tokens)
 
     def _remove_row(self, req_id: str) -> None:
         moved = self.input_batch.remove(req_id)
@@ -325,11 +347,23 @@ class GPUModelRunner:
         input_ids = dev["input_ids"]
         # Device-side feedback: tokens not on the host yet come from the previous samples.
         unknown = np.nonzero(~known)[0]
+        if len(unknown) and self.pipelined:
+            # The scheduler sends every token before a request runs again (module docstring).
+            raise RuntimeError(
+                f"pipeline stage {self.parallel.layout.pp_rank}: {len(unknown)} input tokens "
+                "were never sent by the scheduler"
+            )
         if len(unknown):
             src = self.buffers.to_device(req_indices[unknown].astype(np.int64))
             dst = self.buffers.to_device(unknown.astype(np.int64))
             input_ids[dst] = self.last_token[src]
         assert self.model is not None
+        intermediate = None
+        if not self.first_stage:
+            # One message per step: (hidden, residual) stacked.
+            shape = (2, padded_tokens, self.model.hidden_size)
+            received = self.parallel.recv_prev(shape, self.dtype, self.device)
+            intermediate = (received[0], received[1])
         if graph_size is not None:
             hidden = self.graphs.replay(graph_size)
         else:
@@ -345,13 +379,17 @@ class GPUModelRunner:
                 query_start_loc_cpu=torch.from_numpy(cu),
                 seq_lens_cpu=torch.from_numpy(seq_lens),
             )
-            hidden = self.model(input_ids, dev["positions"], self.kv_caches, metadata)
+            hidden = self.model(
+                input_ids, dev["positions"], self.kv_caches, metadata, intermediate
+            )
         batch.num_computed_tokens[rows_np] = seq_lens[:num_reqs]
+        if not self.last_stage:
+            self.parallel.send_next(torch.stack(hidden))
 
         sampled = set(scheduler_output.sampled_req_ids)
         pick = [i for i, r in enumerate(req_ids) if r in sampled]
         logits = None
-        if pick:
+        if pick and self.last_stage:
             idx = np.zeros(max(len(pick), self.min_rows), dtype=np.int64)
             idx[: len(pick)] = cu[1:][pick] - 1
             logits = self.model.compute_logits(hidden[self.buffers.to_device(idx)])
@@ -421,6 +459,11 @@ class GPUModelRunner:
         if not self._steps:
             raise RuntimeError("sample_tokens called without an executed, unsampled step")
         step = self._steps.popleft()
+        if step.sampled_req_ids and not self.last_stage:
+            # Only the last stage samples; the engine reads its answer, not this one.
+            for state in step.sampled_states:
+                state.num_output_tokens += 1
+            return EMPTY_MODEL_RUNNER_OUTPUT
         if step.logits is None:
             out = ModelRunnerOutput(
                 req_ids=step.req_ids,
@@ -438,14 +481,16 @@ class GPUModelRunner:
         states = step.sampled_states
         metadata = self._sampling_metadata(states)
         result = self.sampler(logits, metadata)
-        self._feed_back(step, result.sampled_token_ids)
+        self.parallel.broadcast(result.sampled_token_ids)
         positions = [state.num_output_tokens for state in states]
         for state in states:
             state.num_output_tokens += 1
         sampled = _SampledTokens(
             step.sampled_req_ids, states, positions, result, self.copy_stream
         )
-        self._unsettled.append(sampled)
+        if not self.pipelined:
+            self._feed_back(step, result.sampled_token_ids)
+            self._unsettled.append(sampled)
         output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled)
         return output if self.async_scheduling else output.get_output()
 

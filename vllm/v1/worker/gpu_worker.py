@@ -1,10 +1,16 @@
-"""A worker owns one device and its model runner."""
+"""A worker owns one device (or, on CPU, its share of the cores) and its model runner."""
 
 from __future__ import annotations
 
 import torch
 
 from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import (
+    ParallelContext,
+    ParallelLayout,
+    destroy_distributed,
+    init_distributed,
+)
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -17,9 +23,29 @@ _DEFAULT_CPU_KV_BYTES = 2 * _GiB
 class Worker:
     """Loads the model, sizes and allocates the KV cache, and runs steps."""
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        """Joins the world of `rank` when the layout has more than one rank (every rank of
+        the world must be constructed at the same time, with the same init method)."""
         self.config = vllm_config
-        self.model_runner = GPUModelRunner(vllm_config)
+        pc = vllm_config.parallel_config
+        layout = ParallelLayout(pc.tensor_parallel_size, pc.pipeline_parallel_size, rank)
+        self.parallel = ParallelContext.single()
+        if layout.world_size > 1:
+            if distributed_init_method is None:
+                raise ValueError(
+                    f"{pc.describe()}: a worker of a multi-rank world needs an init method"
+                )
+            device = vllm_config.model_config.device
+            if device.type == "cuda":
+                # One GPU per rank; "cuda" then means this rank's device everywhere.
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            self.parallel = init_distributed(layout, distributed_init_method, device)
+        self.model_runner = GPUModelRunner(vllm_config, self.parallel)
 
     def load_model(self) -> None:
         """Loads the model weights onto the device."""
@@ -66,3 +92,8 @@ class Worker:
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         """Samples the oldest executed-but-unsampled step."""
         return self.model_runner.sample_tokens(grammar_output)
+
+    def close(self) -> None:
+        """Leaves the distributed world, if it joined one. Idempotent."""
+        if self.parallel.layout.world_size > 1:
+            destroy_distributed(self.parallel)

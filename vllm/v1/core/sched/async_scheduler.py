@@ -51,6 +51,12 @@ class AsyncScheduler(Scheduler):
         self._unsampled_steps.pop(scheduler_output.step_id, None)
 
     def _waits_for_sampling(self, request: Request) -> bool:
+        if self.pipeline_stages > 1:
+            # With pipeline stages a request runs in one in-flight step at a time: its next
+            # token cannot enter the first stage before it has left the last one, so
+            # scheduling it earlier would only stall the first stage. Other requests fill
+            # the stages meanwhile (see Scheduler._max_batch_requests).
+            return request.num_output_placeholders > 0
         # At most max_concurrent_batches steps are ever listed.
         return any(request.request_id in ids for ids in self._unsampled_steps.values())
 

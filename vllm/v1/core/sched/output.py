@@ -41,6 +41,10 @@ class CachedRequestData:
     resumed_req_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Output tokens generated so far by a resumed request (the runner needs them for penalties).
     resumed_num_output_tokens: dict[str, int] = field(default_factory=dict)
+    # Pipeline parallelism only: output tokens the workers have not been told about, keyed by
+    # id. There the workers learn a request's tokens from here rather than from their own
+    # samples, since the first stage never sees a sample (docs/architecture.md §10).
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

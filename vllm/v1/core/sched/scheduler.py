@@ -45,6 +45,8 @@ class Scheduler:
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_model_len = sched.max_model_len
+        # Pipeline stages: batches in flight at once hold different requests (see schedule).
+        self.pipeline_stages = vllm_config.parallel_config.pipeline_parallel_size
         self.compile_timeout_s = vllm_config.structured_outputs_config.compile_timeout_s
         self.kv_cache_manager = kv_cache_manager
         self.structured_output_manager = structured_output_manager
@@ -162,10 +164,20 @@ class Scheduler:
             return False
         return request.num_tokens + request.num_output_placeholders < self.max_model_len
 
+    def _max_batch_requests(self) -> int:
+        """Requests one step may hold. With pipeline stages, a step takes its share of the
+        unfinished requests, so that the next steps (scheduled while it is still in the
+        pipeline) find requests to run and every stage stays busy."""
+        if self.pipeline_stages == 1:
+            return self.max_num_seqs
+        share = -(-self.get_num_unfinished_requests() // self.pipeline_stages)
+        return max(1, min(self.max_num_seqs, share))
+
     def schedule(self) -> SchedulerOutput:
         """Builds the next step. Side effects: allocates KV blocks, may preempt requests,
         admits waiting requests, and advances num_computed_tokens of every scheduled request."""
         budget = self.max_num_batched_tokens
+        max_requests = self._max_batch_requests()
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -173,7 +185,7 @@ class Scheduler:
         scheduled_running: list[Request] = []
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled_running) < max_requests:
             request = self.running[i]
             num_new = min(self._num_new_tokens(request), budget)
             samples = num_new == self._num_new_tokens(request)
@@ -207,11 +219,23 @@ class Scheduler:
             cached.resumed_from_preemption.append(False)
             cached.new_block_ids.append(new_blocks)
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            if self.pipeline_stages > 1 and request.num_tokens > request.num_tokens_sent:
+                # The workers take tokens from here, not from their own samples (the first
+                # stage never sees a sample).
+                cached.new_token_ids[request.request_id] = request.all_token_ids[
+                    request.num_tokens_sent :
+                ]
+                request.num_tokens_sent = request.num_tokens
             i += 1
 
         skipped: list[Request] = []
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while (
+                self.waiting
+                and budget > 0
+                and len(self.running) < self.max_num_seqs
+                and len(scheduled_running) < max_requests
+            ):
                 request = self.waiting[0]
                 if not self._ready_to_admit(request):
                     # A request whose grammar failed has left the queue already.
@@ -240,8 +264,10 @@ class Scheduler:
                     cached.resumed_num_output_tokens[request.request_id] = (
                         request.num_output_tokens
                     )
+                    request.num_tokens_sent = request.num_tokens
                 else:
                     request.num_cached_tokens = num_hit
+                    request.num_tokens_sent = request.num_tokens
                     new_reqs.append(
                         NewRequestData(
                             req_id=request.request_id,

@@ -1,0 +1,55 @@
+"""Random Hugging Face checkpoints and a greedy workload shared by the parallelism oracles."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.utils_models import build_checkpoint
+from vllm import LLM, SamplingParams
+from vllm.model_executor.model_loader.demo_model import build_demo_model
+
+HF_PROMPTS = [[(7 * i + 3 * k) % 500 + 1 for k in range(4 + 3 * i)] for i in range(6)]
+
+
+def hf_outputs(model: Path, **kwargs) -> list:
+    """Greedy tokens and logprobs of HF_PROMPTS on a random checkpoint (the demo model's
+    tokenizer: the prompts and outputs are ids below the checkpoint's vocabulary)."""
+    llm = LLM(str(model), tokenizer=str(build_demo_model("demo-tiny")), dtype="float32",
+              max_model_len=128, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in HF_PROMPTS], params,
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.fixture(scope="package", params=["qwen3", "qwen2", "llama"])
+def checkpoint(request, tmp_path_factory) -> Path:
+    """A random tiny checkpoint of each architecture."""
+    path = tmp_path_factory.mktemp(request.param)
+    build_checkpoint(request.param, path, seed=3)
+    return path
+
+
+@pytest.fixture(scope="module")
+def one_thread_per_rank() -> Iterator[None]:
+    """Every rank (in this process and in worker processes) runs one OpenMP thread.
+
+    CPU kernels reduce in an order that depends on their thread count, so two layouts
+    compute the same numbers only when their ranks run the same number of threads; the
+    layouts themselves change no arithmetic.
+    """
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
