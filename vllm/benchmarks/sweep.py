@@ -95,6 +95,22 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
+# Workloads of benchmarks/bench_pipeline.py. Kept apart from PRESETS: the sweep's
+# configurations never split the model into pipeline stages.
+PIPELINE_PRESETS: dict[str, Preset] = {
+    "cpu-pipeline": Preset(
+        name="cpu-pipeline",
+        description="hidden 512, 8 layers, 8,192-token Qwen vocabulary: decoder layers dominate "
+        "a step, so two pipeline stages are balanced",
+        model="demo-small-vocab-deep",
+        num_prompts=128,
+        output_len=128,
+        request_rate=math.inf,
+        max_concurrency=64,
+        serve_args=("--max-model-len", "1024", "--max-num-seqs", "64", *_COMPACT_JSON),
+    ),
+}
+
 
 @dataclass
 class ServedModel:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import jsonschema
@@ -109,3 +110,36 @@ def test_engine_writes_valid_json(model_dir: Path) -> None:
         assert completion.finish_reason == "stop"
         assert all(t < SPEC.vocab_size for t in completion.token_ids)
         jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_deep_model_builds_and_loads(cache_root: Path) -> None:
+    deep = SMALL_VOCAB_MODELS["demo-small-vocab-deep"]
+    body = deep.body
+    assert (body.hidden_size, body.num_hidden_layers, body.intermediate_size) == (512, 8, 1536)
+    assert (deep.num_base_tokens, deep.vocab_size) == (SPEC.num_base_tokens, SPEC.vocab_size)
+    path = build_small_vocab_model("demo-small-vocab-deep", cache_root)
+    assert path == cache_root / "demo-models" / "demo-small-vocab-deep-v1"
+    config = json.loads((path / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (512, 8)
+    assert (config["vocab_size"], config["eos_token_id"]) == (8256, 8194)
+    shapes = _shapes(path)
+    assert shapes["model.embed_tokens.weight"] == (8256, 512)
+    assert "model.layers.7.mlp.down_proj.weight" in shapes
+    # The decoder layers, not the tied LM head, hold most of the weights.
+    layer_params = sum(math.prod(s) for name, s in shapes.items() if ".layers." in name)
+    assert layer_params > 5 * 8256 * 512
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(str(path), max_num_seqs=2, max_model_len=128)
+    try:
+        out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    ids = out[0].outputs[0].token_ids
+    assert 1 <= len(ids) <= 4 and all(t < deep.vocab_size for t in ids)
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}

@@ -4,7 +4,9 @@ With Qwen's full vocabulary the LM head dominates a tiny model's step on a CPU, 
 overheads (scheduling, bitmasks, detokenizing) hide behind it. These models keep a tiny Qwen3
 body but only the first `num_base_tokens` BPE ranks of Qwen's vocabulary plus its 26 added
 tokens, which makes a step cheap enough that the engine's CPU time matters, as on a GPU.
-Built once and cached next to the other demo models.
+"demo-small-vocab-deep" keeps the same vocabulary on a wider, deeper body, so its decoder
+layers dominate a step (for pipeline-parallel benchmarks). Built once and cached next to the
+other demo models.
 """
 
 from __future__ import annotations
@@ -52,10 +54,22 @@ class SmallVocabSpec:
         return self.num_base_tokens + _added_index(PAD_TOKEN)
 
 
+# A body whose decoder layers, not its LM head, dominate a step: the layers hold ~25M
+# parameters against the head's ~4M, so a pipeline split into stages by layers is balanced.
+DEEP_BODY = DemoModelSpec(
+    hidden_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    head_dim=64,
+    num_key_value_heads=4,
+    intermediate_size=1536,
+)
+
 SMALL_VOCAB_MODELS: dict[str, SmallVocabSpec] = {
     "demo-small-vocab": SmallVocabSpec(
         body=DEMO_MODELS["demo-tiny"], num_base_tokens=8192, vocab_size=8256
     ),
+    "demo-small-vocab-deep": SmallVocabSpec(body=DEEP_BODY, num_base_tokens=8192, vocab_size=8256),
 }
 
 
