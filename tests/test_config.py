@@ -152,3 +152,18 @@ def test_vllm_config_accepts_parallel_layouts(
             "mp" if tp * pp > 1 else "uni"
         )
         assert config.max_concurrent_batches == depth
+
+def test_long_max_model_len_needs_upstreams_switch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ValueError, match=r"--max-model-len: 8192 exceeds .* "
+                                         r"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        ModelConfig(model="demo-tiny", max_model_len=8192)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with caplog.at_level(logging.WARNING):
+        config = ModelConfig(model="demo-tiny", max_model_len=8192)
+    assert config.max_model_len == 8192
+    # The rotary tables are sized from the config, so they now cover every position.
+    assert config.hf_config.max_position_embeddings == 8192
+    assert "never trained" in caplog.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,9 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+
+# Upstream vLLM's switch for a --max-model-len above the model's max_position_embeddings.
+ALLOW_LONG_MAX_MODEL_LEN_ENV = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -71,10 +75,19 @@ class ModelConfig:
         elif self.max_model_len <= 0:
             raise ValueError(f"--max-model-len: must be positive, got {self.max_model_len}")
         elif self.max_model_len > limit:
-            raise ValueError(
-                f"--max-model-len: {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({limit})"
+            if os.environ.get(ALLOW_LONG_MAX_MODEL_LEN_ENV, "").lower() not in ("1", "true"):
+                raise ValueError(
+                    f"--max-model-len: {self.max_model_len} exceeds the model's "
+                    f"max_position_embeddings ({limit}); set {ALLOW_LONG_MAX_MODEL_LEN_ENV}=1 "
+                    "to allow it anyway"
+                )
+            logger.warning(
+                "--max-model-len %d exceeds the model's max_position_embeddings (%d); allowed "
+                "by %s, but positions past %d were never trained and may give poor output",
+                self.max_model_len, limit, ALLOW_LONG_MAX_MODEL_LEN_ENV, limit,
             )
+            # The rotary tables must cover every position the engine may schedule.
+            self.hf_config.max_position_embeddings = self.max_model_len
         self.eos_token_ids = _load_eos_token_ids(self.model_dir, self.hf_config)
         if self.served_model_name is None:
             self.served_model_name = self.model
