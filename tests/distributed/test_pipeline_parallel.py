@@ -18,33 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.v1.engine.test_async_sync_equivalence import (
-    CONDITIONS,
-    RATIOS,
-    _params,
-    _prompts,
-)
-from tests.v1.structured_output.oracle import check_structured_output
 from tests.distributed.conftest import hf_outputs
+from tests.v1.engine.test_async_sync_equivalence import CONDITIONS, generate_all
 from vllm import LLM
-
-
-def _generate_all(llm: LLM) -> dict[float, list]:
-    """The shared async = sync workload at every structured ratio; checks the grammars and
-    that the engine released every block and grammar."""
-    results = {}
-    for ratio in RATIOS:
-        params = _params(ratio)
-        outs = llm.generate(_prompts(), params, use_tqdm=False)
-        for p, o in zip(params, outs):
-            if p.structured_outputs is not None:
-                check_structured_output(p.structured_outputs, o.outputs[0], llm.get_tokenizer())
-        results[ratio] = [o.outputs[0] for o in outs]
-    core = llm.llm_engine.engine_core
-    kv = core.scheduler.kv_cache_manager
-    assert kv.num_free_blocks == kv.num_blocks
-    assert core.structured_output_manager.num_live_grammars == 0
-    return results
 
 
 def assert_identical(got: dict[float, list], want: dict[float, list], tol: float = 0.0) -> None:
@@ -69,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 def reference(one_thread_per_rank) -> dict[float, list]:
     llm = LLM("demo-tiny", max_model_len=128, max_num_seqs=16, enable_prefix_caching=False)
     try:
-        return _generate_all(llm)
+        return generate_all(llm)
     finally:
         llm.shutdown()
 
@@ -87,7 +63,7 @@ def test_two_stages_match_one(reference, async_scheduling: bool, condition: str)
     try:
         core = llm.llm_engine.engine_core
         assert core.batch_queue_size == 2
-        got = _generate_all(llm)
+        got = generate_all(llm)
         if condition == "preemption":
             assert core.scheduler.num_preemptions > 0
     finally:

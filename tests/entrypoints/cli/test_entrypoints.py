@@ -75,16 +75,35 @@ def test_api_server_reports_config_errors_like_serve(capsys: pytest.CaptureFixtu
     assert "--max-model-len" in capsys.readouterr().err
 
 
+def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
+    """True once no process of group `pgid` is left (the workers' own exits may lag their
+    parent's by a moment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
 def test_api_server_module_serves(tmp_path: Path) -> None:
-    """One short start: upstream-style flags, a completion, then Ctrl-C exits cleanly."""
+    """The flags of upstream's `-pp 2 -tp 2` report (four ranks, a --max-model-len past the
+    model's positions under VLLM_ALLOW_LONG_MAX_MODEL_LEN): a completion, then Ctrl-C exits
+    cleanly and leaves no worker and no socket directory behind."""
     port = free_port()
-    cmd = [*API_SERVER, "--model", MODEL, "--host", "127.0.0.1", f"--port={port}",
-           "--max_model_len=256", "--trust-remote-code", "--disable-log-requests",
-           "--enforce-eager", "--gpu-memory-util=0.9", "-tp=1", "-pp", "1",
-           "--distributed_executor_backend=uni"]
+    cmd = [*API_SERVER, "--model", MODEL, "--enforce-eager", f"--port={port}",
+           "--host", "127.0.0.1", "-pp", "2", "--distributed_executor_backend=mp",
+           "--trust-remote-code", "--gpu-memory-util=0.9", "--no-enable-prefix-caching",
+           "--max-num-batched-tokens=8192", "--disable-log-requests", "--max-model-len=8192",
+           "--block-size", "64", "--dtype=float16", "-tp=2"]
     log = tmp_path / "server.log"
+    env = {**_env(), "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", "TMPDIR": str(tmp_path)}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_env())
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -107,6 +126,9 @@ def test_api_server_module_serves(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, log.read_text()
         assert "vLLM API server shut down" in log.read_text()
+        assert "Traceback" not in log.read_text()
+        assert not list(tmp_path.glob("vllm-mp-*")), "the socket directory was left behind"
+        assert _group_gone(proc.pid), "a process of the server's group outlived it"
     finally:
         if proc.poll() is None:
             proc.kill()

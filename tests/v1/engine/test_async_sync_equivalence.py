@@ -72,6 +72,24 @@ CONDITIONS = {
 }
 
 
+def generate_all(llm: LLM) -> dict[float, list]:
+    """The workload at every structured ratio, by ratio; checks every structured output and
+    that the engine released every block and grammar afterwards."""
+    results = {}
+    for ratio in RATIOS:
+        params = _params(ratio)
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
+        for p, o in zip(params, outs):
+            if p.structured_outputs is not None:
+                check_structured_output(p.structured_outputs, o.outputs[0], llm.get_tokenizer())
+        results[ratio] = [o.outputs[0] for o in outs]
+    core = llm.llm_engine.engine_core
+    kv = core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    assert core.structured_output_manager.num_live_grammars == 0
+    return results
+
+
 def _run(async_scheduling: bool, executor: str, condition: str):
     llm = LLM(
         "demo-tiny",
@@ -92,17 +110,7 @@ def _run(async_scheduling: bool, executor: str, condition: str):
             return scheduler_output
 
         core.scheduler.schedule = recording_schedule
-        results = {}
-        for ratio in RATIOS:
-            params = _params(ratio)
-            outs = llm.generate(_prompts(), params, use_tqdm=False)
-            for p, o in zip(params, outs):
-                if p.structured_outputs is not None:
-                    check_structured_output(p.structured_outputs, o.outputs[0], llm.get_tokenizer())
-            results[ratio] = [o.outputs[0] for o in outs]
-        kv = core.scheduler.kv_cache_manager
-        assert kv.num_free_blocks == kv.num_blocks
-        assert core.structured_output_manager.num_live_grammars == 0
+        results = generate_all(llm)
         stats = {
             "preemptions": core.scheduler.num_preemptions,
             "deferred": any(deferred),
