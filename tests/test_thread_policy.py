@@ -197,3 +197,11 @@ def test_offline_llm_sets_the_policy_before_torch_loads() -> None:
     proc = run_python(_LLM_SCRIPT, OMP_DISPLAY_ENV="VERBOSE")
     assert last_json(proc) == {"threads": available_cpus(), "same_env": True, "tokens": 2}
     assert PASSIVE_SPIN in proc.stderr
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 2), (2, 2), (6, 3), (16, 8), (64, 8)])
+def test_helper_threads_take_half_the_cpus_within_bounds(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, threads: int
+) -> None:
+    monkeypatch.setattr(thread_policy, "available_cpus", lambda: cpus)
+    assert thread_policy.helper_threads() == threads

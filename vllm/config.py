@@ -354,7 +354,7 @@ class StructuredOutputsConfig:
             return self.compile_workers
         from vllm import thread_policy
 
-        return max(2, min(8, thread_policy.available_cpus() // 2))
+        return thread_policy.helper_threads()
 
 
 @dataclass

@@ -39,6 +39,13 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
+# Why a StructuredOutputsParams (or the API's structured_outputs) without a constraint fails.
+NO_CONSTRAINT_MESSAGE = (
+    "exactly one of json, json_object, regex, choice, grammar, structural_tag must be set, "
+    "got none"
+)
+
+
 @dataclass
 class StructuredOutputsParams:
     """One output constraint. Exactly one of the constraint fields must be set."""
@@ -57,11 +64,7 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         set_ = [name for name in self._CONSTRAINTS if getattr(self, name) not in (None, False)]
         if not set_:
-            raise InvalidRequestError(
-                "structured_outputs",
-                "exactly one of json, json_object, regex, choice, grammar, "
-                "structural_tag must be set, got none"
-            )
+            raise InvalidRequestError("structured_outputs", NO_CONSTRAINT_MESSAGE)
         if len(set_) > 1:
             raise InvalidRequestError(
                 "structured_outputs",

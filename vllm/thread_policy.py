@@ -44,6 +44,12 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def helper_threads() -> int:
+    """Threads a CPU-side helper pool (grammar compiles, bitmask fills) may use: half of
+    this process's CPUs, at least 2 and at most 8."""
+    return max(2, min(8, available_cpus() // 2))
+
+
 @dataclass(frozen=True)
 class ThreadPolicy:
     """OpenMP settings for one of the processes that run the model on this machine."""

@@ -30,7 +30,7 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.sampling_params import NO_CONSTRAINT_MESSAGE, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 T = TypeVar("T", bound=OpenAIBaseModel)
@@ -509,11 +509,7 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
             if value is not None and value is not False:
                 found.append(("structured_outputs", key, value))
         if not any(where == "structured_outputs" for where, _, _ in found):
-            raise InvalidRequestError(
-                "structured_outputs",
-                "exactly one of json, json_object, regex, choice, grammar, "
-                "structural_tag must be set, got none"
-            )
+            raise InvalidRequestError("structured_outputs", NO_CONSTRAINT_MESSAGE)
     for field, key in (
         ("guided_json", "json"),
         ("guided_regex", "regex"),

@@ -61,7 +61,7 @@ import numpy as np
 import xgrammar as xgr
 
 from vllm.exceptions import GrammarCompileError, InvalidRequestError
-from vllm.thread_policy import available_cpus
+from vllm.thread_policy import helper_threads
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     StructuredOutputBackend,
@@ -676,12 +676,6 @@ def _check_grammar_text(text: str) -> None:
         )
 
 
-def default_compile_threads() -> int:
-    """Threads one xgrammar compile (or batch bitmask fill) may use: half this process's CPUs,
-    at least 2 and at most 8."""
-    return max(2, min(8, available_cpus() // 2))
-
-
 class XgrammarBackend(StructuredOutputBackend):
     """Compiles constraints with one caching xgrammar compiler per engine.
 
@@ -705,7 +699,7 @@ class XgrammarBackend(StructuredOutputBackend):
             vocab = PreparedVocab.build(tokenizer, vocab_size, stop_token_ids)
         elif vocab.vocab_size != vocab_size:
             raise ValueError(f"vocab_size: {vocab_size} differs from the prepared vocabulary's")
-        threads = max_threads if max_threads is not None else default_compile_threads()
+        threads = max_threads if max_threads is not None else helper_threads()
         self.vocab_size = vocab_size
         self.vocab = vocab
         self.disable_any_whitespace = disable_any_whitespace
