@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import copy
+import random
 import zlib
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -111,6 +112,25 @@ def make_request(
     sp = SamplingParams(temperature=0.0, **params)  # type: ignore[arg-type]
     sp.update_from_model(EOS_IDS if eos_ids is None else eos_ids)
     return Request(req_id, prompt, sp)
+
+
+def random_specs(
+    seed: int, num_requests: int, max_prompt: int
+) -> tuple[list[tuple[str, int, dict]], dict[str, dict[int, int]]]:
+    """A seeded mixed workload for make_request: (id, prompt length, kwargs) per request,
+    every other one with a grammar, plus {id: {output index: EOS}} for some of the rest (a
+    policy override that ends them early)."""
+    rng = random.Random(seed)
+    specs, special = [], {}
+    for i in range(num_requests):
+        req_id, max_tokens = f"q{i}", rng.randint(1, 10)
+        kwargs: dict = {"max_tokens": max_tokens}
+        if i % 2 == 0:
+            kwargs["grammar"] = " ".join(str(rng.randint(1, 500)) for _ in range(rng.randint(1, 6)))
+        elif max_tokens > 2:
+            special[req_id] = {rng.randint(0, max_tokens - 1): EOS}
+        specs.append((req_id, rng.randint(1, max_prompt), kwargs))
+    return specs, special
 
 
 def pool_is_full(kv: KVCacheManager) -> bool:

@@ -18,7 +18,6 @@ and the tokens and finish reasons equal those of the synchronous engine.
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -28,15 +27,15 @@ from typing import Any
 import pytest
 
 from tests.v1.core.sched_utils import (
-    EOS,
-    GRAMMAR_END,
     FakeRunner,
     FakeStructuredOutputManager,
+    GRAMMAR_END,
     default_policy,
     demo_model_config,
     make_config,
     make_request,
     pool_is_full,
+    random_specs,
     wait_compiled,
 )
 from vllm.config import ModelConfig, VllmConfig
@@ -457,26 +456,12 @@ def test_requests_of_a_deferred_batch_wait_for_its_sampling(make: MakeSetup) -> 
 # ---------------------------------------------------------------------- against sync
 
 
-def _random_specs(seed: int) -> tuple[list[tuple[str, int, dict]], dict[str, dict[int, int]]]:
-    rng = random.Random(seed)
-    specs, special = [], {}
-    for i in range(10):
-        req_id, max_tokens = f"q{i}", rng.randint(1, 10)
-        kwargs: dict = {"max_tokens": max_tokens}
-        if i % 2 == 0:
-            kwargs["grammar"] = " ".join(str(rng.randint(1, 500)) for _ in range(rng.randint(1, 6)))
-        elif max_tokens > 2:
-            special[req_id] = {rng.randint(0, max_tokens - 1): EOS}
-        specs.append((req_id, rng.randint(1, 20), kwargs))
-    return specs, special
-
-
 @pytest.mark.parametrize("depth", [2, 3, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_arrivals_match_sync(make: MakeSetup, depth: int, seed: int) -> None:
     """Requests arrive one per call with chunked prefill and preemption; every invariant holds
     and the outputs equal the synchronous engine's."""
-    specs, special = _random_specs(seed)
+    specs, special = random_specs(seed, 10, 20)
 
     def policy(r: str, k: int) -> int:
         return special.get(r, {}).get(k, default_policy(r, k))
@@ -502,7 +487,7 @@ def test_synchronous_scheduler_with_a_deeper_queue(make: MakeSetup, depth: int) 
     """Pipeline stages without async scheduling: the queue is deeper than 1 but the
     scheduler never puts a request in two batches, so batches are disjoint; outputs equal the
     plain synchronous step's."""
-    specs, special = _random_specs(7)
+    specs, special = random_specs(7, 10, 20)
 
     def policy(r: str, k: int) -> int:
         return special.get(r, {}).get(k, default_policy(r, k))

@@ -8,7 +8,6 @@ have started. Timings are only printed.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections import deque
@@ -20,15 +19,15 @@ from typing import Any, ClassVar
 import pytest
 
 from tests.v1.core.sched_utils import (
-    EOS,
-    GRAMMAR_END,
     FakeRunner,
     FakeStructuredOutputManager,
+    GRAMMAR_END,
     default_policy,
     demo_model_config,
     make_config,
     make_request,
     pool_is_full,
+    random_specs,
     wait_compiled,
 )
 from vllm.config import ModelConfig, VllmConfig
@@ -446,26 +445,12 @@ def test_deferred_sampling_waits_for_previous_update(make: MakeSetup) -> None:
     assert s.tokens["p"] == expected("p", 8)
 
 
-def _random_requests(seed: int) -> tuple[list[tuple[str, int, dict]], dict[str, dict[int, int]]]:
-    rng = random.Random(seed)
-    specs, special = [], {}
-    for i in range(8):
-        req_id, max_tokens = f"q{i}", rng.randint(1, 10)
-        kwargs: dict = {"max_tokens": max_tokens}
-        if i % 2 == 0:
-            kwargs["grammar"] = " ".join(str(rng.randint(1, 500)) for _ in range(rng.randint(1, 6)))
-        elif max_tokens > 2:
-            special[req_id] = {rng.randint(0, max_tokens - 1): EOS}
-        specs.append((req_id, rng.randint(1, 14), kwargs))
-    return specs, special
-
-
 @pytest.mark.parametrize("depth", [2, 3, 4])
 def test_structured_requests_arriving_mid_run_match_sync(make: MakeSetup, depth: int) -> None:
     """Requests arrive one per engine call, so batches with and without pending grammar
     tokens alternate in the queue; outputs must equal the sync engine's and the worker must
     always sample a step before it runs the next forward."""
-    specs, special = _random_requests(depth)
+    specs, special = random_specs(depth, 8, 14)
 
     def policy(r: str, k: int) -> int:
         return special.get(r, {}).get(k, default_policy(r, k))
