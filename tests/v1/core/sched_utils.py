@@ -339,10 +339,6 @@ class FakeGrammar(StructuredOutputGrammar):
     def is_terminated(self) -> bool:
         return self.terminated
 
-    def reset(self) -> None:
-        self.accepted = []
-        self.terminated = False
-
     @property
     def num_processed_tokens(self) -> int:
         return len(self.accepted)

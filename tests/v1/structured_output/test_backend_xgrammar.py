@@ -101,14 +101,14 @@ def test_choice_accepts_exactly_its_members(
 ) -> None:
     grammar = backend.compile_grammar(StructuredOutputsParams(choice=choices))
     for member in choices:
-        grammar.reset()
+        grammar.rollback(grammar.num_processed_tokens)
         tokens = tokenizer.encode(member, add_special_tokens=False)
         assert grammar.accept_tokens("r", tokens + [EOS_IDS[0]]), member
         assert grammar.is_terminated()
     for outsider in [choices[0] + "x", "zz" + choices[-1]]:
         if outsider in choices:
             continue
-        grammar.reset()
+        grammar.rollback(grammar.num_processed_tokens)
         tokens = tokenizer.encode(outsider, add_special_tokens=False)
         assert not grammar.accept_tokens("r", tokens + [EOS_IDS[0]]), outsider
 
@@ -195,7 +195,7 @@ def test_accept_reject_validate_rollback_reset(backend: XgrammarBackend, tokeniz
     assert not grammar.is_terminated()
     assert sorted(_allowed(grammar).tolist()) == sorted(EOS_IDS)
 
-    grammar.reset()
+    grammar.rollback(grammar.num_processed_tokens)
     assert grammar.num_processed_tokens == 0 and np.array_equal(_allowed(grammar), start)
 
 
@@ -204,7 +204,7 @@ def test_structural_tag_enforces_tag_content(backend: XgrammarBackend, tokenizer
     grammar = backend.compile_grammar(StructuredOutputsParams(**tag))
     good = tokenizer.encode("call <f>7</f> done", add_special_tokens=False)
     assert grammar.accept_tokens("r", good + [EOS_IDS[0]])
-    grammar.reset()
+    grammar.rollback(grammar.num_processed_tokens)
     assert not grammar.accept_tokens("r", tokenizer.encode("call <f>x", add_special_tokens=False))
 
 

@@ -13,7 +13,11 @@ from vllm.sampling_params import StructuredOutputsParams
 class StructuredOutputGrammar(ABC):
     """The matcher state of one request's constraint.
 
-    Bitmask rows are int32 words; bit j of word w allows token 32 * w + j.
+    Bitmask rows are int32 words; bit j of word w allows token 32 * w + j. The engine uses
+    accept_tokens, fill_bitmask and is_terminated. validate_tokens, rollback and
+    num_processed_tokens are for speculative decoding: truncating drafts at the first token
+    the grammar rejects, and filling one bitmask row per draft position by advancing through
+    the drafts and rolling back.
     """
 
     @abstractmethod
@@ -42,10 +46,6 @@ class StructuredOutputGrammar(ABC):
     @abstractmethod
     def is_terminated(self) -> bool:
         """True once the grammar has accepted a stop token: nothing more may follow."""
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Returns to the initial state, as if no token had been accepted."""
 
     @property
     @abstractmethod

@@ -555,11 +555,6 @@ class XgrammarGrammar(StructuredOutputGrammar):
     def is_terminated(self) -> bool:
         return self._terminated
 
-    def reset(self) -> None:
-        """Returns to the initial state."""
-        self.matcher.reset()
-        self._states.clear()
-        self._terminated = False
 
 
 # xgrammar's serialized grammar format this module can read (Grammar.serialize_json); its
