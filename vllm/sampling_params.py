@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from vllm.exceptions import InvalidRequestError
 
 
@@ -16,18 +18,55 @@ MAX_STOP_SEQUENCES = 64
 MAX_STOP_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
 
-_INT32_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs")
-_FLOAT_FIELDS = (
+# How the engine stores every numeric field (its runner keeps them in int32, int64 and
+# float32 columns): the one table both SamplingParams and the engine core's admission check
+# (check_numeric_fields) go by. Integer field -> (dtype, smallest, largest value).
+INT_FIELD_BOUNDS: dict[str, tuple[str, int, int]] = {
+    **{
+        name: ("int32", -(2**31), 2**31 - 1)
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs")
+    },
+    "seed": ("int64", -(2**63), 2**63 - 1),
+}
+FLOAT32_FIELDS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
 )
-
-
+# Integer fields that may be None (unset).
+_OPTIONAL_INT_FIELDS = frozenset({"seed", "max_tokens", "logprobs"})
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _is_int(value: object, low: int, high: int) -> bool:
-    """True for an int (not a bool) in [low, high]."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+    """True for an integer (Python or numpy, not a bool) in [low, high]."""
+    return (
+        isinstance(value, (int, np.integer))
+        and not isinstance(value, bool)
+        and low <= value <= high
+    )
+
+
+def check_numeric_fields(params: Any) -> None:
+    """Raises InvalidRequestError naming the first numeric field of `params` (a
+    SamplingParams, possibly changed after it was built) that the engine could not store: an
+    integer outside its column's range, or a number that is not a finite float32."""
+    for name, (dtype, low, high) in INT_FIELD_BOUNDS.items():
+        value = getattr(params, name)
+        if value is None and name in _OPTIONAL_INT_FIELDS:
+            continue
+        if not _is_int(value, low, high):
+            raise InvalidRequestError(
+                name, f"must be an integer in the {dtype} range, got {value!r}"
+            )
+    for name in FLOAT32_FIELDS:
+        value = getattr(params, name)
+        if (
+            not isinstance(value, (int, float, np.integer, np.floating))
+            or isinstance(value, bool)
+            # Compared before isfinite, which cannot convert a huge int to a float.
+            or abs(value) > _FLOAT32_MAX
+            or not math.isfinite(value)
+        ):
+            raise InvalidRequestError(name, f"must be a finite float32 number, got {value!r}")
 
 
 def _is_unicode(text: str) -> bool:
@@ -153,18 +192,7 @@ class SamplingParams:
 
         # Types and ranges first: every number must fit the engine's int32/int64/float32
         # columns, so no value that passes here can fail later inside the engine core.
-        for name in _INT32_FIELDS:
-            value = getattr(self, name)
-            if value is not None and not _is_int(value, -(2**31), 2**31 - 1):
-                raise bad(name, f"must be an integer in the int32 range, got {value!r}")
-        if self.seed is not None and not _is_int(self.seed, -(2**63), 2**63 - 1):
-            raise bad("seed", f"must be an integer in the int64 range, got {self.seed!r}")
-        for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise bad(name, f"must be a number, got {value!r}")
-            if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
-                raise bad(name, f"must be a finite float32 number, got {value!r}")
+        check_numeric_fields(self)
 
         if self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")

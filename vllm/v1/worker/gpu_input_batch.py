@@ -2,39 +2,20 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, check_numeric_fields
 
-# How the runner stores each numeric sampling parameter (see
-# GPUModelRunner._sampling_metadata). Integer fields the runner keeps as Python ints are held
-# to int64 anyway, so that no runner needs to care about unbounded integers.
-INT32_PARAMS = ("top_k",)
-INT64_PARAMS = ("n", "seed", "max_tokens", "min_tokens", "logprobs")
-FLOAT32_PARAMS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
+# How the runner stores the sampling parameters it puts in columns (see
+# GPUModelRunner._sampling_metadata); the bounds every value is checked against at admission
+# are sampling_params.INT_FIELD_BOUNDS and FLOAT32_FIELDS.
 TOP_K_DTYPE = np.int32
 SAMPLING_FLOAT_DTYPE = np.float32
-# Integer parameter -> (dtype it must fit, smallest, largest value).
-_INT_RANGES = {
-    name: (np.dtype(dtype).name, int(np.iinfo(dtype).min), int(np.iinfo(dtype).max))
-    for names, dtype in ((INT32_PARAMS, TOP_K_DTYPE), (INT64_PARAMS, np.int64))
-    for name in names
-}
-# Integer parameters that may be None (unset).
-_OPTIONAL_PARAMS = frozenset({"seed", "max_tokens", "logprobs"})
-_FLOAT32_MAX = float(np.finfo(SAMPLING_FLOAT_DTYPE).max)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _is_int(value: object) -> bool:
@@ -71,34 +52,15 @@ def check_request_inputs(
             "prompt",
             f"token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
-    for name, (dtype, lo, hi) in _INT_RANGES.items():
-        value = getattr(params, name)
-        if value is None and name in _OPTIONAL_PARAMS:
-            continue
-        if not _is_int(value) or not lo <= value <= hi:
-            raise InvalidRequestError(
-                name,
-                f"must be an integer in the {dtype} range, got {value!r}"
-            )
-    for name in FLOAT32_PARAMS:
-        value = getattr(params, name)
-        if (
-            not isinstance(value, (int, float, np.integer, np.floating))
-            or isinstance(value, bool)
-            # Compared before isfinite, which cannot convert a huge int to a float.
-            or abs(value) > _FLOAT32_MAX
-            or not math.isfinite(value)
-        ):
-            raise InvalidRequestError(name, f"must be a finite float32 number, got {value!r}")
+    check_numeric_fields(params)
     if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
         raise InvalidRequestError(
             "logprobs",
             f"must be in [0, {vocab_size}], got {params.logprobs}"
         )
-    _, int64_min, int64_max = _INT_RANGES["seed"]
     for name in ("stop_token_ids", "all_stop_token_ids"):
         ids = getattr(params, name)
-        if any(not _is_int(t) or not int64_min <= t <= int64_max for t in ids):
+        if any(not _is_int(t) or not _INT64_MIN <= t <= _INT64_MAX for t in ids):
             raise InvalidRequestError(name, "must be integers in the int64 range")
 
 
