@@ -63,6 +63,15 @@ class CompileAbortedError(GrammarCompileError):
     """A compile was stopped: it ran past its time limit, or its worker died. Depends on the
     load as much as on the constraint, so it is never remembered as the constraint's verdict."""
 
+    @classmethod
+    def timed_out(cls, kind: str, timeout_s: float) -> CompileAbortedError:
+        """The error of a `kind` constraint whose compile ran past `timeout_s` seconds."""
+        return cls(
+            f"structured_outputs.{kind}",
+            f"compiling the grammar took longer than {timeout_s:g} s "
+            "(--structured-outputs-config.compile_timeout_s)",
+        )
+
 
 class Checker(Protocol):
     """What the workers run. Pickled to the supervisor, which forks the workers."""
@@ -446,11 +455,7 @@ class _Supervisor:
                 self._report(
                     job_id,
                     "aborted",
-                    CompileAbortedError(
-                        f"structured_outputs.{kind}",
-                        f"compiling the grammar took longer than {self.timeout_s:g} s "
-                        "(--structured-outputs-config.compile_timeout_s)",
-                    ),
+                    CompileAbortedError.timed_out(kind, self.timeout_s),
                     now - worker.started,
                 )
 

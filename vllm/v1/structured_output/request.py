@@ -105,11 +105,7 @@ class StructuredOutputRequest:
             future.cancel()
             self.future = None
             self.timed_out = True
-            self.exception = CompileAbortedError(
-                f"structured_outputs.{self.params.kind}",
-                f"compiling the grammar took longer than {timeout_s:g} s "
-                "(--structured-outputs-config.compile_timeout_s)",
-            )
+            self.exception = CompileAbortedError.timed_out(self.params.kind, timeout_s)
         return False
 
     def release(self) -> None:
