@@ -11,12 +11,9 @@ import numpy as np
 import pytest
 
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.structured_output.backend_xgrammar import (
-    XgrammarBackend,
-    find_lookaround,
-    find_stuck_rule,
-    prepare_json_schema,
-)
+from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+from vllm.v1.structured_output.grammar_checks import find_lookaround, find_stuck_rule
+from vllm.v1.structured_output.json_schema import prepare_json_schema
 
 from .conftest import EOS_IDS, VOCAB_SIZE
 from .schemas import (
@@ -321,16 +318,17 @@ def test_satisfiable_edges_are_accepted(
 def test_first_step_check_catches_what_the_static_checks_miss(
     backend: XgrammarBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import vllm.v1.structured_output.backend_xgrammar as module
+    import vllm.v1.structured_output.grammar_checks as grammar_checks
+    import vllm.v1.structured_output.json_schema as json_schema
 
-    monkeypatch.setattr(module, "find_stuck_rule", lambda grammar: None)
-    module._check_grammar_text.cache_clear()
+    monkeypatch.setattr(grammar_checks, "find_stuck_rule", lambda grammar: None)
+    grammar_checks.check_grammar_text.cache_clear()
     with pytest.raises(ValueError, match=r"^structured_outputs.grammar: .*accepts no output"):
         backend.compile_grammar(StructuredOutputsParams(grammar='root ::= root "q"'))
-    monkeypatch.setattr(module, "_check_satisfiable", lambda node, path: None)
+    monkeypatch.setattr(json_schema, "_check_satisfiable", lambda node, path: None)
     with pytest.raises(ValueError, match=r"^structured_outputs.json: .*only an empty output"):
         backend.compile_grammar(StructuredOutputsParams(json={"oneOf": []}))
-    module._check_grammar_text.cache_clear()
+    grammar_checks.check_grammar_text.cache_clear()
 
 
 def test_find_stuck_rule_reads_every_expression_kind() -> None:
