@@ -191,11 +191,6 @@ class ParallelContext:
         work, _ = self._sends.popleft()
         work.wait()
 
-    def flush(self) -> None:
-        """Waits until every started send is delivered."""
-        while self._sends:
-            self._wait_oldest_send()
-
 
 def init_distributed(
     layout: ParallelLayout, init_method: str, device: torch.device

@@ -27,7 +27,6 @@ from typing import Any
 import pytest
 
 from tests.v1.core.sched_utils import (
-    FakeRunner,
     FakeStructuredOutputManager,
     GRAMMAR_END,
     default_policy,
@@ -38,10 +37,10 @@ from tests.v1.core.sched_utils import (
     random_specs,
     wait_compiled,
 )
+from tests.v1.engine.fake_executor import FakeExecutor
 from vllm.config import ModelConfig, VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
@@ -110,86 +109,33 @@ class LazyWorker:
                 future.set_exception(e)
 
 
-class LazyExecutor(Executor):
-    """Executor over a LazyWorker and a FakeRunner; logs exec/sample/wait into `trace`.
-
-    Contract checks (AssertionError at the call, so the engine step fails at once):
-    a forward that feeds a request whose previous step's sample_tokens was not issued yet
-    (the real runner would feed a stale token from the device), and more executed-but-
-    unsampled steps than the queue depth.
-    """
+class LazyExecutor(FakeExecutor):
+    """The shared FakeExecutor over a LazyWorker; logs exec/sample/wait into `trace`. Its
+    contract checks (AssertionError at the call) make the engine step fail at once."""
 
     depth: int = 1
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         self.trace = Trace()
-        self.runner = FakeRunner(vllm_config.cache_config.block_size)
         self.worker = LazyWorker(self._log_wait)
-        self.num_blocks = vllm_config.cache_config.num_gpu_blocks_override
-        # Engine side, in issue order: executed steps whose sample_tokens is not issued yet.
-        self.unsampled: deque[SchedulerOutput] = deque()
-        # Worker side: executed steps not sampled yet (the runner's FIFO).
-        self.runner_fifo: deque[SchedulerOutput] = deque()
         # Set by the test: (batches launched and not yet updated, any request unfinished).
         self.probe: Callable[[], tuple[int, bool]] = lambda: (0, True)
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self.depth
+    def log(self, kind: str, step: int) -> None:
+        # The trace holds what the engine did: when it issued calls, not when they ran.
+        if kind in ("exec_submit", "sample_submit"):
+            self.trace.log(kind.removesuffix("_submit"), step)
+
+    def submit(self, kind: str, step: int, fn: Callable[[], Any]) -> LazyFuture:
+        return self.worker.submit(kind, step, fn)
 
     def _log_wait(self, future: LazyFuture) -> None:
         self.trace.log("wait", future.step, self.probe())
 
-    def collective_rpc(
-        self, method: str, args: tuple = (), non_block: bool = False
-    ) -> list[Any] | Future:
-        results = {"determine_num_blocks": self.num_blocks, "initialize_kv_cache": None}
-        future: Future = Future()
-        future.set_result([results[method]])
-        return future if non_block else future.result()
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> None | Future:
-        step = scheduler_output.step_id
-        self.trace.log("exec", step)
-        scheduled = set(scheduler_output.num_scheduled_tokens)
-        for pending in self.unsampled:
-            stale = scheduled & set(pending.sampled_req_ids)
-            assert not stale, (
-                f"step {step} feeds {sorted(stale)}, whose token from step {pending.step_id} "
-                "is not sampled yet")
-        assert len(self.unsampled) < self.depth, f"step {step}: more unsampled steps than depth"
-        self.unsampled.append(scheduler_output)
-
-        def run() -> None:
-            self.runner.execute(scheduler_output)
-            self.runner_fifo.append(scheduler_output)
-
-        future = self.worker.submit("exec", step, run)
-        return future if non_block else future.result()
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future:
-        assert self.unsampled, "sample_tokens without an executed step"
-        scheduler_output = self.unsampled.popleft()
-        self.trace.log("sample", scheduler_output.step_id)
-
-        def run() -> ModelRunnerOutput:
-            oldest = self.runner_fifo.popleft()
-            assert oldest is scheduler_output, "the runner must sample its oldest step"
-            return self.runner.sample(oldest, grammar_output)
-
-        future = self.worker.submit("sample", scheduler_output.step_id, run)
-        return future if non_block else future.result()
-
-    def check_health(self) -> None:
-        return None
-
     def shutdown(self) -> None:
         self.worker.calls.clear()
+        super().shutdown()
 
 
 @dataclass

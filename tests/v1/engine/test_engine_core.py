@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
 from tests.v1.core.sched_utils import (
-    FakeRunner,
     FakeStructuredOutputManager,
     GRAMMAR_END,
     default_policy,
@@ -30,10 +27,10 @@ from tests.v1.core.sched_utils import (
     random_specs,
     wait_compiled,
 )
+from tests.v1.engine.fake_executor import FakeExecutor
 from vllm.config import ModelConfig, VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.engine.core import EngineCore
-from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
@@ -101,107 +98,30 @@ class Recorder:
         raise ValueError(f"no engine event {kind}({step})")
 
 
-class FakeExecutor(Executor):
-    """An executor whose worker thread runs execute_model / sample_tokens in call order,
-    like UniProcExecutor, on a FakeRunner.
-
-    Like the real runner it keeps executed-but-unsampled steps first in, first out, and
-    sample_tokens samples the oldest. It raises RuntimeError (in the returned Future) where
-    the real runner would compute garbage: a forward that feeds a request whose previous
-    step is not sampled yet (its input token is not on the device), more unsampled steps than
-    the queue depth, or a sample_tokens without an executed step. Class attributes set the
-    pipeline depth and the forward time; `before_exec` (run on the worker at the start of a
-    forward) lets tests hold a forward.
-    """
-
-    depth: ClassVar[int | None] = None  # None: VllmConfig's max_concurrent_batches
-    forward_s: ClassVar[float] = 0.0
+class RecordingExecutor(FakeExecutor):
+    """The shared FakeExecutor (calls on a worker thread, like UniProcExecutor), logging every
+    moment of its calls into a Recorder."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         self.rec = Recorder()
-        self.num_blocks = vllm_config.cache_config.num_gpu_blocks_override
-        self.runner = FakeRunner(vllm_config.cache_config.block_size)
-        self.before_exec: Callable[[int], None] | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fake-worker")
-        self._unsampled: deque[int] = deque()  # engine side: executed, sample not requested
-        self._pending: deque[SchedulerOutput] = deque()  # worker side: executed, not sampled
 
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self.depth or super().max_concurrent_batches
-
-    def collective_rpc(
-        self, method: str, args: tuple = (), non_block: bool = False
-    ) -> list[Any] | Future:
-        results = {"determine_num_blocks": self.num_blocks, "initialize_kv_cache": None}
-        future: Future = Future()
-        future.set_result([results[method]])
-        return future if non_block else future.result()
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> None | Future:
-        self.rec.log("exec_submit", scheduler_output.step_id)
-        self._unsampled.append(scheduler_output.step_id)
-        future = self._pool.submit(self._execute, scheduler_output)
-        return future if non_block else future.result()
-
-    def _execute(self, scheduler_output: SchedulerOutput) -> None:
-        self.rec.log("exec_start", scheduler_output.step_id)
-        for pending in self._pending:
-            stale = set(pending.sampled_req_ids) & set(scheduler_output.num_scheduled_tokens)
-            if stale:
-                raise RuntimeError(
-                    f"execute_model(step {scheduler_output.step_id}) feeds {sorted(stale)} "
-                    f"while step {pending.step_id}, which samples their input token, is not "
-                    "sampled")
-        if len(self._pending) >= self.max_concurrent_batches:
-            raise RuntimeError(
-                f"execute_model(step {scheduler_output.step_id}) with "
-                f"{len(self._pending)} steps unsampled: more than the queue depth")
-        if self.before_exec is not None:
-            self.before_exec(scheduler_output.step_id)
-        time.sleep(self.forward_s)
-        self.runner.execute(scheduler_output)
-        self._pending.append(scheduler_output)
-        self.rec.log("exec_end", scheduler_output.step_id)
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future:
-        step = self._unsampled.popleft() if self._unsampled else -1
-        self.rec.log("sample_submit", step)
-        future = self._pool.submit(self._sample, grammar_output)
-        return future if non_block else future.result()
-
-    def _sample(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
-        if not self._pending:
-            raise RuntimeError("sample_tokens without an executed step")
-        scheduler_output = self._pending.popleft()
-        self.rec.log("sample_start", scheduler_output.step_id)
-        out = self.runner.sample(scheduler_output, grammar_output)
-        self.rec.log("sample_end", scheduler_output.step_id)
-        return out
-
-    def check_health(self) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def log(self, kind: str, step: int) -> None:
+        self.rec.log(kind, step)
 
 
-def executor_class(depth: int | None = None, forward_s: float = 0.0) -> type[FakeExecutor]:
-    """A FakeExecutor subclass with the given pipeline depth and forward time."""
-    return type("FakeExecutorK", (FakeExecutor,), {"depth": depth, "forward_s": forward_s})
+def executor_class(depth: int | None = None, forward_s: float = 0.0) -> type[RecordingExecutor]:
+    """A RecordingExecutor subclass with the given pipeline depth and forward time."""
+    attrs = {"depth": depth, "forward_s": forward_s}
+    return type("RecordingExecutorK", (RecordingExecutor,), attrs)
 
 
 @dataclass
 class Setup:
-    """An EngineCore over a FakeExecutor, with the scheduler instrumented."""
+    """An EngineCore over a RecordingExecutor, with the scheduler instrumented."""
 
     engine: EngineCore
-    executor: FakeExecutor
+    executor: RecordingExecutor
     rec: Recorder
     # Run on the engine thread at the start of update_from_output(step).
     before_update: Callable[[int], None] | None = None
@@ -276,8 +196,8 @@ MakeSetup = Callable[..., Setup]
 
 @pytest.fixture
 def make(model_config: ModelConfig) -> Iterator[MakeSetup]:
-    """Builds engines over FakeExecutors; at teardown every block is free, no grammar is live,
-    and no worker call failed its contract or timed out at a gate."""
+    """Builds engines over RecordingExecutors; at teardown every block is free, no grammar is
+    live, and no wait at a gate timed out."""
     made: list[tuple[Setup, FakeStructuredOutputManager]] = []
 
     def _make(depth: int | None = None, forward_s: float = 0.0, **config: Any) -> Setup:
@@ -289,7 +209,7 @@ def make(model_config: ModelConfig) -> Iterator[MakeSetup]:
         engine.structured_output_manager = som
         engine.scheduler.structured_output_manager = som
         executor = engine.model_executor
-        assert isinstance(executor, FakeExecutor)
+        assert isinstance(executor, RecordingExecutor)
         setup = Setup(engine, executor, executor.rec)
         _instrument(setup)
         made.append((setup, som))

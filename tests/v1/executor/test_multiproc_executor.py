@@ -11,12 +11,15 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from vllm import LLM, SamplingParams, thread_policy
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor import worker_messages
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+from vllm.v1.executor.worker_messages import UnknownWorkerMethodError, WorkerMethod
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 PROMPTS = ["Hello world", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
@@ -179,13 +182,14 @@ def test_non_block_futures_resolve_in_order(llm_pair: tuple[LLM, LLM]) -> None:
     futures = []
     for i in range(40):
         if i % 4 == 3:
-            future = executor.collective_rpc("determine_num_blocks", non_block=True)
+            future = executor.collective_rpc(WorkerMethod.DETERMINE_NUM_BLOCKS, non_block=True)
         else:
             future = executor.collective_rpc(_echo, (i,), non_block=True)
         future.add_done_callback(lambda _, i=i: resolved.append(i))
         futures.append(future)
     results = [f.result(timeout=30) for f in futures]
     assert resolved == list(range(40))
+    # A method name is parsed into its WorkerMethod at the call.
     blocks = executor.collective_rpc("determine_num_blocks")
     assert results == [blocks if i % 4 == 3 else [i] for i in range(40)]
 
@@ -199,7 +203,7 @@ def test_worker_exception_propagates(llm_pair: tuple[LLM, LLM]) -> None:
     remote = str(info.value.__cause__)
     assert "Traceback" in remote and "_raise_value_error" in remote
     assert f"worker rank 0 (pid {executor.worker_pids[0]})" in "".join(info.value.__notes__)
-    with pytest.raises(AttributeError, match="no_such_method"):
+    with pytest.raises(UnknownWorkerMethodError, match="'no_such_method'; workers serve: "):
         executor.collective_rpc("no_such_method")
     # The worker survives a failed call and still computes the same tokens.
     executor.check_health()
@@ -207,6 +211,28 @@ def test_worker_exception_propagates(llm_pair: tuple[LLM, LLM]) -> None:
     got = mp.generate(PROMPTS[:2], params, use_tqdm=False)
     want = uni.generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.timeout(60)
+def test_worker_refuses_an_unknown_method_number(
+    llm_pair: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A method number the worker does not know (as from an engine of another version) fails
+    # that call with the typed error, raised here, and the worker serves the next call.
+    executor = _executor(llm_pair[0])
+    encode = worker_messages.encode
+
+    def encode_unknown_method(msg: worker_messages.Message) -> list:
+        frames = encode(msg)
+        kind, call_id, _, reply_all = msgspec.msgpack.decode(frames[0])
+        return [msgspec.msgpack.encode([kind, call_id, 99, reply_all]), *frames[1:]]
+
+    monkeypatch.setattr(worker_messages, "encode", encode_unknown_method)
+    with pytest.raises(UnknownWorkerMethodError, match="unknown worker method 99") as info:
+        executor.collective_rpc(WorkerMethod.DETERMINE_NUM_BLOCKS)
+    assert f"worker rank 0 (pid {executor.worker_pids[0]})" in "".join(info.value.__notes__)
+    monkeypatch.undo()
+    assert executor.collective_rpc(_echo, ("still serving",)) == ["still serving"]
 
 
 @pytest.mark.timeout(60)

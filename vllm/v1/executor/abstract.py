@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.executor.worker_messages import WorkerMethod
 from vllm.v1.outputs import ModelRunnerOutput
 
 
@@ -36,17 +38,24 @@ class Executor(ABC):
 
     @abstractmethod
     def collective_rpc(
-        self, method: str, args: tuple = (), non_block: bool = False
+        self,
+        method: WorkerMethod | str | Callable[..., Any],
+        args: tuple = (),
+        non_block: bool = False,
     ) -> list[Any] | Future:
-        """Calls a Worker method on every worker; returns the output rank's result list."""
+        """Calls `method` on every worker: a WorkerMethod (or its name), or a function called
+        as `method(worker, *args)`. Returns every rank's result, as a list by rank.
+
+        Raises UnknownWorkerMethodError for a name workers do not serve.
+        """
 
     def determine_num_blocks(self) -> int:
         """KV blocks every worker can hold."""
-        return min(self.collective_rpc("determine_num_blocks"))
+        return min(self.collective_rpc(WorkerMethod.DETERMINE_NUM_BLOCKS))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates the KV cache on every worker."""
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+        self.collective_rpc(WorkerMethod.INITIALIZE_KV_CACHE, (num_blocks,))
 
     @abstractmethod
     def execute_model(

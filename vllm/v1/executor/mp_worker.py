@@ -10,7 +10,6 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -18,8 +17,16 @@ from typing import Any
 import zmq
 
 from vllm.config import VllmConfig
-from vllm.v1.executor import mp_queue
-from vllm.v1.executor.mp_queue import RemoteError
+from vllm.v1.executor import worker_messages
+from vllm.v1.executor.worker_messages import (
+    Call,
+    Failure,
+    MessageDecodeError,
+    Ready,
+    RemoteError,
+    Result,
+    Shutdown,
+)
 from vllm.v1.outputs import AsyncModelRunnerOutput
 
 # Exit code of a worker whose output thread failed (responses can no longer be sent).
@@ -50,22 +57,26 @@ class WorkerProcSpec:
 
 
 class _OutputThread:
-    """Sends responses in the order they are queued; finishes async model outputs first.
+    """Sends replies in the order they are queued; finishes async model outputs first.
 
-    Owns the response socket (ZMQ sockets are not thread-safe), so every response, including
+    Owns the response socket (ZMQ sockets are not thread-safe), so every reply, including
     the main loop's, goes through it; this also keeps them in call order.
     """
 
     def __init__(self, sock: zmq.Socket, rank: int) -> None:
         self._sock = sock
         self._rank = rank
-        self._queue: queue.SimpleQueue[tuple[int, int, Any] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Ready | Result | Failure | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"vllm-worker{rank}-output", daemon=True)
         self._thread.start()
 
-    def put(self, call_id: int, kind: int, value: Any) -> None:
-        """Queues one response."""
-        self._queue.put((call_id, kind, value))
+    def put(self, reply: Ready | Result | Failure) -> None:
+        """Queues one reply."""
+        self._queue.put(reply)
+
+    def fail(self, call_id: int | None, exc: BaseException) -> None:
+        """Queues the Failure of call `call_id` (None: of the startup) that raised `exc`."""
+        self._queue.put(Failure(call_id, self._rank, RemoteError.capture(exc)))
 
     def stop(self) -> None:
         """Sends what is queued, then stops the thread."""
@@ -74,73 +85,72 @@ class _OutputThread:
 
     def _run(self) -> None:
         try:
-            while (item := self._queue.get()) is not None:
-                self._send(*item)
+            while (reply := self._queue.get()) is not None:
+                self._send(reply)
         except BaseException:
             # Without this thread the executor would wait forever for replies: dying makes the
             # executor notice at once.
             traceback.print_exc()
             os._exit(_OUTPUT_THREAD_FAILED)
 
-    def _send(self, call_id: int, kind: int, value: Any) -> None:
-        if kind == mp_queue.OK and isinstance(value, AsyncModelRunnerOutput):
+    def _send(self, reply: Ready | Result | Failure) -> None:
+        if isinstance(reply, Result) and isinstance(reply.value, AsyncModelRunnerOutput):
             try:
-                value = value.get_output()
+                reply = Result(reply.call_id, self._rank, reply.value.get_output())
             except Exception as exc:
-                kind, value = mp_queue.ERROR, RemoteError.capture(exc)
-        header = (self._rank, call_id, kind)
+                reply = Failure(reply.call_id, self._rank, RemoteError.capture(exc))
         try:
-            mp_queue.send(self._sock, header, value)
-        except zmq.ZMQError:
-            raise
+            worker_messages.send(self._sock, reply)
         except Exception as exc:
-            # The result did not pickle: the caller gets that error instead of a reply.
-            mp_queue.send(self._sock, (self._rank, call_id, mp_queue.ERROR), RemoteError.capture(exc))
-
-
-def _resolve(worker: Any, method: str | Callable[..., Any]) -> Callable[..., Any]:
-    if isinstance(method, str):
-        return getattr(worker, method)
-    return lambda *args: method(worker, *args)
+            # Only a Result's value can fail to pickle: the caller gets that error instead.
+            if not isinstance(reply, Result) or isinstance(exc, zmq.ZMQError):
+                raise
+            error = RemoteError.capture(exc)
+            worker_messages.send(self._sock, Failure(reply.call_id, self._rank, error))
 
 
 def _serve(
     worker: Any, spec: WorkerProcSpec, rpc: zmq.Socket, death_fd: int, out: _OutputThread
 ) -> bool:
-    """Runs RPCs in arrival order. Returns True when told to shut down, False when the
-    engine process is gone (its end of the death pipe closed without a shutdown call)."""
+    """Runs calls in arrival order. Returns True when told to shut down, False when the
+    engine process is gone (its end of the death pipe closed without a Shutdown).
+
+    Raises MessageDecodeError for frames whose header does not decode (no call to answer).
+    """
     poller = zmq.Poller()
     poller.register(rpc, zmq.POLLIN)
     poller.register(death_fd, zmq.POLLIN)
     while True:
         try:
             # Under async scheduling the next call is usually queued already: skip the poll.
-            header, frames = mp_queue.recv(rpc, zmq.NOBLOCK)
+            msg = worker_messages.recv(rpc, zmq.NOBLOCK)
         except zmq.Again:
             events = dict(poller.poll())
             if death_fd in events:
                 return False
             continue
-        call_id, reply_all = header
-        try:
-            method, args = mp_queue.decode(frames)
-        except Exception as exc:
-            out.put(call_id, mp_queue.ERROR, RemoteError.capture(exc))
+        except MessageDecodeError as exc:
+            if exc.call_id is None:
+                raise
+            # An unknown method or arguments that do not unpickle: the call fails, typed.
+            out.fail(exc.call_id, exc.error)
             continue
-        if method == mp_queue.SHUTDOWN_METHOD:
+        if isinstance(msg, Shutdown):
             return True
+        if not isinstance(msg, Call):
+            raise TypeError(f"worker rank {spec.rank}: the engine sent a reply message: {msg!r}")
         try:
-            result = _resolve(worker, method)(*args)
+            result = msg.run(worker)
         except Exception as exc:
-            out.put(call_id, mp_queue.ERROR, RemoteError.capture(exc))
+            out.fail(msg.call_id, exc)
             continue
-        if reply_all or spec.rank == spec.output_rank:
-            out.put(call_id, mp_queue.OK, result)
+        if msg.reply_all or spec.rank == spec.output_rank:
+            out.put(Result(msg.call_id, spec.rank, result))
 
 
 def run_worker(spec: WorkerProcSpec, death_reader: Connection) -> None:
-    """Entry point of a worker process: builds the Worker, reports READY (or the startup
-    error, then exits with code 1), and serves RPCs. Returns when told to shut down or when
+    """Entry point of a worker process: builds the Worker, replies Ready (or the startup
+    Failure, then exits with code 1), and serves Calls. Returns when told to shut down or when
     `death_reader` reports that the parent process has exited."""
     # Ctrl-C reaches the whole process group; the engine process decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -163,10 +173,10 @@ def run_worker(spec: WorkerProcSpec, death_reader: Connection) -> None:
             worker = Worker(spec.vllm_config, spec.rank, f"file://{spec.ipc_dir}/distributed-init")
             worker.load_model()
         except Exception as exc:
-            out.put(mp_queue.STARTUP_CALL_ID, mp_queue.ERROR, RemoteError.capture(exc))
+            out.fail(None, exc)
             exit_code = 1
         else:
-            out.put(mp_queue.STARTUP_CALL_ID, mp_queue.READY, os.getpid())
+            out.put(Ready(spec.rank, os.getpid()))
             told_to_stop = _serve(worker, spec, rpc, death_reader.fileno(), out)
             if not told_to_stop:
                 # The engine process died: nobody reads our replies or removes its sockets.

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import itertools
 import multiprocessing
 import os
-import pickle
 import shutil
 import signal
 import tempfile
@@ -24,13 +24,23 @@ from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelLayout
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.executor import mp_queue
+from vllm.v1.executor import worker_messages
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.executor.mp_queue import RemoteError
 from vllm.v1.executor.mp_worker import WorkerProcSpec, run_worker
+from vllm.v1.executor.worker_messages import (
+    Call,
+    Failure,
+    MessageDecodeError,
+    Ready,
+    RemoteError,
+    Result,
+    Shutdown,
+    WorkerMethod,
+    as_method,
+)
 from vllm.v1.outputs import ModelRunnerOutput
 
-# Seconds to wait for every worker to load its model and report READY.
+# Seconds to wait for every worker to load its model and reply Ready.
 _STARTUP_TIMEOUT_S = 600.0
 # Seconds a worker gets to exit after being asked, before SIGTERM, then SIGKILL; shorter once
 # a worker has died, since the others may be stuck waiting for it.
@@ -109,7 +119,9 @@ class _WorkerGroup:
         self._lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
         self._order: deque[_Call] = deque()
-        self._next_call_id = 0
+        # Ids only match replies to calls (the order is _order's), so they are taken before
+        # the lock is, and the call is encoded outside it.
+        self._call_ids = itertools.count()
         self._error: str | None = None
         self._closed = False
         self._procs: list[multiprocessing.Process] = []
@@ -169,25 +181,25 @@ class _WorkerGroup:
 
     # ------------------------------------------------------------------ calls
 
-    def submit(self, method: str | Callable[..., Any], args: tuple, reply_all: bool) -> Future:
-        """Sends one call to every worker; returns its Future.
+    def submit(
+        self, method: WorkerMethod | Callable[..., Any], args: tuple, reply_all: bool
+    ) -> Future:
+        """Sends one Call to every worker; returns its Future.
 
         Raises RuntimeError when a worker has died or the group is closed, and pickling errors
         when the arguments cannot be sent.
         """
-        frames = mp_queue.encode((method, args))
+        call_id = next(self._call_ids)
+        frames = worker_messages.encode(Call(call_id, method, args, reply_all))
         future: Future = Future()
         with self._lock:
             self._raise_if_unusable()
-            call_id = self._next_call_id
-            self._next_call_id += 1
             waiting = set(range(self.world_size)) if reply_all else {self.output_rank}
             call = _Call(call_id, future, waiting, self.output_rank, gather=reply_all)
             self._calls[call_id] = call
             self._order.append(call)
-            header = pickle.dumps((call_id, reply_all), protocol=5)
             for sock in self._rpc:
-                sock.send_multipart([header, *frames], copy=True)
+                sock.send_multipart(frames, copy=True)
         return future
 
     def check(self) -> None:
@@ -259,12 +271,15 @@ class _WorkerGroup:
                     )
 
     def _startup_reply(self) -> int:
-        """Reads one startup reply; returns the READY rank or raises the worker's error."""
-        (rank, _, kind), frames = mp_queue.recv(self._responses)
-        if kind == mp_queue.ERROR:
-            error: RemoteError = mp_queue.decode(frames)
-            raise error.rebuild(f"worker rank {rank} (pid {self.pids[rank]}) at startup")
-        return rank
+        """Reads one startup reply; returns the Ready rank or raises the worker's error (and
+        RuntimeError for anything but Ready or a startup Failure)."""
+        reply = worker_messages.recv(self._responses)
+        if isinstance(reply, Ready):
+            return reply.rank
+        if isinstance(reply, Failure) and reply.call_id is None:
+            where = f"worker rank {reply.rank} (pid {self.pids[reply.rank]}) at startup"
+            raise reply.error.rebuild(where)
+        raise RuntimeError(f"MultiprocExecutor: a worker replied {reply!r} during startup")
 
     def _read(self) -> None:
         """Reader thread: completes futures in call order; fails them all when a worker dies."""
@@ -291,36 +306,45 @@ class _WorkerGroup:
                 self._fail(f"MultiprocExecutor: the response reader failed: {exc!r}")
 
     def _drain(self) -> None:
+        """Handles every reply waiting on the response socket.
+
+        Raises MessageDecodeError for a reply that names no call, and RuntimeError for a
+        message that is not a call's reply (the reader then fails the group).
+        """
         while True:
             try:
-                (rank, call_id, kind), frames = mp_queue.recv(self._responses, zmq.NOBLOCK)
+                reply = worker_messages.recv(self._responses, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                value = mp_queue.decode(frames)
-            except Exception as exc:
-                kind, value = mp_queue.ERROR, RemoteError.capture(exc)
-            self._on_reply(rank, call_id, kind, value)
+            except MessageDecodeError as exc:
+                if exc.call_id is None or exc.rank is None:
+                    raise
+                # The value did not unpickle here: the call fails with that error.
+                reply = Failure(exc.call_id, exc.rank, RemoteError.capture(exc.error))
+            if not isinstance(reply, (Result, Failure)):
+                raise RuntimeError(f"a worker sent {reply!r} after startup")
+            self._on_reply(reply)
 
-    def _on_reply(self, rank: int, call_id: int, kind: int, value: Any) -> None:
+    def _on_reply(self, reply: Result | Failure) -> None:
+        rank = reply.rank
         where = f"worker rank {rank} (pid {self.pids[rank]})"
         done: list[_Call] = []
         with self._lock:
-            call = self._calls.get(call_id)
+            call = self._calls.get(reply.call_id)
             if call is None:
-                if kind != mp_queue.ERROR or self._error is not None or self._closed:
+                if isinstance(reply, Result) or self._error is not None or self._closed:
                     return
                 # A non-output rank failed a call the output rank had already answered: the
                 # workers no longer agree on their state.
                 fatal = f"MultiprocExecutor: {where} failed after the call completed: " + (
-                    f"{value.type_name}: {value.message}"
+                    f"{reply.error.type_name}: {reply.error.message}"
                 )
             else:
                 fatal = None
-                if kind == mp_queue.ERROR:
-                    call.error = call.error or value.rebuild(where)
+                if isinstance(reply, Failure):
+                    call.error = call.error or reply.error.rebuild(where)
                 else:
-                    call.results[rank] = value
+                    call.results[rank] = reply.value
                 call.waiting.discard(rank)
                 while self._order and not self._order[0].waiting:
                     head = self._order.popleft()
@@ -343,7 +367,7 @@ class _WorkerGroup:
         for sock, proc in zip(self._rpc, self._procs):
             if proc.is_alive():
                 try:
-                    mp_queue.send(sock, (-1, False), (mp_queue.SHUTDOWN_METHOD, ()), zmq.NOBLOCK)
+                    worker_messages.send(sock, Shutdown(), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
         self._stop_processes()
@@ -417,28 +441,32 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(
         self,
-        method: str | Callable[..., Any],
+        method: WorkerMethod | str | Callable[..., Any],
         args: tuple = (),
         non_block: bool = False,
         *,
         output_rank_only: bool = False,
         timeout: float | None = None,
     ) -> list[Any] | Any | Future:
-        """Calls `method` on every worker: a Worker method name, or a picklable function
-        called as `method(worker, *args)`. Returns every rank's result as a list by rank, or
-        only the output rank's result with output_rank_only. With non_block, returns a Future of that.
+        """Calls `method` on every worker: a WorkerMethod (or its name), or a picklable
+        function called as `method(worker, *args)`. Returns every rank's result as a list by
+        rank, or only the output rank's result with output_rank_only. With non_block, returns a
+        Future of that.
 
-        Raises what the worker method raised (its remote traceback as __cause__), RuntimeError
+        Raises UnknownWorkerMethodError for a name workers do not serve (before anything is
+        sent), what the worker method raised (its remote traceback as __cause__), RuntimeError
         when a worker died, TimeoutError after `timeout` seconds (blocking calls only).
         """
-        future = self._group.submit(method, args, reply_all=not output_rank_only)
+        future = self._group.submit(as_method(method), args, reply_all=not output_rank_only)
         return future if non_block else future.result(timeout)
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> None | Future:
         """Starts the forward pass of one step on every worker (see Executor)."""
-        future = self._group.submit("execute_model", (scheduler_output,), reply_all=False)
+        future = self._group.submit(
+            WorkerMethod.EXECUTE_MODEL, (scheduler_output,), reply_all=False
+        )
         return future if non_block else future.result()
 
     def sample_tokens(
@@ -446,7 +474,9 @@ class MultiprocExecutor(Executor):
     ) -> ModelRunnerOutput | Future:
         """Samples the last started step; the result is always a plain ModelRunnerOutput (the
         worker finishes async outputs on its output thread)."""
-        future = self._group.submit("sample_tokens", (grammar_output,), reply_all=False)
+        future = self._group.submit(
+            WorkerMethod.SAMPLE_TOKENS, (grammar_output,), reply_all=False
+        )
         return future if non_block else future.result()
 
     def check_health(self) -> None:

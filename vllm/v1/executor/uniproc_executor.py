@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.worker_messages import WorkerMethod, as_method, invoke
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -23,9 +25,16 @@ class UniProcExecutor(Executor):
         self.worker.load_model()
 
     def collective_rpc(
-        self, method: str, args: tuple = (), non_block: bool = False
+        self,
+        method: WorkerMethod | str | Callable[..., Any],
+        args: tuple = (),
+        non_block: bool = False,
     ) -> list[Any] | Future:
-        future = self._thread.submit(lambda: [getattr(self.worker, method)(*args)])
+        """Calls `method` on the worker (see Executor.collective_rpc); the result is a
+        one-element list. Raises UnknownWorkerMethodError for a name workers do not serve."""
+        # Resolved here, so an unknown name fails the same way as with the mp executor.
+        target = as_method(method)
+        future = self._thread.submit(lambda: [invoke(self.worker, target, args)])
         return future if non_block else future.result()
 
     def execute_model(
