@@ -1,7 +1,11 @@
 """Offline throughput: {sync, async} x {uni, mp} x {0 %, 100 % JSON-schema requests}, one run.
 
     .venv/bin/python benchmarks/bench_offline.py [--model demo] [--num-prompts 64] \
-        [--output-len 128] [--json results/bench_offline.json]
+        [--output-len 128] [--json results/bench_offline.json] \
+        [--structured-outputs-backends xgrammar,guidance] [--configs async/uni,sync/uni]
+
+With several structured-output backends, each configuration runs its 100 % cell once per
+backend (the 0 % cell does not depend on it), and the table gains a row per backend.
 
 Plain requests are greedy with ignore_eos; structured ones follow a JSON schema whose string
 field lets a random model write all output_len tokens, so every configuration generates the
@@ -34,9 +38,10 @@ def make_prompts(n: int) -> list[str]:
 
 
 def run(model: str, async_scheduling: bool, backend: str, prompts: list[str], output_len: int,
-        structured: bool) -> dict[str, float]:
+        structured: bool, grammar_backend: str = "auto") -> dict[str, float]:
     llm = LLM(model, async_scheduling=async_scheduling, distributed_executor_backend=backend,
-              max_num_seqs=max(len(prompts), 1))
+              max_num_seqs=max(len(prompts), 1),
+              structured_outputs_config={"backend": grammar_backend})
     try:
         constraint = (
             StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if structured else None
@@ -76,32 +81,40 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
+    parser.add_argument("--structured-outputs-backends", default="auto",
+                        help="comma-separated: auto, xgrammar, guidance")
+    parser.add_argument("--configs", default="sync/uni,async/uni,sync/mp,async/mp",
+                        help="comma-separated scheduling/executor pairs")
     args = parser.parse_args()
     prompts = make_prompts(args.num_prompts)
+    grammar_backends = [b.strip() for b in args.structured_outputs_backends.split(",") if b]
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     results: dict[str, dict[str, float]] = {}
-    for backend in ("uni", "mp"):
-        for async_scheduling in (False, True):
-            for structured in (False, True):
-                key = f"{'async' if async_scheduling else 'sync'}/{backend}/" \
-                      f"{'100%' if structured else '0%'}"
-                results[key] = run(args.model, async_scheduling, backend, prompts,
-                                   args.output_len, structured)
-                r = results[key]
-                print(f"{key:18s} {r['tok_per_s']:8.1f} tok/s  ({r['tokens']} tokens in "
-                      f"{r['seconds']:.1f} s; fill {r['fill_us_per_request_median']:.1f} us/req)",
-                      flush=True)
-    print("\nconfig         0% tok/s   100% tok/s   100%/0%")
-    for mode in ("sync", "async"):
-        for backend in ("uni", "mp"):
-            plain = results[f"{mode}/{backend}/0%"]["tok_per_s"]
-            structured = results[f"{mode}/{backend}/100%"]["tok_per_s"]
-            ratio = structured / plain
-            print(f"{mode}/{backend:4s}   {plain:10.1f}   {structured:10.1f}   {ratio:7.2f}")
-    for backend in ("uni", "mp"):
-        for share in ("0%", "100%"):
-            ratio = results[f"async/{backend}/{share}"]["tok_per_s"] / results[
-                f"sync/{backend}/{share}"]["tok_per_s"]
-            print(f"async/sync {backend} {share}: {ratio:.2f}")
+    cells = [(config, None) for config in configs]
+    cells += [(config, b) for config in configs for b in grammar_backends]
+    for config, grammar_backend in sorted(cells, key=lambda c: configs.index(c[0])):
+        mode, backend = config.split("/")
+        key = f"{config}/0%" if grammar_backend is None else f"{config}/100%/{grammar_backend}"
+        results[key] = run(args.model, mode == "async", backend, prompts, args.output_len,
+                           grammar_backend is not None, grammar_backend or "auto")
+        r = results[key]
+        print(f"{key:28s} {r['tok_per_s']:8.1f} tok/s  ({r['tokens']} tokens in "
+              f"{r['seconds']:.1f} s; fill {r['fill_us_per_request_median']:.1f} us/req)",
+              flush=True)
+    print(f"\n{'config':12s} {'backend':9s} {'0% tok/s':>9s} {'100% tok/s':>11s} {'100%/0%':>8s}")
+    for config in configs:
+        plain = results[f"{config}/0%"]["tok_per_s"]
+        for b in grammar_backends:
+            structured = results[f"{config}/100%/{b}"]["tok_per_s"]
+            print(f"{config:12s} {b:9s} {plain:9.1f} {structured:11.1f} "
+                  f"{structured / plain:8.2f}")
+    for executor in ("uni", "mp"):
+        if f"sync/{executor}" not in configs or f"async/{executor}" not in configs:
+            continue
+        for share in ["0%"] + [f"100%/{b}" for b in grammar_backends]:
+            ratio = results[f"async/{executor}/{share}"]["tok_per_s"] / results[
+                f"sync/{executor}/{share}"]["tok_per_s"]
+            print(f"async/sync {executor} {share}: {ratio:.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

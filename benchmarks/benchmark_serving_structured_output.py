@@ -1,7 +1,9 @@
 """Benchmark structured-output serving against a running `vllm serve` (or any OpenAI-compatible
 server), and check every structured output against its schema, regex, choice or grammar.
 
-Example (server: `vllm serve demo-tiny --structured-outputs-config.disable_any_whitespace true`):
+Example (server: `vllm serve demo-tiny --structured-outputs-config.disable_any_whitespace true`;
+add `--structured-outputs-config.backend xgrammar|guidance` to the server to measure one
+backend, or pass `--structured-outputs-backend` to `benchmarks/structured_sweep.py`):
 
     python benchmarks/benchmark_serving_structured_output.py --model demo-tiny \
         --dataset json --structured-output-ratio 0.5 --num-prompts 32 --output-len 128

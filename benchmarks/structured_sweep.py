@@ -34,6 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="Extra `vllm serve` flag; repeat it, e.g. "
                         "--serve-arg=--max-num-seqs=128.")
+    parser.add_argument("--structured-outputs-backend", default=None,
+                        choices=("auto", "xgrammar", "guidance"),
+                        help="The servers' structured-output backend (default: the server's, "
+                        "auto).")
     parser.add_argument("--list-presets", action="store_true", help="Describe presets and exit.")
     return parser.parse_args(argv)
 
@@ -64,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     result_dir = Path(args.result_dir or f"results/sweep-{preset.name}")
     started = time.monotonic()
     try:
-        result = run_sweep(preset, result_dir, configs, ratios, args.num_prompts, args.serve_arg)
+        serve_args = list(args.serve_arg)
+        if args.structured_outputs_backend is not None:
+            serve_args += ["--structured-outputs-config.backend", args.structured_outputs_backend]
+        result = run_sweep(preset, result_dir, configs, ratios, args.num_prompts, serve_args)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

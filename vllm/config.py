@@ -301,11 +301,23 @@ class StructuredOutputsConfig:
     limit is rejected with a 400 naming the option, before anything is compiled.
     """
 
-    backend: str = "xgrammar"
+    # "auto": per request, xgrammar when it enforces every part of the constraint, else
+    # llguidance when it does, else a 400 naming what neither enforces. "xgrammar" or
+    # "guidance": that backend only.
+    backend: str = "auto"
+    # With "auto": use xgrammar only (a constraint it cannot enforce is refused).
+    disable_fallback: bool = False
     # Seconds a grammar may spend compiling before its request fails. Only the compile counts:
     # time spent waiting for a free compile worker does not.
     compile_timeout_s: float = 10.0
     disable_any_whitespace: bool = False
+    # Most whitespace characters in one run between JSON tokens (a request's `max_whitespace`
+    # overrides it). Bounded so that a weak model cannot spend its whole output on spaces;
+    # 16 leaves room for pretty-printed JSON nested seven levels deep.
+    max_whitespace: int | None = 16
+    # Treat a `oneOf` whose branches may overlap as `anyOf` (outputs may then match several
+    # branches). Off: such a schema is refused; provably disjoint branches always work.
+    one_of_as_any_of: bool = False
     # Compile workers: processes that check constraints in the API server (a worker past the
     # time limit is killed), and threads per lane in the engine. None: half the CPUs this
     # process may run on, at least 2 and at most 8.
@@ -322,9 +334,10 @@ class StructuredOutputsConfig:
     max_json_depth: int = 128
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "xgrammar"):
+        if self.backend not in ("auto", "xgrammar", "guidance"):
             raise ValueError(
-                f"--structured-outputs-config.backend: {self.backend!r} is not one of auto, xgrammar"
+                f"--structured-outputs-config.backend: {self.backend!r} is not one of auto, "
+                "xgrammar, guidance"
             )
         if (
             isinstance(self.compile_timeout_s, bool)
@@ -346,6 +359,18 @@ class StructuredOutputsConfig:
                     f"--structured-outputs-config.{name}: must be a positive integer, "
                     f"got {value!r}"
                 )
+
+        from vllm.sampling_params import MAX_WHITESPACE_LIMIT
+
+        if self.max_whitespace is not None and (
+            isinstance(self.max_whitespace, bool)
+            or not isinstance(self.max_whitespace, int)
+            or not 0 <= self.max_whitespace <= MAX_WHITESPACE_LIMIT
+        ):
+            raise ValueError(
+                "--structured-outputs-config.max_whitespace: must be an integer in "
+                f"[0, {MAX_WHITESPACE_LIMIT}] or null, got {self.max_whitespace!r}"
+            )
 
     @property
     def num_compile_workers(self) -> int:

@@ -64,6 +64,12 @@ class GrammarCompileError(InvalidRequestError):
     kind = ErrorKind.GRAMMAR
 
 
+class UnsupportedConstraintError(GrammarCompileError):
+    """The constraint is well formed but one backend cannot enforce it exactly (it would drop
+    a keyword or feature, so an output could violate it). With the `auto` backend the next
+    backend is tried; when none can enforce it, the client gets this error (400)."""
+
+
 class EngineConfigError(ValueError):
     """The engine cannot start with this configuration (reported from the engine-core
     process at startup). A ValueError, as configuration errors raised in-process are."""

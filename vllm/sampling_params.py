@@ -85,6 +85,10 @@ NO_CONSTRAINT_MESSAGE = (
 )
 
 
+# Largest max_whitespace a request or the server may set: more is as good as unbounded.
+MAX_WHITESPACE_LIMIT = 1024
+
+
 @dataclass
 class StructuredOutputsParams:
     """One output constraint. Exactly one of the constraint fields must be set."""
@@ -97,6 +101,11 @@ class StructuredOutputsParams:
     structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    # JSON only: a regex for each run of whitespace between JSON tokens (llguidance only, so
+    # the `auto` backend picks it), or the most whitespace characters in one run (both
+    # backends; None: the server's `max_whitespace`).
+    whitespace_pattern: str | None = None
+    max_whitespace: int | None = None
 
     _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -129,7 +138,14 @@ class StructuredOutputsParams:
                     "structured_outputs.choice",
                     "must be a non-empty list of strings"
                 )
-        for name in ("regex", "grammar"):
+        if self.max_whitespace is not None and not _is_int(
+            self.max_whitespace, 0, MAX_WHITESPACE_LIMIT
+        ):
+            raise InvalidRequestError(
+                "structured_outputs.max_whitespace",
+                f"must be an integer in [0, {MAX_WHITESPACE_LIMIT}], got {self.max_whitespace!r}",
+            )
+        for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(

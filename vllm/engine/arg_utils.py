@@ -93,7 +93,9 @@ class EngineArgs:
         metadata=_help("JSON, e.g. '{\"backend\": \"xgrammar\"}'; or dotted flags "
                        "--structured-outputs-config.backend xgrammar. Options: backend, "
                        "compile_timeout_s (10; seconds of compiling, queueing not counted), "
-                       "disable_any_whitespace, compile_workers (half the CPUs, 2 to 8), "
+                       "backend (auto: xgrammar, else guidance when only it enforces the "
+                       "constraint), disable_fallback, disable_any_whitespace, max_whitespace "
+                       "(16; null: unbounded), one_of_as_any_of, compile_workers (half the CPUs, 2 to 8), "
                        "max_constraint_length (262144 characters), max_enum_values (8192, "
                        "enum values of a schema or choices), max_json_depth (128).",
                        type=json.loads),
@@ -142,9 +144,9 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             served_model_name=self.served_model_name,
         )
-        so_options = dict(self.structured_outputs_config or {})
+        structured_options = dict(self.structured_outputs_config or {})
         allowed = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
-        unknown = set(so_options) - allowed
+        unknown = set(structured_options) - allowed
         if unknown:
             raise ValueError(
                 f"--structured-outputs-config: unknown option(s) {sorted(unknown)}; "
@@ -167,7 +169,7 @@ class EngineArgs:
                 max_n=self.max_n,
             ),
             parallel_config=parallel_config,
-            structured_outputs_config=StructuredOutputsConfig(**so_options),
+            structured_outputs_config=StructuredOutputsConfig(**structured_options),
         )
 
 

@@ -23,6 +23,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output.backend_auto import AutoBackend
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import (
     StructuredOutputBackend,
@@ -364,15 +365,16 @@ class FakeBackend(StructuredOutputBackend):
 class FakeStructuredOutputManager(StructuredOutputManager):
     """The real manager (thread-pool compile, bitmask buffers) over the FakeBackend."""
 
-    def _create_backend(self) -> StructuredOutputBackend:
-        return FakeBackend(self._vocab_size, self._stop_token_ids)
+    def _create_backend(self) -> AutoBackend:
+        fake = FakeBackend(self._vocab_size, self._stop_token_ids)
+        return AutoBackend(self._vocab_size, [("fake", lambda: fake)])
 
 
 def wait_compiled(request: Request) -> None:
     """Blocks until the request's grammar compile job (if any) has finished."""
-    so_req = request.structured_output_request
-    if so_req is not None and so_req.future is not None:
-        so_req.future.exception(timeout=30)
+    structured_req = request.structured_output_request
+    if structured_req is not None and structured_req.future is not None:
+        structured_req.future.exception(timeout=30)
 
 
 # ---------------------------------------------------------------------- driving a scheduler

@@ -35,6 +35,9 @@ CONSTRAINTS = [
     StructuredOutputsParams(regex=r"[a-z]{2,6}-[0-9]{1,3}"),
     StructuredOutputsParams(choice=["red", "green", "blue", "infrared"]),
     StructuredOutputsParams(grammar='root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'),
+    # xgrammar cannot bound a pattern's length, so the default `auto` backend gives this one
+    # to llguidance: both backends run in every combination.
+    StructuredOutputsParams(json={"type": "string", "pattern": "^[a-z]+$", "maxLength": 6}),
 ]
 
 
@@ -87,6 +90,9 @@ def generate_all(llm: LLM) -> dict[float, list]:
     kv = core.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks
     assert core.structured_output_manager.num_live_grammars == 0
+    assert {b for b, _ in core.structured_output_manager.backend_choices()} == {
+        "xgrammar", "guidance"
+    }
     return results
 
 

@@ -25,6 +25,7 @@ def _stats(**changes: object) -> EngineCoreStats:
         prefix_cache_queries=1200,
         prefix_cache_hits=480,
         num_aborted_requests=2,
+        grammar_backends=[("guidance", "fallback", 4), ("xgrammar", "first_choice", 9)],
         timestamp=1_700_000_000.25,
     )
     return msgspec.structs.replace(stats, **changes)
@@ -66,7 +67,9 @@ def test_same_as_ignores_only_the_timestamp() -> None:
     for field in msgspec.structs.fields(EngineCoreStats):
         if field.name == "timestamp":
             continue
-        changed = _stats(**{field.name: getattr(stats, field.name) + 1})
+        value = getattr(stats, field.name)
+        bumped = value + [("x", "y", 1)] if isinstance(value, list) else value + 1
+        changed = _stats(**{field.name: bumped})
         assert not stats.same_as(changed), field.name
 
 
@@ -81,8 +84,9 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
     metrics.record_engine_stats(_wire(stats))
     after = _samples(metrics)
     rendered = {k: v for k, v in after.items() if k not in before}
-    # One sample per field: a field added to the record must be rendered too.
-    assert len(rendered) == len(msgspec.structs.fields(EngineCoreStats)) - 1  # not timestamp
+    # One sample per field: a field added to the record must be rendered too (timestamp is
+    # not rendered; grammar_backends is a labelled counter, checked below).
+    assert len(rendered) == len(msgspec.structs.fields(EngineCoreStats)) - 2
     assert rendered == {
         "vllm:num_requests_running": ("gauge", 3.0),
         "vllm:num_requests_waiting": ("gauge", 5.0),
@@ -98,3 +102,15 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
     from_wire = metrics.render()
     metrics.record_engine_stats(stats)
     assert metrics.render() == from_wire
+
+
+def test_backend_choices_render_as_one_labelled_counter() -> None:
+    metrics = PrometheusMetrics(MODEL)
+    metrics.record_engine_stats(_wire(_stats()))
+    found = {
+        (sample.labels["backend"], sample.labels["reason"]): sample.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples
+        if sample.name == "vllm:structured_output_backend_total"
+    }
+    assert found == {("guidance", "fallback"): 4, ("xgrammar", "first_choice"): 9}

@@ -49,3 +49,13 @@ def pieces(tokenizer: Any) -> list[bytes]:
 def walk_vocab(pieces: list[bytes]) -> WalkVocab:
     """Token classes for random walks over the demo vocabulary."""
     return WalkVocab.build(pieces, VOCAB_SIZE, EOS_IDS)
+
+
+@pytest.fixture(scope="session")
+def guidance_backend(tokenizer: Any) -> Any:
+    """One llguidance backend for the demo vocabulary."""
+    from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+
+    backend = GuidanceBackend(tokenizer, VOCAB_SIZE, EOS_IDS)
+    yield backend
+    backend.destroy()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from decimal import Decimal
 import re
 from typing import Any
 
@@ -23,9 +24,28 @@ _VOCAB_SIZE = 151_936
 
 @functools.lru_cache(maxsize=4)
 def _backend(tokenizer: Any):
-    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+    """The engine's default backend (auto: xgrammar, else llguidance), built afresh."""
+    from vllm.config import StructuredOutputsConfig
+    from vllm.v1.structured_output.backend_auto import create_backend
 
-    return XgrammarBackend(tokenizer, _VOCAB_SIZE, list(_EOS_IDS))
+    return create_backend(StructuredOutputsConfig(), tokenizer, _VOCAB_SIZE, list(_EOS_IDS))
+
+
+def _exact_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
+    """`multipleOf` on the numbers' decimal values, as JSON Schema defines it: jsonschema
+    divides binary floats, so it calls 4937.49 no multiple of 0.01 (493748.99999999994)."""
+    if not validator.is_type(instance, "number"):
+        return
+    if (Decimal(repr(instance)) / Decimal(repr(divisor))) % 1:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
+def validate_json(value: Any, schema: dict[str, Any]) -> None:
+    """Raises jsonschema.ValidationError unless `value` satisfies `schema` under the rules
+    of the schema's own `$schema` draft (with an exact `multipleOf`)."""
+    draft = jsonschema.validators.validator_for(schema)
+    exact = jsonschema.validators.extend(draft, {"multipleOf": _exact_multiple_of})
+    exact(schema).validate(value)
 
 
 def check_structured_output(
@@ -41,7 +61,8 @@ def check_structured_output(
     kind = params.kind
     if kind == "json":
         schema = params.json if isinstance(params.json, dict) else json.loads(params.json)
-        jsonschema.validate(json.loads(text), schema)
+        # Validated by the rules of the schema's own `$schema` draft.
+        validate_json(json.loads(text), schema)
     elif kind == "json_object":
         assert isinstance(json.loads(text), dict)
     elif kind == "regex":

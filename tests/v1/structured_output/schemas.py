@@ -572,20 +572,21 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("dangling_ref", {"json": {"$ref": "#/$defs/missing"}}, "$defs"),
     ("schema_not_object", {"json": "[1, 2]"}, "must be a JSON object"),
     ("not_keyword", {"json": {"type": "integer", "not": {"const": 3}}}, "'not'"),
-    ("if_keyword", {"json": {"type": "string", "if": {"minLength": 2}}}, "'if'"),
+    (
+        "if_keyword",
+        {"json": {"type": "string", "if": {"minLength": 2}, "then": {"maxLength": 3}}},
+        "'if'",
+    ),
     ("contains", {"json": {"type": "array", "contains": {"const": 1}}}, "'contains'"),
-    ("unique_items", {"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
-    ("float_multiple", {"json": {"type": "number", "multipleOf": 0.5}}, "multipleOf"),
-    ("multi_allof", {"json": {"allOf": [{"type": "integer"}, {"minimum": 2}]}}, "allOf"),
+    (
+        "unique_items",
+        {"json": {"type": "array", "minItems": 2, "uniqueItems": True}},
+        "uniqueItems",
+    ),
     (
         "nested_lookahead",
         {"json": {"properties": {"a": {"type": "string", "pattern": "(?=a)a"}}}},
         "#/properties/a",
-    ),
-    (
-        "pattern_and_length",
-        {"json": {"type": "string", "pattern": "^a+$", "maxLength": 3}},
-        "minLength/maxLength",
     ),
     ("regex_unclosed", {"regex": "a(b"}, "parenthesis"),
     ("regex_backref", {"regex": r"(a)\1"}, "Backreference"),
@@ -601,6 +602,49 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "tag_legacy_missing_end",
         {"structural_tag": {"structures": [{"begin": "<a>", "schema": {}}], "triggers": ["<a"]}},
         "legacy",
+    ),
+]
+
+# Constraints xgrammar refuses (with the given fragment) and llguidance enforces, so the
+# default `auto` backend accepts them: (name, params, xgrammar's fragment).
+GUIDANCE_ONLY: list[tuple[str, dict[str, Any], str]] = [
+    ("float_multiple", {"json": {"type": "number", "multipleOf": 0.5}}, "multipleOf"),
+    (
+        "multi_allof",
+        {"json": {"allOf": [{"type": "integer"}, {"minimum": 2}, {"maximum": 40}]}},
+        "allOf",
+    ),
+    (
+        "pattern_and_length",
+        {"json": {"type": "string", "pattern": "^a+$", "maxLength": 3}},
+        "minLength/maxLength",
+    ),
+    (
+        "ref_siblings",
+        {"json": {"$defs": {"p": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+                  "$ref": "#/$defs/p", "required": ["x"]}},
+        "beside '$ref'",
+    ),
+    (
+        "type_beside_anyof",
+        {"json": {"type": "object", "properties": {"a": {"type": "boolean"}},
+                  "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}},
+        "beside 'anyOf'",
+    ),
+    (
+        "required_only_oneof",
+        {"json": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                   "b": {"type": "integer"}},
+                  "additionalProperties": False,
+                  "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}},
+        "beside 'anyOf'",
+    ),
+    ("whitespace_pattern", {"json": {"type": "object"}, "whitespace_pattern": "[ ]{0,2}"},
+     "whitespace_pattern"),
+    (
+        "counted_repeat_and_optional_group",
+        {"json": {"type": "string", "pattern": r"^[A-Z]{1,5}(\.[A-Z]{1,2})?$"}},
+        "ranged repeat",
     ),
 ]
 

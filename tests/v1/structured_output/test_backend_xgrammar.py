@@ -10,15 +10,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from vllm.exceptions import UnsupportedConstraintError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 from vllm.v1.structured_output.grammar_checks import find_lookaround, find_stuck_rule
-from vllm.v1.structured_output.json_schema import prepare_json_schema
+from vllm.v1.structured_output.json_schema import normalize_json_schema
 
 from .conftest import EOS_IDS, VOCAB_SIZE
 from .schemas import (
     ALL_CASES,
     CHOICES,
+    GUIDANCE_ONLY,
     INVALID,
     JSON_SCHEMAS,
     SATISFIABLE_EDGES,
@@ -134,68 +136,6 @@ def test_masked_tokens_never_allowed(backend: XgrammarBackend, tokenizer: Any) -
     assert backend.masked_token_ids.isdisjoint(EOS_IDS)
 
 
-def test_only_stop_tokens_after_a_complete_value(backend: XgrammarBackend, tokenizer: Any) -> None:
-    params = StructuredOutputsParams(json={"type": "boolean"}, disable_any_whitespace=True)
-    grammar = backend.compile_grammar(params)
-    assert grammar.accept_tokens("r", tokenizer.encode("true", add_special_tokens=False))
-    assert sorted(_allowed(grammar).tolist()) == sorted(EOS_IDS)
-
-
-def test_compact_json_forbids_whitespace(backend: XgrammarBackend, tokenizer: Any) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}
-    steps = ["{", '"a"', ":", "1", ","]
-    for compact in (False, True):
-        grammar = backend.compile_grammar(
-            StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
-        )
-        for piece in steps:
-            assert grammar.accept_tokens("r", tokenizer.encode(piece, add_special_tokens=False))
-            allowed = set(_allowed(grammar).tolist())
-            assert (not compact) == bool({SPACE, NEWLINE, TAB} & allowed), (compact, piece)
-
-
-def test_engine_wide_disable_any_whitespace(tokenizer: Any) -> None:
-    compact = XgrammarBackend(tokenizer, VOCAB_SIZE, EOS_IDS, disable_any_whitespace=True)
-    grammar = compact.compile_grammar(StructuredOutputsParams(json={"type": "object"}))
-    assert grammar.accept_tokens("r", tokenizer.encode("{", add_special_tokens=False))
-    assert not {SPACE, NEWLINE, TAB} & set(_allowed(grammar).tolist())
-    compact.destroy()
-
-
-def test_accept_reject_validate_rollback_reset(backend: XgrammarBackend, tokenizer: Any) -> None:
-    grammar = backend.compile_grammar(StructuredOutputsParams(regex="abc[0-9]{2}"))
-    ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "abc12"]
-    wrong = tokenizer.encode("z", add_special_tokens=False)[0]
-    start = _allowed(grammar)
-
-    assert grammar.validate_tokens(ids[:2] + [wrong] + ids[2:]) == ids[:2]
-    assert grammar.validate_tokens(ids + [EOS_IDS[0], wrong]) == ids + [EOS_IDS[0]]
-    assert grammar.num_processed_tokens == 0 and np.array_equal(_allowed(grammar), start)
-
-    assert not grammar.accept_tokens("r", ids[:2] + [wrong, ids[2]])
-    assert grammar.num_processed_tokens == 2  # the prefix stays; the rejected token does not
-    after_two = _allowed(grammar)
-    assert grammar.accept_tokens("r", ids[2:4])
-    grammar.rollback(2)
-    assert grammar.num_processed_tokens == 2 and np.array_equal(_allowed(grammar), after_two)
-    with pytest.raises(ValueError, match="rollback"):
-        grammar.rollback(3)
-
-    assert grammar.accept_tokens("r", ids[2:] + [EOS_IDS[1]])
-    assert grammar.is_terminated()
-    bitmask = np.zeros((2, (VOCAB_SIZE + 31) // 32), dtype=np.int32)
-    grammar.fill_bitmask(bitmask, 1)
-    assert (bitmask[1] == -1).all() and (bitmask[0] == 0).all()
-    assert not grammar.accept_tokens("r", [ids[0]])
-    assert grammar.validate_tokens([ids[0]]) == []
-    grammar.rollback(1)
-    assert not grammar.is_terminated()
-    assert sorted(_allowed(grammar).tolist()) == sorted(EOS_IDS)
-
-    grammar.rollback(grammar.num_processed_tokens)
-    assert grammar.num_processed_tokens == 0 and np.array_equal(_allowed(grammar), start)
-
-
 def test_structural_tag_enforces_tag_content(backend: XgrammarBackend, tokenizer: Any) -> None:
     tag = next(c for c in ALL_CASES if c.name == "structural_tag_legacy_triggers").params
     grammar = backend.compile_grammar(StructuredOutputsParams(**tag))
@@ -218,6 +158,17 @@ def test_invalid_constraints_raise_clear_errors(
     assert "/project/cpp" not in message  # no native log prefix
 
 
+@pytest.mark.parametrize(
+    "name,params,fragment", GUIDANCE_ONLY, ids=[n for n, _, _ in GUIDANCE_ONLY]
+)
+def test_what_xgrammar_would_drop_is_refused_for_the_next_backend(
+    name: str, params: dict[str, Any], fragment: str, backend: XgrammarBackend
+) -> None:
+    with pytest.raises(UnsupportedConstraintError) as info:
+        backend.compile_grammar(StructuredOutputsParams(**params))
+    assert fragment in str(info.value)
+
+
 def test_two_constraints_are_rejected_by_the_params() -> None:
     with pytest.raises(ValueError, match="json, regex"):
         StructuredOutputsParams(json={"type": "integer"}, regex="a")
@@ -225,7 +176,7 @@ def test_two_constraints_are_rejected_by_the_params() -> None:
         StructuredOutputsParams()
 
 
-def test_prepare_json_schema_rewrites_a_copy() -> None:
+def test_normalize_json_schema_rewrites_a_copy() -> None:
     schema = {
         "type": "object",
         "properties": {
@@ -237,14 +188,14 @@ def test_prepare_json_schema_rewrites_a_copy() -> None:
         "$defs": {"d": {"type": "object"}},
     }
     original = json.loads(json.dumps(schema))
-    out = prepare_json_schema(schema, disable_additional_properties=True)
+    out = normalize_json_schema(schema, disable_additional_properties=True)
     assert schema == original
     assert out["additionalProperties"] is False
     assert out["properties"]["not"]["additionalProperties"] is False
     assert out["properties"]["open"]["additionalProperties"] is True
     assert out["$defs"]["d"]["additionalProperties"] is False
     assert out["properties"]["if"] == schema["properties"]["if"]
-    kept = prepare_json_schema(schema)
+    kept = normalize_json_schema(schema)
     assert "additionalProperties" not in kept and "additionalProperties" not in kept["$defs"]["d"]
 
 
@@ -383,7 +334,7 @@ def test_outputs_stay_valid_utf8(
         assert not grammar.accept_tokens("utf8", [by_byte[bad_next]])
         assert grammar.validate_tokens([by_byte[bad_next]]) == []
         batch = np.zeros((1, (VOCAB_SIZE + 31) // 32), dtype=np.int32)
-        backend.fill_bitmasks([grammar], batch)
+        backend.fill_bitmasks([grammar], batch, [0])
         assert np.array_equal(allowed_token_ids(batch[0], VOCAB_SIZE), allowed)
         # Rolling the lead back lifts the restriction.
         grammar.rollback(1)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.v1.structured_output.oracle import check_structured_output
-from tests.v1.structured_output.schemas import ALL_CASES, INVALID
+from tests.v1.structured_output.schemas import ALL_CASES, GUIDANCE_ONLY, INVALID
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 
 SEEDS = (1, 2)
@@ -69,6 +69,24 @@ def test_every_constraint_kind_passes_the_oracle(llm) -> None:
     assert {"json", "regex", "choice", "grammar", "structural_tag"} <= kinds_finished
 
 
+def test_constraints_only_llguidance_enforces_pass_the_oracle(llm) -> None:
+    manager = llm.llm_engine.engine_core.structured_output_manager
+    before = manager.backend_choices().get(("guidance", "fallback"), 0)
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=60,
+                       structured_outputs=StructuredOutputsParams(**constraint))
+        for _, constraint, _ in GUIDANCE_ONLY for seed in SEEDS
+    ]
+    outputs = llm.generate(["Reply in JSON:"] * len(params), params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    for p, out in zip(params, outputs):
+        check_structured_output(p.structured_outputs, out.outputs[0], tokenizer)
+    assert sum(out.outputs[0].finish_reason == "stop" for out in outputs) >= len(outputs) // 2
+    # Each went to llguidance because xgrammar refused it, and the choice was counted.
+    after = manager.backend_choices().get(("guidance", "fallback"), 0)
+    assert after - before == len(params)
+
+
 def test_chat_with_json_schema(llm) -> None:
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
@@ -115,11 +133,11 @@ def test_slow_compile_ends_only_its_request(llm) -> None:
     original_compile = manager._compile
     slow_regex = "slow-[0-9]+"
 
-    def compile_slowly(so_req):
-        if so_req.params.regex == slow_regex:
-            so_req.mark_started()
+    def compile_slowly(structured_req, *args):
+        if structured_req.params.regex == slow_regex:
+            structured_req.mark_started()
             time.sleep(1.0)
-        return original_compile(so_req)
+        return original_compile(structured_req, *args)
 
     manager._compile = compile_slowly
     scheduler = llm.llm_engine.engine_core.scheduler

@@ -18,6 +18,7 @@ import pytest
 from vllm.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig, VllmConfig
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output.backend_auto import AutoBackend
 from vllm.v1.structured_output import CompileAbortedError, StructuredOutputManager
 from vllm.v1.structured_output.limits import SMALL_CONSTRAINT_LENGTH
 
@@ -47,7 +48,7 @@ def _manager_sharing(backend: Any, demo_dir: Path, **structured: Any) -> Structu
     """A manager with its own config that reuses the session's backend (building one takes
     seconds). Its shutdown only clears the backend's cache."""
     manager = StructuredOutputManager(_config(demo_dir, **structured))
-    manager._backend = backend
+    manager._backend = AutoBackend(backend.vocab_size, [("xgrammar", lambda: backend)])
     return manager
 
 
@@ -60,12 +61,12 @@ def _request(req_id: str, **constraint: Any) -> Request:
 
 def _wait(request: Request, timeout_s: float = 10.0, deadline_s: float = 60.0) -> bool:
     """Polls like the scheduler until the grammar is ready (True) or failed (False)."""
-    so_req = request.structured_output_request
+    structured_req = request.structured_output_request
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        if so_req.poll(timeout_s):
+        if structured_req.poll(timeout_s):
             return True
-        if so_req.failed:
+        if structured_req.failed:
             return False
         time.sleep(0.002)
     raise AssertionError(f"{request.request_id}: neither ready nor failed after {deadline_s} s")
@@ -109,14 +110,14 @@ def test_compile_timeout_fails_only_that_request(
     manager: StructuredOutputManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = manager.backend
-    compile_grammar = backend.compile_grammar
+    compile_choosing = backend.compile_choosing
 
     def slow_for_one(params: StructuredOutputsParams) -> Any:
         if params.regex == "slow":
             time.sleep(0.6)
-        return compile_grammar(params)
+        return compile_choosing(params)
 
-    monkeypatch.setattr(backend, "compile_grammar", slow_for_one)
+    monkeypatch.setattr(backend, "compile_choosing", slow_for_one)
     slow = _request("slow", regex="slow")
     fast = _request("fast", choice=["x", "y"])
     manager.grammar_init(slow)
@@ -209,7 +210,7 @@ def test_bitmask_rejects_bad_input(manager: StructuredOutputManager) -> None:
 
 def test_validate_then_engine_compile_hits_the_cache(manager: StructuredOutputManager) -> None:
     schema = {"type": "object", "properties": {"unique_to_validate": {"type": "boolean"}}}
-    cache = manager.backend.compiler
+    cache = manager.backend.backend_named("xgrammar").compiler
     before = cache.get_cache_size_bytes()
     manager.validate(StructuredOutputsParams(json=schema))
     after_validate = cache.get_cache_size_bytes()
@@ -295,16 +296,16 @@ def _big_regex(tag: str) -> str:
 def _block_big(monkeypatch: pytest.MonkeyPatch, manager: StructuredOutputManager) -> Any:
     """Makes compiles of regexes starting with 'blocked' wait until the returned event is set."""
     backend = manager.backend
-    compile_grammar = backend.compile_grammar
+    compile_choosing = backend.compile_choosing
     release = threading.Event()
 
     def blocking(params: StructuredOutputsParams) -> Any:
         if params.regex is not None and params.regex.startswith("blocked"):
             assert release.wait(120), "the test never released the blocked compiles"
-            return compile_grammar(StructuredOutputsParams(regex="x+"))
-        return compile_grammar(params)
+            return compile_choosing(StructuredOutputsParams(regex="x+"))
+        return compile_choosing(params)
 
-    monkeypatch.setattr(backend, "compile_grammar", blocking)
+    monkeypatch.setattr(backend, "compile_choosing", blocking)
     return release
 
 
@@ -410,14 +411,14 @@ def test_validate_remembers_verdicts(
     manager: StructuredOutputManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     backend = manager.backend
-    compile_grammar = backend.compile_grammar
+    compile_choosing = backend.compile_choosing
     calls: list[str] = []
 
     def counting(params: StructuredOutputsParams) -> Any:
         calls.append(params.kind)
-        return compile_grammar(params)
+        return compile_choosing(params)
 
-    monkeypatch.setattr(backend, "compile_grammar", counting)
+    monkeypatch.setattr(backend, "compile_choosing", counting)
     good = StructuredOutputsParams(json={"type": "object", "properties": {"remember": {}}})
     bad = StructuredOutputsParams(grammar='root ::= root "z"')
     for _ in range(2):

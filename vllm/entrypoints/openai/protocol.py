@@ -111,6 +111,8 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    max_whitespace: int | None = None
 
 
 class SamplingRequestFields(OpenAIBaseModel):

@@ -503,7 +503,10 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
     structured_outputs = request.structured_outputs
     if structured_outputs is not None:
         data = structured_outputs.model_dump(by_alias=True)
-        for key in ("disable_any_whitespace", "disable_additional_properties"):
+        for key in (
+            "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+            "max_whitespace",
+        ):
             options[key] = data.pop(key)
         for key, value in data.items():
             if value is not None and value is not False:

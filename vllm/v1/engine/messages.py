@@ -53,6 +53,10 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int
     # Aborts that found the request still alive in the engine (cumulative).
     num_aborted_requests: int
+    # Structured-output compiles by backend and reason (cumulative): (backend, reason, count)
+    # with reason "first_choice", or "fallback" when an earlier backend could not enforce
+    # the constraint.
+    grammar_backends: list[tuple[str, str, int]]
     # Wall-clock time of the snapshot (time.time()), in the engine-core process.
     timestamp: float
 

@@ -71,6 +71,15 @@ class _EngineCollector(Collector):
         yield counter("vllm:engine_aborted_requests",
                       "Aborts that ended a request still alive in the engine core.",
                       s.num_aborted_requests)
+        choices = CounterMetricFamily(
+            "vllm:structured_output_backend",
+            "Structured-output constraints compiled in the engine, by backend and reason "
+            "(fallback: an earlier backend could not enforce the constraint exactly).",
+            labels=labels + ["backend", "reason"],
+        )
+        for backend, reason, count in s.grammar_backends:
+            choices.add_metric(values + [backend, reason], count)
+        yield choices
 
 
 class PrometheusMetrics:

@@ -13,10 +13,6 @@ import numpy as np
 
 from vllm.exceptions import InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.structured_output.backend_types import (
-    StructuredOutputBackend,
-    StructuredOutputGrammar,
-)
 from vllm.v1.structured_output.compile_pool import CompileAbortedError
 from vllm.v1.structured_output.limits import (
     SMALL_CONSTRAINT_LENGTH,
@@ -28,6 +24,8 @@ from vllm.v1.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.structured_output.backend_auto import AutoBackend
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
     from vllm.v1.request import Request
     from vllm.v1.structured_output.compile_pool import CompileCheckPool
 
@@ -66,8 +64,9 @@ class StructuredOutputManager:
         self._max_num_seqs = vllm_config.scheduler_config.max_num_seqs
         # A returned bitmask may still be in use by in-flight batches when the next is filled.
         self._num_buffers = vllm_config.max_concurrent_batches + 1
-        self._backend: StructuredOutputBackend | None = None
+        self._backend: AutoBackend | None = None
         self._backend_lock = threading.Lock()
+        self._choices: collections.Counter[tuple[str, str]] = collections.Counter()
         self._lanes_lock = threading.Lock()
         self._small_lane: ThreadPoolExecutor | None = None
         self._big_lane: ThreadPoolExecutor | None = None
@@ -95,8 +94,15 @@ class StructuredOutputManager:
         """Requests registered by grammar_init and not yet cleared (for leak checks)."""
         return len(self._live)
 
+    def backend_choices(self) -> dict[tuple[str, str], int]:
+        """Requests compiled so far (by grammar_init) by (backend, reason): reason is
+        "first_choice", or "fallback" when an earlier backend could not enforce the
+        constraint."""
+        with self._backend_lock:
+            return dict(self._choices)
+
     @property
-    def backend(self) -> StructuredOutputBackend:
+    def backend(self) -> AutoBackend:
         """The backend, built on first use (about two seconds).
 
         Raises ValueError when the tokenizer cannot be loaded.
@@ -106,18 +112,15 @@ class StructuredOutputManager:
                 self._backend = self._create_backend()
             return self._backend
 
-    def _create_backend(self) -> StructuredOutputBackend:
+    def _create_backend(self) -> AutoBackend:
         if self._tokenizer is None:
             from vllm.transformers_utils.tokenizer import get_tokenizer
 
             self._tokenizer = get_tokenizer(self._tokenizer_path)
-        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+        from vllm.v1.structured_output.backend_auto import create_backend
 
-        return XgrammarBackend(
-            self._tokenizer,
-            self._vocab_size,
-            self._stop_token_ids,
-            disable_any_whitespace=self._config.disable_any_whitespace,
+        return create_backend(
+            self._config, self._tokenizer, self._vocab_size, self._stop_token_ids
         )
 
     def _lane(self, params: StructuredOutputsParams) -> ThreadPoolExecutor:
@@ -142,19 +145,30 @@ class StructuredOutputManager:
         scheduler polls `request.structured_output_request.poll(compile_timeout_s)`.
         Raises RuntimeError after shutdown.
         """
-        so_req = request.structured_output_request
-        if so_req is None or so_req.future is not None or so_req.ready or so_req.failed:
+        structured_req = request.structured_output_request
+        if (
+            structured_req is None
+            or structured_req.future is not None
+            or structured_req.ready
+            or structured_req.failed
+        ):
             return
         if self._closed:
             raise RuntimeError("StructuredOutputManager: used after shutdown")
-        lane = self._lane(so_req.params)
-        self._live[request.request_id] = so_req
-        so_req.future = lane.submit(self._compile, so_req)
+        lane = self._lane(structured_req.params)
+        self._live[request.request_id] = structured_req
+        structured_req.future = lane.submit(self._compile, structured_req, True)
 
-    def _compile(self, so_req: StructuredOutputRequest) -> StructuredOutputGrammar:
+    def _compile(
+        self, structured_req: StructuredOutputRequest, count: bool = False
+    ) -> StructuredOutputGrammar:
         backend = self.backend
-        so_req.mark_started()
-        return backend.compile_grammar(so_req.params)
+        structured_req.mark_started()
+        grammar, name, reason = backend.compile_choosing(structured_req.params)
+        if count:  # a request's own compile, not an admission check
+            with self._backend_lock:
+                self._choices[(name, reason)] += 1
+        return grammar
 
     # ------------------------------------------------------------------ validation
 
@@ -177,16 +191,16 @@ class StructuredOutputManager:
 
     def _compile_here(self, params: StructuredOutputsParams, key: str) -> float:
         """Compiles `params` on a lane within the time limit; returns the compile's seconds."""
-        so_req = StructuredOutputRequest(params)
-        so_req.future = self._lane(params).submit(self._compile, so_req)
-        ok = so_req.wait(self.compile_timeout_s)
-        seconds = time.monotonic() - (so_req.compile_started_at or time.monotonic())
-        so_req.release()
+        structured_req = StructuredOutputRequest(params)
+        structured_req.future = self._lane(params).submit(self._compile, structured_req)
+        ok = structured_req.wait(self.compile_timeout_s)
+        seconds = time.monotonic() - (structured_req.compile_started_at or time.monotonic())
+        structured_req.release()
         if not ok:
-            error = so_req.exception
+            error = structured_req.exception
             if error is None:  # never submitted: a bug here, not the constraint's fault
                 raise RuntimeError("StructuredOutputManager: the compile job was lost")
-            if not so_req.timed_out:  # a timeout depends on the load: never remembered
+            if not structured_req.timed_out:  # a timeout depends on the load: never remembered
                 self._remember(key, error)
             raise error
         self._remember(key, None)
@@ -241,15 +255,15 @@ class StructuredOutputManager:
                 raise RuntimeError("StructuredOutputManager: used after shutdown")
             if self._check_pool is None:
                 from vllm.v1.structured_output.compile_pool import (
+                    BackendChecker,
                     CompileCheckPool,
-                    XgrammarChecker,
                 )
 
-                checker = XgrammarChecker(
+                checker = BackendChecker(
                     tokenizer=str(self._tokenizer_path),
                     vocab_size=self._vocab_size,
                     stop_token_ids=self._stop_token_ids,
-                    disable_any_whitespace=self._config.disable_any_whitespace,
+                    config=self._config,
                 )
                 self._check_pool = CompileCheckPool(
                     checker, self._num_workers, self.compile_timeout_s
@@ -306,12 +320,12 @@ class StructuredOutputManager:
         grammars: list[StructuredOutputGrammar | None] = []
         for req_id in req_ids:
             request = requests.get(req_id)
-            so_req = request.structured_output_request if request is not None else None
-            if so_req is None or so_req.grammar is None:
+            structured_req = request.structured_output_request if request is not None else None
+            if structured_req is None or structured_req.grammar is None:
                 raise ValueError(f"grammar_bitmask: request {req_id!r} has no ready grammar")
-            grammars.append(so_req.grammar)
+            grammars.append(structured_req.grammar)
         bitmask = self._take_buffer()[: len(req_ids)]
-        self.backend.fill_bitmasks(grammars, bitmask)
+        self.backend.fill_bitmasks(grammars, bitmask, range(len(grammars)))
         return bitmask
 
     def _take_buffer(self) -> np.ndarray:
@@ -329,9 +343,9 @@ class StructuredOutputManager:
 
         Safe to call more than once, and for requests without a constraint.
         """
-        so_req = self._live.pop(request.request_id, None)
-        if so_req is not None:
-            so_req.release()
+        structured_req = self._live.pop(request.request_id, None)
+        if structured_req is not None:
+            structured_req.release()
         elif request.structured_output_request is not None:
             request.structured_output_request.release()
 
@@ -343,8 +357,8 @@ class StructuredOutputManager:
             lanes = [self._small_lane, self._big_lane, self._waiters]
             self._small_lane = self._big_lane = self._waiters = None
             pool, self._check_pool = self._check_pool, None
-        for so_req in self._live.values():
-            so_req.release()
+        for structured_req in self._live.values():
+            structured_req.release()
         self._live.clear()
         for lane in lanes:
             if lane is not None:

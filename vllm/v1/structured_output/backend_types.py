@@ -74,17 +74,19 @@ class StructuredOutputBackend(ABC):
         return np.full((max_num_seqs, (self.vocab_size + 31) // 32), -1, dtype=np.int32)
 
     def fill_bitmasks(
-        self, grammars: Sequence[StructuredOutputGrammar | None], bitmask: np.ndarray
+        self,
+        grammars: Sequence[StructuredOutputGrammar],
+        bitmask: np.ndarray,
+        rows: Sequence[int],
     ) -> None:
-        """Fills `bitmask[i]` from `grammars[i]` for every i; a None grammar allows every token.
+        """Fills `bitmask[rows[i]]` from `grammars[i]` for every i (a terminated grammar's row
+        allows every token); other rows are left as they are.
 
-        Backends override this to fill the whole batch in one native call.
+        Every grammar must come from this backend. Backends override this to fill the whole
+        batch in one native call.
         """
-        for row, grammar in enumerate(grammars):
-            if grammar is None:
-                bitmask[row] = -1
-            else:
-                grammar.fill_bitmask(bitmask, row)
+        for grammar, row in zip(grammars, rows, strict=True):
+            grammar.fill_bitmask(bitmask, row)
 
     def destroy(self) -> None:
         """Releases the backend's resources (caches, threads). It is unusable afterwards."""

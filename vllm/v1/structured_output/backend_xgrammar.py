@@ -40,9 +40,10 @@ a required property the schema forbids, minimum above maximum (and the like), a 
 that can never finish (`root ::= root "a"`: left-recursive or cyclic with no way out), and any
 compiled constraint whose first step allows no token (for JSON: allows only an empty output).
 
-Known xgrammar 0.2.9 bug left as is: inside a JSON-schema `pattern`, a ranged repeat followed
-by an optional group holding another one (`^\\d{1,3}(\\.\\d{1,3})?$`) can accept strings the
-pattern rejects ("910.22730"). Top-level `regex` constraints compile correctly.
+Known xgrammar 0.2.9 bug: inside a JSON-schema `pattern`, a ranged repeat together with an
+optional or repeated group (`^\\d{1,3}(\\.\\d{1,3})?$`) can accept strings the pattern rejects
+("910.22730"), so such patterns are refused here (the `auto` backend gives them to
+llguidance). Top-level `regex` constraints compile correctly.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ from typing import Any
 import numpy as np
 import xgrammar as xgr
 
-from vllm.exceptions import GrammarCompileError, InvalidRequestError
+from vllm.exceptions import (
+    GrammarCompileError,
+    InvalidRequestError,
+    UnsupportedConstraintError,
+)
 from vllm.thread_policy import helper_threads
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
@@ -65,7 +70,7 @@ from vllm.v1.structured_output.backend_types import (
     StructuredOutputGrammar,
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text, find_lookaround
-from vllm.v1.structured_output.json_schema import prepare_json_schema
+from vllm.v1.structured_output.json_schema import check_xgrammar_support, normalize_json_schema
 from vllm.v1.structured_output.utf8_guard import Utf8Guard
 
 logger = logging.getLogger(__name__)
@@ -312,6 +317,8 @@ class XgrammarBackend(StructuredOutputBackend):
         stop_token_ids: Sequence[int],
         *,
         disable_any_whitespace: bool = False,
+        max_whitespace: int | None = None,
+        one_of_as_any_of: bool = False,
         max_threads: int | None = None,
         cache_limit_bytes: int = _CACHE_LIMIT_BYTES,
         vocab: PreparedVocab | None = None,
@@ -324,6 +331,8 @@ class XgrammarBackend(StructuredOutputBackend):
         self.vocab_size = vocab_size
         self.vocab = vocab
         self.disable_any_whitespace = disable_any_whitespace
+        self.max_whitespace = max_whitespace
+        self.one_of_as_any_of = one_of_as_any_of
         self.masked_token_ids = vocab.masked_token_ids
         self.stop_token_ids: tuple[int, ...] = tuple(vocab.info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(
@@ -337,6 +346,11 @@ class XgrammarBackend(StructuredOutputBackend):
         when it does not compile or no output can satisfy it, InvalidRequestError when it is
         malformed."""
         kind = params.kind
+        if params.whitespace_pattern is not None:
+            raise UnsupportedConstraintError(
+                "structured_outputs.whitespace_pattern",
+                "not supported by xgrammar (use max_whitespace, or the guidance backend)",
+            )
         try:
             compiled = self._compile(params, kind)
         except InvalidRequestError:
@@ -373,16 +387,20 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def _compile(self, params: StructuredOutputsParams, kind: str) -> xgr.CompiledGrammar:
         compact = self.disable_any_whitespace or params.disable_any_whitespace
+        max_ws = params.max_whitespace if params.max_whitespace is not None else self.max_whitespace
         if kind == "json":
             schema = params.json if isinstance(params.json, dict) else json.loads(params.json)
-            schema = prepare_json_schema(
-                schema, disable_additional_properties=params.disable_additional_properties
+            schema = normalize_json_schema(
+                schema,
+                disable_additional_properties=params.disable_additional_properties,
+                one_of_as_any_of=self.one_of_as_any_of,
             )
-            return self._compile_schema(json.dumps(schema), compact)
+            check_xgrammar_support(schema)
+            return self._compile_schema(json.dumps(schema), compact, max_ws)
         if kind == "json_object":
             # OpenAI's json_object means an object; xgrammar's builtin JSON grammar would
             # also allow a top-level array.
-            return self._compile_schema('{"type": "object"}', compact)
+            return self._compile_schema('{"type": "object"}', compact, max_ws)
         if kind == "regex":
             opener = find_lookaround(params.regex)
             if opener is not None:
@@ -404,10 +422,14 @@ class XgrammarBackend(StructuredOutputBackend):
             )
         raise GrammarCompileError("structured_outputs", f"unknown constraint {kind!r}")
 
-    def _compile_schema(self, schema: str, compact: bool) -> xgr.CompiledGrammar:
-        style: dict[str, Any] = {"any_whitespace": not compact}
-        if compact:
+    def _compile_schema(
+        self, schema: str, compact: bool, max_whitespace: int | None
+    ) -> xgr.CompiledGrammar:
+        style: dict[str, Any] = {"any_whitespace": not compact and max_whitespace != 0}
+        if not style["any_whitespace"]:
             style["separators"] = (",", ":")
+        elif max_whitespace is not None:
+            style["max_whitespace_cnt"] = max_whitespace
         # Converting alone takes ~0.1 ms; compiling is cached either way.
         ebnf = str(xgr.Grammar.from_json_schema(schema, **style))
         if _LOOSE_STRING_CHAR in ebnf:
@@ -417,27 +439,29 @@ class XgrammarBackend(StructuredOutputBackend):
         return self.compiler.compile_json_schema(schema, **style)
 
     def fill_bitmasks(
-        self, grammars: Sequence[StructuredOutputGrammar | None], bitmask: np.ndarray
+        self,
+        grammars: Sequence[StructuredOutputGrammar],
+        bitmask: np.ndarray,
+        rows: Sequence[int],
     ) -> None:
-        """Fills every row in one multi-threaded xgrammar call (rows of finished ones: all ones)."""
+        """Fills the rows in one multi-threaded xgrammar call (terminated ones: all ones)."""
         matchers: list[xgr.GrammarMatcher] = []
-        rows: list[int] = []
+        live_rows: list[int] = []
         guarded: list[tuple[XgrammarGrammar, int]] = []
-        for row, grammar in enumerate(grammars):
-            if isinstance(grammar, XgrammarGrammar) and not grammar.is_terminated():
-                matchers.append(grammar.matcher)
-                rows.append(row)
-                if grammar.utf8_state:
-                    guarded.append((grammar, row))
-            elif grammar is None or grammar.is_terminated():
+        for grammar, row in zip(grammars, rows, strict=True):
+            assert isinstance(grammar, XgrammarGrammar)
+            if grammar.is_terminated():
                 bitmask[row] = -1
-            else:
-                grammar.fill_bitmask(bitmask, row)
+                continue
+            matchers.append(grammar.matcher)
+            live_rows.append(row)
+            if grammar.utf8_state:
+                guarded.append((grammar, row))
         if matchers:
             # Waking helper threads costs more than it saves for small batches (up to
             # milliseconds when the cores are busy).
             batch = self._batch if len(matchers) >= _PARALLEL_FILL_MIN else self._batch_serial
-            batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
         for grammar, row in guarded:
             grammar.apply_utf8_guard(bitmask, row)
 

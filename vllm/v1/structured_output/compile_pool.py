@@ -40,13 +40,16 @@ import warnings
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.exceptions import GrammarCompileError, InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.process import main_module_hidden
 
-__all__ = ["CompileCheckPool", "CompileAbortedError", "Checker", "XgrammarChecker"]
+if TYPE_CHECKING:
+    from vllm.config import StructuredOutputsConfig
+
+__all__ = ["BackendChecker", "CompileCheckPool", "CompileAbortedError", "Checker"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +92,13 @@ class Checker(Protocol):
 
 
 @dataclasses.dataclass
-class XgrammarChecker:
-    """Checks constraints with an xgrammar backend identical to the engine's."""
+class BackendChecker:
+    """Checks constraints with a backend identical to the engine's (same configuration)."""
 
     tokenizer: str
     vocab_size: int
     stop_token_ids: list[int]
-    disable_any_whitespace: bool
+    config: StructuredOutputsConfig
     max_threads: int | None = None
     # Each worker's compiled-grammar cache (repeated schemas are then checked in microseconds).
     cache_limit_bytes: int = 64 * 1024 * 1024
@@ -107,21 +110,21 @@ class XgrammarChecker:
         from vllm.transformers_utils.tokenizer import get_tokenizer
         from vllm.v1.structured_output.backend_xgrammar import PreparedVocab
 
-        tokenizer = get_tokenizer(self.tokenizer)
-        self._vocab = PreparedVocab.build(tokenizer, self.vocab_size, self.stop_token_ids)
+        self._tokenizer = get_tokenizer(self.tokenizer)
+        self._vocab = PreparedVocab.build(self._tokenizer, self.vocab_size, self.stop_token_ids)
 
     def start_worker(self) -> None:
-        """Builds this worker's compiler (milliseconds)."""
-        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+        """Builds this worker's backend (milliseconds; llguidance's on first use)."""
+        from vllm.v1.structured_output.backend_auto import create_backend
 
-        self._backend = XgrammarBackend(
-            None,
+        self._backend = create_backend(
+            self.config,
+            self._tokenizer,
             self.vocab_size,
             self.stop_token_ids,
-            disable_any_whitespace=self.disable_any_whitespace,
+            vocab=self._vocab,
             max_threads=self.max_threads,
             cache_limit_bytes=self.cache_limit_bytes,
-            vocab=self._vocab,
         )
 
     def check(self, params: StructuredOutputsParams) -> None:

@@ -1,77 +1,499 @@
-"""JSON-schema preparation for the xgrammar backend: rejects what xgrammar would not enforce.
+"""JSON-schema preparation shared by the backends: the schema's own draft semantics, exact
+`oneOf`, and refusals of what a backend would not enforce.
 
-`prepare_json_schema` returns a copy of a request's schema ready for xgrammar, after
-checking it: keywords xgrammar 0.2.9 accepts but silently ignores (so outputs could violate
-the schema) and schemas no value can satisfy (which xgrammar would compile into an empty or
-invalid output) are rejected with a GrammarCompileError naming the location.
+- `normalize_json_schema` (every backend): returns a copy in the form the backends read, with
+  the semantics of the schema's `$schema` draft made explicit (default 2020-12): before
+  2019-09 the keywords beside a `$ref` are ignored, so they are dropped; draft-04's boolean
+  `exclusiveMinimum`/`exclusiveMaximum` become numbers; an array-form `items` becomes
+  `prefixItems`. A `oneOf` whose branches are provably disjoint (different types, different
+  `const`/`enum` values, or a required property with different values) is exactly an `anyOf`
+  and is rewritten as one; so are branches that only require property names, made disjoint
+  (`oneOf [A, B]` is `anyOf [A and not B, B and not A]`). Any other `oneOf` is refused (no
+  backend enforces "exactly one"),
+  unless the server treats `oneOf` as `anyOf` by choice (`one_of_as_any_of`).
+  `dependencies`/`dependentRequired`/`dependentSchemas` become equivalent `allOf` rules, and
+  `uniqueItems: true` is enforced by allowing at most one item (no grammar can express
+  "all items differ"; an array that must hold two or more is refused). A `format` no
+  backend knows is an annotation, as the JSON Schema specification says, and is dropped.
+  Schemas no value can satisfy are refused.
+- `check_xgrammar_support`: raises UnsupportedConstraintError at the first keyword xgrammar
+  0.2.9 accepts but does not enforce (so an output could violate the schema); the `auto`
+  backend then tries llguidance.
 
-Separate from the backend because these checks read only the schema: pure Python that
-imports neither xgrammar nor numpy.
+Pure Python that imports neither xgrammar nor numpy.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
+from urllib.parse import unquote
 
-from vllm.exceptions import GrammarCompileError
+from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
 from vllm.v1.structured_output.grammar_checks import find_lookaround
 
+_FIELD = "structured_outputs.json"
+
+# Keywords that assert nothing: they may sit beside anything without changing its meaning.
+_ANNOTATIONS = frozenset({
+    "$schema", "$id", "id", "$anchor", "$comment", "$defs", "definitions", "$vocabulary",
+    "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
+    "contentMediaType", "contentEncoding",
+})
+
 # xgrammar accepts these keywords but does not enforce them.
-_UNENFORCED_KEYWORDS = (
-    "not",
-    "if",
-    "then",
-    "else",
-    "contains",
-    "minContains",
-    "maxContains",
-    "dependentRequired",
-    "dependentSchemas",
-    "dependencies",
+_XGRAMMAR_UNENFORCED = (
+    "not", "if", "then", "else", "contains", "minContains", "maxContains",
+    "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+    "unevaluatedItems",
 )
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+# String formats each backend enforces (measured: xgrammar 0.2.9 accepts any string for a
+# format it does not know; llguidance 1.9 refuses one it does not know).
+XGRAMMAR_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+    "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer",
+})
+GUIDANCE_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid",
+})
+_KNOWN_FORMATS = XGRAMMAR_FORMATS | GUIDANCE_FORMATS
+
+# A JSON-schema pattern with a ranged repeat ("{1,5}") and a group under a quantifier
+# ("(...)?"): xgrammar 0.2.9 can accept strings such a pattern rejects ("^[A-Z]{1,5}(\.[A-Z]
+# {1,2})?$" accepted "RGBOKV"). Top-level regex constraints compile correctly.
+_RANGED_REPEAT = re.compile(r"\{\d+,\d*\}")
+_REPEATED_GROUP = re.compile(r"\)[?*+{]")
+
+# xgrammar's JSON converter refuses numeric bounds past this (int64 as a double).
+_XGRAMMAR_MAX_BOUND = 2**63 - 1
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_SINGLES = ("additionalProperties", "items", "additionalItems", "propertyNames")
+_SCHEMA_SINGLES = (
+    "additionalProperties", "items", "additionalItems", "propertyNames", "not", "if", "then",
+    "else", "contains", "unevaluatedItems", "unevaluatedProperties",
+)
+# `$schema` values of the drafts in which keywords beside `$ref` are ignored.
+_LEGACY_REF_DRAFTS = re.compile(r"draft-0[3-7]")
 
 
-def prepare_json_schema(
-    schema: dict[str, Any] | bool, *, disable_additional_properties: bool = False
+def _subschemas(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
+    """Every direct subschema of `node` with its location."""
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                yield sub, f"{path}/{key}/{name}"
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield sub, f"{path}/{key}/{i}"
+    for key in _SCHEMA_SINGLES:
+        if isinstance(node.get(key), dict):
+            yield node[key], f"{path}/{key}"
+
+
+def normalize_json_schema(
+    schema: dict[str, Any] | bool,
+    *,
+    disable_additional_properties: bool = False,
+    one_of_as_any_of: bool = False,
 ) -> dict[str, Any] | bool:
-    """Returns a copy of `schema` ready for xgrammar.
+    """Returns a copy of `schema` in the form every backend reads (see the module docstring).
 
-    Raises ValueError naming the location and keyword when the schema uses a feature xgrammar
-    would not enforce, or when no value can satisfy it (see `_check_satisfiable`). With
-    `disable_additional_properties`, object schemas get `additionalProperties: false` unless
-    they set it.
+    With `disable_additional_properties`, object schemas get `additionalProperties: false`
+    unless they set it. Raises GrammarCompileError naming the location when no value can
+    satisfy the schema, and UnsupportedConstraintError for a `oneOf` whose branches may
+    overlap (unless `one_of_as_any_of`).
     """
     if schema is False:
-        raise GrammarCompileError("structured_outputs.json", "the schema `false` accepts no value")
+        raise GrammarCompileError(_FIELD, "the schema `false` accepts no value")
     if isinstance(schema, bool):
         return schema
     if not isinstance(schema, dict):
         raise GrammarCompileError(
-            "structured_outputs.json",
-            f"a schema must be a JSON object, got {type(schema).__name__}"
+            _FIELD, f"a schema must be a JSON object, got {type(schema).__name__}"
         )
     out = copy.deepcopy(schema)
-    _prepare_node(out, "#", disable_additional_properties)
+    draft = out.get("$schema") if isinstance(out.get("$schema"), str) else ""
+    legacy = bool(_LEGACY_REF_DRAFTS.search(draft))
+    _normalize_node(out, out, "#", legacy, disable_additional_properties, one_of_as_any_of)
     return out
 
 
-def _prepare_node(node: Any, path: str, no_extra: bool) -> None:
+def _normalize_node(
+    node: Any, root: dict[str, Any], path: str, legacy: bool, no_extra: bool, coerce: bool
+) -> None:
+    if not isinstance(node, dict):
+        return
+    if legacy and "$ref" in node:
+        # Before 2019-09 a `$ref` replaces its whole schema object; definitions stay only
+        # because refs elsewhere may point into them.
+        for key in [k for k in node if k not in ("$ref", "$defs", "definitions")]:
+            del node[key]
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(node.get(exclusive), bool):  # draft-04's form
+            if node.pop(exclusive) and bound in node:
+                node[exclusive] = node.pop(bound)
+    if isinstance(node.get("items"), list):
+        node["prefixItems"] = node.pop("items")
+        if "additionalItems" in node:
+            node["items"] = node.pop("additionalItems")
+    if isinstance(node.get("format"), str) and node["format"] not in _KNOWN_FORMATS:
+        del node["format"]  # an annotation only (JSON Schema 2020-12, section 7.2.1)
+    _rewrite_dependencies(node)
+    _rewrite_not(node, root)
+    _rewrite_conditional(node, root)
+    _narrow_unique_items(node)
+    if isinstance(node.get("oneOf"), list) and node["oneOf"]:
+        _rewrite_one_of(node, root, path, coerce)
+    if no_extra and "additionalProperties" not in node:
+        if node.get("type") == "object" or "properties" in node:
+            node["additionalProperties"] = False
+    _check_satisfiable(node, path)
+    for sub, sub_path in _subschemas(node, path):
+        _normalize_node(sub, root, sub_path, legacy, no_extra, coerce)
+
+
+def _narrow_unique_items(node: dict[str, Any]) -> None:
+    """Enforces `uniqueItems: true` by allowing at most one item, when the schema allows that.
+
+    No grammar can say "all items differ"; an array of at most one item always satisfies it.
+    An array that must hold two or more items is left as is, for the backends to refuse.
+    """
+    if node.get("uniqueItems") is not True:
+        return
+    low = node.get("minItems", 0)
+    if _is_number(low) and low > 1:
+        return
+    del node["uniqueItems"]
+    high = node.get("maxItems")
+    node["maxItems"] = min(high, 1) if _is_number(high) else 1
+
+
+def _absent(names: list[str]) -> dict[str, Any]:
+    """A schema an object matches when one of `names` is missing (non-objects match too)."""
+    if len(names) == 1:
+        return {"properties": {names[0]: False}}
+    return {"anyOf": [{"properties": {name: False}} for name in names]}
+
+
+def _rewrite_dependencies(node: dict[str, Any]) -> None:
+    """Rewrites `dependentRequired`, `dependentSchemas` and `dependencies` (draft-07's form of
+    both) as the equivalent `allOf` of "the property is absent, or ..." alternatives, which
+    llguidance enforces. `dependencies` is rewritten in every draft: enforcing it where the
+    draft ignores it only narrows the outputs."""
+    rules: list[dict[str, Any]] = []
+    for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+        table = node.get(key)
+        if not isinstance(table, dict):
+            continue
+        for name, dep in table.items():
+            if isinstance(dep, list):
+                then: dict[str, Any] = {"required": [name, *dep]}
+            elif isinstance(dep, (dict, bool)):
+                then = {"allOf": [{"required": [name]}, dep]}
+            else:
+                continue  # not a schema: left for the backends to refuse
+            rules.append({"anyOf": [_absent([name]), then]})
+        del node[key]
+    if rules:
+        node.setdefault("allOf", []).extend(rules)
+
+
+def _negation(branch: Any, root: dict[str, Any]) -> dict[str, Any] | None:
+    """A schema matching exactly the values `branch` does not, when `branch` only requires
+    property names (optionally of an object); else None."""
+    branch = _resolve(branch, root)
+    if not isinstance(branch, dict):
+        return None
+    keys = {k for k in branch if k not in _ANNOTATIONS}
+    names = branch.get("required")
+    if not isinstance(names, list) or not names or not keys <= {"required", "type"}:
+        return None
+    if "type" in keys and branch["type"] != "object":
+        return None
+    if "type" in keys:
+        others = sorted(_TYPE_NAMES - {"object"})
+        return {"anyOf": [{"type": others}, {"type": "object", **_absent(names)}]}
+    # `required` alone holds for every non-object: only an object can fail it.
+    return {"type": "object", **_absent(names)}
+
+
+def _rewrite_not(node: dict[str, Any], root: dict[str, Any]) -> None:
+    """Replaces `not` by the schema it describes when `_negation` can write it."""
+    if "not" not in node:
+        return
+    negation = _negation(node["not"], root)
+    if negation is not None:
+        del node["not"]
+        node.setdefault("allOf", []).append(negation)
+
+
+def _rewrite_conditional(node: dict[str, Any], root: dict[str, Any]) -> None:
+    """Rewrites `if`/`then`/`else` as `anyOf [if and then, (not if) and else]` when `not if`
+    can be written: `if` only pins properties to listed values (`const`/`enum`), each of
+    which the node itself restricts to listed values, and may require them."""
+    if "if" not in node:
+        return
+    if "then" not in node and "else" not in node:
+        del node["if"]  # asserts nothing on its own
+        return
+    negation = _negate_condition(node["if"], node, root)
+    if negation is None:
+        return
+    condition = node.pop("if")
+    then, otherwise = node.pop("then", True), node.pop("else", True)
+    node.setdefault("allOf", []).append({"anyOf": [
+        {"allOf": [condition, then]},
+        {"allOf": [negation, otherwise]},
+    ]})
+
+
+def _negate_condition(
+    condition: Any, node: dict[str, Any], root: dict[str, Any]
+) -> dict[str, Any] | None:
+    """A schema for the values `condition` rejects (see `_rewrite_conditional`), else None."""
+    condition = _resolve(condition, root)
+    if not isinstance(condition, dict):
+        return None
+    keys = {k for k in condition if k not in _ANNOTATIONS}
+    pinned = condition.get("properties", {})
+    required = condition.get("required", [])
+    if not keys <= {"properties", "required"} or not isinstance(pinned, dict):
+        return None
+    if not isinstance(required, list) or not pinned and not required:
+        return None
+    own = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    # The condition fails for an object with a pinned property holding another of the
+    # values its schema allows, or missing a required name; it holds for every non-object.
+    ways: list[dict[str, Any]] = []
+    for name, sub in pinned.items():
+        allowed, domain = _values(sub, root), _values(own.get(name), root)
+        if domain is None and _kinds(own.get(name, True), root) == {"boolean"}:
+            domain = {"true", "false"}
+        if allowed is None or domain is None:
+            return None
+        rest = [json.loads(v) for v in sorted(domain - allowed)]
+        if rest:
+            ways.append({"required": [name], "properties": {name: {"enum": rest}}})
+    ways.extend({"properties": {name: False}} for name in required if isinstance(name, str))
+    if not ways:
+        return None  # the condition holds for every value the node allows
+    return {"type": "object", "anyOf": ways}
+
+
+def _rewrite_one_of(node: dict[str, Any], root: dict[str, Any], path: str, coerce: bool) -> None:
+    """Turns `oneOf` into the equivalent `anyOf` of branches no two values share.
+
+    Two branches that may overlap are made disjoint when both can be negated (they only
+    require property names): `oneOf [A, B]` is `anyOf [A and not B, B and not A]`.
+    """
+    branches = node["oneOf"]
+    outer = _kinds({k: v for k, v in node.items() if k != "oneOf"}, root)
+    outer_required = set(node["required"]) if isinstance(node.get("required"), list) else set()
+    extra: list[list[dict[str, Any]]] = [[] for _ in branches]
+    exclusive = True
+    for i, a in enumerate(branches):
+        for j in range(i + 1, len(branches)):
+            if _disjoint(a, branches[j], outer, outer_required, root):
+                continue
+            not_b, not_a = _negation(branches[j], root), _negation(a, root)
+            if not_a is None or not_b is None:
+                exclusive = False
+                continue
+            extra[i].append(not_b)
+            extra[j].append(not_a)
+    if exclusive:
+        branches = [
+            {"allOf": [b, *negations]} if negations else b
+            for b, negations in zip(branches, extra)
+        ]
+    elif not coerce:
+        raise UnsupportedConstraintError(
+            _FIELD,
+            f"at {path}: 'oneOf' branches may overlap, so 'exactly one' cannot be enforced "
+            "by any backend; make the branches disjoint (different types, or a required "
+            "property with a different 'const' in each), use 'anyOf', or start the server "
+            "with --structured-outputs-config.one_of_as_any_of true",
+        )
+    del node["oneOf"]
+    if "anyOf" in node:
+        node.setdefault("allOf", []).append({"anyOf": branches})
+    else:
+        node["anyOf"] = branches
+
+
+# JSON values by kind; "integer" and "fraction" together are JSON Schema's "number".
+_ALL_KINDS = frozenset({"null", "boolean", "object", "array", "string", "integer", "fraction"})
+_TYPE_NAMES = frozenset({"null", "boolean", "object", "array", "string", "number"})
+_TYPE_KINDS = {
+    "null": {"null"}, "boolean": {"boolean"}, "object": {"object"}, "array": {"array"},
+    "string": {"string"}, "integer": {"integer"}, "number": {"integer", "fraction"},
+}
+
+
+def _kind_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "integer" if value.is_integer() else "fraction"
+    if isinstance(value, str):
+        return "string"
+    return "array" if isinstance(value, list) else "object"
+
+
+def _canonical(value: Any) -> str:
+    """JSON text equal for values JSON Schema treats as equal (1 and 1.0 included)."""
+    def norm(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, list):
+            return [norm(x) for x in v]
+        if isinstance(v, dict):
+            return {k: norm(x) for k, x in v.items()}
+        return v
+
+    return json.dumps(norm(value), sort_keys=True)
+
+
+def _resolve(node: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """`node` with a local `$ref` (`#/...`) followed, else `node` itself (also when the ref
+    cannot be followed here: the analysis then knows less, never something wrong)."""
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and depth < 16:
+        ref = node["$ref"]
+        if not ref.startswith("#"):
+            return node
+        target: Any = root
+        for part in unquote(ref[1:]).split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return node
+        siblings = {k: v for k, v in node.items() if k != "$ref" and k not in _ANNOTATIONS}
+        if siblings:
+            return node  # the ref plus more: an intersection this analysis does not merge
+        node, depth = target, depth + 1
+    return node
+
+
+def _kinds(node: Any, root: dict[str, Any], depth: int = 0) -> frozenset[str]:
+    """The kinds of JSON value `node` may match (a superset; all when unknown)."""
+    node = _resolve(node, root)
+    if node is False:
+        return frozenset()
+    if not isinstance(node, dict) or depth > 16:
+        return _ALL_KINDS
+    kinds = set(_ALL_KINDS)
+    declared = node.get("type")
+    if isinstance(declared, str):
+        declared = [declared]
+    if isinstance(declared, list):
+        kinds &= {k for t in declared if isinstance(t, str) for k in _TYPE_KINDS.get(t, ())}
+    values = _values(node, root)
+    if values is not None:
+        kinds &= {_kind_of(json.loads(v)) for v in values}
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            kinds &= set().union(*(_kinds(b, root, depth + 1) for b in node[key]))
+    if isinstance(node.get("allOf"), list):
+        for b in node["allOf"]:
+            kinds &= _kinds(b, root, depth + 1)
+    return frozenset(kinds)
+
+
+def _values(node: Any, root: dict[str, Any]) -> set[str] | None:
+    """The canonical values `node` allows when it lists them (const/enum), else None."""
+    node = _resolve(node, root)
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return {_canonical(node["const"])}
+    if isinstance(node.get("enum"), list):
+        return {_canonical(v) for v in node["enum"]}
+    return None
+
+
+def _disjoint(
+    a: Any, b: Any, outer: frozenset[str], outer_required: set[str], root: dict[str, Any]
+) -> bool:
+    """True when no value (of the kinds `outer` allows, and for objects with the
+    `outer_required` names) can match both `a` and `b`."""
+    shared = _kinds(a, root) & _kinds(b, root) & outer
+    if not shared:
+        return True
+    va, vb = _values(a, root), _values(b, root)
+    if va is not None and vb is not None and not va & vb:
+        return True
+    # A branch of listed values: none of them matches the other branch.
+    for values, other in ((va, b), (vb, a)):
+        if values is not None and not any(_matches(json.loads(v), other, root) for v in values):
+            return True
+    if shared != {"object"}:
+        return False
+    # Objects only: a property both require, with values or kinds that cannot meet.
+    a, b = _resolve(a, root), _resolve(b, root)
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    props_a = a.get("properties") if isinstance(a.get("properties"), dict) else {}
+    props_b = b.get("properties") if isinstance(b.get("properties"), dict) else {}
+    required_a = set(a["required"]) if isinstance(a.get("required"), list) else set()
+    required_b = set(b["required"]) if isinstance(b.get("required"), list) else set()
+    for name in (required_a | outer_required) & (required_b | outer_required):
+        if name not in props_a or name not in props_b:
+            continue
+        pa, pb = props_a[name], props_b[name]
+        if not _kinds(pa, root) & _kinds(pb, root):
+            return True
+        va, vb = _values(pa, root), _values(pb, root)
+        if va is not None and vb is not None and not va & vb:
+            return True
+    return False
+
+
+def _matches(value: Any, schema: Any, root: dict[str, Any]) -> bool:
+    """Whether `value` matches `schema` (True when that cannot be decided here, e.g. a ref
+    outside the definitions: only a certain mismatch may prove branches disjoint)."""
+    import jsonschema  # deferred: only oneOf analysis needs it
+
+    if not isinstance(schema, dict):
+        return schema is not False
+    # Local refs point into the root's definitions; carry them along.
+    scoped = {k: root[k] for k in ("$defs", "definitions") if k in root}
+    scoped.update(schema)
+    try:
+        return jsonschema.Draft202012Validator(scoped).is_valid(value)
+    except Exception:  # an unresolvable ref or an invalid schema: undecided
+        return True
+
+
+def check_xgrammar_support(schema: dict[str, Any] | bool) -> None:
+    """Raises UnsupportedConstraintError at the first keyword xgrammar would not enforce.
+
+    `schema` is the output of `normalize_json_schema`.
+    """
+    if isinstance(schema, dict):
+        _check_xgrammar_node(schema, "#")
+
+
+def _check_xgrammar_node(node: Any, path: str) -> None:
     if not isinstance(node, dict):
         return
 
-    def bad(why: str) -> ValueError:
-        return GrammarCompileError(
-            "structured_outputs.json",
-            f"at {path}: {why} (unsupported by xgrammar)"
-        )
+    def bad(why: str) -> UnsupportedConstraintError:
+        return UnsupportedConstraintError(_FIELD, f"at {path}: {why} (unsupported by xgrammar)")
 
-    for key in _UNENFORCED_KEYWORDS:
+    for key in _XGRAMMAR_UNENFORCED:
         if key in node:
             raise bad(f"the {key!r} keyword is not supported")
     if node.get("uniqueItems") is True and node.get("maxItems", 2) > 1:
@@ -82,6 +504,16 @@ def _prepare_node(node: Any, path: str, no_extra: bool) -> None:
             raise bad("'multipleOf' is only supported on integers (type 'integer', whole divisor)")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise bad("'allOf' with more than one schema is not supported")
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        if _is_number(node.get(key)) and not -_XGRAMMAR_MAX_BOUND - 1 <= node[key] <= _XGRAMMAR_MAX_BOUND:
+            raise bad(f"{key!r} {node[key]} is beyond 64-bit integers")
+    for key in ("$ref", "anyOf", "allOf"):
+        if key in node:
+            others = sorted(k for k in node if k != key and k not in _ANNOTATIONS)
+            if others:
+                raise bad(f"keywords beside {key!r} ({', '.join(others)}) are not supported")
+    if isinstance(node.get("format"), str) and node["format"] not in XGRAMMAR_FORMATS:
+        raise bad(f"format {node['format']!r} is not supported")
     patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
     if isinstance(node.get("patternProperties"), dict):
         patterns += list(node["patternProperties"])
@@ -89,25 +521,17 @@ def _prepare_node(node: Any, path: str, no_extra: bool) -> None:
         opener = find_lookaround(pattern)
         if opener is not None:
             raise bad(f"pattern {pattern!r} uses a lookaround {opener!r}")
+        if _RANGED_REPEAT.search(pattern) and _REPEATED_GROUP.search(pattern):
+            raise bad(
+                f"pattern {pattern!r} has a ranged repeat and a repeated or optional group, "
+                "which xgrammar 0.2.9 can match wrongly"
+            )
     if "minLength" in node or "maxLength" in node:
         for key in ("pattern", "format"):
             if key in node:
                 raise bad(f"{key!r} combined with minLength/maxLength is not supported")
-    if no_extra and "additionalProperties" not in node:
-        if node.get("type") == "object" or "properties" in node:
-            node["additionalProperties"] = False
-    _check_satisfiable(node, path)
-
-    for key in _SCHEMA_MAPS:
-        if isinstance(node.get(key), dict):
-            for name, sub in node[key].items():
-                _prepare_node(sub, f"{path}/{key}/{name}", no_extra)
-    for key in _SCHEMA_LISTS:
-        if isinstance(node.get(key), list):
-            for i, sub in enumerate(node[key]):
-                _prepare_node(sub, f"{path}/{key}/{i}", no_extra)
-    for key in _SCHEMA_SINGLES:
-        _prepare_node(node.get(key), f"{path}/{key}", no_extra)
+    for sub, sub_path in _subschemas(node, path):
+        _check_xgrammar_node(sub, sub_path)
 
 
 # (lower bound, upper bound) keyword pairs whose crossing leaves no valid value.
@@ -131,11 +555,8 @@ def _check_satisfiable(node: dict[str, Any], path: str) -> None:
     A nested `anyOf: []` is rejected even under an optional property for the same reason.
     """
 
-    def empty(why: str) -> ValueError:
-        return GrammarCompileError(
-            "structured_outputs.json",
-            f"at {path}: {why}, so no value can match"
-        )
+    def empty(why: str) -> GrammarCompileError:
+        return GrammarCompileError(_FIELD, f"at {path}: {why}, so no value can match")
 
     for key in ("anyOf", "oneOf", "enum", "type"):
         if isinstance(node.get(key), list) and not node[key]:

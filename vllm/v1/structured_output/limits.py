@@ -176,6 +176,9 @@ def constraint_key(params: StructuredOutputsParams) -> str:
         text = json.dumps(value, ensure_ascii=False)
     else:
         text = str(value)
-    options = f"{int(params.disable_any_whitespace)}{int(params.disable_additional_properties)}"
+    options = json.dumps([
+        params.disable_any_whitespace, params.disable_additional_properties,
+        params.whitespace_pattern, params.max_whitespace,
+    ])
     head = f"{kind}\0{options}\0"
     return hashlib.sha256((head + text).encode("utf-8", "surrogatepass")).hexdigest()

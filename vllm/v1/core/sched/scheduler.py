@@ -338,13 +338,13 @@ class Scheduler:
     def _ready_to_admit(self, request: Request) -> bool:
         """False while a waiting request cannot start yet; finishes it if its grammar failed."""
         if request.status == RequestStatus.WAITING_FOR_FSM:
-            so_request = request.structured_output_request
-            assert so_request is not None
-            if not so_request.poll(self.compile_timeout_s):
-                if so_request.failed:
+            structured_req = request.structured_output_request
+            assert structured_req is not None
+            if not structured_req.poll(self.compile_timeout_s):
+                if structured_req.failed:
                     # A constraint that does not compile (or in time) is the client's fault.
                     self._finish_with_error(
-                        request, so_request.error or "grammar failed", ErrorKind.GRAMMAR
+                        request, structured_req.error or "grammar failed", ErrorKind.GRAMMAR
                     )
                 return False
             request.status = RequestStatus.WAITING
@@ -484,6 +484,10 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
+    def _backend_choices(self) -> dict[tuple[str, str], int]:
+        manager = self.structured_output_manager
+        return manager.backend_choices() if manager is not None else {}
+
     def make_stats(self) -> EngineCoreStats:
         """A snapshot of the scheduler's and its KV cache's gauges and counters.
 
@@ -501,5 +505,9 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_aborted_requests=self.num_aborted_requests,
+            grammar_backends=sorted(
+                (backend, reason, count)
+                for (backend, reason), count in self._backend_choices().items()
+            ),
             timestamp=time.time(),
         )

@@ -1,0 +1,198 @@
+"""Choosing the backend: per request, the first one that enforces the constraint exactly.
+
+xgrammar is tried first (the faster matcher); when it refuses to enforce the constraint
+(UnsupportedConstraintError: a keyword it would drop, a per-request `whitespace_pattern`, an
+integer bound past 64 bits) llguidance compiles it instead; when both refuse, the request gets
+a 400 that quotes both refusals. Any other compile error (a syntax error, an unsatisfiable
+constraint) is final: no second backend is asked. Each backend is built on its first use, so a server whose requests
+all suit xgrammar never builds llguidance's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
+from vllm.v1.structured_output.json_schema import normalize_json_schema
+
+if TYPE_CHECKING:
+    from vllm.config import StructuredOutputsConfig
+    from vllm.v1.structured_output.backend_xgrammar import PreparedVocab
+
+logger = logging.getLogger(__name__)
+
+# Why a request's constraint went to the backend that compiled it (a /metrics label).
+FIRST_CHOICE = "first_choice"
+FALLBACK = "fallback"
+
+
+class AutoBackend(StructuredOutputBackend):
+    """Compiles each constraint with the first of its backends that accepts it.
+
+    `factories` are (name, build) pairs in order of preference; `build` runs on the backend's
+    first use, under a lock. `one_of_as_any_of` must be the backends' own setting: a JSON
+    schema is checked once here with the backend-neutral checks, whose errors are final.
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        factories: Sequence[tuple[str, Callable[[], StructuredOutputBackend]]],
+        *,
+        one_of_as_any_of: bool = False,
+    ) -> None:
+        if not factories:
+            raise ValueError("factories: at least one backend is needed")
+        self.vocab_size = vocab_size
+        self._factories = list(factories)
+        self._one_of_as_any_of = one_of_as_any_of
+        self._built: dict[str, StructuredOutputBackend] = {}
+        self._lock = threading.Lock()
+        # The backend of each grammar class this object has handed out (for fill_bitmasks).
+        self._owners: dict[type, StructuredOutputBackend] = {}
+
+    def _backend(self, name: str, build: Callable[[], StructuredOutputBackend]) -> Any:
+        with self._lock:
+            if name not in self._built:
+                self._built[name] = build()
+            return self._built[name]
+
+    def backend_named(self, name: str) -> Any:
+        """The backend called `name`, built now if it was not yet. KeyError if unknown."""
+        return self._backend(name, dict(self._factories)[name])
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        """Compiles `params` with the first backend that enforces it exactly (see
+        `compile_choosing`)."""
+        return self.compile_choosing(params)[0]
+
+    def compile_choosing(
+        self, params: StructuredOutputsParams
+    ) -> tuple[StructuredOutputGrammar, str, str]:
+        """Compiles `params` with the first backend that enforces it exactly; returns the
+        grammar, the backend's name, and why (FIRST_CHOICE, or FALLBACK when an earlier
+        backend refused). Builds a backend on its first use.
+
+        Raises GrammarCompileError when the constraint is invalid (the first backend's verdict:
+        a later backend is tried only when one refuses with UnsupportedConstraintError), and
+        an UnsupportedConstraintError quoting every backend's refusal when none can enforce it.
+        """
+        if params.kind == "json":
+            # Problems with the schema itself (no value satisfies it, an overlapping oneOf)
+            # are no backend's to solve: refused before any backend is tried (or built).
+            schema = params.json if isinstance(params.json, dict) else json.loads(params.json)
+            normalize_json_schema(
+                schema,
+                disable_additional_properties=params.disable_additional_properties,
+                one_of_as_any_of=self._one_of_as_any_of,
+            )
+        refusals: list[tuple[str, UnsupportedConstraintError]] = []
+        for name, build in self._factories:
+            try:
+                grammar = self._backend(name, build).compile_grammar(params)
+            except UnsupportedConstraintError as e:
+                refusals.append((name, e))
+                continue
+            # Any other GrammarCompileError is the constraint's own fault: final.
+            with self._lock:
+                self._owners.setdefault(type(grammar), self._built[name])
+            if refusals:
+                logger.debug(
+                    "structured outputs: a %s constraint went to %s because %s",
+                    params.kind, name,
+                    "; ".join(f"{n} refused it ({e.message})" for n, e in refusals),
+                )
+            return grammar, name, FALLBACK if refusals else FIRST_CHOICE
+        raise _combine(refusals)
+
+    def fill_bitmasks(
+        self,
+        grammars: Sequence[StructuredOutputGrammar],
+        bitmask: np.ndarray,
+        rows: Sequence[int],
+    ) -> None:
+        """Fills the rows with one batched call per backend."""
+        groups: dict[int, tuple[StructuredOutputBackend, list[Any], list[int]]] = {}
+        for grammar, row in zip(grammars, rows, strict=True):
+            backend = self._owners[type(grammar)]
+            group = groups.setdefault(id(backend), (backend, [], []))
+            group[1].append(grammar)
+            group[2].append(row)
+        for backend, members, member_rows in groups.values():
+            backend.fill_bitmasks(members, bitmask, member_rows)
+
+    def destroy(self) -> None:
+        """Destroys every backend built so far."""
+        with self._lock:
+            built, self._built = list(self._built.values()), {}
+        for backend in built:
+            backend.destroy()
+
+
+def _combine(refusals: list[tuple[str, UnsupportedConstraintError]]) -> GrammarCompileError:
+    """The error for a constraint every backend refused to enforce."""
+    messages = list(dict.fromkeys(e.message for _, e in refusals))
+    if len(messages) == 1:  # one refusal, or the same one from a shared check
+        return refusals[0][1]
+    detail = "; ".join(f"{name}: {e.message}" for name, e in refusals)
+    return UnsupportedConstraintError(
+        refusals[0][1].param, f"no structured-output backend can enforce this ({detail})"
+    )
+
+
+def create_backend(
+    config: StructuredOutputsConfig,
+    tokenizer: Any,
+    vocab_size: int,
+    stop_token_ids: Sequence[int],
+    *,
+    vocab: PreparedVocab | None = None,
+    max_threads: int | None = None,
+    cache_limit_bytes: int | None = None,
+) -> StructuredOutputBackend:
+    """The backend `config.backend` names ("auto" gives an AutoBackend over xgrammar, then
+    llguidance unless `disable_fallback`). `vocab` reuses xgrammar's prepared vocabulary;
+    `tokenizer` may be None only when `vocab` is given and llguidance is never needed."""
+    options: dict[str, Any] = dict(
+        disable_any_whitespace=config.disable_any_whitespace,
+        max_whitespace=config.max_whitespace,
+        one_of_as_any_of=config.one_of_as_any_of,
+        max_threads=max_threads,
+    )
+
+    def xgrammar() -> StructuredOutputBackend:
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+        extra: dict[str, Any] = {"vocab": vocab}
+        if cache_limit_bytes is not None:
+            extra["cache_limit_bytes"] = cache_limit_bytes
+        return XgrammarBackend(tokenizer, vocab_size, stop_token_ids, **options, **extra)
+
+    def guidance() -> StructuredOutputBackend:
+        from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+
+        if tokenizer is None:
+            raise RuntimeError("structured outputs: llguidance needs the tokenizer")
+        return GuidanceBackend(tokenizer, vocab_size, stop_token_ids, **options)
+
+    if config.backend == "xgrammar":
+        factories = [("xgrammar", xgrammar)]
+    elif config.backend == "guidance":
+        factories = [("guidance", guidance)]
+    elif config.disable_fallback:
+        factories = [("xgrammar", xgrammar)]
+    else:
+        factories = [("xgrammar", xgrammar), ("guidance", guidance)]
+    return AutoBackend(vocab_size, factories, one_of_as_any_of=config.one_of_as_any_of)

@@ -1,0 +1,686 @@
+"""The llguidance structured-output backend: compiles constraints into token-bitmask matchers.
+
+Supported constraints (`StructuredOutputsParams`):
+
+- `json`: a JSON schema (dict or string), first normalized by `normalize_json_schema` (the
+  backend-neutral copy: draft semantics made explicit, provably disjoint `oneOf` as `anyOf`,
+  `disable_additional_properties` applied), then compiled by llguidance, which follows JSON
+  Schema: unlike xgrammar's strict mode, an object schema that does not forbid additional
+  properties lets the model add properties of its own. Whitespace between JSON tokens: none
+  with `disable_any_whitespace` (per request or engine-wide); else the request's
+  `whitespace_pattern` (each place holds nothing or one match of it; it may only match the
+  four JSON whitespace characters); else runs of at most `max_whitespace` characters (per
+  request, else engine-wide; None: unbounded). Never before or after the value. A top-level
+  `x-guidance` key (llguidance's options) is ignored: a schema cannot switch enforcement
+  off (`lenient`) or change the separators.
+- `json_object`: any JSON object (schema `{"type": "object"}`, same whitespace rules).
+- `regex`: the whole output matches the regex (Rust `regex` dialect: no lookarounds,
+  backreferences or word boundaries; `\\d` and `\\w` are ASCII, as in xgrammar).
+- `choice`: the output is exactly one of the strings.
+- `grammar`: a Lark grammar with a `start` rule when the text has no `::=`; otherwise EBNF/GBNF
+  (`root ::= ...`), converted to Lark by llguidance's `gbnf_to_lark`.
+
+Refused with UnsupportedConstraintError (another backend may enforce them; the message names
+the feature): JSON-schema keywords llguidance does not implement (`not`, `if`/`then`/`else`,
+`contains`, `propertyNames`, `uniqueItems` that normalization cannot turn into `maxItems: 1`,
+`dependentRequired`, `unevaluatedProperties`, ...), formats it does not know, `oneOf` that
+normalization leaves (`one_of_as_any_of` enforces it as `anyOf`), `minProperties`/
+`maxProperties` beside optional properties, lookarounds and backreferences, EBNF that
+llguidance cannot convert or compile, Lark grammars using llguidance-only features that
+would break the engine's guarantees (token-id references `<[...]>`, `%llguidance` options,
+`stop=`/`max_tokens=` rule attributes, which make rollback impossible), and every
+`structural_tag`. Invalid input (bad regex or grammar syntax, an invalid or unsatisfiable
+schema) raises GrammarCompileError naming the field.
+
+Tokens the model may never write inside a constraint (the tokenizer's added and special
+tokens other than the stop ids, and ids past the tokenizer's vocabulary) are masked and
+rejected. llguidance never allows them unless a Lark grammar names one (`<|im_start|>`); the
+backend does not rely on that. Outputs are valid UTF-8: llguidance matches bytes against
+automata over Unicode scalar values.
+
+Stop tokens never reach llguidance: one is accepted when the matcher is in an accepting
+state, and it terminates the grammar (xgrammar's semantics). llguidance's own EOS handling
+differs by state (once no byte can follow, `try_consume_tokens` refuses EOS although the mask
+allows it; in a dead end it allows EOS in the mask, and consuming it enters the matcher's
+unrecoverable error state). Ordinary tokens go through `try_consume_tokens`, which stops
+before a rejected token without entering that state.
+
+Constraints that no output can satisfy are rejected with a GrammarCompileError: llguidance
+and `normalize_json_schema` report unsatisfiable schemas; grammar rules that can never finish
+are found by `check_grammar_text`; and any compiled constraint whose first step allows no
+token (for JSON: only a stop token) is refused.
+
+Known limits: keys matched by `additionalProperties`/`patternProperties` may repeat (llguidance
+enforces unique keys only for `properties`); properties follow schema order; strings never
+use `\\uXXXX` escapes for printable characters; llguidance's parser limits (Earley items and
+lexer fuel per step) can stop a pathological grammar mid-output, after which every token is
+rejected and the request fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import re._parser as sre_parse
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance as llg
+import llguidance.hf
+import llguidance.numpy as llg_numpy
+import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from vllm.exceptions import (
+    GrammarCompileError,
+    InvalidRequestError,
+    UnsupportedConstraintError,
+)
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.thread_policy import helper_threads
+from vllm.v1.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
+from vllm.v1.structured_output.grammar_checks import check_grammar_text
+from vllm.v1.structured_output.json_schema import normalize_json_schema
+
+logger = logging.getLogger(__name__)
+
+# Batches at least this large fill their bitmasks on several threads (as in the xgrammar
+# backend: waking helper threads costs more than it saves for small batches).
+_PARALLEL_FILL_MIN = 64
+
+_MAX_MESSAGE = 500
+
+# JSON's whitespace characters: a whitespace pattern may match nothing else.
+_JSON_WHITESPACE = frozenset(b" \n\r\t")
+
+# llguidance error messages that mean "well formed, but this backend cannot enforce it".
+_UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+_UNSUPPORTED_PHRASES = (
+    "not supported",
+    "unsupported",
+    "only supported",
+    "not implemented",
+)
+# "1(6): ..." / "at 1(8): ...": line and column of a Lark or regex error.
+_POSITION = re.compile(r"^(?:at )?(\d+)\((\d+)\):\s*")
+
+# Lark features of llguidance that break the engine's guarantees (see _check_lark).
+_RULE_ATTRIBUTES = re.compile(r"\[[^\]\n]*\b(stop|max_tokens)\s*=")
+_LLGUIDANCE_OPTIONS = re.compile(r"%llguidance\s*\{\s*[^}\s]")
+
+
+def choice_to_lark(choices: Sequence[str]) -> str:
+    """Returns a Lark grammar whose language is exactly the strings in `choices`."""
+    # JSON string escapes (\", \\, \n, \uXXXX) are valid Lark string-literal escapes, and a
+    # literal is matched as text, so regex or Lark metacharacters need no escaping.
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def _clean_error(message: str) -> str:
+    """llguidance's messages carry positions, source excerpts and state dumps; users need
+    the cause."""
+    message = message.split("<state>", 1)[0].strip()
+    if "regex parse error" in message:
+        lines = [line.strip() for line in message.split("\n")]
+        after = lines[lines.index(next(l for l in lines if "regex parse error" in l)) + 1:]
+        regex = after[0] if after else ""
+        cause = next((l[len("error:"):].strip() for l in lines if l.startswith("error:")), "")
+        message = f"regex {regex!r}: {cause}" if cause else _first_line(message)
+    else:
+        message = _first_line(message)
+        position = _POSITION.match(message)
+        if position:
+            line, column = position.groups()
+            message = f"line {line}, column {column}: {message[position.end():]}"
+    return message[:_MAX_MESSAGE] or "compile error"
+
+
+def _is_unsupported(message: str) -> bool:
+    lowered = message.lower()
+    return any(phrase in lowered for phrase in _UNSUPPORTED_PHRASES) or bool(
+        _UNIMPLEMENTED_KEYS.search(message) or _UNKNOWN_FORMAT.search(message)
+    )
+
+
+def _compile_error(kind: str, message: str) -> GrammarCompileError:
+    """Maps one llguidance error message to the exception the client gets."""
+    param = f"structured_outputs.{kind}"
+    keys = _UNIMPLEMENTED_KEYS.search(message)
+    if keys:
+        names = [repr(k.strip().strip('"')) for k in keys.group(1).split(",")]
+        noun = "keyword" if len(names) == 1 else "keywords"
+        return UnsupportedConstraintError(
+            param,
+            f"schema {noun} {', '.join(names)} cannot be enforced (unsupported by llguidance)",
+        )
+    fmt = _UNKNOWN_FORMAT.search(message)
+    if fmt:
+        return UnsupportedConstraintError(
+            param, f"string format {fmt.group(1)!r} (unsupported by llguidance)"
+        )
+    if "oneOf constraints are not supported" in message:
+        return UnsupportedConstraintError(
+            param,
+            "'oneOf' whose branches may overlap (unsupported by llguidance; "
+            "one_of_as_any_of enforces it as anyOf)",
+        )
+    cleaned = _clean_error(message)
+    if _is_unsupported(message):
+        return UnsupportedConstraintError(param, f"{cleaned} (unsupported by llguidance)")
+    return GrammarCompileError(param, cleaned)
+
+
+def check_whitespace_pattern(pattern: str) -> None:
+    """Raises InvalidRequestError unless every string `pattern` matches is JSON whitespace.
+
+    Checked on Python's parse of the regex: literals, classes of the four JSON whitespace
+    characters, groups, alternations and repeats are allowed; anything else (`\\s`, which
+    also matches \\f and \\v, `.`, negated classes, anchors) is refused, since the pattern is
+    inserted between JSON tokens and anything else would produce invalid JSON.
+    """
+    param = "structured_outputs.whitespace_pattern"
+    try:
+        parsed = sre_parse.parse(pattern)
+    except re.error as e:
+        raise InvalidRequestError(param, f"invalid regex: {e}") from e
+
+    def ok(items: Any) -> bool:
+        for op, arg in items:
+            name = str(op)
+            if name == "LITERAL":
+                if arg not in _JSON_WHITESPACE:
+                    return False
+            elif name == "IN":
+                for member_op, member in arg:
+                    member_name = str(member_op)
+                    if member_name == "LITERAL" and member in _JSON_WHITESPACE:
+                        continue
+                    if member_name == "RANGE" and all(
+                        c in _JSON_WHITESPACE for c in range(member[0], member[1] + 1)
+                    ):
+                        continue
+                    return False
+            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                if not ok(arg[2]):
+                    return False
+            elif name == "SUBPATTERN":
+                if not ok(arg[3]):
+                    return False
+            elif name == "BRANCH":
+                if not all(ok(alt) for alt in arg[1]):
+                    return False
+            else:
+                return False
+        return True
+
+    if not ok(parsed):
+        raise InvalidRequestError(
+            param, "may only match JSON whitespace (space, \\n, \\r, \\t)"
+        )
+
+
+def _skip_literals(text: str) -> str:
+    """Returns Lark `text` without comments and string/regex literals (replaced by spaces),
+    so that feature checks do not match inside them."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if c in "\"/":
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            out.append(" ")
+            i = j + 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _check_lark(text: str) -> None:
+    """Refuses llguidance-only Lark features that would break the engine's guarantees."""
+    code = _skip_literals(text)
+    param = "structured_outputs.grammar"
+    if "<[" in code:
+        raise UnsupportedConstraintError(
+            param, "token-id references <[...]> (unsupported by llguidance in this engine)"
+        )
+    if _LLGUIDANCE_OPTIONS.search(code):
+        raise UnsupportedConstraintError(
+            param, "%llguidance options (unsupported by llguidance in this engine)"
+        )
+    attribute = _RULE_ATTRIBUTES.search(code)
+    if attribute:
+        raise UnsupportedConstraintError(
+            param,
+            f"rule attribute {attribute.group(1)}= (unsupported by llguidance in this engine: "
+            "it prevents rollback)",
+        )
+
+
+class _Vocab:
+    """What grammars of one backend share: the token classes and the mask fixes."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> None:
+        try:
+            vocab: dict[str, int] = tokenizer.get_vocab()
+        except AttributeError as e:
+            raise ValueError(
+                f"structured outputs: tokenizer {type(tokenizer)} has no vocabulary"
+            ) from e
+        stops = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < vocab_size})
+        try:
+            # An empty list means "the tokenizer's EOS" (llguidance refuses an empty list).
+            self.tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=stops or None
+            )
+        except ValueError as e:
+            raise ValueError(f"structured outputs (llguidance): {e}") from e
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eos_tokens)
+        # Ordinary tokens: in the vocabulary, not added or special (xgrammar's rule).
+        control = set(getattr(tokenizer, "added_tokens_decoder", None) or {})
+        control.update(getattr(tokenizer, "all_special_ids", None) or [])
+        allowed = np.zeros(self.words * 32, dtype=bool)
+        for idx in vocab.values():
+            if 0 <= idx < vocab_size and idx not in control:
+                allowed[idx] = True
+        self.ordinary = allowed[:vocab_size].copy()
+        for idx in self.stop_ids:
+            allowed[idx] = True
+        keep = np.packbits(allowed, bitorder="little").view(np.int32)
+        # Only the words holding a forbidden id need fixing (10 of 4748 for Qwen).
+        self.fix_words = np.flatnonzero(keep != -1)
+        self.fix_keep = keep[self.fix_words]
+        # One entry per word (several stop ids may share one: Qwen's 151643 and 151645), as
+        # `row[words] &= bits` with a repeated word would apply only one of them.
+        by_word: dict[int, int] = {}
+        for token in self.stop_ids:
+            by_word[token // 32] = by_word.get(token // 32, 0) | (1 << (token % 32))
+        self.stop_words = np.array(sorted(by_word), dtype=np.int64)
+        self.stop_bits = (
+            np.array([by_word[w] for w in sorted(by_word)], dtype=np.int64)
+            .astype(np.uint32)
+            .view(np.int32)
+        )
+
+    def masked_token_ids(self) -> frozenset[int]:
+        """Ids never allowed inside a constraint."""
+        return frozenset(
+            int(i) for i in np.flatnonzero(~self.ordinary) if int(i) not in self.stop_ids
+        )
+
+    def is_ordinary(self, token: int) -> bool:
+        return 0 <= token < self.vocab_size and bool(self.ordinary[token])
+
+
+class GuidanceGrammar(StructuredOutputGrammar):
+    """One request's llguidance matcher plus the bookkeeping the scheduler needs.
+
+    Only ordinary tokens reach the matcher; a stop token is handled here (see the module
+    docstring), so `num_processed_tokens` is the matcher's count plus one once terminated.
+    """
+
+    def __init__(self, matcher: llg.LLMatcher, vocab: _Vocab) -> None:
+        self.matcher = matcher
+        self._vocab = vocab
+        self._consumed = 0  # tokens the matcher holds
+        self._terminated = False
+
+    @property
+    def num_processed_tokens(self) -> int:
+        return self._consumed + int(self._terminated)
+
+    def _advance(self, tokens: Sequence[int]) -> int:
+        """Consumes the longest acceptable prefix of `tokens`; returns its length.
+
+        A rejected token leaves the matcher as it was: ordinary tokens go through
+        try_consume_tokens, which stops before a token the grammar rejects, and stop tokens
+        and forbidden ids never reach the matcher.
+        """
+        done = 0
+        while done < len(tokens) and not self._terminated:
+            token = tokens[done]
+            if token in self._vocab.stop_ids:
+                if not self.matcher.is_accepting():
+                    break
+                self._terminated = True
+                done += 1
+                break
+            end = done
+            while (
+                end < len(tokens)
+                and tokens[end] not in self._vocab.stop_ids
+                and self._vocab.is_ordinary(tokens[end])
+            ):
+                end += 1
+            if end == done:
+                break  # a forbidden id
+            taken = self.matcher.try_consume_tokens(list(tokens[done:end]))
+            self._consumed += taken
+            done += taken
+            if done < end:
+                break
+        return done
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        """Advances by `tokens`; returns False (and logs) at the first rejected token, keeping
+        the tokens before it."""
+        was_terminated = self._terminated
+        done = self._advance(tokens)
+        if done == len(tokens):
+            return True
+        logger.error(
+            "request %s: the grammar rejected token %d after %d tokens%s%s",
+            request_id,
+            tokens[done],
+            self.num_processed_tokens,
+            " (already terminated)" if self._terminated or was_terminated else "",
+            f" ({self.matcher.get_error()[:200]})" if self.matcher.is_error() else "",
+        )
+        return False
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        """Returns the longest accepted prefix of `tokens` (ending at the first stop token it
+        accepts); the state is unchanged."""
+        if self._terminated:
+            return []
+        before = self._consumed
+        done = self._advance(tokens)
+        self._undo(self.num_processed_tokens - before)
+        return list(tokens[:done])
+
+    def _undo(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens:
+            if not self.matcher.rollback(num_tokens):
+                raise RuntimeError(
+                    f"llguidance could not roll back {num_tokens} tokens: "
+                    f"{_first_line(self.matcher.get_error())[:200]}"
+                )
+            self._consumed -= num_tokens
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last `num_tokens` tokens. Raises ValueError past the start."""
+        if not 0 <= num_tokens <= self.num_processed_tokens:
+            raise ValueError(
+                f"rollback: num_tokens must be in [0, {self.num_processed_tokens}], "
+                f"got {num_tokens}"
+            )
+        self._undo(num_tokens)
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Writes the allowed next tokens into `bitmask[row]` (all ones once terminated)."""
+        if self._terminated:
+            bitmask[row] = -1
+            return
+        llg_numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+        self.fix_row(bitmask, row)
+
+    def fix_row(self, bitmask: np.ndarray, row: int) -> None:
+        """Clears forbidden ids from `bitmask[row]`, and the stop tokens unless the matcher
+        is accepting (llguidance allows them in dead ends too, where accept_tokens would
+        refuse them)."""
+        vocab = self._vocab
+        bitmask[row, vocab.fix_words] &= vocab.fix_keep
+        if (bitmask[row, vocab.stop_words] & vocab.stop_bits).any() and not (
+            self.matcher.is_accepting()
+        ):
+            bitmask[row, vocab.stop_words] &= ~vocab.stop_bits
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+
+class GuidanceBackend(StructuredOutputBackend):
+    """Compiles constraints with llguidance for one engine.
+
+    Building it costs about three seconds (llguidance's view of the vocabulary). Raises
+    ValueError when the tokenizer is not a fast Hugging Face tokenizer or has no vocabulary,
+    or when `max_whitespace` is negative.
+    """
+
+    name = "guidance"
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        *,
+        disable_any_whitespace: bool = False,
+        max_whitespace: int | None = None,
+        one_of_as_any_of: bool = False,
+        max_threads: int | None = None,
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
+        if max_whitespace is not None and max_whitespace < 0:
+            raise ValueError(f"max_whitespace: must be >= 0 or None, got {max_whitespace}")
+        self.vocab_size = vocab_size
+        self.disable_any_whitespace = disable_any_whitespace
+        self.max_whitespace = max_whitespace
+        self.one_of_as_any_of = one_of_as_any_of
+        self.vocab = _Vocab(tokenizer, vocab_size, stop_token_ids)
+        self.stop_token_ids: tuple[int, ...] = tuple(sorted(self.vocab.stop_ids))
+        self.masked_token_ids = self.vocab.masked_token_ids()
+        self._threads = max_threads if max_threads is not None else helper_threads()
+        self._executor: llg.LLExecutor | None = None
+        self._executor_pid = -1
+        self._destroyed = False
+
+    # ------------------------------------------------------------------ compiling
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> GuidanceGrammar:
+        """Compiles `params` into a fresh matcher.
+
+        Raises UnsupportedConstraintError naming the field and feature when llguidance cannot
+        enforce the constraint, GrammarCompileError when it is invalid or no output can
+        satisfy it, and InvalidRequestError when an option is malformed.
+        """
+        kind = params.kind
+        grammar_text = self._grammar_text(params, kind)
+        # log_level=0: llguidance would print a warning to stderr for every rejected token.
+        matcher = llg.LLMatcher(self.vocab.tokenizer, grammar_text, log_level=0)
+        if matcher.is_error():
+            if kind == "grammar" and "::=" in params.grammar:
+                # The text is in xgrammar's EBNF dialect; llguidance's conversion may not
+                # understand all of it, so another backend may still compile it.
+                raise UnsupportedConstraintError(
+                    "structured_outputs.grammar",
+                    f"{_clean_error(matcher.get_error())[:300]} "
+                    "(llguidance could not compile this EBNF)",
+                )
+            raise _compile_error(kind, matcher.get_error())
+        grammar = GuidanceGrammar(matcher, self.vocab)
+        self._check_first_step(grammar, kind)
+        return grammar
+
+    def _grammar_text(self, params: StructuredOutputsParams, kind: str) -> str:
+        if kind in ("json", "json_object"):
+            if kind == "json":
+                schema = params.json if isinstance(params.json, dict) else json.loads(params.json)
+                schema = normalize_json_schema(
+                    schema,
+                    disable_additional_properties=params.disable_additional_properties,
+                    one_of_as_any_of=self.one_of_as_any_of,
+                )
+            else:
+                # OpenAI's json_object means an object, never a top-level array or scalar.
+                schema = {"type": "object"}
+            return self._json_grammar(schema, params, kind)
+        if kind == "regex":
+            # As in xgrammar (and JSON-schema patterns), \d and \w are ASCII; llguidance's
+            # own regex dialect would let \d{3} produce fullwidth or Devanagari digits.
+            return llg.LLMatcher.grammar_from_lark(
+                "start: /" + llg.regex_to_lark(params.regex, "dw") + "/"
+            )
+        if kind == "choice":
+            return llg.LLMatcher.grammar_from_lark(choice_to_lark(params.choice))
+        if kind == "grammar":
+            # Rules that can never finish (`start: start "a"`) would compile and get stuck.
+            check_grammar_text(params.grammar)
+            if "::=" not in params.grammar:
+                _check_lark(params.grammar)
+                return llg.LLMatcher.grammar_from_lark(params.grammar)
+            try:
+                lark = gbnf_to_lark(params.grammar)
+            except Exception as e:  # the converter raises bare Exception for some errors
+                raise UnsupportedConstraintError(
+                    "structured_outputs.grammar",
+                    f"{_first_line(str(e))[:300]} (llguidance could not convert this EBNF)",
+                ) from e
+            return llg.LLMatcher.grammar_from_lark(lark)
+        if kind == "structural_tag":
+            raise UnsupportedConstraintError(
+                "structured_outputs.structural_tag",
+                "structural tags are not supported by llguidance",
+            )
+        raise GrammarCompileError("structured_outputs", f"unknown constraint {kind!r}")
+
+    def _json_grammar(self, schema: Any, params: StructuredOutputsParams, kind: str) -> str:
+        param = f"structured_outputs.{kind}"
+        if schema is True:
+            schema = {}
+        if schema is False:
+            raise GrammarCompileError(param, "the schema `false` accepts no value")
+        if not isinstance(schema, dict):
+            raise GrammarCompileError(
+                param, f"a schema must be a JSON object, got {type(schema).__name__}"
+            )
+        # llguidance reads options from a top-level "x-guidance" key; a request must not be
+        # able to loosen enforcement (lenient) or change the separators.
+        schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        options: dict[str, Any] = {
+            "item_separator": ",",
+            "key_separator": ":",
+            "coerce_one_of": self.one_of_as_any_of,
+            "lenient": False,
+        }
+        if self.disable_any_whitespace or params.disable_any_whitespace:
+            options["whitespace_flexible"] = False
+        else:
+            options["whitespace_flexible"] = True
+            pattern = self._whitespace_pattern(params)
+            if pattern is not None:
+                # Matched at most once at each place JSON allows whitespace, so a bound in
+                # the pattern bounds each run.
+                options["whitespace_pattern"] = pattern
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        except (ValueError, TypeError) as e:
+            raise GrammarCompileError(param, _clean_error(str(e))) from e
+
+    def _whitespace_pattern(self, params: StructuredOutputsParams) -> str | None:
+        pattern = params.whitespace_pattern
+        if pattern is not None:
+            check_whitespace_pattern(pattern)
+            return pattern
+        limit = params.max_whitespace
+        if limit is None:
+            limit = self.max_whitespace
+        if limit is None:
+            return None
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise InvalidRequestError(
+                "structured_outputs.max_whitespace", f"must be an integer >= 0, got {limit!r}"
+            )
+        return r"[\x20\x0A\x0D\x09]{0,%d}" % limit
+
+    def _check_first_step(self, grammar: GuidanceGrammar, kind: str) -> None:
+        """Raises GrammarCompileError when the grammar allows no first token at all, or
+        (JSON) only a stop token: an empty output."""
+        row = np.zeros((1, self.vocab.words), dtype=np.int32)
+        grammar.fill_bitmask(row, 0)
+        if not row.any():
+            raise GrammarCompileError(
+                f"structured_outputs.{kind}", "the constraint accepts no output at all"
+            )
+        if kind in ("json", "json_object"):
+            row[0, self.vocab.stop_words] &= ~self.vocab.stop_bits
+            if not row.any():
+                raise GrammarCompileError(
+                    f"structured_outputs.{kind}",
+                    "the schema accepts only an empty output, which is not JSON",
+                )
+
+    # ------------------------------------------------------------------ bitmasks
+
+    def fill_bitmasks(
+        self,
+        grammars: Sequence[StructuredOutputGrammar],
+        bitmask: np.ndarray,
+        rows: Sequence[int],
+    ) -> None:
+        """Fills `bitmask[rows[i]]` from `grammars[i]` (terminated ones: all ones), large
+        batches in one multi-threaded llguidance call; other rows are left as they are.
+
+        Each grammar may appear once: llguidance raises RuntimeError ("Already borrowed")
+        when one matcher is filled twice in a parallel call.
+        """
+        live: list[tuple[GuidanceGrammar, int]] = []
+        for grammar, row in zip(grammars, rows, strict=True):
+            assert isinstance(grammar, GuidanceGrammar)
+            if grammar.is_terminated():
+                bitmask[row] = -1
+            else:
+                live.append((grammar, int(row)))
+        if not live:
+            return
+        executor = self._parallel_executor() if len(live) >= _PARALLEL_FILL_MIN else None
+        if executor is not None:
+            llg_numpy.fill_next_token_bitmask_par(
+                executor, [(g.matcher, row) for g, row in live], bitmask
+            )
+        else:
+            for grammar, row in live:
+                llg_numpy.fill_next_token_bitmask(grammar.matcher, bitmask, row)
+        # GuidanceGrammar.fix_row for the whole batch at once.
+        vocab = self.vocab
+        live_rows = np.array([row for _, row in live], dtype=np.int64)
+        bitmask[np.ix_(live_rows, vocab.fix_words)] &= vocab.fix_keep
+        stops = bitmask[np.ix_(live_rows, vocab.stop_words)]
+        for i in np.flatnonzero((stops & vocab.stop_bits).any(axis=1)):
+            grammar, row = live[i]
+            if not grammar.matcher.is_accepting():
+                bitmask[row, vocab.stop_words] &= ~vocab.stop_bits
+
+    def _parallel_executor(self) -> llg.LLExecutor | None:
+        """The executor of this process, created on first use.
+
+        A process forked after the executor started (a compile worker) has none of its
+        threads, and a parallel fill there would wait forever: it gets its own executor.
+        """
+        if self._destroyed:
+            return None
+        pid = os.getpid()
+        if self._executor is None or self._executor_pid != pid:
+            self._executor = llg.LLExecutor(self._threads)
+            self._executor_pid = pid
+        return self._executor
+
+    def destroy(self) -> None:
+        """Drops the helper threads; later fills run on the calling thread. Grammars already
+        compiled keep working."""
+        self._executor = None
+        self._destroyed = True
