@@ -21,8 +21,6 @@ class ModelRunnerOutput:
 
     # Request ids in batch order.
     req_ids: list[str]
-    # Request id -> index into req_ids.
-    req_id_to_index: dict[str, int]
     # Sampled tokens per request (empty list for a partial prefill).
     sampled_token_ids: list[list[int]]
     # Logprobs per request index, or None when no request asked for them.
@@ -37,4 +35,4 @@ class AsyncModelRunnerOutput(ABC):
         """Waits for this step's copy only, then returns the output."""
 
 
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

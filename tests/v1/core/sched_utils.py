@@ -263,7 +263,6 @@ class FakeRunner:
             self.sampled_tokens.setdefault(req_id, []).append(token)
         return ModelRunnerOutput(
             req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=tokens,
         )
 

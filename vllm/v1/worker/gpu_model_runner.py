@@ -145,7 +145,6 @@ class _AsyncOutput(AsyncModelRunnerOutput):
             )
         return ModelRunnerOutput(
             req_ids=self._req_ids,
-            req_id_to_index={r: i for i, r in enumerate(self._req_ids)},
             sampled_token_ids=[[tokens[r]] if r in tokens else [] for r in self._req_ids],
             logprobs=lp,
         )
@@ -467,7 +466,6 @@ class GPUModelRunner:
         if step.logits is None:
             out = ModelRunnerOutput(
                 req_ids=step.req_ids,
-                req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
                 sampled_token_ids=[[] for _ in step.req_ids],
             )
             return out if step.req_ids else EMPTY_MODEL_RUNNER_OUTPUT
