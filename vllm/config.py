@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from vllm.reasoning import PARSERS
+
 logger = logging.getLogger(__name__)
 
 # Upstream vLLM's switch for a --max-model-len above the model's max_position_embeddings.
@@ -318,6 +320,9 @@ class StructuredOutputsConfig:
     # Treat a `oneOf` whose branches may overlap as `anyOf` (outputs may then match several
     # branches). Off: such a schema is refused; provably disjoint branches always work.
     one_of_as_any_of: bool = False
+    # How replies mark their thinking (qwen3, deepseek_r1; `vllm serve --reasoning-parser`):
+    # the constraint applies only to the answer after `</think>` (docs/architecture.md §5).
+    reasoning_parser: str | None = None
     # Compile workers: processes that check constraints in the API server (a worker past the
     # time limit is killed), and threads per lane in the engine. None: half the CPUs this
     # process may run on, at least 2 and at most 8.
@@ -338,6 +343,11 @@ class StructuredOutputsConfig:
             raise ValueError(
                 f"--structured-outputs-config.backend: {self.backend!r} is not one of auto, "
                 "xgrammar, guidance"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(
+                f"--reasoning-parser: {self.reasoning_parser!r} is not one of "
+                f"{', '.join(sorted(PARSERS))}"
             )
         if (
             isinstance(self.compile_timeout_s, bool)

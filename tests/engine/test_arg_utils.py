@@ -225,3 +225,21 @@ def test_serve_reports_layout_errors_before_starting(capsys: pytest.CaptureFixtu
     assert "--tensor-parallel-size 3" in capsys.readouterr().err
     assert main(["serve", MODEL, "-pp=3", "--port", "0"]) == 2
     assert "more stages than the model's" in capsys.readouterr().err
+
+
+def test_reasoning_parser_flag_reaches_the_structured_outputs_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = serve_args("--reasoning-parser", "deepseek_r1").create_engine_config()
+    assert config.structured_outputs_config.reasoning_parser == "deepseek_r1"
+    dotted = serve_args("--structured-outputs-config.reasoning_parser", "qwen3")
+    assert dotted.create_engine_config().structured_outputs_config.reasoning_parser == "qwen3"
+    clash = serve_args("--reasoning-parser", "qwen3",
+                       "--structured-outputs-config.reasoning_parser", "deepseek_r1")
+    with pytest.raises(ValueError, match="--reasoning-parser qwen3 and .* disagree"):
+        clash.create_engine_config()
+    with pytest.raises(ValueError, match="--reasoning-parser: 'mistral' is not one of"):
+        serve_args("--structured-outputs-config.reasoning_parser", "mistral").create_engine_config()
+    with pytest.raises(SystemExit):
+        parse("serve", MODEL, "--reasoning-parser", "mistral")
+    assert "invalid choice" in capsys.readouterr().err

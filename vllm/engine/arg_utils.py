@@ -17,6 +17,7 @@ from vllm.config import (
     StructuredOutputsConfig,
     VllmConfig,
 )
+from vllm.reasoning import PARSERS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -88,6 +89,12 @@ class EngineArgs:
         metadata=_help("Accepted for compatibility with vLLM and ignored: this engine runs only "
                        "its own model code, never code shipped with a model."),
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=_help("How the model marks its thinking: replies get `reasoning_content`, "
+                       "and structured outputs constrain only the answer after </think>.",
+                       choices=tuple(sorted(PARSERS))),
+    )
     structured_outputs_config: dict[str, Any] = field(
         default_factory=dict,
         metadata=_help("JSON, e.g. '{\"backend\": \"xgrammar\"}'; or dotted flags "
@@ -152,6 +159,13 @@ class EngineArgs:
                 f"--structured-outputs-config: unknown option(s) {sorted(unknown)}; "
                 f"known: {sorted(allowed)}"
             )
+        if self.reasoning_parser is not None:
+            given = structured_options.setdefault("reasoning_parser", self.reasoning_parser)
+            if given != self.reasoning_parser:
+                raise ValueError(
+                    f"--reasoning-parser {self.reasoning_parser} and "
+                    f"--structured-outputs-config.reasoning_parser {given} disagree"
+                )
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(

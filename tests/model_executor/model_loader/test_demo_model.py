@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from vllm.model_executor.model_loader import demo_model
 from vllm.model_executor.model_loader.demo_model import (
+    BUILD_VERSION,
     DEMO_MODELS,
     build_demo_model,
     resolve_model_dir,
@@ -42,7 +43,7 @@ def test_specs() -> None:
 
 
 def test_layout(tiny_dir: Path, cache_root: Path) -> None:
-    assert tiny_dir == cache_root / "demo-models" / "demo-tiny-v1"
+    assert tiny_dir == cache_root / "demo-models" / f"demo-tiny-{BUILD_VERSION}"
     names = {p.name for p in tiny_dir.iterdir()}
     expected = {
         "config.json",
@@ -53,7 +54,7 @@ def test_layout(tiny_dir: Path, cache_root: Path) -> None:
     }
     assert expected <= names
     # No leftover temporary build directories.
-    assert [p.name for p in (cache_root / "demo-models").iterdir()] == ["demo-tiny-v1"]
+    assert [p.name for p in (cache_root / "demo-models").iterdir()] == [f"demo-tiny-{BUILD_VERSION}"]
 
 
 def test_config_loads(tiny_dir: Path) -> None:
@@ -134,9 +135,9 @@ def test_concurrent_builds(tmp_path: Path) -> None:
     results = [p.communicate(timeout=300) for p in procs]
     for proc, (out, err) in zip(procs, results):
         assert proc.returncode == 0, err
-    final = tmp_path / "demo-models" / "demo-tiny-v1"
+    final = tmp_path / "demo-models" / f"demo-tiny-{BUILD_VERSION}"
     assert [out.strip() for out, _ in results] == [str(final)] * 2
-    assert [p.name for p in (tmp_path / "demo-models").iterdir()] == ["demo-tiny-v1"]
+    assert [p.name for p in (tmp_path / "demo-models").iterdir()] == [f"demo-tiny-{BUILD_VERSION}"]
     cfg = transformers.AutoConfig.from_pretrained(final)
     assert cfg.hidden_size == 64
 
@@ -153,7 +154,7 @@ def test_losing_the_race_uses_the_winner(monkeypatch: pytest.MonkeyPatch, tmp_pa
     monkeypatch.setattr(demo_model, "_write_model", slow_write)
     assert build_demo_model("demo-tiny", tmp_path) == final
     assert json.loads((final / "config.json").read_text()) == {"winner": True}
-    assert [p.name for p in final.parent.iterdir()] == ["demo-tiny-v1"]
+    assert [p.name for p in final.parent.iterdir()] == [f"demo-tiny-{BUILD_VERSION}"]
 
 
 def test_failed_build_leaves_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from safetensors import safe_open
 
-from vllm.model_executor.model_loader.demo_model import DEMO_MODELS
+from vllm.model_executor.model_loader.demo_model import BUILD_VERSION, DEMO_MODELS
 from vllm.model_executor.model_loader.demo_small_vocab import (
     SMALL_VOCAB_MODELS,
     build_small_vocab_model,
@@ -39,7 +39,7 @@ def test_spec() -> None:
 
 
 def test_layout_and_cache(model_dir: Path, cache_root: Path) -> None:
-    assert model_dir == cache_root / "demo-models" / "demo-small-vocab-v1"
+    assert model_dir == cache_root / "demo-models" / f"demo-small-vocab-{BUILD_VERSION}"
     names = {p.name for p in model_dir.iterdir()}
     assert {"config.json", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", "model.safetensors"} <= names
@@ -118,7 +118,7 @@ def test_deep_model_builds_and_loads(cache_root: Path) -> None:
     assert (body.hidden_size, body.num_hidden_layers, body.intermediate_size) == (512, 8, 1536)
     assert (deep.num_base_tokens, deep.vocab_size) == (SPEC.num_base_tokens, SPEC.vocab_size)
     path = build_small_vocab_model("demo-small-vocab-deep", cache_root)
-    assert path == cache_root / "demo-models" / "demo-small-vocab-deep-v1"
+    assert path == cache_root / "demo-models" / f"demo-small-vocab-deep-{BUILD_VERSION}"
     config = json.loads((path / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"]) == (512, 8)
     assert (config["vocab_size"], config["eos_token_id"]) == (8256, 8194)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 
 from tests.v1.core.sched_utils import (
@@ -24,6 +25,8 @@ from tests.v1.core.sched_utils import (
     make_request,
 )
 from vllm.config import ModelConfig
+from vllm.reasoning import PARSERS, ReasoningParser
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.request import Request, RequestStatus
 
@@ -470,3 +473,138 @@ def test_request_waits_until_its_previous_step_is_sampled(model_config: ModelCon
     assert scheduler.schedule().sampled_req_ids == ["a", "b", "c"]
     scheduler.finish_requests(["a", "b", "c"], RequestStatus.FINISHED_ABORTED)
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+
+
+# ---------------------------------------------------------------------- reasoning
+# With a reasoning parser a constraint applies only to the answer after `</think>`, from the
+# very next token: in these tests a reasoning token reaching the fake grammar ends the
+# request with an error, and a thinking step constrained by the grammar would sample the
+# grammar's token (21) instead of the fake model's (1000 + k).
+
+THINK, END_THINK, TURN = 151_667, 151_668, 151_644  # <think>, </think>, <|im_start|>
+SEQ = [21, 22, 23]
+
+
+def _reasoning(h: Harness, name: str = "qwen3") -> None:
+    """Gives the harness's structured-output manager the parser `name` with Qwen's ids."""
+    h.sched.structured_output_manager.reasoning_parser = ReasoningParser(
+        name, PARSERS[name], THINK, END_THINK, frozenset({TURN}))
+
+
+def _record_rows(h: Harness) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """Records, per sampled step, the bitmask row of each constrained request."""
+    log: list[tuple[int, dict[str, np.ndarray]]] = []
+    bitmask = h.sched.get_grammar_bitmask
+
+    def recorded(scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        out = bitmask(scheduler_output)
+        rows = {} if out is None else {
+            r: out.grammar_bitmask[i].copy()
+            for i, r in enumerate(out.structured_output_request_ids)}
+        log.append((scheduler_output.step_id, rows))
+        return out
+
+    h.sched.get_grammar_bitmask = recorded  # type: ignore[method-assign]
+    return log
+
+
+def _allowed(row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+SCHEDULING = [
+    pytest.param({"async_scheduling": False}, id="sync"),
+    pytest.param({"depth": 2}, id="async2"),
+    pytest.param({"depth": 3}, id="async3"),
+]
+
+
+@pytest.mark.parametrize("kwargs", SCHEDULING)
+def test_grammar_starts_right_after_the_end_of_thinking(
+    make: MakeHarness, kwargs: dict
+) -> None:
+    h = make(**kwargs)
+    _reasoning(h)
+    rows = _record_rows(h)
+    h.runner.force.update({("g", 0): THINK, ("g", 4): END_THINK})
+    h.add(make_request("g", 5, grammar=" ".join(map(str, SEQ))),
+          make_request("p", 5, max_tokens=12))
+    h.run()
+    assert h.tokens["g"] == [THINK, 1001, 1002, 1003, END_THINK, *SEQ, GRAMMAR_END]
+    assert h.finish_reason("g") == "stop"
+    assert h.tokens["p"] == expected("p", 12)
+    sampling_steps = [so.step_id for so in h.runner.steps if "g" in so.sampled_req_ids]
+    rows_of_step = dict(rows)
+    constrained = [k for k, step in enumerate(sampling_steps) if "g" in rows_of_step[step]]
+    # Output 0 may open a thinking block (its row allows <think> and the grammar's first
+    # token); outputs 1-4 are thinking (no row); from output 5 on the grammar constrains.
+    assert constrained == [0, 5, 6, 7, 8]
+    first_row = next(r["g"] for _, r in rows if "g" in r)
+    assert _allowed(first_row) == {SEQ[0], THINK}
+
+
+@pytest.mark.parametrize("kwargs", SCHEDULING)
+@pytest.mark.parametrize("case", ["no_think", "deepseek", "closed_in_prompt", "new_turn",
+                                  "never_closed"])
+def test_reasoning_state_from_prompt_and_first_token(
+    make: MakeHarness, kwargs: dict, case: str
+) -> None:
+    h = make(**kwargs)
+    _reasoning(h, "deepseek_r1" if case in ("deepseek", "closed_in_prompt") else "qwen3")
+    prompt = [3000, 3001, 3002]
+    max_tokens = None
+    if case == "deepseek":  # thinks from its first token, without writing <think>
+        h.runner.force[("g", 2)] = END_THINK
+        want = [1000, 1001, END_THINK, *SEQ, GRAMMAR_END]
+    elif case == "closed_in_prompt":  # enable_thinking=False writes an empty block
+        prompt += [THINK, 3003, END_THINK, 3004]
+        want = [*SEQ, GRAMMAR_END]
+    elif case == "new_turn":  # an earlier turn's closed block does not count
+        prompt += [THINK, END_THINK, TURN, 3005]
+        h.runner.force[("g", 0)] = THINK
+        h.runner.force[("g", 1)] = END_THINK
+        want = [THINK, END_THINK, *SEQ, GRAMMAR_END]
+    elif case == "never_closed":  # a thinking budget (max_tokens) hit while thinking
+        h.runner.force[("g", 0)] = THINK
+        max_tokens = 5
+        want = [THINK, 1001, 1002, 1003, 1004]
+    else:  # qwen3 that does not think: constrained from its first token
+        want = [*SEQ, GRAMMAR_END]
+    h.add(make_request("g", prompt, grammar=" ".join(map(str, SEQ)), max_tokens=max_tokens))
+    grammar = h.added["g"].structured_output_request.future.result()
+    h.run()
+    assert h.tokens["g"] == want
+    assert h.finish_reason("g") == ("length" if case == "never_closed" else "stop")
+    assert grammar.num_processed_tokens == (0 if case == "never_closed" else len(SEQ) + 1)
+
+
+@pytest.mark.parametrize("late", ["think", "end"])
+def test_preempted_while_reasoning_token_in_flight(make: MakeHarness, late: str) -> None:
+    """y is preempted with its output 1 in flight: <think>'s successor or the `</think>`
+    itself. After resuming, the grammar starts exactly after `</think>`."""
+    h = make(depth=2, num_blocks=4, block_size=4)
+    _reasoning(h)
+    h.runner.force.update({("y", 0): THINK, ("y", 1 if late == "end" else 2): END_THINK})
+    _preempt_y(h, 1, grammar=" ".join(map(str, SEQ)), max_tokens=None)
+    h.sched.finish_requests(["x"], ABORTED)
+    h.run()
+    assert len(_resumed_steps(h, "y")) == 1
+    thinking = [THINK] if late == "end" else [THINK, 1001]
+    assert h.tokens["y"] == [*thinking, END_THINK, *SEQ, GRAMMAR_END]
+    assert h.finish_reason("y") == "stop"
+
+
+@pytest.mark.parametrize("kwargs", SCHEDULING)
+def test_abort_with_end_of_thinking_in_flight(make: MakeHarness, kwargs: dict) -> None:
+    h = make(**kwargs)
+    _reasoning(h)
+    h.runner.force.update({("g", 0): THINK, ("g", 2): END_THINK})
+    h.add(make_request("g", 5, grammar=" ".join(map(str, SEQ))),
+          make_request("p", 5, max_tokens=8))
+    while h.runner.num_sampled.get("g", 0) < 3:  # </think> sampled, maybe not yet seen
+        h.step()
+    h.sched.finish_requests(["g"], ABORTED)
+    h.run()
+    assert h.tokens.get("g", []) == [THINK, 1001, END_THINK][: len(h.tokens.get("g", []))]
+    assert h.tokens["p"] == expected("p", 8)

@@ -279,6 +279,8 @@ class ResponseMessage(ResponseModel):
 
     role: str = "assistant"
     content: str | None = None
+    # The thinking before the answer, with --reasoning-parser (None without one).
+    reasoning_content: str | None = None
 
 
 class ChatChoice(ResponseModel):
@@ -307,6 +309,7 @@ class DeltaMessage(ResponseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -30,6 +30,7 @@ from vllm.entrypoints.openai.serving_engine import (
 )
 from vllm.exceptions import InvalidRequestError
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.reasoning import ReasoningParser, ReasoningStream
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
 
@@ -38,6 +39,11 @@ class OpenAIServingChat(OpenAIServing):
     """Renders the chat template, runs the request, and answers in the chat format."""
 
     id_prefix = "chatcmpl"
+
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        """The server's --reasoning-parser (None without one)."""
+        return self.engine.structured_output_manager.reasoning_parser
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -108,12 +114,19 @@ class OpenAIServingChat(OpenAIServing):
         final = finals[0]
         choices = []
         num_generated = 0
+        parser = self.reasoning_parser
         for c in final.outputs:
             num_generated += len(c.token_ids)
+            reasoning, content = None, c.text
+            if parser is not None:
+                state = parser.resolve(parser.initial_state(final.prompt_token_ids), c.token_ids)
+                reasoning, content = parser.split(state, c.text)
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=ResponseMessage(role="assistant", content=c.text),
+                    message=ResponseMessage(
+                        role="assistant", content=content, reasoning_content=reasoning
+                    ),
                     logprobs=self._logprobs(c, request) if request.logprobs else None,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
@@ -152,6 +165,8 @@ class OpenAIServingChat(OpenAIServing):
             ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
             for i in range(request.n)
         ])
+        parser = self.reasoning_parser
+        splitters: dict[int, ReasoningStream] = {}
         async for _, out in merge_streams(streams):
             num_prompt = len(out.prompt_token_ids)
             num_cached = out.num_cached_tokens
@@ -163,10 +178,17 @@ class OpenAIServingChat(OpenAIServing):
                 num_generated += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
+                delta = DeltaMessage(content=c.text)
+                if parser is not None:
+                    if c.index not in splitters:
+                        state = parser.initial_state(out.prompt_token_ids)
+                        splitters[c.index] = ReasoningStream(parser, state)
+                    reasoning, content = splitters[c.index].update(c.text, c.token_ids)
+                    delta = DeltaMessage(content=content, reasoning_content=reasoning)
                 choices.append(
                     ChatStreamChoice(
                         index=c.index,
-                        delta=DeltaMessage(content=c.text),
+                        delta=delta,
                         logprobs=self._logprobs(c, request) if request.logprobs else None,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,

@@ -21,7 +21,7 @@ import torch
 from vllm.transformers_utils.qwen_vocab import ADDED_TOKENS, NUM_BASE_TOKENS, write_tokenizer_json
 
 # Bump when the files a build writes change, so stale caches are not reused.
-BUILD_VERSION = "v1"
+BUILD_VERSION = "v2"
 DEFAULT_MODEL = "demo"
 
 VOCAB_SIZE = 151_936
@@ -113,7 +113,11 @@ CHAT_TEMPLATE = (
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    # Qwen3's switch: an empty thinking block tells the model to answer at once.
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
 )
 
 
@@ -184,6 +188,11 @@ def resolve_model_dir(model: str | None) -> Path:
     small = resolve(model)
     if small is not None:
         return small
+    from vllm.model_executor.model_loader import demo_scripted  # it imports us
+
+    scripted = demo_scripted.resolve(model)
+    if scripted is not None:
+        return scripted
     return Path(model).expanduser()
 
 

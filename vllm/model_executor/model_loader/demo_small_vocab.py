@@ -11,6 +11,7 @@ other demo models.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,9 +133,15 @@ def random_weights(spec: SmallVocabSpec) -> dict[str, torch.Tensor]:
     return weights
 
 
-def write_model(path: Path, spec: SmallVocabSpec) -> None:
+def write_model(
+    path: Path,
+    spec: SmallVocabSpec,
+    make_weights: Callable[[SmallVocabSpec, Path], dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Write every file of a reduced-vocabulary model into the existing directory `path`.
 
+    The weights are random, or `make_weights(spec, path)` (called once the tokenizer is
+    written); with an `lm_head.weight` among them the head is not tied to the embedding.
     Raises ValueError if the spec's vocabulary does not fit, OSError on write failures.
     """
     from safetensors.torch import save_file
@@ -146,9 +153,12 @@ def write_model(path: Path, spec: SmallVocabSpec) -> None:
     if len(ranks) != spec.num_base_tokens:
         raise ValueError(f"num_base_tokens: Qwen's vocabulary has only {len(ranks)} ranks")
     (path / "tokenizer.json").write_text(build_tokenizer(ranks).to_str(pretty=True), "utf-8")
-    write_json(path / "config.json", small_hf_config(spec))
+    weights = random_weights(spec) if make_weights is None else make_weights(spec, path)
+    config = small_hf_config(spec)
+    config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    write_json(path / "config.json", config)
     write_json(
         path / "generation_config.json", generation_config(spec.eos_token_id, spec.pad_token_id)
     )
     write_json(path / "tokenizer_config.json", small_tokenizer_config(spec))
-    save_file(random_weights(spec), str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
+from vllm.reasoning import ReasoningParser
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.compile_pool import CompileAbortedError
 from vllm.v1.structured_output.limits import (
@@ -83,6 +84,18 @@ class StructuredOutputManager:
         self._buffers: list[np.ndarray] = []
         self._next_buffer = 0
         self._closed = False
+        self.reasoning_parser: ReasoningParser | None = None
+        if self._config.reasoning_parser is not None:
+            self.reasoning_parser = ReasoningParser.create(
+                self._config.reasoning_parser, self._load_tokenizer()
+            )
+
+    def _load_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from vllm.transformers_utils.tokenizer import get_tokenizer
+
+            self._tokenizer = get_tokenizer(self._tokenizer_path)
+        return self._tokenizer
 
     @property
     def compile_timeout_s(self) -> float:
@@ -113,14 +126,10 @@ class StructuredOutputManager:
             return self._backend
 
     def _create_backend(self) -> AutoBackend:
-        if self._tokenizer is None:
-            from vllm.transformers_utils.tokenizer import get_tokenizer
-
-            self._tokenizer = get_tokenizer(self._tokenizer_path)
         from vllm.v1.structured_output.backend_auto import create_backend
 
         return create_backend(
-            self._config, self._tokenizer, self._vocab_size, self._stop_token_ids
+            self._config, self._load_tokenizer(), self._vocab_size, self._stop_token_ids
         )
 
     def _lane(self, params: StructuredOutputsParams) -> ThreadPoolExecutor:
@@ -142,7 +151,8 @@ class StructuredOutputManager:
         """Starts compiling the request's constraint in the background (no-op without one).
 
         Side effects: registers the request (see num_live_grammars) until `clear`; the
-        scheduler polls `request.structured_output_request.poll(compile_timeout_s)`.
+        scheduler polls `request.structured_output_request.poll(compile_timeout_s)`. With a
+        reasoning parser, sets the request's reasoning state from its prompt.
         Raises RuntimeError after shutdown.
         """
         structured_req = request.structured_output_request
@@ -156,6 +166,11 @@ class StructuredOutputManager:
         if self._closed:
             raise RuntimeError("StructuredOutputManager: used after shutdown")
         lane = self._lane(structured_req.params)
+        if self.reasoning_parser is not None:
+            structured_req.reasoning_parser = self.reasoning_parser
+            structured_req.reasoning = self.reasoning_parser.initial_state(
+                request.prompt_token_ids
+            )
         self._live[request.request_id] = structured_req
         structured_req.future = lane.submit(self._compile, structured_req, True)
 
@@ -305,7 +320,8 @@ class StructuredOutputManager:
     def grammar_bitmask(self, requests: dict[str, Request], req_ids: list[str]) -> np.ndarray:
         """Returns int32 [len(req_ids), ceil(vocab/32)]: row i masks the next token of req_ids[i].
 
-        A terminated grammar's row allows every token. The array is a view of a preallocated
+        A terminated grammar's row allows every token; the row of a reply that may still open
+        a thinking block also allows `<think>`. The array is a view of a preallocated
         buffer that stays intact through the next `max_concurrent_batches` calls (copy it to
         keep it longer). Raises ValueError for an unknown request, one without a ready grammar,
         or more ids than max_num_seqs.
@@ -318,14 +334,22 @@ class StructuredOutputManager:
         if not req_ids:
             return np.zeros((0, (self._vocab_size + 31) // 32), dtype=np.int32)
         grammars: list[StructuredOutputGrammar | None] = []
-        for req_id in req_ids:
+        undecided: list[int] = []
+        for row, req_id in enumerate(req_ids):
             request = requests.get(req_id)
             structured_req = request.structured_output_request if request is not None else None
             if structured_req is None or structured_req.grammar is None:
                 raise ValueError(f"grammar_bitmask: request {req_id!r} has no ready grammar")
             grammars.append(structured_req.grammar)
+            if structured_req.undecided:
+                undecided.append(row)
         bitmask = self._take_buffer()[: len(req_ids)]
         self.backend.fill_bitmasks(grammars, bitmask, range(len(grammars)))
+        if undecided:
+            assert self.reasoning_parser is not None
+            start = self.reasoning_parser.start_id
+            word = bitmask[:, start // 32].view(np.uint32)
+            word[undecided] |= np.uint32(1 << (start % 32))
         return bitmask
 
     def _take_buffer(self) -> np.ndarray:

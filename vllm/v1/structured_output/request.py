@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 
 from vllm.exceptions import GrammarCompileError, InvalidRequestError
+from vllm.reasoning import ReasoningParser, ReasoningState
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 from vllm.v1.structured_output.compile_pool import CompileAbortedError
@@ -17,7 +18,8 @@ class StructuredOutputRequest:
     """Tracks the compilation of one request's constraint and holds the resulting grammar.
 
     The manager submits the compile job (`future`); the scheduler calls `poll` until the
-    grammar is ready or the request has failed (`error` says why).
+    grammar is ready or the request has failed (`error` says why). With a reasoning parser
+    the constraint applies only to the answer after the thinking (`advance_reasoning`).
     """
 
     def __init__(self, params: StructuredOutputsParams) -> None:
@@ -32,6 +34,29 @@ class StructuredOutputRequest:
         # True when `error` is a timeout (which depends on the load, not only the constraint).
         self.timed_out = False
         self._started = threading.Event()
+        # Set by the manager's grammar_init when the server has a --reasoning-parser.
+        self.reasoning_parser: ReasoningParser | None = None
+        self.reasoning = ReasoningState.ENDED
+
+    @property
+    def thinking(self) -> bool:
+        """True while the reply is inside its thinking block: its next token is free."""
+        return self.reasoning == ReasoningState.THINKING
+
+    @property
+    def undecided(self) -> bool:
+        """True before the first token of a reply that may open a thinking block: its next
+        token is the grammar's or `<think>`."""
+        return self.reasoning == ReasoningState.UNDECIDED
+
+    def advance_reasoning(self, token: int) -> bool:
+        """Moves the reasoning state past the sampled `token`; returns True when `token`
+        belongs to the answer, so the grammar must accept it. Always True without a
+        reasoning parser."""
+        if self.reasoning_parser is None:
+            return True
+        self.reasoning, answer = self.reasoning_parser.advance(self.reasoning, token)
+        return answer
 
     @property
     def failed(self) -> bool:

@@ -382,14 +382,18 @@ class Scheduler:
         """Bitmasks for the constrained requests that sample this step, or None if there are none.
 
         Requests that finished since the step was scheduled are left out: their rows stay
-        unmasked and their tokens are dropped anyway.
+        unmasked and their tokens are dropped anyway. So are requests inside their thinking
+        block: the step that samples `</think>` was confirmed before this bitmask is made
+        (pending_structured_output_tokens defers it), so the token after it is constrained.
         """
         if not scheduler_output.has_structured_output_requests:
             return None
         ids = [
             req_id
             for req_id in scheduler_output.sampled_req_ids
-            if (r := self.requests.get(req_id)) is not None and r.use_structured_output
+            if (r := self.requests.get(req_id)) is not None
+            and r.structured_output_request is not None
+            and not r.structured_output_request.thinking
         ]
         if not ids:
             return None
@@ -447,10 +451,12 @@ class Scheduler:
         """Appends tokens one by one until a stop condition; returns the ones kept."""
         params = request.sampling_params
         kept: list[int] = []
+        structured_req = request.structured_output_request
         for token in token_ids:
+            # Thinking tokens (and the `</think>` that ends them) never reach the grammar.
             grammar = (
-                request.structured_output_request.grammar
-                if request.structured_output_request is not None
+                structured_req.grammar
+                if structured_req is not None and structured_req.advance_reasoning(token)
                 else None
             )
             if grammar is not None and not grammar.accept_tokens(request.request_id, [token]):
