@@ -54,7 +54,7 @@ def reference(one_thread_per_rank) -> dict[float, list]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "async_scheduling, condition",
-    [(True, "plain"), (True, "preemption"), (False, "chunked"), (True, "chunked")],
+    [(True, "plain"), (True, "preemption"), (False, "chunked")],
 )
 def test_two_stages_match_one(reference, async_scheduling: bool, condition: str) -> None:
     kwargs = {"enable_prefix_caching": False, **CONDITIONS[condition]}

@@ -1,9 +1,10 @@
 """Oracle: async scheduling gives exactly what synchronous scheduling gives.
 
-For 32 prompts with greedy and seeded sampling, penalties and logprobs on some requests, and
+For 20 prompts with greedy and seeded sampling, penalties and logprobs on some requests, and
 0, 50 or 100 % structured requests, every combination of {sync, async} × {uni, mp} ×
-{plain, forced preemption, chunked prefill} must produce the same tokens as sync/uni/plain,
-with logprobs within 1e-5. Each special condition is asserted to have happened.
+{plain, forced preemption, chunked prefill} (sync/mp: plain only) must produce the same
+tokens as sync/uni/plain, with logprobs within 1e-5. Each special condition is asserted to
+have happened.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from tests.v1.structured_output.oracle import check_structured_output
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 
-NUM_PROMPTS = 32
+NUM_PROMPTS = 20
 MAX_TOKENS = 20
 RATIOS = (0.0, 0.5, 1.0)
 CONSTRAINTS = [
@@ -148,7 +149,9 @@ def _assert_same(got, want) -> None:
     [
         c
         for c in itertools.product((False, True), ("uni", "mp"), tuple(CONDITIONS))
-        if c != (False, "uni", "plain")
+        # The synchronous mp executor runs the sync engine's path with other transport: its
+        # plain run shows it; preemption and chunking are the scheduler's, shown on uni.
+        if c != (False, "uni", "plain") and not (c[:2] == (False, "mp") and c[2] != "plain")
     ],
 )
 def test_matches_sync_uniproc(reference, async_scheduling, executor, condition) -> None:
