@@ -70,3 +70,14 @@ def _auto_tokenizer(root: Path) -> PreTrainedTokenizerFast:
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise ValueError(f"tokenizer: {str(root)!r} has no fast tokenizer")
     return tok
+
+
+def control_token_ids(tokenizer: Any) -> set[int]:
+    """Ids of the tokens that are never text: the special ones (`<|im_start|>`, EOS,
+    padding). Added tokens marked not special (Qwen's `<think>`, `<tool_call>`) are text, as
+    decoding shows them even with skip_special_tokens."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or [])
+    for idx, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", True):
+            ids.add(idx)
+    return ids

@@ -103,7 +103,10 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": MESSAGES, "stream_options": {"include_usage": True}},
      400, "stream_options"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]}, 400,
-     "tools"),
+     "tools.0.function"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, 400,
+     "tool_choice"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, 400,

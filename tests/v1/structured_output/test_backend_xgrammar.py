@@ -29,7 +29,10 @@ from .schemas import (
 )
 from .walker import WalkVocab, allowed_token_ids, random_walk
 
-FIRST_ADDED_ID = 151_643  # Qwen's added tokens start here; the tokenizer ends at 151,668.
+# Qwen's special tokens (151643..151656) and the ids past its tokenizer (151669..) are never
+# text; its other added tokens (<tool_call> 151657 ... <think> 151667, </think> 151668) are.
+SPECIAL_IDS = frozenset(range(151_643, 151_657))
+TOKENIZER_END = 151_669
 SPACE, NEWLINE, TAB = 220, 198, 197
 CONTROL_01 = 189  # the byte 0x01 alone
 
@@ -45,8 +48,9 @@ def _allowed(grammar: Any) -> np.ndarray:
 
 
 def _forbidden_allowed(ids: np.ndarray) -> list[int]:
-    """Allowed ids that are Qwen added tokens (other than stops) or past the tokenizer."""
-    return [int(i) for i in ids if i >= FIRST_ADDED_ID and i not in EOS_IDS]
+    """Allowed ids that are Qwen special tokens (other than stops) or past the tokenizer."""
+    return [int(i) for i in ids
+            if (i in SPECIAL_IDS or i >= TOKENIZER_END) and i not in EOS_IDS]
 
 
 def _whitespace_outside_strings(text: str) -> bool:
@@ -128,7 +132,7 @@ def test_masked_tokens_never_allowed(backend: XgrammarBackend, tokenizer: Any) -
         assert len(allowed) > 100_000, params  # free text really is allowed here
         assert _forbidden_allowed(allowed) == [], params
         before = grammar.num_processed_tokens
-        for control in (151644, 151646, 151657, 151667, 151668, 151700, VOCAB_SIZE - 1):
+        for control in (151644, 151646, 151656, 151700, VOCAB_SIZE - 1):
             assert not grammar.accept_tokens("r", [control])
         assert grammar.num_processed_tokens == before
         assert np.array_equal(_allowed(grammar), allowed)

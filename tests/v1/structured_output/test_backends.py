@@ -23,7 +23,10 @@ from .conftest import EOS_IDS, VOCAB_SIZE
 from .schemas import ALL_CASES, Case
 from .walker import WalkVocab, allowed_token_ids, random_walk
 
-FIRST_ADDED_ID = 151_643  # Qwen's added tokens start here; the tokenizer ends at 151,668.
+# Qwen's special tokens (151643..151656) and the ids past its tokenizer (151669..) are never
+# text; its other added tokens (<tool_call> 151657 ... <think> 151667, </think> 151668) are.
+SPECIAL_IDS = frozenset(range(151_643, 151_657))
+TOKENIZER_END = 151_669
 SPACE, NEWLINE, TAB = 220, 198, 197
 WORDS = (VOCAB_SIZE + 31) // 32
 
@@ -90,8 +93,9 @@ def _allowed(grammar: Any) -> np.ndarray:
 
 
 def _forbidden_allowed(ids: np.ndarray) -> list[int]:
-    """Allowed ids that are Qwen added tokens (other than stops) or past the tokenizer."""
-    return [int(i) for i in ids if i >= FIRST_ADDED_ID and i not in EOS_IDS]
+    """Allowed ids that are Qwen special tokens (other than stops) or past the tokenizer."""
+    return [int(i) for i in ids
+            if (i in SPECIAL_IDS or i >= TOKENIZER_END) and i not in EOS_IDS]
 
 
 def _whitespace_runs_outside_strings(text: str) -> list[int]:
@@ -327,10 +331,43 @@ def test_special_tokens_are_never_allowed(any_backend: Any, tokenizer: Any) -> N
         assert grammar.accept_tokens("r", _encode(tokenizer, prefix)), params
         allowed = _allowed(grammar)
         assert _forbidden_allowed(allowed) == [], params
-        for control in (151644, 151646, 151657, 151667, 151668, 151700, VOCAB_SIZE - 1):
+        for control in (151644, 151646, 151656, 151700, VOCAB_SIZE - 1):
             assert not grammar.accept_tokens("r", [control])
-    assert any_backend.masked_token_ids >= set(range(151669, VOCAB_SIZE)) | {151644, 151667}
+    assert any_backend.masked_token_ids >= set(range(151669, VOCAB_SIZE)) | {151644, 151656}
+    assert any_backend.masked_token_ids.isdisjoint(range(151657, 151669))
     assert any_backend.masked_token_ids.isdisjoint(EOS_IDS)
+
+
+def test_added_tokens_that_are_not_special_are_text(backend: Any, tokenizer: Any) -> None:
+    """<think> and <tool_call> decode to their text, so a string may hold them and a choice
+    of that text may be written as the single token. (llguidance reads every added token as
+    special, so it never allows them: stricter, and it takes no structural tags anyway.)"""
+    any_backend = backend
+    grammar = any_backend.compile_grammar(
+        StructuredOutputsParams(json={"type": "object", "properties": {"s": {"type": "string"}}}))
+    assert grammar.accept_tokens("r", _encode(tokenizer, '{"s": "'))
+    assert {151657, 151667, 151668} <= set(_allowed(grammar).tolist())
+    choice = any_backend.compile_grammar(StructuredOutputsParams(choice=["<think>ok"]))
+    assert choice.accept_tokens("r", [151667, *_encode(tokenizer, "ok"), EOS_IDS[0]])
+    assert choice.is_terminated()
+
+
+def test_structural_tag_triggers_on_the_tool_call_token(backend: Any, tokenizer: Any) -> None:
+    """Hermes tool calls: free text until the model writes the <tool_call> token, then the
+    call's JSON, then free text again."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    tag = {"structures": [{"begin": '<tool_call>\n{"name": "f", "arguments": ',
+                           "schema": schema, "end": "}\n</tool_call>"}],
+           "triggers": ["<tool_call>"]}
+    grammar = backend.compile_grammar(StructuredOutputsParams(structural_tag=tag))
+    assert grammar.accept_tokens("r", _encode(tokenizer, "Let me look."))
+    assert 151657 in set(_allowed(grammar).tolist())
+    assert grammar.accept_tokens("r", [151657])
+    assert not grammar.accept_tokens("r", _encode(tokenizer, "hello"))
+    body = '\n{"name": "f", "arguments": {"a": 1}}\n'
+    assert grammar.accept_tokens("r", [*_encode(tokenizer, body), 151658])
+    assert grammar.accept_tokens("r", _encode(tokenizer, " Done."))
 
 
 def test_lark_special_token_reference_is_masked(guidance_backend: Any, tokenizer: Any) -> None:
@@ -485,6 +522,24 @@ def test_engine_max_whitespace_and_request_override(
     assert _accepts_whole(any_backend, wider, tokenizer, three)
     monkeypatch.setattr(any_backend, "max_whitespace", None)
     assert _accepts_whole(any_backend, engine, tokenizer, "{" + " " * 40 + '"a": 1}')
+
+
+def test_structural_tag_schemas_are_bounded_and_exact(backend: Any, tokenizer: Any) -> None:
+    """A JSON schema inside a structural tag gets the whitespace bound and the exact-semantics
+    checks of a plain `json` constraint (it used to get neither)."""
+    def tag(schema: Any, **options: Any) -> StructuredOutputsParams:
+        return StructuredOutputsParams(structural_tag={
+            "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+            "triggers": ["<f>"]}, **options)
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for limit, text, ok in [(2, '<f>{  "a": 1}</f>', True), (2, '<f>{   "a": 1}</f>', False),
+                            (0, '<f>{"a":1}</f>', True), (0, '<f>{ "a":1}</f>', False)]:
+        grammar = backend.compile_grammar(tag(schema, max_whitespace=limit))
+        assert grammar.accept_tokens("t", _encode(tokenizer, text)) == ok, (limit, text)
+    # xgrammar cannot bound a pattern's length: refused, not silently weakened.
+    with pytest.raises(UnsupportedConstraintError):
+        backend.compile_grammar(tag({"type": "string", "pattern": "^a+$", "maxLength": 3}))
 
 
 def test_whitespace_pattern(guidance_backend: Any, tokenizer: Any) -> None:

@@ -58,6 +58,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     from vllm.engine.arg_utils import EngineArgs, parse_bytes
     from vllm.entrypoints.openai.protocol import DEFAULT_MAX_BODY_BYTES
+    from vllm.entrypoints.openai.tools import TOOL_CALL_PARSERS
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="Model directory, or 'demo' / 'demo-tiny' (default: demo).")
@@ -77,6 +78,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "a 413 (default: %(default)s bytes).")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="Do not log each request.")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='Allow tool_choice "auto": the model decides whether to call '
+                        "tools, and --tool-call-parser reads the calls out of its text.")
+    parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                        help="How the model writes tool calls (hermes: Qwen's "
+                        "<tool_call>{...}</tool_call>); needed by --enable-auto-tool-choice.")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -98,6 +105,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: MODEL {args.model_tag!r} and --model {args.model!r} disagree",
               file=sys.stderr)
         return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model_tag or args.model
     try:
@@ -109,7 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from vllm.entrypoints.openai.api_server import ServerOptions, bind_socket
 
     options = ServerOptions(
-        args.host, args.port, args.api_key, args.uvicorn_log_level, args.max_request_body_bytes
+        args.host, args.port, args.api_key, args.uvicorn_log_level, args.max_request_body_bytes,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     try:
         sock = bind_socket(options.host, options.port)

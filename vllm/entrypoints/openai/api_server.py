@@ -50,6 +50,9 @@ class ServerOptions:
     uvicorn_log_level: str = "info"
     # Larger request bodies get a 413 before they are read in full.
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Reads tool calls out of replies with tool_choice "auto" (--enable-auto-tool-choice
+    # --tool-call-parser); None: "auto" is refused.
+    tool_call_parser: str | None = None
 
 
 class APIKeyMiddleware:
@@ -82,6 +85,7 @@ def build_app(
     metrics: PrometheusMetrics | None = None,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`. The app's lifespan shuts the engine down at exit."""
 
@@ -95,7 +99,7 @@ def build_app(
 
     app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__, lifespan=lifespan)
     completion = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models)
+    chat = OpenAIServingChat(engine, models, tool_call_parser)
     # Every message renders to at least one token, so more than the context cannot fit.
     max_messages = engine.model_config.max_model_len
 
@@ -197,7 +201,8 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
 
     KeyboardInterrupt (Ctrl-C, or SIGTERM as the CLI maps it) propagates after the cleanup.
     """
-    app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes)
+    app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes,
+                    options.tool_call_parser)
     try:
         asyncio.run(serve_http(app, sock, options.uvicorn_log_level))
     finally:

@@ -234,6 +234,36 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    """A function the model may call: its name, what it does, its parameters' JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # Constrain every call of this function to `parameters` (with tool_choice "auto").
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    """`{"name": ...}` of a named tool_choice."""
+
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """A tool_choice that forces one function."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingRequestFields):
     """POST /v1/chat/completions."""
 
@@ -246,8 +276,9 @@ class ChatCompletionRequest(SamplingRequestFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # "none", "auto", "required" (checked with the tools) or a named function.
+    tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -281,6 +312,8 @@ class ResponseMessage(ResponseModel):
     content: str | None = None
     # The thinking before the answer, with --reasoning-parser (None without one).
     reasoning_content: str | None = None
+    # {"id", "type": "function", "function": {"name", "arguments"}} per call.
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(ResponseModel):
@@ -310,6 +343,9 @@ class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    # {"index", "id", "type", "function": {"name", "arguments"}}; after the first delta of
+    # a call only "index" and new "function.arguments" text.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

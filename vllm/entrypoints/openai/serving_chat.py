@@ -26,19 +26,35 @@ from vllm.entrypoints.openai.serving_engine import (
     finite,
     merge_streams,
     sse,
+    structured_outputs_params,
     usage_info,
+)
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.tools import (
+    ToolCall,
+    ToolCallStream,
+    ToolPlan,
+    parse_reply,
+    plan_tools,
 )
 from vllm.exceptions import InvalidRequestError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.reasoning import ReasoningParser, ReasoningStream
-from vllm.sampling_params import SamplingParams
-from vllm.v1.engine.async_llm import RequestStream
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 
 class OpenAIServingChat(OpenAIServing):
     """Renders the chat template, runs the request, and answers in the chat format."""
 
     id_prefix = "chatcmpl"
+
+    def __init__(
+        self, engine: AsyncLLM, models: OpenAIServingModels, tool_call_parser: str | None = None
+    ) -> None:
+        super().__init__(engine, models)
+        # The --tool-call-parser of a server with --enable-auto-tool-choice, else None.
+        self.tool_call_parser = tool_call_parser
 
     @property
     def reasoning_parser(self) -> ReasoningParser | None:
@@ -51,18 +67,32 @@ class OpenAIServingChat(OpenAIServing):
         """The HTTP response of one chat request (errors in OpenAI's shape)."""
 
         def prepare() -> tuple[list[Any], SamplingParams]:
-            if request.tools:
-                raise InvalidRequestError("tools", "tool calling is not supported by this server")
             if request.top_logprobs is not None and not request.logprobs:
                 raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
+            plan = self.tool_plan(request)
+            constraint = None
+            if plan is not None and (given := plan.constraint()) is not None:
+                if structured_outputs_params(request) is not None:
+                    raise InvalidRequestError(
+                        "tool_choice",
+                        f"{request.tool_choice or 'auto'!r} with strict or forced tools "
+                        "cannot be combined with response_format or structured_outputs",
+                    )
+                constraint = StructuredOutputsParams(**{given[0]: given[1]})
             prompt = self.render(request)
             max_tokens = request.max_completion_tokens
             if max_tokens is None:
                 max_tokens = request.max_tokens
             logprobs = (request.top_logprobs or 0) if request.logprobs else None
-            return [prompt], self.sampling_params(request, max_tokens, logprobs)
+            return [prompt], self.sampling_params(request, max_tokens, logprobs, constraint)
 
         return await self.serve(request, raw_request, prepare)
+
+    def tool_plan(self, request: ChatCompletionRequest) -> ToolPlan | None:
+        """What the request does with its tools (None without tools). Raises
+        InvalidRequestError naming the bad field."""
+        return plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls,
+                          self.tool_call_parser)
 
     def render(self, request: ChatCompletionRequest) -> str:
         """The prompt text of the conversation. Raises ValueError for unusable messages."""
@@ -84,6 +114,8 @@ class OpenAIServingChat(OpenAIServing):
                 msg["content"] = ""
             messages.append(msg)
         kwargs = dict(request.chat_template_kwargs or {})
+        if request.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
         if request.continue_final_message:
             kwargs["continue_final_message"] = True
             kwargs["add_generation_prompt"] = False
@@ -115,20 +147,25 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         num_generated = 0
         parser = self.reasoning_parser
+        plan = self.tool_plan(request)
         for c in final.outputs:
             num_generated += len(c.token_ids)
             reasoning, content = None, c.text
             if parser is not None:
                 state = parser.resolve(parser.initial_state(final.prompt_token_ids), c.token_ids)
                 reasoning, content = parser.split(state, c.text)
+            calls: list[ToolCall] = []
+            if plan is not None:
+                content, calls = parse_reply(plan, content)
             choices.append(
                 ChatChoice(
                     index=c.index,
                     message=ResponseMessage(
-                        role="assistant", content=content, reasoning_content=reasoning
+                        role="assistant", content=content, reasoning_content=reasoning,
+                        tool_calls=[call.as_dict() for call in calls],
                     ),
                     logprobs=self._logprobs(c, request) if request.logprobs else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                     stop_reason=c.stop_reason,
                 )
             )
@@ -166,7 +203,9 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(request.n)
         ])
         parser = self.reasoning_parser
+        plan = self.tool_plan(request)
         splitters: dict[int, ReasoningStream] = {}
+        tool_streams: dict[int, ToolCallStream] = {}
         async for _, out in merge_streams(streams):
             num_prompt = len(out.prompt_token_ids)
             num_cached = out.num_cached_tokens
@@ -178,19 +217,27 @@ class OpenAIServingChat(OpenAIServing):
                 num_generated += len(c.token_ids)
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
-                delta = DeltaMessage(content=c.text)
+                reasoning, content = None, c.text
                 if parser is not None:
                     if c.index not in splitters:
                         state = parser.initial_state(out.prompt_token_ids)
                         splitters[c.index] = ReasoningStream(parser, state)
                     reasoning, content = splitters[c.index].update(c.text, c.token_ids)
-                    delta = DeltaMessage(content=content, reasoning_content=reasoning)
+                calls: list[dict[str, Any]] = []
+                has_calls = False
+                if plan is not None:
+                    tools = tool_streams.setdefault(c.index, ToolCallStream(plan))
+                    content, calls = tools.update(content or "")
+                    if c.finish_reason is not None and (rest := tools.finish()) is not None:
+                        content = (content or "") + rest
+                    has_calls = tools.num_calls > 0
                 choices.append(
                     ChatStreamChoice(
                         index=c.index,
-                        delta=delta,
+                        delta=DeltaMessage(content=content, reasoning_content=reasoning,
+                                           tool_calls=calls or None),
                         logprobs=self._logprobs(c, request) if request.logprobs else None,
-                        finish_reason=c.finish_reason,
+                        finish_reason=_finish_reason(c.finish_reason, has_calls),
                         stop_reason=c.stop_reason,
                     )
                 )
@@ -223,3 +270,8 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatLogProbs(content=content)
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that stopped after calling tools."""
+    return "tool_calls" if reason == "stop" and has_calls else reason

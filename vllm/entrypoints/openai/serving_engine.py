@@ -298,8 +298,10 @@ class OpenAIServing:
         request: SamplingRequestFields,
         max_tokens: int | None,
         logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """SamplingParams of a request. Raises ValueError naming the bad field."""
+        """SamplingParams of a request; `structured_outputs` replaces the request's own
+        constraint (tool calling brings one). Raises ValueError naming the bad field."""
         if request.stream_options is not None and not request.stream:
             raise InvalidRequestError("stream_options", "only allowed when stream is true")
         if request.guided_whitespace_pattern is not None:
@@ -327,7 +329,7 @@ class OpenAIServing:
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            structured_outputs=structured_outputs_params(request),
+            structured_outputs=structured_outputs or structured_outputs_params(request),
         )
 
     # ------------------------------------------------------------------ running

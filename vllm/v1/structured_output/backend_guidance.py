@@ -32,8 +32,8 @@ would break the engine's guarantees (token-id references `<[...]>`, `%llguidance
 `structural_tag`. Invalid input (bad regex or grammar syntax, an invalid or unsatisfiable
 schema) raises GrammarCompileError naming the field.
 
-Tokens the model may never write inside a constraint (the tokenizer's added and special
-tokens other than the stop ids, and ids past the tokenizer's vocabulary) are masked and
+Tokens the model may never write inside a constraint (the tokenizer's special tokens other
+than the stop ids, and ids past the tokenizer's vocabulary) are masked and
 rejected. llguidance never allows them unless a Lark grammar names one (`<|im_start|>`); the
 backend does not rely on that. Outputs are valid UTF-8: llguidance matches bytes against
 automata over Unicode scalar values.
@@ -80,6 +80,7 @@ from vllm.exceptions import (
 )
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.thread_policy import helper_threads
+from vllm.transformers_utils.tokenizer import control_token_ids
 from vllm.v1.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
@@ -296,9 +297,8 @@ class _Vocab:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eos_tokens)
-        # Ordinary tokens: in the vocabulary, not added or special (xgrammar's rule).
-        control = set(getattr(tokenizer, "added_tokens_decoder", None) or {})
-        control.update(getattr(tokenizer, "all_special_ids", None) or [])
+        # Ordinary tokens: in the vocabulary and not special (the xgrammar backend's rule).
+        control = control_token_ids(tokenizer)
         allowed = np.zeros(self.words * 32, dtype=bool)
         for idx in vocab.values():
             if 0 <= idx < vocab_size and idx not in control:

@@ -24,8 +24,8 @@ Supported constraints (`StructuredOutputsParams`):
   `{"structures": [{"begin": ..., "schema": {...}, "end": ...}], "triggers": [...]}` is
   converted to it.
 
-Tokens the model may never write inside a constraint (the tokenizer's added and special
-tokens other than the stop ids, and ids past the tokenizer's vocabulary) are masked, and
+Tokens the model may never write inside a constraint (the tokenizer's special tokens other
+than the stop ids, and ids past the tokenizer's vocabulary) are masked, and
 strings bounded by minLength/maxLength never contain raw control characters (xgrammar 0.2.9
 allows them there, which is invalid JSON).
 
@@ -51,7 +51,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,7 @@ from vllm.exceptions import (
     UnsupportedConstraintError,
 )
 from vllm.thread_policy import helper_threads
+from vllm.transformers_utils.tokenizer import control_token_ids
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     StructuredOutputBackend,
@@ -97,10 +98,16 @@ def choice_to_ebnf(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def normalize_structural_tag(value: str | dict[str, Any]) -> str:
+def normalize_structural_tag(
+    value: str | dict[str, Any], *, schema_grammar: Callable[[Any], str] | None = None
+) -> str:
     """Returns the structural tag as a JSON string in xgrammar 0.2.9's format.
 
-    Raises ValueError when it is not a JSON object or a legacy tag is malformed.
+    With `schema_grammar`, every JSON schema inside is replaced by the EBNF grammar it
+    returns (so the schema is normalized, checked and whitespace-bounded like a `json`
+    constraint).
+    Raises ValueError when it is not a JSON object or a legacy tag is malformed, and what
+    `schema_grammar` raises.
     """
     if isinstance(value, str):
         try:
@@ -125,10 +132,24 @@ def normalize_structural_tag(value: str | dict[str, Any]) -> str:
                 "legacy tags need 'structures' "
                 f"(each with begin, schema, end) and 'triggers': {e}"
             ) from e
-        return tag.model_dump_json()
+        value = json.loads(tag.model_dump_json())
     if "format" in value and "type" not in value:
         value = {"type": "structural_tag", **value}
+    if schema_grammar is not None:
+        _replace_schemas(value, schema_grammar)
     return json.dumps(value)
+
+
+def _replace_schemas(node: Any, schema_grammar: Callable[[Any], str]) -> None:
+    children = node if isinstance(node, list) else (
+        node.values() if isinstance(node, dict) else ())
+    for child in children:
+        if isinstance(child, dict) and child.get("type") == "json_schema" and "json_schema" in child:
+            grammar = schema_grammar(child["json_schema"])
+            child.clear()
+            child.update(type="grammar", grammar=grammar)
+        else:
+            _replace_schemas(child, schema_grammar)
 
 
 def _clean_error(e: BaseException) -> str:
@@ -143,9 +164,11 @@ def build_tokenizer_info(
 ) -> tuple[xgr.TokenizerInfo, frozenset[int]]:
     """Returns xgrammar's view of the vocabulary and the ids it must never allow.
 
-    Added and special tokens other than the stop ids become empty strings, which xgrammar
-    treats as special (never allowed); otherwise it would treat `<|im_start|>` or `<think>` as
-    literal text. Ids past the tokenizer's vocabulary are empty too.
+    Special tokens other than the stop ids become empty strings, which xgrammar treats as
+    special (never allowed); otherwise it would treat `<|im_start|>` as literal text. Added
+    tokens that are not special (`<think>`, `<tool_call>`) keep their text, so a structural
+    tag can begin with the very token a model writes. Ids past the tokenizer's vocabulary
+    are empty too.
     Raises ValueError when the tokenizer has no vocabulary.
     """
     info, masked, _ = _build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
@@ -170,8 +193,7 @@ def _build_tokenizer_info(
     for token, idx in vocab.items():
         if idx < vocab_size:
             encoded[idx] = token
-    control = set(getattr(tokenizer, "added_tokens_decoder", None) or {})
-    control.update(getattr(tokenizer, "all_special_ids", None) or [])
+    control = control_token_ids(tokenizer)
     for idx in control - stop_set:
         if 0 <= idx < vocab_size:
             encoded[idx] = ""
@@ -390,13 +412,7 @@ class XgrammarBackend(StructuredOutputBackend):
         max_ws = params.max_whitespace if params.max_whitespace is not None else self.max_whitespace
         if kind == "json":
             schema = params.json if isinstance(params.json, dict) else json.loads(params.json)
-            schema = normalize_json_schema(
-                schema,
-                disable_additional_properties=params.disable_additional_properties,
-                one_of_as_any_of=self.one_of_as_any_of,
-            )
-            check_xgrammar_support(schema)
-            return self._compile_schema(json.dumps(schema), compact, max_ws)
+            return self._compile_schema(json.dumps(self._exact(schema, params)), compact, max_ws)
         if kind == "json_object":
             # OpenAI's json_object means an object; xgrammar's builtin JSON grammar would
             # also allow a top-level array.
@@ -417,19 +433,43 @@ class XgrammarBackend(StructuredOutputBackend):
                 return self.compiler.compile_grammar(params.grammar)
             return self.compiler.compile_lark(params.grammar)
         if kind == "structural_tag":
-            return self.compiler.compile_structural_tag(
-                normalize_structural_tag(params.structural_tag)
-            )
+
+            def schema_grammar(schema: Any) -> str:
+                return self._schema_ebnf(json.dumps(self._exact(schema, params)), compact, max_ws)
+
+            tag = normalize_structural_tag(params.structural_tag, schema_grammar=schema_grammar)
+            return self.compiler.compile_structural_tag(tag)
         raise GrammarCompileError("structured_outputs", f"unknown constraint {kind!r}")
 
-    def _compile_schema(
-        self, schema: str, compact: bool, max_whitespace: int | None
-    ) -> xgr.CompiledGrammar:
+    def _exact(self, schema: Any, params: StructuredOutputsParams) -> Any:
+        """The schema with exact semantics for xgrammar; raises UnsupportedConstraintError
+        when xgrammar cannot enforce a keyword (see json_schema.py)."""
+        schema = normalize_json_schema(
+            schema,
+            disable_additional_properties=params.disable_additional_properties,
+            one_of_as_any_of=self.one_of_as_any_of,
+        )
+        check_xgrammar_support(schema)
+        return schema
+
+    @staticmethod
+    def _style(compact: bool, max_whitespace: int | None) -> dict[str, Any]:
         style: dict[str, Any] = {"any_whitespace": not compact and max_whitespace != 0}
         if not style["any_whitespace"]:
             style["separators"] = (",", ":")
         elif max_whitespace is not None:
             style["max_whitespace_cnt"] = max_whitespace
+        return style
+
+    def _schema_ebnf(self, schema: str, compact: bool, max_whitespace: int | None) -> str:
+        """The EBNF of a JSON schema, with strings that never hold raw control characters."""
+        ebnf = str(xgr.Grammar.from_json_schema(schema, **self._style(compact, max_whitespace)))
+        return ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR)
+
+    def _compile_schema(
+        self, schema: str, compact: bool, max_whitespace: int | None
+    ) -> xgr.CompiledGrammar:
+        style = self._style(compact, max_whitespace)
         # Converting alone takes ~0.1 ms; compiling is cached either way.
         ebnf = str(xgr.Grammar.from_json_schema(schema, **style))
         if _LOOSE_STRING_CHAR in ebnf:

@@ -1,0 +1,175 @@
+"""Tests for vllm/entrypoints/openai/tools.py: tool plans, their constraints, and reading
+tool calls back from whole replies and from any split of a streamed one."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.tools import (
+    ToolCallStream,
+    parse_hermes,
+    parse_reply,
+    plan_tools,
+)
+from vllm.exceptions import InvalidRequestError
+
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+       "required": ["a", "b"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}},
+           "required": ["city"]}
+
+
+def request(tools: list[dict] | None = None, **kwargs) -> ChatCompletionRequest:
+    if tools is None:
+        tools = [
+            {"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}},
+            {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+        ]
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools,
+                                 **kwargs)
+
+
+def plan(parser: str | None = "hermes", **kwargs):
+    r = request(**kwargs)
+    return plan_tools(r.tools, r.tool_choice, r.parallel_tool_calls, parser)
+
+
+def test_modes_and_their_constraints() -> None:
+    assert plan(tools=[]) is None
+    assert plan(tool_choice="none").constraint() is None
+    named = plan(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert named.mode == "named" and named.constraint() == ("json", WEATHER)
+    auto = plan()  # tool_choice defaults to auto when tools are given
+    key, tag = auto.constraint()
+    assert key == "structural_tag" and tag["triggers"] == ["<tool_call>"]
+    assert [s["schema"] for s in tag["structures"]] == [ADD, {"type": "object"}]
+    assert tag["structures"][0]["begin"] == '<tool_call>\n{"name": "add", "arguments": '
+    non_strict = plan(tools=[{"type": "function", "function": {"name": "f"}}])
+    assert non_strict.constraint() is None and not non_strict.constrained
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_required_schema_accepts_exactly_calls_of_the_tools(parallel) -> None:
+    key, schema = plan(tool_choice="required", parallel_tool_calls=parallel).constraint()
+    assert key == "json"
+    good = [{"name": "add", "arguments": {"a": 1, "b": 2}},
+            {"name": "get_weather", "arguments": {"city": "Lima"}}]
+    bad = [
+        [],
+        [{"name": "add", "arguments": {"a": 1}}],
+        [{"name": "sub", "arguments": {"a": 1, "b": 2}}],
+        [{"name": "get_weather", "arguments": {"city": "Rome"}}],
+    ]
+    if parallel is False:
+        bad.append(good)
+        good = good[:1]
+    jsonschema.validate(good, schema)
+    for value in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value, schema)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters":
+                    {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}]},
+         "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters":
+                    {"type": "string"}}}]}, "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}},
+                    {"type": "function", "function": {"name": "f"}}]}, "tools[1].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]},
+         "tools[0].function.name"),
+        ({"tools": [], "tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
+def test_bad_tools_name_the_field(kwargs, param) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        plan(**kwargs)
+    assert e.value.param == param
+
+
+def test_auto_needs_a_tool_call_parser() -> None:
+    with pytest.raises(InvalidRequestError, match="--enable-auto-tool-choice"):
+        plan(parser=None)
+    assert plan(parser=None, tool_choice="required").mode == "required"
+
+
+def test_parse_hermes() -> None:
+    text = ('Let me see.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+            '</tool_call>\n<tool_call>{"bad json</tool_call> tail <tool_call>{"name": "f"')
+    content, calls = parse_hermes(text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
+    assert content == ('Let me see.\n\n<tool_call>{"bad json</tool_call> tail '
+                       '<tool_call>{"name": "f"')
+    content, calls = parse_hermes('\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n')
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+
+
+def test_parse_reply_by_mode() -> None:
+    named = plan(tool_choice={"type": "function", "function": {"name": "add"}})
+    assert [(c.name, c.arguments) for c in parse_reply(named, '{"a": 1}')[1]] == [
+        ("add", '{"a": 1}')]
+    required = plan(tool_choice="required")
+    content, calls = parse_reply(required, '[{"name": "add", "arguments": {"a": 1, "b": 2}}]')
+    assert content is None and calls[0].name == "add"
+    assert parse_reply(required, '[{"name": "add", "argu') == ('[{"name": "add", "argu', [])
+    assert parse_reply(plan(tool_choice="none"), "hi") == ("hi", [])
+    assert parse_reply(named, None) == (None, [])
+
+
+def _replay(p, text: str, cut: list[int]) -> tuple[str, list[tuple[str, str]]]:
+    """Streams `text` cut at the positions `cut`; returns (content, [(name, arguments)])."""
+    stream = ToolCallStream(p)
+    content = ""
+    calls: dict[int, list[str]] = {}
+    bounds = [0, *cut, len(text)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        piece, deltas = stream.update(text[a:b])
+        content += piece or ""
+        if i == len(bounds) - 2:
+            content += stream.finish() or ""
+        for d in deltas:
+            entry = calls.setdefault(d["index"], ["", ""])
+            if "id" in d:
+                assert d["id"].startswith("chatcmpl-tool-") and d["type"] == "function"
+                entry[0] = d["function"]["name"]
+            entry[1] += d["function"]["arguments"]
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
+CASES = {
+    "auto": ({}, 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+                 ' and <tool_call>{"name": "get_weather", "arguments": {"city": "Lima"}}'
+                 '</tool_call> <tool_ca'),
+    "required": ({"tool_choice": "required"},
+                 '[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                 '{"name": "get_weather", "arguments": {"city": "Lima"}}]'),
+    "named": ({"tool_choice": {"type": "function", "function": {"name": "add"}}},
+              '{"a": 1, "b": 2}'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_any_split_of_a_stream_gives_the_calls_of_the_whole_reply(case) -> None:
+    kwargs, text = CASES[case]
+    p = plan(**kwargs)
+    content, calls = parse_reply(p, text)
+    want = [(c.name, json.loads(c.arguments)) for c in calls]
+    assert want
+    for a in range(0, len(text), 3):
+        for b in range(a, len(text), 11):
+            got_content, got = _replay(p, text, [a, b])
+            assert [(n, json.loads(args)) for n, args in got] == want, (a, b)
+            if case == "auto":
+                assert got_content.strip() == (content or "").strip()
+            else:
+                assert got_content == ""
