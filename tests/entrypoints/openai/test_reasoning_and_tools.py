@@ -149,12 +149,22 @@ CHOICES = {
 SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 21}]
 
 
-def call_pairs(message) -> list[tuple[str, dict]]:
-    """(name, arguments) of each tool call, each validated against its function's schema."""
+def call_pairs(message, finish_reason: str = "tool_calls") -> list[tuple[str, object]]:
+    """(name, arguments) of each tool call, each validated against its function's schema;
+    when the reply was cut off (finish "length") the last call's arguments may be too, and
+    stay text."""
     pairs = []
-    for call in message.tool_calls or []:
+    calls = message.tool_calls or []
+    for i, call in enumerate(calls):
         assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
-        args = json.loads(call.function.arguments)
+        if finish_reason == "length" and i == len(calls) - 1:
+            try:
+                args = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                pairs.append((call.function.name, call.function.arguments))
+                continue
+        else:
+            args = json.loads(call.function.arguments)
         jsonschema.validate(args, SCHEMAS[call.function.name])
         pairs.append((call.function.name, args))
     return pairs
@@ -176,7 +186,14 @@ def streamed_calls(server, **kwargs):
                     entry[0] = tc.function.name
                 entry[1] += tc.function.arguments or ""
             finish = choice.finish_reason or finish
-    pairs = [(name, json.loads(args)) for name, args in (calls[i] for i in sorted(calls))]
+    pairs = []
+    for i in sorted(calls):
+        name, args = calls[i]
+        try:
+            pairs.append((name, json.loads(args)))
+        except json.JSONDecodeError:  # the last call of a reply cut off
+            assert finish == "length" and i == max(calls)
+            pairs.append((name, args))
     return reasoning, content, pairs, finish
 
 
@@ -212,7 +229,22 @@ def test_parallel_required_calls_cut_off_keep_the_complete_ones(servers) -> None
     reply = chat(servers["async"], tools=tools(), tool_choice="required", temperature=0,
                  max_tokens=120)
     c = reply.choices[0]
-    assert c.finish_reason == "length" and len(call_pairs(c.message)) >= 2
+    pairs = call_pairs(c.message, c.finish_reason)
+    assert c.finish_reason == "length" and len(pairs) >= 2
+    assert all(isinstance(args, dict) for _, args in pairs[:-1])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_without_parallel_calls_stops_after_one(servers, stream) -> None:
+    kwargs = dict(tools=tools(strict=True), tool_choice="auto", parallel_tool_calls=False,
+                  temperature=0, max_tokens=150)
+    if stream:
+        _, _, pairs, finish = streamed_calls(servers["async"], **kwargs)
+    else:
+        c = chat(servers["async"], **kwargs).choices[0]
+        pairs, finish = call_pairs(c.message), c.finish_reason
+    assert len(pairs) == 1 and finish == "tool_calls"
+    jsonschema.validate(pairs[0][1], SCHEMAS[pairs[0][0]])
 
 
 def test_auto_without_strict_tools_does_not_invent_calls(servers) -> None:
@@ -236,8 +268,8 @@ def test_async_equals_sync_and_streams_equal_replies(servers, choice, sampling) 
     results = {}
     for mode, server in servers.items():
         m = chat(server, **kwargs).choices[0]
-        full = (m.message.reasoning_content, m.message.content, call_pairs(m.message),
-                m.finish_reason)
+        full = (m.message.reasoning_content, m.message.content,
+                call_pairs(m.message, m.finish_reason), m.finish_reason)
         reasoning, content, pairs, finish = streamed_calls(server, **kwargs)
         assert (reasoning, pairs, finish) == (full[0], full[2], full[3])
         assert (content or None) == (full[1] or None) or content.strip() == (full[1] or "").strip()

@@ -45,9 +45,12 @@ def test_modes_and_their_constraints() -> None:
     assert named.mode == "named" and named.constraint() == ("json", WEATHER)
     auto = plan()  # tool_choice defaults to auto when tools are given
     key, tag = auto.constraint()
-    assert key == "structural_tag" and tag["triggers"] == ["<tool_call>"]
-    assert [s["schema"] for s in tag["structures"]] == [ADD, {"type": "object"}]
-    assert tag["structures"][0]["begin"] == '<tool_call>\n{"name": "add", "arguments": '
+    fmt = tag["format"]
+    assert key == "structural_tag" and fmt["triggers"] == ["<tool_call>"]
+    assert [t["content"]["json_schema"] for t in fmt["tags"]] == [ADD, {"type": "object"}]
+    assert fmt["tags"][0]["begin"] == '<tool_call>\n{"name": "add", "arguments": '
+    assert not fmt["stop_after_first"]
+    assert plan(parallel_tool_calls=False).constraint()[1]["format"]["stop_after_first"]
     non_strict = plan(tools=[{"type": "function", "function": {"name": "f"}}])
     assert non_strict.constraint() is None and not non_strict.constrained
 
@@ -146,30 +149,75 @@ def _replay(p, text: str, cut: list[int]) -> tuple[str, list[tuple[str, str]]]:
     return content, [tuple(calls[i]) for i in sorted(calls)]
 
 
+ARGS_WITH_BRACES = '{"s": "}{\\"]", "n": [1, {"m": 2}]}'
 CASES = {
-    "auto": ({}, 'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-                 ' and <tool_call>{"name": "get_weather", "arguments": {"city": "Lima"}}'
-                 '</tool_call> <tool_ca'),
-    "required": ({"tool_choice": "required"},
-                 '[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
-                 '{"name": "get_weather", "arguments": {"city": "Lima"}}]'),
-    "named": ({"tool_choice": {"type": "function", "function": {"name": "add"}}},
-              '{"a": 1, "b": 2}'),
+    "auto": (
+        {},
+        'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        f' and <tool_call>{{"name": "get_weather", "arguments": {ARGS_WITH_BRACES}}}'
+        '</tool_call> <tool_ca',
+        [("add", {"a": 1, "b": 2}), ("get_weather", json.loads(ARGS_WITH_BRACES))],
+        "Hi  and  <tool_ca",
+    ),
+    "auto_whole": (  # arguments before the name: read whole when the block closes
+        {},
+        '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": 5}</tool_call>'
+        "<tool_call>not json</tool_call>",
+        [("add", {"a": 1})],
+        '<tool_call>{"name": "add", "arguments": 5}</tool_call><tool_call>not json</tool_call>',
+    ),
+    "required": (
+        {"tool_choice": "required"},
+        f'[{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}, \n'
+        f'{{"name": "get_weather", "arguments": {ARGS_WITH_BRACES}}}]',
+        [("add", {"a": 1, "b": 2}), ("get_weather", json.loads(ARGS_WITH_BRACES))],
+        "",
+    ),
+    "named": (
+        {"tool_choice": {"type": "function", "function": {"name": "add"}}},
+        '{"a": 1, "b": 2}',
+        [("add", {"a": 1, "b": 2})],
+        "",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_any_split_of_a_stream_gives_the_calls_of_the_whole_reply(case) -> None:
-    kwargs, text = CASES[case]
+    kwargs, text, want, want_content = CASES[case]
     p = plan(**kwargs)
     content, calls = parse_reply(p, text)
-    want = [(c.name, json.loads(c.arguments)) for c in calls]
-    assert want
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want
+    assert (content or "") == want_content
     for a in range(0, len(text), 3):
         for b in range(a, len(text), 11):
             got_content, got = _replay(p, text, [a, b])
             assert [(n, json.loads(args)) for n, args in got] == want, (a, b)
-            if case == "auto":
-                assert got_content.strip() == (content or "").strip()
-            else:
-                assert got_content == ""
+            assert got_content == want_content, (a, b)
+
+
+@pytest.mark.parametrize("case", ["auto", "required", "named"])
+def test_arguments_stream_as_they_are_written(case) -> None:
+    kwargs, text, want, _ = CASES[case]
+    stream = ToolCallStream(plan(**kwargs))
+    argument_deltas = 0
+    for ch in text:
+        _, deltas = stream.update(ch)
+        argument_deltas += sum(1 for d in deltas if "id" not in d)
+    # Every call's arguments came in pieces, not in one delta at the end.
+    assert argument_deltas > 10 * len(want)
+
+
+def test_named_call_is_announced_with_its_first_text() -> None:
+    stream = ToolCallStream(plan(tool_choice={"type": "function", "function": {"name": "add"}}))
+    assert stream.update("") == (None, [])  # nothing of the answer yet (still thinking)
+    _, deltas = stream.update("{")
+    assert deltas[0]["function"] == {"name": "add", "arguments": "{"} and "id" in deltas[0]
+
+
+def test_a_call_cut_off_keeps_its_partial_arguments() -> None:
+    content, calls = parse_reply(plan(), 'x<tool_call>{"name": "add", "arguments": {"a": 1')
+    assert content == "x" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1')]
+    content, calls = parse_reply(plan(), 'x<tool_call>{"name": "ad')
+    assert content == 'x<tool_call>{"name": "ad' and calls == []

@@ -90,15 +90,21 @@ class ToolPlan:
                 schema["maxItems"] = 1
             return "json", schema
         if self.mode == "auto" and self.strict:
-            structures = [
+            tags = [
                 {
+                    "type": "tag",
                     "begin": f'{CALL_START}\n{{"name": {json.dumps(name)}, "arguments": ',
-                    "schema": params if name in self.strict else _ANY_OBJECT,
+                    "content": {"type": "json_schema",
+                                "json_schema": params if name in self.strict else _ANY_OBJECT},
                     "end": f"}}\n{CALL_END}",
                 }
                 for name, params in self.functions.items()
             ]
-            return "structural_tag", {"structures": structures, "triggers": [CALL_START]}
+            return "structural_tag", {"type": "structural_tag", "format": {
+                "type": "triggered_tags", "triggers": [CALL_START], "tags": tags,
+                # parallel_tool_calls false: the reply ends after its one call.
+                "stop_after_first": not self.parallel,
+            }}
         return None
 
 
@@ -202,42 +208,139 @@ def _hermes_call(body: str) -> ToolCall | None:
     return ToolCall(data["name"], json.dumps(data.get("arguments", {}), ensure_ascii=False))
 
 
+def parse_required(text: str) -> list[ToolCall] | None:
+    """The calls of a JSON array of {"name", "arguments"} objects, or None when the text
+    is not one."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, list) or not all(
+        isinstance(d, dict) and isinstance(d.get("name"), str) for d in data
+    ):
+        return None
+    return [ToolCall(d["name"], json.dumps(d.get("arguments", {}), ensure_ascii=False))
+            for d in data]
+
+
 def parse_reply(plan: ToolPlan, text: str | None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished reply's answer text under `plan`: exactly what its
-    stream deltas add up to. Content is None when only whitespace is left. A `required`
-    reply cut off by max_tokens keeps the calls it completed."""
+    stream deltas add up to. Content is None when only whitespace is left. A reply cut off
+    by max_tokens keeps the calls it started, their arguments cut off too (as OpenAI's)."""
     if text is None:
         return None, []
     stream = ToolCallStream(plan)
     content, deltas = stream.update(text)
     content = (content or "") + (stream.finish() or "")
-    calls = [ToolCall(d["function"]["name"], d["function"]["arguments"], d["id"])
-             for d in deltas]
+    parts: dict[int, list[str]] = {}
+    for d in deltas:
+        if "id" in d:
+            parts[d["index"]] = [d["id"], d["function"]["name"], ""]
+        parts[d["index"]][2] += d["function"]["arguments"]
+    calls = [ToolCall(name, args, call_id) for call_id, name, args in parts.values()]
     if plan.mode == "named":
         return None, calls
     return (content if content.strip() else None), calls
+
+
+class _ValueEnd:
+    """Finds where one JSON object or array ends in text that arrives in pieces."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+        self.done = False
+
+    def feed(self, text: str) -> int:
+        """How many characters of `text` belong to the value (all of them until it ends)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
+class _CallReader:
+    """Reads one `{"name": ..., "arguments": {...}}` object as it arrives: once the name is
+    known it announces the call, then passes on the arguments' text as it is written."""
+
+    _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.name: str | None = None
+        self._args_at: int | None = None  # where the arguments start in `text`
+        self._args = _ValueEnd()
+
+    def feed(self, piece: str) -> tuple[str | None, str]:
+        """(the name, when it has just become known; new arguments text)."""
+        self.text += piece
+        announced = None
+        if self._args_at is None:
+            match = self._HEADER.match(self.text)
+            # The arguments must start (with an object) before the header is taken as whole.
+            if match is None or match.end() == len(self.text):
+                return None, ""
+            if self.text[match.end()] != "{":
+                self._args_at = -1  # not an object: the call is read whole at its end
+                return None, ""
+            try:
+                self.name = json.loads(f'"{match.group(1)}"')
+            except json.JSONDecodeError:
+                self._args_at = -1
+                return None, ""
+            announced = self.name
+            self._args_at = match.end()
+            piece = self.text[self._args_at:]
+        if self._args_at < 0 or self._args.done:
+            return announced, ""
+        return announced, piece[: self._args.feed(piece)]
+
+    @property
+    def streaming(self) -> bool:
+        """True once the call was announced (its deltas are out)."""
+        return self.name is not None
 
 
 class ToolCallStream:
     """Turns one streamed reply's answer text into content deltas and tool call deltas.
 
     `update(text)` takes the next piece of the answer and returns (content delta or None,
-    tool call deltas: OpenAI's `{"index", "id", "type", "function"}` dicts). A named
-    function's arguments stream as they are written; a `required` reply's calls and an
-    `auto` reply's `<tool_call>` blocks are sent whole, each as soon as it is complete.
+    tool call deltas: OpenAI's `{"index", "id", "type", "function"}` dicts). A call is
+    announced (index, id, name, empty arguments) as soon as its name is known and its
+    arguments follow as they are written. A call whose text does not start with
+    `{"name": ..., "arguments": {` is parsed whole when it ends: a call if it is one, else
+    (auto) the block stays content.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.num_calls = 0
         self._buffer = ""
-        self._pos = 0  # required: where the next array element starts
+        # auto: inside a <tool_call> block; required: inside an array element.
+        self._reader: _CallReader | None = None
+        self._element: _ValueEnd | None = None
+        self._raw = ""  # required: the whole reply, content if it holds no call
 
     def update(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content delta, tool call deltas) after the answer grew by `text`."""
         mode = self.plan.mode
         if mode == "named":
-            if not text and self.num_calls:
+            if not text:  # e.g. the reply is still thinking
                 return None, []
             deltas: list[dict[str, Any]] = []
             if not self.num_calls:
@@ -247,73 +350,103 @@ class ToolCallStream:
             else:
                 deltas.append({"index": 0, "function": {"arguments": text}})
             return None, deltas
+        self._buffer += text
         if mode == "required":
-            self._buffer += text
-            return None, self._complete_elements()
+            self._raw += text
+            return None, self._required()
         if mode == "auto":
-            self._buffer += text
             return self._hermes()
+        text, self._buffer = self._buffer, ""
         return (text or None), []
 
-    def _new_call(self, call: ToolCall) -> dict[str, Any]:
-        delta = {"index": self.num_calls, **call.as_dict()}
+    def _announce(self, name: str) -> dict[str, Any]:
         self.num_calls += 1
-        return delta
+        return {"index": self.num_calls - 1, "id": new_call_id(), "type": "function",
+                "function": {"name": name, "arguments": ""}}
 
-    def _complete_elements(self) -> list[dict[str, Any]]:
-        decoder = json.JSONDecoder()
-        deltas = []
-        buffer = self._buffer
-        while True:
-            pos = self._pos
-            while pos < len(buffer) and buffer[pos] in " \t\r\n[,":
-                pos += 1
-            if pos >= len(buffer) or buffer[pos] == "]":
-                return deltas
-            try:
-                element, end = decoder.raw_decode(buffer, pos)
-            except json.JSONDecodeError:
-                return deltas  # not complete yet
-            self._pos = end
-            if isinstance(element, dict) and isinstance(element.get("name"), str):
-                args = json.dumps(element.get("arguments", {}), ensure_ascii=False)
-                deltas.append(self._new_call(ToolCall(element["name"], args)))
+    def _feed(self, reader: _CallReader, piece: str, deltas: list[dict[str, Any]]) -> None:
+        name, args = reader.feed(piece)
+        if name is not None:
+            deltas.append(self._announce(name))
+        if args:
+            deltas.append({"index": self.num_calls - 1, "function": {"arguments": args}})
+
+    def _whole(self, call: ToolCall, deltas: list[dict[str, Any]]) -> None:
+        delta = self._announce(call.name)
+        delta["function"]["arguments"] = call.arguments
+        deltas.append(delta)
+
+    def _required(self) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        while self._buffer:
+            if self._reader is None:
+                skipped = len(self._buffer) - len(self._buffer.lstrip(" \t\r\n[,]"))
+                self._buffer = self._buffer[skipped:]
+                if not self._buffer:
+                    break
+                self._reader, self._element = _CallReader(), _ValueEnd()
+            assert self._element is not None
+            n = self._element.feed(self._buffer)
+            piece, self._buffer = self._buffer[:n], self._buffer[n:]
+            self._feed(self._reader, piece, deltas)
+            if not self._element.done:
+                break
+            reader, self._reader = self._reader, None
+            if not reader.streaming:
+                calls = parse_required(f"[{reader.text}]")
+                for call in calls or []:
+                    self._whole(call, deltas)
+        return deltas
 
     def _hermes(self) -> tuple[str | None, list[dict[str, Any]]]:
         content: list[str] = []
         deltas: list[dict[str, Any]] = []
         while self._buffer:
-            start = self._buffer.find(CALL_START)
-            if start < 0:
-                # Hold back a tail that may be the start of a <tool_call> tag.
-                keep = _partial_suffix(self._buffer, CALL_START)
-                content.append(self._buffer[: len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-                break
-            content.append(self._buffer[:start])
-            end = self._buffer.find(CALL_END, start)
+            if self._reader is None:
+                start = self._buffer.find(CALL_START)
+                if start < 0:
+                    # Hold back a tail that may be the start of a <tool_call> tag.
+                    keep = _partial_suffix(self._buffer, CALL_START)
+                    content.append(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    break
+                content.append(self._buffer[:start])
+                self._buffer = self._buffer[start + len(CALL_START):]
+                self._reader = _CallReader()
+                continue
+            end = self._buffer.find(CALL_END)
+            # Hold back a tail that may be the start of </tool_call>.
+            usable = len(self._buffer) - _partial_suffix(self._buffer, CALL_END) if end < 0 else end
+            self._feed(self._reader, self._buffer[:usable], deltas)
+            self._buffer = self._buffer[usable:]
             if end < 0:
-                self._buffer = self._buffer[start:]
                 break
-            block = self._buffer[start:end + len(CALL_END)]
-            self._buffer = self._buffer[end + len(CALL_END):]
-            call = _hermes_call(block[len(CALL_START):-len(CALL_END)])
-            if call is None:
-                content.append(block)
-            else:
-                deltas.append(self._new_call(call))
+            self._buffer = self._buffer[len(CALL_END):]
+            reader, self._reader = self._reader, None
+            if not reader.streaming:
+                call = _hermes_call(reader.text)
+                if call is None:
+                    content.append(CALL_START + reader.text + CALL_END)
+                else:
+                    self._whole(call, deltas)
         text = "".join(content)
         return (text or None), deltas
 
     def finish(self) -> str | None:
-        """Content held back at the end of the reply (an unclosed `<tool_call>` block, an
-        incomplete `required` array), or None."""
-        if self.plan.mode == "auto" and self._buffer:
-            rest, self._buffer = self._buffer, ""
-            return rest
-        if self.plan.mode == "required" and not self.num_calls and self._buffer:
-            return self._buffer
-        return None
+        """Content held back at the end of the reply: an unclosed `<tool_call>` block whose
+        call was never announced, or a `required` reply that holds no call; else None."""
+        rest = None
+        if self.plan.mode == "auto":
+            reader = self._reader
+            if reader is not None and not reader.streaming:
+                rest = CALL_START + reader.text + self._buffer
+            elif reader is None and self._buffer:
+                rest = self._buffer
+        elif self.plan.mode == "required" and not self.num_calls:
+            rest = self._raw or None
+        self._buffer = ""
+        self._reader = None
+        return rest
 
 
 def _partial_suffix(text: str, tag: str) -> int:
