@@ -7,6 +7,10 @@
 With several structured-output backends, each configuration runs its 100 % cell once per
 backend (the 0 % cell does not depend on it), and the table gains a row per backend.
 
+The ceiling: a bare greedy decode loop over the same checkpoint and prompts
+(vllm/benchmarks/bare_decode.py: no scheduler, paging, sampler or detokenizer) runs last, and
+every cell is also printed as a fraction of it (engine / bare; `--no-ceiling` skips it).
+
 Plain requests are greedy with ignore_eos; structured ones follow a JSON schema whose string
 field lets a random model write all output_len tokens, so every configuration generates the
 same number of tokens. Also reports the median grammar-bitmask fill time per request per step
@@ -75,6 +79,30 @@ def run(model: str, async_scheduling: bool, backend: str, prompts: list[str], ou
         llm.shutdown()
 
 
+def ceiling(model: str, prompts: list[str], output_len: int) -> dict[str, float]:
+    """Tokens/s of the bare decode loop on the same checkpoint, prompts and output length."""
+    import torch
+
+    from vllm.benchmarks.bare_decode import BareDecoder
+    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    model_dir = resolve_model_dir(model)
+    tokenizer = get_tokenizer(model_dir)
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    cuda = torch.cuda.is_available()
+    decoder = BareDecoder(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
+                          device="cuda" if cuda else "cpu")
+    decoder.generate(ids[:4], output_len)  # warm up
+    start = time.perf_counter()
+    outs = decoder.generate(ids, output_len)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o) for o in outs)
+    return {"tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo")
@@ -85,6 +113,8 @@ def main() -> None:
                         help="comma-separated: auto, xgrammar, guidance")
     parser.add_argument("--configs", default="sync/uni,async/uni,sync/mp,async/mp",
                         help="comma-separated scheduling/executor pairs")
+    parser.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the bare decode loop and print engine / bare ratios")
     args = parser.parse_args()
     prompts = make_prompts(args.num_prompts)
     grammar_backends = [b.strip() for b in args.structured_outputs_backends.split(",") if b]
@@ -115,6 +145,13 @@ def main() -> None:
             ratio = results[f"async/{executor}/{share}"]["tok_per_s"] / results[
                 f"sync/{executor}/{share}"]["tok_per_s"]
             print(f"async/sync {executor} {share}: {ratio:.2f}")
+    if args.ceiling:
+        bare = results["bare"] = ceiling(args.model, prompts, args.output_len)
+        print(f"\nbare decode loop: {bare['tok_per_s']:.1f} tok/s ({bare['tokens']} tokens in "
+              f"{bare['seconds']:.1f} s)")
+        for key, r in results.items():
+            if key != "bare":
+                print(f"engine/bare {key:28s} {r['tok_per_s'] / bare['tok_per_s']:.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -1,0 +1,130 @@
+"""A bare greedy decode loop over a checkpoint: the ceiling the engine is measured against.
+
+No scheduler, no paging, no sampler, no detokenizer: the embedding, each decoder layer with a
+contiguous KV cache and `scaled_dot_product_attention`, the final norm, the LM head and an
+argmax, for a whole batch at once. Each prompt is prefilled on its own, then every step
+decodes one token of every sequence. Whatever the engine spends beyond this loop is its own
+overhead (docs/architecture.md §9). Qwen3, Qwen2 and Llama checkpoints without RoPE scaling.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+
+class BareDecoder:
+    """The checkpoint in `model_dir` as plain tensors, with a batched greedy `generate`."""
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        """Loads config.json and the safetensors weights. Raises ValueError for an
+        architecture or RoPE scaling this loop does not implement."""
+        root = Path(model_dir)
+        config = json.loads((root / "config.json").read_text())
+        arch = (config.get("architectures") or ["?"])[0]
+        if arch not in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM"):
+            raise ValueError(f"bare decode loop: architecture {arch} is not supported")
+        # Older configs keep RoPE settings in rope_theta / rope_scaling, newer ones in
+        # rope_parameters.
+        rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError("bare decode loop: RoPE scaling is not supported")
+        theta = rope.get("rope_theta") or config.get("rope_theta") or 10000.0
+        self.num_layers = config["num_hidden_layers"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads", self.num_heads)
+        self.head_dim = config.get("head_dim") or config["hidden_size"] // self.num_heads
+        self.eps = config["rms_norm_eps"]
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        weights: dict[str, torch.Tensor] = {}
+        for path in sorted(root.glob("*.safetensors")):
+            weights.update(load_file(str(path)))
+        self.w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+        self.head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        self.inv_freq = 1.0 / (theta ** (half / self.head_dim))
+        self.dtype, self.device = dtype, torch.device(device)
+        self._kv_heads = torch.arange(self.num_kv_heads, device=device)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, D] rotated by positions [B, T] (halves rotated, as in Qwen and Llama)."""
+        angles = positions.float()[:, None, :, None] * self.inv_freq
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[torch.Tensor],
+                 rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Runs tokens [B, T] at positions [B, T] for cache rows `rows`; returns the last
+        position's logits [B, vocab]. With `mask` None the T tokens attend causally to each
+        other only (a prefill from position 0); else mask [B, 1, T, L] selects cache slots."""
+        b, t = tokens.shape
+        x = F.embedding(tokens, self.w["model.embed_tokens.weight"])
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            h = self._norm(x, self.w[p + "input_layernorm.weight"])
+            q = self._linear(h, p + "self_attn.q_proj").view(b, t, -1, self.head_dim)
+            k = self._linear(h, p + "self_attn.k_proj").view(b, t, -1, self.head_dim)
+            v = self._linear(h, p + "self_attn.v_proj").view(b, t, -1, self.head_dim)
+            if self.qk_norm:
+                q = self._norm(q, self.w[p + "self_attn.q_norm.weight"])
+                k = self._norm(k, self.w[p + "self_attn.k_norm.weight"])
+            q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # [B, H, T, D]
+            q, k = self._rope(q, positions), self._rope(k, positions)
+            k_cache, v_cache = cache[2 * i], cache[2 * i + 1]  # [N, Hkv, L, D]
+            where = (rows[:, None, None], self._kv_heads[None, :, None], positions[:, None, :])
+            k_cache[where] = k
+            v_cache[where] = v
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                length = mask.shape[-1]
+                out = F.scaled_dot_product_attention(
+                    q, k_cache[rows, :, :length], v_cache[rows, :, :length], attn_mask=mask,
+                    enable_gqa=True)
+            x = x + self._linear(out.transpose(1, 2).reshape(b, t, -1), p + "self_attn.o_proj")
+            h = self._norm(x, self.w[p + "post_attention_layernorm.weight"])
+            gate = self._linear(h, p + "mlp.gate_proj")
+            x = x + self._linear(F.silu(gate) * self._linear(h, p + "mlp.up_proj"),
+                                 p + "mlp.down_proj")
+        last = self._norm(x[:, -1], self.w["model.norm.weight"])
+        return F.linear(last, self.head).float()
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy continuations of `max_new_tokens` tokens (no stop tokens) of every prompt."""
+        n = len(prompts)
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        capacity = int(lengths.max()) + max_new_tokens
+        cache = [torch.zeros(n, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
+                             device=self.device) for _ in range(2 * self.num_layers)]
+        next_tokens = []
+        for r, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=self.device)
+            positions = torch.arange(len(prompt), device=self.device)[None]
+            rows = torch.tensor([r], device=self.device)
+            next_tokens.append(self._forward(ids, positions, cache, rows, None).argmax(-1))
+        tokens = torch.cat(next_tokens)
+        out = [tokens]
+        all_rows = torch.arange(n, device=self.device)
+        slots = torch.arange(capacity, device=self.device)
+        for step in range(max_new_tokens - 1):
+            positions = lengths + step  # where this step's input token goes
+            length = int(positions.max()) + 1
+            mask = (slots[None, :length] <= positions[:, None])[:, None, None, :]
+            tokens = self._forward(tokens[:, None], positions[:, None], cache, all_rows,
+                                   mask).argmax(-1)
+            out.append(tokens)
+        return torch.stack(out, dim=1).tolist()
