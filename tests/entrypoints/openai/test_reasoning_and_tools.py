@@ -43,14 +43,7 @@ def chat(server, **kwargs):
 
 def streamed(server, **kwargs):
     """(reasoning, content, finish_reason) of a streamed reply, deltas concatenated."""
-    reasoning = content = ""
-    finish = None
-    for chunk in chat(server, stream=True, **kwargs):
-        for choice in chunk.choices:
-            delta = choice.delta
-            reasoning += getattr(delta, "reasoning_content", None) or ""
-            content += delta.content or ""
-            finish = choice.finish_reason or finish
+    reasoning, content, _, finish = streamed_calls(server, **kwargs)
     return reasoning, content, finish
 
 

@@ -577,7 +577,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         {"json": {"type": "string", "if": {"minLength": 2}, "then": {"maxLength": 3}}},
         "'if'",
     ),
-    ("contains", {"json": {"type": "array", "contains": {"const": 1}}}, "'contains'"),
+    ("contains", {"json": {"type": "array", "items": {"type": "string"},
+                                "contains": {"const": "x"}, "maxContains": 1}}, "'contains'"),
     (
         "unique_items",
         {"json": {"type": "array", "minItems": 2, "uniqueItems": True}},

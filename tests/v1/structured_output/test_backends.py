@@ -370,6 +370,17 @@ def test_structural_tag_triggers_on_the_tool_call_token(backend: Any, tokenizer:
     assert grammar.accept_tokens("r", _encode(tokenizer, " Done."))
 
 
+def test_draft7_tuple_items_are_enforced_by_llguidance(guidance_backend: Any,
+                                                      tokenizer: Any) -> None:
+    """normalize_json_schema writes draft-07's `items: [...]` as `prefixItems`; llguidance
+    read that as an unknown keyword while the schema still said draft-07."""
+    schema = {"$schema": "http://json-schema.org/draft-07/schema#", "type": "array",
+              "items": [{"const": "a"}], "additionalItems": False, "minItems": 1}
+    for text, ok in (('["a"]', True), ('["b"]', False), ('["a","a"]', False)):
+        grammar = guidance_backend.compile_grammar(StructuredOutputsParams(json=schema))
+        assert grammar.accept_tokens("t", _encode(tokenizer, text) + [EOS_IDS[0]]) == ok, text
+
+
 def test_lark_special_token_reference_is_masked(guidance_backend: Any, tokenizer: Any) -> None:
     # llguidance's Lark can name a special token; the backend still never allows it.
     grammar_text = 'start: "x" | <|im_start|> "y"'
@@ -619,9 +630,12 @@ def _message_is_clean(e: InvalidRequestError, field: str, *, one_line: bool = Tr
         # With minItems 2, uniqueItems cannot become maxItems 1 (normalize_json_schema).
         ({"json": {"type": "array", "uniqueItems": True, "minItems": 2}}, "'uniqueItems'"),
         ({"json": {"type": "integer", "not": {"const": 3}}}, "'not'"),
-        ({"json": {"type": "array", "contains": {"const": 1}}}, "'contains'"),
+        ({"json": {"type": "array", "items": {"type": "string"},
+                                "contains": {"const": "x"}, "maxContains": 1}}, "'contains'"),
         ({"json": {"type": "string", "format": "uri-template"}}, "'uri-template'"),
-        ({"json": {"type": "object", "propertyNames": {"maxLength": 3}}}, "'propertyNames'"),
+        # A pattern and a length at once cannot become one patternProperties regex.
+        ({"json": {"type": "object", "propertyNames": {"pattern": "^a", "maxLength": 3}}},
+         "'propertyNames'"),
         (
             {"json": {"x-guidance": {"lenient": True}, "type": "integer", "not": {"const": 3}}},
             "'not'",

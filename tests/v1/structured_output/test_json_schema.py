@@ -12,10 +12,12 @@ from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
 from vllm.v1.structured_output.json_schema import (
     check_xgrammar_support,
     normalize_json_schema,
+    spell_out_min_properties,
 )
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
+DRAFT2020 = "https://json-schema.org/draft/2020-12/schema"
 
 
 def test_legacy_drafts_drop_ref_siblings_and_new_drafts_keep_them() -> None:
@@ -23,7 +25,7 @@ def test_legacy_drafts_drop_ref_siblings_and_new_drafts_keep_them() -> None:
     old = {"$schema": DRAFT7, "definitions": defs, "$ref": "#/definitions/base",
            "required": ["id"], "description": "kept out too"}
     out = normalize_json_schema(old)
-    assert out == {"definitions": defs, "$ref": "#/definitions/base"}
+    assert out == {"definitions": defs, "$ref": "#/definitions/base", "$schema": DRAFT2020}
     # The validator of the schema's own draft agrees: {} is valid, so dropping was exact.
     jsonschema.validators.validator_for(old)(old).validate({})
     new = {"$defs": defs, "$ref": "#/$defs/base", "required": ["id"]}
@@ -105,7 +107,7 @@ def test_overlapping_one_of_is_refused_unless_coerced(branches: list[Any]) -> No
     with pytest.raises(UnsupportedConstraintError, match=r"at #: 'oneOf' branches may overlap"):
         normalize_json_schema({"oneOf": branches})
     assert normalize_json_schema({"oneOf": branches}, one_of_as_any_of=True) == {
-        "anyOf": branches
+        "anyOf": branches, "$schema": DRAFT2020
     }
 
 
@@ -138,7 +140,8 @@ def test_unsatisfiable_schemas_are_plain_grammar_errors() -> None:
         ({"type": "array", "minItems": 2, "uniqueItems": True}, "uniqueItems"),
         ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
         ({"allOf": [{"type": "integer"}, {"minimum": 1}]}, "allOf"),
-        ({"type": "object", "unevaluatedProperties": False}, "unevaluatedProperties"),
+        ({"type": "object", "properties": {"a": {}}, "unevaluatedProperties": False,
+          "dependentSchemas": {"a": {"properties": {"b": {}}}}}, "unevaluatedProperties"),
         ({"type": "object", "properties": {"s": {"type": "array", "uniqueItems": True,
                                                  "minItems": 3}}},
          "#/properties/s"),
@@ -227,3 +230,178 @@ def test_conditions_that_cannot_be_negated_are_left_for_the_backends() -> None:
     assert out["if"] == schema["if"]
     with pytest.raises(UnsupportedConstraintError, match="'if'"):
         check_xgrammar_support(out)
+
+
+def _compare(schema: dict[str, Any], probes: list[Any], exact: bool) -> dict[str, Any]:
+    """Normalizes `schema` and checks the result on `probes` against the schema's own draft:
+    equal verdicts when `exact`, else never accepting what the original refuses. Returns the
+    normalized schema; at least one probe must pass it (the check is not vacuous)."""
+    out = normalize_json_schema(schema)
+    original = jsonschema.validators.validator_for(schema)(schema)
+    rewritten = jsonschema.Draft202012Validator(out)
+    passed = 0
+    for value in probes:
+        got = rewritten.is_valid(value)
+        passed += got
+        if exact:
+            assert got == original.is_valid(value), value
+        elif got:
+            assert original.is_valid(value), value
+    assert passed
+    return out
+
+
+_KEY_PROBES: list[Any] = [{}, [], "x"] + [
+    {key: 1 for key in keys}
+    for n in range(3) for keys in itertools.combinations(["a", "bb", "ccc", "Z", "b-1"], n)
+] + [{"a": "s"}, {"bb": "s", "Z": 2}]
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+        {"type": "object", "propertyNames": {"maxLength": 2},
+         "additionalProperties": {"type": "integer"}},
+        {"type": "object", "propertyNames": {"minLength": 2, "maxLength": 3}},
+        {"type": "object", "properties": {"a": {"type": "integer"}, "bb": {}},
+         "propertyNames": {"pattern": "^[a-z]"}},
+        {"type": "object", "properties": {"a": {}}, "additionalProperties": False,
+         "propertyNames": {"pattern": "^a"}},
+    ],
+    ids=["pattern", "length_with_extra_schema", "length_range", "listed_keys_match",
+         "closed_object"],
+)
+def test_property_names_become_pattern_properties(schema: dict[str, Any]) -> None:
+    out = _compare(schema, _KEY_PROBES, exact=True)
+    assert "propertyNames" not in out
+
+
+def test_property_names_that_cannot_be_rewritten_stay() -> None:
+    for schema in [
+        {"properties": {"A": {}}, "propertyNames": {"pattern": "^[a-z]+$"}},  # listed key fails
+        {"propertyNames": {"pattern": "^a", "maxLength": 3}},
+        {"properties": {"a": {}}, "additionalProperties": {"type": "string"},
+         "propertyNames": {"pattern": "^a"}},
+        {"propertyNames": {"enum": ["a", "b"]}},
+    ]:
+        assert normalize_json_schema(schema)["propertyNames"] == schema["propertyNames"]
+
+
+@pytest.mark.parametrize(
+    ("schema", "exact"),
+    [
+        ({"type": "object", "properties": {"a": {}, "bb": {}}, "additionalProperties": False,
+          "minProperties": 1}, True),
+        ({"type": "object", "properties": {"a": {}}, "required": ["a"], "minProperties": 1},
+         True),
+        ({"type": "object", "properties": {"a": {}, "bb": {}}, "minProperties": 1}, False),
+    ],
+    ids=["closed", "required", "open"],
+)
+def test_min_properties_one(schema: dict[str, Any], exact: bool) -> None:
+    """For llguidance (normalize_json_schema drops only the redundant case, xgrammar
+    enforces the others itself)."""
+    out = normalize_json_schema(schema)
+    assert ("minProperties" in out) == ("required" not in schema)
+    spell_out_min_properties(out)
+    assert "minProperties" not in out
+    original = jsonschema.validators.validator_for(schema)(schema)
+    rewritten = jsonschema.Draft202012Validator(out)
+    assert any(rewritten.is_valid(v) for v in _KEY_PROBES)
+    for value in _KEY_PROBES:
+        if exact:
+            assert rewritten.is_valid(value) == original.is_valid(value), value
+        elif rewritten.is_valid(value):
+            assert original.is_valid(value), value
+
+
+def test_normalized_schemas_are_read_as_2020_12() -> None:
+    """The result uses 2020-12 keywords (prefixItems), so it must say so: llguidance reads a
+    draft-07 schema's prefixItems as an unknown keyword."""
+    out = normalize_json_schema({"$schema": DRAFT7, "type": "array", "items": [{"const": 1}]})
+    assert out["$schema"] == DRAFT2020 and out["prefixItems"] == [{"const": 1}]
+
+
+def test_unevaluated_properties_beside_all_of() -> None:
+    schema = {
+        "$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}},
+                           "required": ["a"]}},
+        "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"bb": {"type": "integer"}}},
+                  {"patternProperties": {"^Z$": {}}}],
+        "unevaluatedProperties": False,
+    }
+    out = _compare(schema, _KEY_PROBES, exact=True)
+    assert out["additionalProperties"] is False and "unevaluatedProperties" not in out
+    open_schema = {**schema, "allOf": [*schema["allOf"], {"additionalProperties": True}]}
+    assert "unevaluatedProperties" not in _compare(open_schema, _KEY_PROBES, exact=True)
+    conditional = {**schema, "anyOf": [{"required": ["a"]}, {"required": ["bb"]}]}
+    assert normalize_json_schema(conditional)["unevaluatedProperties"] is False
+
+
+_ITEM = {"type": "object", "properties": {"role": {"enum": ["owner", "member"]}},
+         "required": ["role"]}
+_OWNER = {"type": "object", "properties": {"role": {"const": "owner"}}, "required": ["role"]}
+_ROLE_PROBES: list[Any] = [
+    [{"role": r} for r in roles]
+    for n in range(5) for roles in itertools.product(["owner", "member"], repeat=n)
+]
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "items": _ITEM, "contains": _OWNER},
+        {"type": "array", "items": _ITEM, "contains": _OWNER, "minContains": 2},
+        {"type": "array", "items": _ITEM, "contains": _OWNER, "maxContains": 1},
+        {"type": "array", "items": _ITEM, "contains": _OWNER, "minContains": 2,
+         "maxContains": 3},
+        {"$schema": DRAFT7, "type": "array", "items": {"enum": ["build", "lint"]},
+         "uniqueItems": True, "contains": {"const": "build"}},
+    ],
+    ids=["contains", "min_contains", "max_contains", "min_and_max", "draft7_unique"],
+)
+def test_contains_becomes_leading_matches(schema: dict[str, Any]) -> None:
+    probes = _ROLE_PROBES + [[], ["build"], ["lint", "build"], ["build", "lint"]]
+    out = _compare(schema, probes, exact=False)
+    assert not {"contains", "minContains", "maxContains"} & set(out)
+
+
+def test_contains_that_cannot_be_rewritten_stays() -> None:
+    # maxContains over free strings: "the rest do not match" has no schema without `not`.
+    schema = {"type": "array", "items": {"type": "string"}, "contains": {"const": "x"},
+              "maxContains": 1}
+    assert normalize_json_schema(schema)["contains"] == {"const": "x"}
+
+
+@pytest.mark.parametrize(
+    "branches",
+    [
+        [{"type": "object", "properties": {"command": {"type": "string"}},
+          "required": ["command"]},
+         {"type": "object", "properties": {"url": {"type": "string"}}, "required": ["url"]}],
+        [{"type": "string"},
+         {"type": "object", "properties": {"version": {"type": "string"}},
+          "required": ["version"]},
+         {"type": "object", "properties": {"git": {"type": "string"}}, "required": ["git"]},
+         {"type": "object", "required": ["path", "a"]}],
+    ],
+    ids=["two_objects", "string_and_objects"],
+)
+def test_overlapping_object_branches_forbid_each_others_required_names(
+    branches: list[Any],
+) -> None:
+    probes = _PROBES + [{"command": "x"}, {"url": "u"}, {"command": "x", "url": "u"},
+                        {"version": "1"}, {"git": "g"}, {"path": "p", "a": 1},
+                        {"version": "1", "git": "g"}, {"command": 5, "url": "u"}]
+    out = _compare({"oneOf": branches}, probes, exact=False)
+    assert "oneOf" not in out
+
+
+def test_object_branches_one_inside_the_other_stay_refused() -> None:
+    # Every object with git and a matches both; no name tells the first from the second.
+    branches = [{"type": "object", "properties": {"git": {"type": "string"}},
+                 "required": ["git"]},
+                {"type": "object", "properties": {"a": {}}, "required": ["git", "a"]}]
+    with pytest.raises(UnsupportedConstraintError, match="may overlap"):
+        normalize_json_schema({"oneOf": branches})

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 
 from tests.v1.structured_output.oracle import check_structured_output, validate_json
+from tests.v1.structured_output.walker import random_walk
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 from vllm.config import StructuredOutputsConfig
 from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
@@ -27,7 +29,7 @@ from .conftest import EOS_IDS, VOCAB_SIZE
 CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "schema_corpus"
 # The acceptance this corpus reaches today (the goal is 0.97: see the README of the corpus for
 # what is still refused and why).
-MIN_ACCEPTED = 0.93
+MIN_ACCEPTED = 0.97
 MAX_TOKENS = 96
 
 
@@ -95,6 +97,31 @@ def test_a_pattern_xgrammar_matches_wrongly_is_enforced_exactly(tokenizer: Any) 
             grammar = backend.compile_grammar(StructuredOutputsParams(json=schema))
             ids = tokenizer.encode(text, add_special_tokens=False) + [EOS_IDS[0]]
             assert grammar.accept_tokens("t", ids) == ok, text
+    finally:
+        backend.destroy()
+
+
+# Keywords normalize_json_schema rewrites by a stricter or an equivalent schema; a random
+# model rarely finishes such schemas, so the rewrites are walked to the end (steered to stop).
+_REWRITTEN = ("contains", "propertyNames", "minProperties", "unevaluatedProperties", "oneOf")
+
+
+@pytest.mark.slow
+def test_walks_through_rewritten_schemas_validate(verdicts, tokenizer, walk_vocab) -> None:
+    entries = [e for e in CORPUS if verdicts[e["name"]] is None
+               and any(f'"{k}"' in json.dumps(e["schema"]) for k in _REWRITTEN)]
+    assert len(entries) >= 10
+    backend = create_backend(StructuredOutputsConfig(max_whitespace=1), tokenizer, VOCAB_SIZE,
+                             EOS_IDS)
+    try:
+        for i, entry in enumerate(entries):
+            params = StructuredOutputsParams(json=entry["schema"])
+            grammar = backend.compile_grammar(params)
+            rng = np.random.default_rng(i)
+            tokens, stopped = random_walk(grammar, walk_vocab, rng, finish_after=60)
+            assert stopped, entry["name"]
+            text = tokenizer.decode(tokens[:-1], skip_special_tokens=False)
+            validate_json(json.loads(text), entry["schema"])
     finally:
         backend.destroy()
 

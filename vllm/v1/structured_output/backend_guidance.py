@@ -86,7 +86,10 @@ from vllm.v1.structured_output.backend_types import (
     StructuredOutputGrammar,
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text
-from vllm.v1.structured_output.json_schema import normalize_json_schema
+from vllm.v1.structured_output.json_schema import (
+    normalize_json_schema,
+    spell_out_min_properties,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -525,6 +528,7 @@ class GuidanceBackend(StructuredOutputBackend):
                     disable_additional_properties=params.disable_additional_properties,
                     one_of_as_any_of=self.one_of_as_any_of,
                 )
+                spell_out_min_properties(schema)
             else:
                 # OpenAI's json_object means an object, never a top-level array or scalar.
                 schema = {"type": "object"}

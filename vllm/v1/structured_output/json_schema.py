@@ -13,9 +13,14 @@
   unless the server treats `oneOf` as `anyOf` by choice (`one_of_as_any_of`).
   `dependencies`/`dependentRequired`/`dependentSchemas` become equivalent `allOf` rules, and
   `uniqueItems: true` is enforced by allowing at most one item (no grammar can express
-  "all items differ"; an array that must hold two or more is refused). A `format` no
-  backend knows is an annotation, as the JSON Schema specification says, and is dropped.
-  Schemas no value can satisfy are refused.
+  "all items differ"; an array that must hold two or more is refused). Also rewritten:
+  `propertyNames` (a pattern or a length) as `patternProperties`, `unevaluatedProperties`
+  beside an `allOf` of plain objects as `additionalProperties`, and, by stricter rules that
+  never admit an invalid value, `contains` (the matches come first), overlapping object
+  `oneOf` branches (each may not carry a name only the other requires) and, for llguidance,
+  `minProperties: 1` (`spell_out_min_properties`). A `format` no backend knows is an
+  annotation, as the JSON Schema specification says, and is dropped. The result is labelled
+  2020-12, the draft its keywords are written in. Schemas no value can satisfy are refused.
 - `check_xgrammar_support`: raises UnsupportedConstraintError at the first keyword xgrammar
   0.2.9 accepts but does not enforce (so an output could violate the schema); the `auto`
   backend then tries llguidance.
@@ -37,6 +42,7 @@ from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
 from vllm.v1.structured_output.grammar_checks import find_lookaround
 
 _FIELD = "structured_outputs.json"
+DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
 
 # Keywords that assert nothing: they may sit beside anything without changing its meaning.
 _ANNOTATIONS = frozenset({
@@ -121,6 +127,9 @@ def normalize_json_schema(
     draft = out.get("$schema") if isinstance(out.get("$schema"), str) else ""
     legacy = bool(_LEGACY_REF_DRAFTS.search(draft))
     _normalize_node(out, out, "#", legacy, disable_additional_properties, one_of_as_any_of)
+    # The result is written in 2020-12's keywords (prefixItems, dependentRequired...), and
+    # llguidance reads a schema by its `$schema`: a draft-07 label would hide them.
+    out["$schema"] = DRAFT_2020_12
     return out
 
 
@@ -147,6 +156,10 @@ def _normalize_node(
     _rewrite_dependencies(node)
     _rewrite_not(node, root)
     _rewrite_conditional(node, root)
+    _rewrite_property_names(node)
+    _rewrite_min_properties(node)
+    _rewrite_unevaluated_properties(node, root)
+    _rewrite_contains(node, root)
     _narrow_unique_items(node)
     if isinstance(node.get("oneOf"), list) and node["oneOf"]:
         _rewrite_one_of(node, root, path, coerce)
@@ -172,6 +185,157 @@ def _narrow_unique_items(node: dict[str, Any]) -> None:
     del node["uniqueItems"]
     high = node.get("maxItems")
     node["maxItems"] = min(high, 1) if _is_number(high) else 1
+
+
+def _rewrite_property_names(node: dict[str, Any]) -> None:
+    """`propertyNames` that is a pattern or a length range becomes the equivalent
+    `patternProperties` plus `additionalProperties: false`, which the backends enforce.
+
+    Exact when the keys the node lists all match, and when the node has no
+    `additionalProperties` schema that would now also apply to its listed keys.
+    """
+    names = node.get("propertyNames")
+    if names is True or names == {}:
+        del node["propertyNames"]
+        return
+    if not isinstance(names, dict) or "patternProperties" in node:
+        return
+    keys = {k for k in names if k not in _ANNOTATIONS}
+    if names.get("type", "string") != "string" or keys - {"type", "pattern", "minLength",
+                                                           "maxLength"}:
+        return
+    low, high = names.get("minLength"), names.get("maxLength")
+    if "pattern" in names:
+        if low is not None or high is not None or not isinstance(names["pattern"], str):
+            return  # a pattern and a length cannot be one regex without lookarounds
+        regex = names["pattern"]
+    elif (low is None or isinstance(low, int)) and (high is None or isinstance(high, int)):
+        regex = f"^[\\s\\S]{{{low or 0},{'' if high is None else high}}}$"
+    else:
+        return
+    listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    extra = node.get("additionalProperties", True)
+    try:
+        if not all(re.search(regex, name) for name in listed):
+            return
+    except re.error:
+        return
+    del node["propertyNames"]
+    if extra is False:
+        return  # only the listed keys, which all match
+    if listed and extra not in (True, {}):
+        node["propertyNames"] = names  # the extra schema would reach the listed keys
+        return
+    node["patternProperties"] = {regex: {} if extra is True else extra}
+    node["additionalProperties"] = False
+
+
+def _rewrite_min_properties(node: dict[str, Any]) -> None:
+    """`minProperties: 1` asserts nothing more when a required property exists."""
+    if node.get("minProperties") == 1 and isinstance(node.get("required"), list) and (
+        node["required"]
+    ):
+        del node["minProperties"]
+
+
+def spell_out_min_properties(schema: Any) -> None:
+    """Rewrites, in place and in every subschema, `minProperties: 1` beside listed
+    properties as "one of the listed properties is present", for llguidance (which enforces
+    minProperties only when every listed property is required). Exact without additional
+    properties, stricter (never wrong) with them."""
+    if not isinstance(schema, dict):
+        return
+    _spell_min_properties(schema)
+    for sub, _ in _subschemas(schema, "#"):
+        spell_out_min_properties(sub)
+
+
+def _spell_min_properties(node: dict[str, Any]) -> None:
+    if node.get("minProperties") != 1:
+        return
+    listed = node.get("properties")
+    if not isinstance(listed, dict) or not listed:
+        return
+    del node["minProperties"]
+    node.setdefault("allOf", []).append(
+        {"anyOf": [{"required": [name]} for name in listed]} if len(listed) > 1
+        else {"required": list(listed)}
+    )
+
+
+# Keywords of an `allOf` branch whose evaluated properties are known without running it.
+_PLAIN_OBJECT_KEYS = frozenset({
+    "type", "properties", "patternProperties", "required", "additionalProperties",
+    "minProperties", "maxProperties",
+})
+
+
+def _rewrite_unevaluated_properties(node: dict[str, Any], root: dict[str, Any]) -> None:
+    """`unevaluatedProperties` beside an `allOf` of plain object schemas: the evaluated
+    properties are those any of them (or the node) lists, so it is the node's
+    `additionalProperties` once those are listed on the node too."""
+    if "unevaluatedProperties" not in node:
+        return
+    rest = node["unevaluatedProperties"]
+    branches = [_resolve(b, root) for b in node.get("allOf", [])]
+    if any(k in node for k in ("anyOf", "oneOf", "if", "not", "dependentSchemas", "$ref")):
+        return
+    if not all(isinstance(b, dict) for b in branches):
+        return
+    for b in branches:
+        if {k for k in b if k not in _ANNOTATIONS} - _PLAIN_OBJECT_KEYS:
+            return
+    scopes = [node, *branches]
+    if any("additionalProperties" in b for b in scopes):
+        del node["unevaluatedProperties"]  # every property is evaluated
+        return
+    listed = node.setdefault("properties", {})
+    patterns = {}
+    for b in scopes:
+        for name in b.get("properties", {}) if isinstance(b.get("properties"), dict) else ():
+            listed.setdefault(name, {})
+        if isinstance(b.get("patternProperties"), dict):
+            patterns.update({p: {} for p in b["patternProperties"]})
+    if patterns:
+        node["patternProperties"] = {**patterns, **node.get("patternProperties", {})}
+    del node["unevaluatedProperties"]
+    node["additionalProperties"] = rest
+
+
+def _rewrite_contains(node: dict[str, Any], root: dict[str, Any]) -> None:
+    """`contains` (with `minContains` m, default 1) becomes m leading items that match it.
+    With `maxContains`, the items after them must not match it, which is written when the
+    item schema lists the values of the properties `contains` pins. Stricter than `contains`
+    (the matches come first, and exactly m of them with `maxContains`), never wrong."""
+    wanted = node.get("contains")
+    if wanted is None or "prefixItems" in node:
+        return
+    low = node.get("minContains", 1)
+    high = node.get("maxContains")
+    if not isinstance(low, int) or isinstance(low, bool) or not 1 <= low <= 8:
+        return
+    if high is not None and (not isinstance(high, int) or high < low):
+        return
+    items = node.get("items", True)
+    rest: Any = items
+    limit = node.get("maxItems")
+    if high is not None and not (_is_number(limit) and limit <= high):
+        item_schema = _resolve(items, root)
+        condition = _resolve(wanted, root)
+        if not isinstance(condition, dict) or not isinstance(item_schema, dict):
+            return
+        if condition.get("type") == "object" and _kinds(item_schema, root) == {"object"}:
+            condition = {k: v for k, v in condition.items() if k != "type"}
+        negation = _negate_condition(condition, item_schema, root)
+        if negation is None:
+            return
+        rest = {"allOf": [items, negation]}
+    for key in ("contains", "minContains", "maxContains"):
+        node.pop(key, None)
+    match = wanted if items is True else {"allOf": [items, wanted]}
+    node["prefixItems"] = [copy.deepcopy(match) for _ in range(low)]
+    node["items"] = rest
+    node["minItems"] = max(node.get("minItems", 0), low)
 
 
 def _absent(names: list[str]) -> dict[str, Any]:
@@ -286,11 +450,31 @@ def _negate_condition(
     return {"type": "object", "anyOf": ways}
 
 
+def _forbidden_keys(a: Any, b: Any, root: dict[str, Any]) -> tuple[str, str] | None:
+    """(name a must not carry, name b must not carry) when a and b match only objects and
+    each requires a name the other does not: forbidding those makes each branch exclude the
+    other. None otherwise."""
+    a, b = _resolve(a, root), _resolve(b, root)
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return None
+    if _kinds(a, root) != {"object"} or _kinds(b, root) != {"object"}:
+        return None
+    req_a, req_b = ({n for n in x["required"] if isinstance(n, str)}
+                    if isinstance(x.get("required"), list) else set() for x in (a, b))
+    only_a, only_b = sorted(req_a - req_b), sorted(req_b - req_a)
+    if not only_a or not only_b:
+        return None
+    return only_b[0], only_a[0]
+
+
 def _rewrite_one_of(node: dict[str, Any], root: dict[str, Any], path: str, coerce: bool) -> None:
     """Turns `oneOf` into the equivalent `anyOf` of branches no two values share.
 
     Two branches that may overlap are made disjoint when both can be negated (they only
-    require property names): `oneOf [A, B]` is `anyOf [A and not B, B and not A]`.
+    require property names): `oneOf [A, B]` is `anyOf [A and not B, B and not A]`. Else, when
+    each of two object branches requires a name the other does not, each may not carry the
+    other's: stricter than `oneOf` (an object holding both names is refused even when it
+    would match only one branch), never wrong.
     """
     branches = node["oneOf"]
     outer = _kinds({k: v for k, v in node.items() if k != "oneOf"}, root)
@@ -302,11 +486,16 @@ def _rewrite_one_of(node: dict[str, Any], root: dict[str, Any], path: str, coerc
             if _disjoint(a, branches[j], outer, outer_required, root):
                 continue
             not_b, not_a = _negation(branches[j], root), _negation(a, root)
-            if not_a is None or not_b is None:
-                exclusive = False
+            if not_a is not None and not_b is not None:
+                extra[i].append(not_b)
+                extra[j].append(not_a)
                 continue
-            extra[i].append(not_b)
-            extra[j].append(not_a)
+            forbid = _forbidden_keys(a, branches[j], root)
+            if forbid is not None:
+                extra[i].append({"properties": {forbid[0]: False}})
+                extra[j].append({"properties": {forbid[1]: False}})
+                continue
+            exclusive = False
     if exclusive:
         branches = [
             {"allOf": [b, *negations]} if negations else b
