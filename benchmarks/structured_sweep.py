@@ -1,8 +1,10 @@
 """Sweep {sync/uni, async/uni, async/mp} × structured-output ratios {0, 0.2, 0.8, 1.0}.
 
-Starts `vllm serve` once per configuration, runs benchmark_serving_structured_output.py at each
-ratio (same prompts), stops the server, then prints the request-throughput table, the two
-headline ratios, and writes sweep.json, sweep.md and sweep.png into --result-dir.
+Starts `vllm serve` once per configuration and round (--repeats rounds, interleaved), runs
+benchmark_serving_structured_output.py at each ratio (same prompts), stops the server, then
+prints the request-throughput table (median and min-max of the repeats), each configuration
+against sync/uni (or "within noise"), the two headline ratios, and writes sweep.json,
+sweep.md and sweep.png into --result-dir.
 
     python benchmarks/structured_sweep.py --preset cpu-overhead
     python benchmarks/structured_sweep.py --preset cpu-demo
@@ -38,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         choices=("auto", "xgrammar", "guidance"),
                         help="The servers' structured-output backend (default: the server's, "
                         "auto).")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="Rounds of every configuration; each cell reports the median and "
+                        "min-max of its repeats (default: 3).")
     parser.add_argument("--list-presets", action="store_true", help="Describe presets and exit.")
     return parser.parse_args(argv)
 
@@ -71,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_args = list(args.serve_arg)
         if args.structured_outputs_backend is not None:
             serve_args += ["--structured-outputs-config.backend", args.structured_outputs_backend]
-        result = run_sweep(preset, result_dir, configs, ratios, args.num_prompts, serve_args)
+        result = run_sweep(preset, result_dir, configs, ratios, args.num_prompts, serve_args,
+                           repeats=args.repeats)
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -205,3 +205,39 @@ def test_failed_configurations_are_listed(result: SweepResult) -> None:
     result.errors["async/mp"] = "server exited with 1:\nboom"
     text = sweep.format_tables(result)
     assert "Failed configurations:\n  async/mp: server exited with 1: ... boom" in text
+
+
+def test_repeats_give_medians_ranges_and_noise_verdicts() -> None:
+    r = SweepResult("p", [0.0, 1.0])
+    for req in (10.0, 12.0, 11.0):  # sync/uni
+        r.add("sync/uni", "0.0", cell(req, 10 * req))
+    for req in (12.5, 11.5, 13.0):  # overlaps sync's 10-12
+        r.add("async/uni", "0.0", cell(req))
+    for req in (13.0, 14.0, 15.0):  # above sync's range
+        r.add("async/mp", "0.0", cell(req))
+    assert r.cells["sync/uni"]["0.0"].request_throughput == 11.0
+    assert r.cells["sync/uni"]["0.0"].output_throughput == 110.0
+    assert r.cells["async/uni"]["0.0"].request_throughput == 12.5
+    assert r.spread("sync/uni", "0.0") == (10.0, 12.0) and r.spread("x", "0.0") is None
+    assert sweep.within_noise(r, "async/uni", "sync/uni", "0.0") is True
+    assert sweep.within_noise(r, "async/mp", "sync/uni", "0.0") is False
+    assert sweep.within_noise(r, "async/mp", "sync/uni", "1.0") is None
+    h = sweep.headlines(r)
+    assert h["async_speedup_at_0"] == pytest.approx(12.5 / 11.0)
+    assert h["async_speedup_at_0_within_noise"] is True
+    lines = sweep.comparisons(r)
+    assert lines == [
+        "  async/uni ÷ sync/uni at 0.0: 1.14× (range 0.96–1.30), within noise",
+        "  async/mp ÷ sync/uni at 0.0: 1.27× (range 1.08–1.50), faster",
+    ]
+    text = sweep.format_tables(r)
+    assert "median (min–max) of 3 interleaved repeats" in text
+    assert "| sync/uni | 11.00 (10.00–12.00) | - |" in text
+    assert "(within noise)" in text and "\n".join(lines) in text
+
+
+def test_median_cell_needs_samples() -> None:
+    with pytest.raises(ValueError, match="no samples"):
+        sweep.median_cell([])
+    two = sweep.median_cell([cell(1.0), Cell(3.0, 0.0, 1.0, 1.0, 1.0, None, 2)])
+    assert two.request_throughput == 2.0 and two.failed == 2 and two.correct_rate == 1.0

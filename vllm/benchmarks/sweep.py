@@ -4,6 +4,11 @@ For each engine configuration (sync/uni, async/uni, async/mp) it starts `vllm se
 structured-output benchmark at each structured-output ratio with the same prompts, stops the
 server, and reports request throughput per (configuration, ratio) plus the two headline
 ratios: async/uni ÷ sync/uni at ratio 0, and ratio 1 ÷ ratio 0 for the best configuration.
+
+These machines are noisy, so the sweep runs in rounds: each round runs every configuration
+once (a fresh server each time), so the repeats of a cell are interleaved with the other
+cells, never back to back. A cell reports the median of its repeats and the min–max spread;
+a comparison whose spreads overlap is reported as within noise.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import shlex
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -134,17 +140,52 @@ class Cell:
     failed: int
 
 
+def median_cell(samples: Sequence[Cell]) -> Cell:
+    """One cell of the per-field medians of `samples` (failures summed). Raises ValueError
+    for no samples."""
+    if not samples:
+        raise ValueError("median_cell: no samples")
+
+    def median(name: str) -> Any:
+        values = [getattr(c, name) for c in samples if getattr(c, name) is not None]
+        return statistics.median(values) if values else None
+
+    return Cell(
+        request_throughput=median("request_throughput"),
+        output_throughput=median("output_throughput"),
+        mean_output_tokens=median("mean_output_tokens"),
+        mean_ttft_ms=median("mean_ttft_ms"),
+        mean_tpot_ms=median("mean_tpot_ms"),
+        correct_rate=median("correct_rate"),
+        failed=sum(c.failed for c in samples),
+    )
+
+
 @dataclass
 class SweepResult:
-    """All cells of a sweep, keyed by configuration then ratio label ("0.2")."""
+    """All cells of a sweep, keyed by configuration then ratio label ("0.2"): `samples` holds
+    every repeat, `cells` their medians."""
 
     preset: str
     ratios: list[float]
     cells: dict[str, dict[str, Cell]] = field(default_factory=dict)
+    samples: dict[str, dict[str, list[Cell]]] = field(default_factory=dict)
     commands: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
     # Configurations that failed, with why.
     errors: dict[str, str] = field(default_factory=dict)
+
+    def add(self, config: str, label: str, cell: Cell) -> None:
+        """Records one repeat of a cell and updates the cell's medians."""
+        samples = self.samples.setdefault(config, {}).setdefault(label, [])
+        samples.append(cell)
+        self.cells.setdefault(config, {})[label] = median_cell(samples)
+
+    def spread(self, config: str, label: str,
+               attr: str = "request_throughput") -> tuple[float, float] | None:
+        """(min, max) of `attr` over the repeats of a cell; None when it has none."""
+        values = [getattr(c, attr) for c in self.samples.get(config, {}).get(label, [])]
+        return (min(values), max(values)) if values else None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with the headline ratios included."""
@@ -334,14 +375,18 @@ def run_sweep(
     num_prompts: int | None = None,
     extra_serve_args: Sequence[str] = (),
     log: Callable[[str], None] = print,
+    repeats: int = 3,
 ) -> SweepResult:
-    """Run every (configuration, ratio) cell and write sweep.json and sweep.png to result_dir.
+    """Run every (configuration, ratio) cell `repeats` times, in rounds that each run every
+    configuration once, and write sweep.json and sweep.png to result_dir.
 
     A configuration whose server fails to start or whose run fails is recorded in
-    `result.errors` and the sweep goes on with the next one; servers are always stopped.
-    Raises ValueError for an unknown configuration or model, OSError if results cannot be
-    written.
+    `result.errors` and left out of the later rounds; servers are always stopped.
+    Raises ValueError for an unknown configuration or model or repeats < 1, OSError if
+    results cannot be written.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats: must be at least 1, got {repeats}")
     # Imported first so a missing matplotlib fails now, not after the sweep has run.
     from vllm.benchmarks.plot import bar_chart_png  # noqa: F401
     from vllm.benchmarks.serve import load_tokenizer
@@ -356,14 +401,18 @@ def run_sweep(
         "extra_serve_args": list(extra_serve_args),
         "cpu_count": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
+        "repeats": repeats,
     }
-    for config in configs:
-        try:
-            _run_config(preset, model, tokenizer, config, ratios, num_prompts,
-                        extra_serve_args, result_dir, result, log)
-        except RuntimeError as e:
-            result.errors[config] = str(e)
-            log(f"[{config}] FAILED: {e}")
+    for round_ in range(repeats):
+        for config in configs:
+            if config in result.errors:
+                continue
+            try:
+                _run_config(preset, model, tokenizer, config, ratios, num_prompts,
+                            extra_serve_args, result_dir, result, log, round_)
+            except RuntimeError as e:
+                result.errors[config] = str(e)
+                log(f"[{config}] FAILED: {e}")
     result.settings["loadavg_end"] = os.getloadavg()
     (result_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     write_chart(result, result_dir / "sweep.png")
@@ -381,8 +430,10 @@ def _run_config(
     result_dir: Path,
     result: SweepResult,
     log: Callable[[str], None],
+    round_: int = 0,
 ) -> None:
-    """Start one configuration's server, warm it up, run every ratio into `result`, stop it.
+    """Start one configuration's server, warm it up, run every ratio once into `result`
+    (round `round_`), stop it.
 
     Raises RuntimeError if the server does not start or a run cannot start.
     """
@@ -395,7 +446,8 @@ def _run_config(
     cmd = serve_command(model, config, port, [*preset.serve_args, *extra_serve_args])
     log(f"\n[{config}] $ {shlex.join(cmd)}")
     result.commands.append(shlex.join(cmd))
-    server = Server(cmd, port, result_dir / f"server-{config.replace('/', '-')}.log")
+    tag = f"{config.replace('/', '-')}-r{round_}"
+    server = Server(cmd, port, result_dir / f"server-{tag}.log")
     started = time.monotonic()
     try:
         server.start(preset.server_timeout_s)
@@ -404,18 +456,18 @@ def _run_config(
             preset, model, port, 1.0, preset.warmup_prompts, output_len=preset.warmup_output_len
         )
         structured_output.run(parser.parse_args(warm), tokenizer, quiet=True)
-        result.cells[config] = {}
         for ratio in ratios:
-            name = f"{config.replace('/', '-')}-ratio{ratio_label(ratio)}.json"
+            name = f"{tag}-ratio{ratio_label(ratio)}.json"
             argv = bench_argv(preset, model, port, ratio, num_prompts, 0, result_dir, name)
             command = f"{BENCH_COMMAND} {shlex.join(argv)}"
             log(f"[{config}] $ {command}")
             result.commands.append(command)
             record = structured_output.run(parser.parse_args(argv), tokenizer, quiet=True)
             cell = cell_from_record(record)
-            result.cells[config][ratio_label(ratio)] = cell
+            result.add(config, ratio_label(ratio), cell)
             log(
-                f"[{config}] ratio {ratio_label(ratio)}: {cell.request_throughput:.2f} req/s, "
+                f"[{config} r{round_}] ratio {ratio_label(ratio)}: "
+                f"{cell.request_throughput:.2f} req/s, "
                 f"{cell.output_throughput:.1f} tok/s, {cell.mean_output_tokens:.1f} tok/req, "
                 f"correct {_pct(cell.correct_rate)}, failed {cell.failed}"
             )
@@ -439,6 +491,7 @@ def headlines(result: SweepResult) -> dict[str, Any]:
 
     sync0, async0 = get("sync/uni", "0.0"), get("async/uni", "0.0")
     speedup = async0 / sync0 if sync0 and async0 is not None else None
+    noise = within_noise(result, "async/uni", "sync/uni", "0.0")
     measured = {c: row for c, row in cells.items() if row}
     best = max(
         measured,
@@ -453,10 +506,43 @@ def headlines(result: SweepResult) -> dict[str, Any]:
         retention_tok = t1 / t0 if t0 and t1 is not None else None
     return {
         "async_speedup_at_0": speedup,
+        "async_speedup_at_0_within_noise": noise,
         "best_config": best,
         "structured_retention_best": retention,
         "structured_retention_best_tokens": retention_tok,
     }
+
+
+def within_noise(result: SweepResult, a: str, b: str, label: str) -> bool | None:
+    """True when the request-throughput ranges (min–max over the repeats) of two cells
+    overlap, so their difference is not established; None when a cell is missing."""
+    sa, sb = result.spread(a, label), result.spread(b, label)
+    if sa is None or sb is None:
+        return None
+    return sa[0] <= sb[1] and sb[0] <= sa[1]
+
+
+def comparisons(result: SweepResult, baseline: str = "sync/uni") -> list[str]:
+    """One line per (configuration, ratio): its median request throughput ÷ the baseline's,
+    the ratio's range over the repeats, and whether it is within noise."""
+    lines = []
+    for config, row in result.cells.items():
+        if config == baseline:
+            continue
+        for label in [ratio_label(r) for r in result.ratios]:
+            base = result.cells.get(baseline, {}).get(label)
+            cell, sa, sb = row.get(label), result.spread(config, label), result.spread(
+                baseline, label)
+            if cell is None or base is None or not base.request_throughput or not sa or not sb:
+                continue
+            verdict = "within noise" if within_noise(result, config, baseline, label) else (
+                "faster" if cell.request_throughput > base.request_throughput else "slower")
+            lines.append(
+                f"  {config} ÷ {baseline} at {label}: "
+                f"{cell.request_throughput / base.request_throughput:.2f}× "
+                f"(range {sa[0] / sb[1]:.2f}–{sa[1] / sb[0]:.2f}), {verdict}"
+            )
+    return lines
 
 
 def format_tables(result: SweepResult) -> str:
@@ -477,18 +563,32 @@ def format_tables(result: SweepResult) -> str:
             values = []
             for label in labels:
                 cell = row.get(label)
+                spread = result.spread(config, label, attr) if fmt is not None else None
                 if cell is None:
                     values.append("-")
                 elif fmt is None:
                     values.append(_pct(cell.correct_rate))
+                elif spread is not None and spread[0] != spread[1]:
+                    low, high = (fmt.format(v) for v in spread)
+                    values.append(f"{fmt.format(getattr(cell, attr))} ({low}–{high})")
                 else:
                     values.append(fmt.format(getattr(cell, attr)))
             lines.append(f"| {config} | " + " | ".join(values) + " |")
         blocks.append("\n".join(lines))
+    repeats = max((len(v) for row in result.samples.values() for v in row.values()), default=1)
+    if repeats > 1:
+        blocks[0] = blocks[0].replace(
+            "Request throughput (req/s)",
+            f"Request throughput (req/s), median (min–max) of {repeats} interleaved repeats", 1)
+    compared = comparisons(result)
+    if compared:
+        blocks.append("Against sync/uni (request throughput; within noise when the "
+                      "min–max ranges overlap):\n" + "\n".join(compared))
     h = headlines(result)
     blocks.append(
         "Headline ratios:\n"
         f"  async/uni ÷ sync/uni at 0.0 (request throughput): {_ratio(h['async_speedup_at_0'])}"
+        f"{' (within noise)' if h['async_speedup_at_0_within_noise'] else ''}"
         "  (target ≥ 1.30)\n"
         f"  1.0 ÷ 0.0 for the best config ({h['best_config']}): "
         f"{_ratio(h['structured_retention_best'])} in req/s, "
