@@ -12,7 +12,7 @@ import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
-from vllm.benchmarks.plot import bar_chart_png
+from vllm.benchmarks.plot import bar_chart_png, line_chart_png
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -87,6 +87,19 @@ def test_mismatched_series_raise(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="series"):
         bar_chart_png(tmp_path / "x.png", "t", ["a", "b"], {"s": [1.0]})
     assert not (tmp_path / "x.png").exists()
+
+
+def test_line_chart_draws_one_colored_line_per_series(tmp_path: Path) -> None:
+    path = line_chart_png(tmp_path / "l.png", "t", [1, 4, 16],
+                          {"up": [1.0, 2.0, 3.0], "flat": [2.0, 2.0, 2.0]},
+                          xlabel="batch", ylabel="tok/s", log_x=True)
+    image = read_rgb(path)
+    assert image.shape == (540, 960, 3)
+    for color in ("C0", "C1"):
+        rgb = (np.array(to_rgb(color)) * 255).round()
+        assert (np.abs(image.astype(int) - rgb).sum(axis=2) < 30).sum() > 100, color
+    with pytest.raises(ValueError, match="series"):
+        line_chart_png(tmp_path / "x.png", "t", [1, 2], {"s": [1.0]})
 
 
 def test_no_matplotlib_at_vllm_import_and_no_pyplot_state(tmp_path: Path) -> None:

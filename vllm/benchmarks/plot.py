@@ -55,3 +55,42 @@ def bar_chart_png(
     fig.tight_layout()
     fig.savefig(path, format="png")
     return path
+
+
+def line_chart_png(
+    path: str | Path,
+    title: str,
+    xs: Sequence[float],
+    series: dict[str, Sequence[float]],
+    xlabel: str = "",
+    ylabel: str = "",
+    log_x: bool = False,
+) -> Path:
+    """Write a line chart with markers: one line per series over the shared `xs`, line k in
+    color "C{k % 10}". Returns the path.
+
+    Raises ValueError if a series does not have one value per x, OSError if the file cannot
+    be written.
+    """
+    for name, values in series.items():
+        if len(values) != len(xs):
+            raise ValueError(f"series: {name!r} has {len(values)} values for {len(xs)} points")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=FIGSIZE, dpi=DPI)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for k, (name, values) in enumerate(series.items()):
+        ax.plot(list(xs), list(values), marker="o", label=name, color=f"C{k % 10}")
+    if log_x:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(list(xs), [f"{x:g}" for x in xs])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path

@@ -1,0 +1,144 @@
+"""Throughput and time per output token against batch size and context length, for the
+engine and for the bare decode loop over the same checkpoint, in one run, with a PNG chart.
+
+    .venv/bin/python benchmarks/bench_scaling.py [--model demo] [--batch-sizes 1,4,16,64] \
+        [--context-lens 128,1024] [--output-len 32] [--png results/scaling.png] [--json F]
+
+On a GPU, e.g. `--batch-sizes 1,8,32,128,256 --context-lens 128,1024,8192`. Prompts are
+seeded random token ids of exactly the context length; outputs are greedy with ignore_eos.
+Each cell runs the full output and a one-token output (the prefill); the difference divided
+by the remaining steps is the time per decode step. The engine's own cost per step is its
+step time minus the bare loop's; the benchmark prints how that overhead grows with the
+batch (the exponent of a power law through the smallest and largest batch: 1.0 is linear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.benchmarks.bare_decode import BareDecoder
+from vllm.benchmarks.plot import line_chart_png
+from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+
+
+def step_seconds(full_s: float, prefill_s: float, output_len: int) -> float:
+    """Seconds per decode step: the time beyond the prefill, over the steps after the first
+    token. Raises ValueError for an output of fewer than two tokens."""
+    if output_len < 2:
+        raise ValueError(f"output_len: need at least 2 tokens, got {output_len}")
+    return max(full_s - prefill_s, 0.0) / (output_len - 1)
+
+
+def growth_exponent(batches: list[int], overheads: list[float]) -> float | None:
+    """k in overhead ∝ batch^k through the smallest and largest batch (None when either
+    overhead is not positive or there is one batch)."""
+    (b0, o0), (b1, o1) = min(zip(batches, overheads)), max(zip(batches, overheads))
+    if b1 == b0 or o0 <= 0 or o1 <= 0:
+        return None
+    return math.log(o1 / o0) / math.log(b1 / b0)
+
+
+def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab) for _ in range(length)] for _ in range(batch)]
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run(model: str, batches: list[int], lengths: list[int], output_len: int) -> list[dict]:
+    """One record per (context length, batch): engine and bare step times and throughputs."""
+    model_dir = resolve_model_dir(model)
+    cuda = torch.cuda.is_available()
+    bare = BareDecoder(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
+                       device="cuda" if cuda else "cpu")
+    vocab = bare.head.shape[0] - 1024  # stay below Qwen's added tokens and the padding
+    records = []
+    for length in lengths:
+        llm = LLM(model, max_model_len=length + output_len + 16, max_num_seqs=max(batches),
+                  max_num_batched_tokens=max(8192, length * 2), enable_prefix_caching=False)
+        try:
+            for batch in batches:
+                prompts = _prompts(batch, length, vocab, seed=batch * 7919 + length)
+                inputs = [{"prompt_token_ids": p} for p in prompts]
+
+                def engine(n: int) -> None:
+                    llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=n,
+                                                        ignore_eos=True), use_tqdm=False)
+
+                engine(2)  # warm up this shape
+                e_full, e_pre = _timed(lambda: engine(output_len)), _timed(lambda: engine(1))
+                bare.generate(prompts[:1], 2)
+                b_full = _timed(lambda: bare.generate(prompts, output_len))
+                b_pre = _timed(lambda: bare.generate(prompts, 1))
+                e_step = step_seconds(e_full, e_pre, output_len)
+                b_step = step_seconds(b_full, b_pre, output_len)
+                record = {
+                    "context": length, "batch": batch,
+                    "engine_step_ms": 1e3 * e_step, "bare_step_ms": 1e3 * b_step,
+                    "overhead_step_ms": 1e3 * (e_step - b_step),
+                    "engine_tok_s": batch / e_step if e_step else float("inf"),
+                    "bare_tok_s": batch / b_step if b_step else float("inf"),
+                }
+                records.append(record)
+                print(f"context {length:6d} batch {batch:4d}: engine {record['engine_step_ms']:8.2f}"
+                      f" ms/step ({record['engine_tok_s']:8.1f} tok/s), bare "
+                      f"{record['bare_step_ms']:8.2f} ms/step ({record['bare_tok_s']:8.1f} tok/s),"
+                      f" overhead {record['overhead_step_ms']:7.2f} ms/step", flush=True)
+        finally:
+            llm.shutdown()
+    return records
+
+
+def chart(records: list[dict], path: Path) -> Path:
+    """Tokens/s against batch size: one engine line and one bare line per context length."""
+    batches = sorted({r["batch"] for r in records})
+    series: dict[str, list[float]] = {}
+    for length in sorted({r["context"] for r in records}):
+        rows = {r["batch"]: r for r in records if r["context"] == length}
+        for who in ("engine", "bare"):
+            series[f"{who}, context {length}"] = [rows[b][f"{who}_tok_s"] for b in batches]
+    return line_chart_png(path, "decode throughput against batch size", batches, series,
+                          xlabel="batch size", ylabel="output tokens/s", log_x=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--batch-sizes", default="1,4,16,64")
+    parser.add_argument("--context-lens", default="128,1024")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--png", type=Path, default=Path("results/scaling.png"))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    batches = sorted(int(b) for b in args.batch_sizes.split(","))
+    lengths = sorted(int(n) for n in args.context_lens.split(","))
+    records = run(args.model, batches, lengths, args.output_len)
+    print()
+    for length in lengths:
+        rows = [r for r in records if r["context"] == length]
+        k = growth_exponent([r["batch"] for r in rows], [r["overhead_step_ms"] for r in rows])
+        verdict = "-" if k is None else f"{k:.2f} ({'at most linear' if k <= 1.05 else 'FASTER than linear'})"
+        print(f"context {length}: engine overhead per step grows as batch^{verdict}")
+    print(f"chart: {chart(records, args.png)}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(records, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Tests for benchmarks/bench_scaling.py: decode step times, the overhead growth exponent and
+the chart (the benchmark itself takes minutes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load() -> ModuleType:
+    path = REPO / "benchmarks" / "bench_scaling.py"
+    spec = importlib.util.spec_from_file_location("bench_scaling", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_scaling"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+
+
+def test_step_seconds_are_the_decode_time_per_step() -> None:
+    assert bench.step_seconds(3.5, 0.5, 7) == pytest.approx(0.5)
+    assert bench.step_seconds(0.4, 0.5, 7) == 0.0  # noise never gives a negative step
+    with pytest.raises(ValueError, match="at least 2"):
+        bench.step_seconds(1.0, 0.5, 1)
+
+
+def test_growth_exponent() -> None:
+    assert bench.growth_exponent([1, 4, 16], [2.0, 5.0, 32.0]) == pytest.approx(
+        math.log(16) / math.log(16))
+    assert bench.growth_exponent([16, 1], [4.0, 1.0]) == pytest.approx(0.5)
+    assert bench.growth_exponent([4], [1.0]) is None
+    assert bench.growth_exponent([1, 8], [-1.0, 2.0]) is None
+
+
+def test_chart_has_an_engine_and_a_bare_line_per_context(tmp_path: Path) -> None:
+    records = [
+        {"context": c, "batch": b, "engine_tok_s": 10.0 * b, "bare_tok_s": 12.0 * b}
+        for c in (128, 1024) for b in (1, 4)
+    ]
+    path = bench.chart(records, tmp_path / "s.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
