@@ -29,9 +29,13 @@ def hf_outputs(model: Path, **kwargs) -> list:
     return [o.outputs[0] for o in outs]
 
 
-@pytest.fixture(scope="package", params=["qwen3", "qwen2", "llama"])
+# Qwen3 runs through every engine test here as demo-tiny; Llama differs from Qwen2 only by
+# the attention biases, and every architecture's layers are split and compared at the model
+# level (tests/model_executor/models/). Qwen2 adds what the engine tests lack: biased
+# projections to shard and an untied LM head.
+@pytest.fixture(scope="package", params=["qwen2"])
 def checkpoint(request, tmp_path_factory) -> Path:
-    """A random tiny checkpoint of each architecture."""
+    """A random tiny checkpoint of an architecture other than the demo model's."""
     path = tmp_path_factory.mktemp(request.param)
     build_checkpoint(request.param, path, seed=3)
     return path

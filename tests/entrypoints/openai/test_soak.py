@@ -21,7 +21,7 @@ MODEL = "demo-tiny"
 MAX_MODEL_LEN = 256
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-SOAK_SECONDS = 35.0
+SOAK_SECONDS = 20.0
 NUM_WORKERS = 24
 # A route that answers nothing for this long counts as hung (a liveness bound, not a speed one).
 HUNG_S = 30.0

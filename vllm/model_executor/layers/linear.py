@@ -61,7 +61,7 @@ class Linear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}"
 
 
-class MergedColumnParallelLinear(nn.Module):
+class MergedColumnParallelLinear(Linear):
     """Several linear layers over the same input, fused into one matrix, each sharded by rows.
 
     Part ``i`` has ``full_sizes[i]`` output rows in the checkpoint; this rank holds rows
@@ -77,25 +77,19 @@ class MergedColumnParallelLinear(nn.Module):
         parallel: ParallelContext | None = None,
         shards: list[tuple[int, int]] | None = None,
     ) -> None:
-        super().__init__()
         ctx = parallel or ParallelContext.single()
         if shards is None:
             shards = [shard_range(size, ctx.tp_size, ctx.tp_rank) for size in output_sizes]
         if len(shards) != len(output_sizes):
             raise ValueError(f"{len(shards)} shards for {len(output_sizes)} parts")
-        self.input_size = input_size
+        # Sizes of the parts on this rank: what forward's output splits into.
+        local_sizes = [length for _, length in shards]
+        # forward (Linear's) maps [..., input_size] to the fused [..., sum(output_sizes)].
+        super().__init__(input_size, sum(local_sizes), bias)
         self.full_sizes = list(output_sizes)
         self.shards = list(shards)
-        # Sizes of the parts on this rank: what forward's output splits into.
-        self.output_sizes = [length for _, length in self.shards]
-        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
-        local = sum(self.output_sizes)
-        self.weight = _empty(local, input_size)
-        self.bias = _empty(local) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Maps [..., input_size] to this rank's fused outputs [..., sum(output_sizes)]."""
-        return F.linear(x, self.weight, self.bias)
+        self.output_sizes = local_sizes
+        self.offsets = [sum(local_sizes[:i]) for i in range(len(local_sizes))]
 
     def load_weight(
         self, param_name: str, tensor: CheckpointTensor, part: int | None = None
