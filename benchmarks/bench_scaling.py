@@ -95,8 +95,9 @@ def run(model: str, batches: list[int], lengths: list[int], output_len: int) -> 
                     "bare_tok_s": batch / b_step if b_step else float("inf"),
                 }
                 records.append(record)
-                print(f"context {length:6d} batch {batch:4d}: engine {record['engine_step_ms']:8.2f}"
-                      f" ms/step ({record['engine_tok_s']:8.1f} tok/s), bare "
+                print(f"context {length:6d} batch {batch:4d}: engine "
+                      f"{record['engine_step_ms']:8.2f} ms/step "
+                      f"({record['engine_tok_s']:8.1f} tok/s), bare "
                       f"{record['bare_step_ms']:8.2f} ms/step ({record['bare_tok_s']:8.1f} tok/s),"
                       f" overhead {record['overhead_step_ms']:7.2f} ms/step", flush=True)
         finally:
@@ -132,7 +133,8 @@ def main() -> None:
     for length in lengths:
         rows = [r for r in records if r["context"] == length]
         k = growth_exponent([r["batch"] for r in rows], [r["overhead_step_ms"] for r in rows])
-        verdict = "-" if k is None else f"{k:.2f} ({'at most linear' if k <= 1.05 else 'FASTER than linear'})"
+        shape = "at most linear" if k is not None and k <= 1.05 else "FASTER than linear"
+        verdict = "-" if k is None else f"{k:.2f} ({shape})"
         print(f"context {length}: engine overhead per step grows as batch^{verdict}")
     print(f"chart: {chart(records, args.png)}")
     if args.json:

@@ -6,32 +6,15 @@ No server is started; the benchmark itself takes minutes.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.benchmarks.scripts import load_script
 from vllm.benchmarks import structured_output, sweep
 from vllm.benchmarks.sweep import Cell, ServedModel
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _load() -> ModuleType:
-    path = REPO / "benchmarks" / "bench_pipeline.py"
-    spec = importlib.util.spec_from_file_location("bench_pipeline", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # Dataclasses look their module up in sys.modules while the class body runs.
-    sys.modules["bench_pipeline"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bp = _load()
+bp = load_script("bench_pipeline")
 
 
 def run(rnd: int, config: str, ratio: str, req: float, tok: float = 0.0) -> object:

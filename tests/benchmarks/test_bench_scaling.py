@@ -3,28 +3,14 @@ the chart (the benchmark itself takes minutes)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.scripts import load_script
 
-
-def _load() -> ModuleType:
-    path = REPO / "benchmarks" / "bench_scaling.py"
-    spec = importlib.util.spec_from_file_location("bench_scaling", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scaling"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench_scaling")
 
 
 def test_step_seconds_are_the_decode_time_per_step() -> None:

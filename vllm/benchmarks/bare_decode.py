@@ -53,7 +53,8 @@ class BareDecoder:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        scale = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * (x32 * scale).to(x.dtype)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -14,6 +15,23 @@ from matplotlib.figure import Figure
 # Figure size in inches and resolution: the PNG is 960 x 540 pixels.
 FIGSIZE = (8.0, 4.5)
 DPI = 120
+
+
+def _start(
+    path: str | Path, series: dict[str, Sequence[float]], n: int, what: str
+) -> tuple[Path, Figure, Any]:
+    """Checks that each series has `n` values (ValueError naming it), creates the parent
+    folder, and returns (path, figure, axes)."""
+    for name, values in series.items():
+        if len(values) != n:
+            raise ValueError(f"series: {name!r} has {len(values)} values for {n} {what}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A Figure on an explicit Agg canvas: no display needed, and unlike pyplot no process-wide
+    # backend or figure registry is touched.
+    fig = Figure(figsize=FIGSIZE, dpi=DPI)
+    FigureCanvasAgg(fig)
+    return path, fig, fig.add_subplot()
 
 
 def bar_chart_png(
@@ -29,16 +47,7 @@ def bar_chart_png(
     Raises ValueError if a series does not have one value per group, OSError if the file cannot
     be written.
     """
-    for name, values in series.items():
-        if len(values) != len(groups):
-            raise ValueError(f"series: {name!r} has {len(values)} values for {len(groups)} groups")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A Figure on an explicit Agg canvas: no display needed, and unlike pyplot no process-wide
-    # backend or figure registry is touched.
-    fig = Figure(figsize=FIGSIZE, dpi=DPI)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    path, fig, ax = _start(path, series, len(groups), "groups")
     width = 0.8 / max(1, len(series))
     for k, (name, values) in enumerate(series.items()):
         offset = (k - (len(series) - 1) / 2) * width
@@ -72,14 +81,7 @@ def line_chart_png(
     Raises ValueError if a series does not have one value per x, OSError if the file cannot
     be written.
     """
-    for name, values in series.items():
-        if len(values) != len(xs):
-            raise ValueError(f"series: {name!r} has {len(values)} values for {len(xs)} points")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=FIGSIZE, dpi=DPI)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    path, fig, ax = _start(path, series, len(xs), "points")
     for k, (name, values) in enumerate(series.items()):
         ax.plot(list(xs), list(values), marker="o", label=name, color=f"C{k % 10}")
     if log_x:
