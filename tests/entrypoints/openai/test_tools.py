@@ -11,7 +11,6 @@ import pytest
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.tools import (
     ToolCallStream,
-    parse_hermes,
     parse_reply,
     plan_tools,
 )
@@ -109,11 +108,11 @@ def test_auto_needs_a_tool_call_parser() -> None:
 def test_parse_hermes() -> None:
     text = ('Let me see.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
             '</tool_call>\n<tool_call>{"bad json</tool_call> tail <tool_call>{"name": "f"')
-    content, calls = parse_hermes(text)
+    content, calls = parse_reply(plan(), text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})]
     assert content == ('Let me see.\n\n<tool_call>{"bad json</tool_call> tail '
                        '<tool_call>{"name": "f"')
-    content, calls = parse_hermes('\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n')
+    content, calls = parse_reply(plan(), '\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n')
     assert content is None and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
 
 

@@ -28,7 +28,6 @@ from vllm.exceptions import InvalidRequestError
 TOOL_CALL_PARSERS = ("hermes",)
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_BLOCK = re.compile(re.escape(CALL_START) + r"(.*?)" + re.escape(CALL_END), re.DOTALL)
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
@@ -186,17 +185,11 @@ def check_parameters(params: Any, param: str) -> None:
 # ---------------------------------------------------------------------- reading calls back
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content, calls) of a reply in Hermes format: every complete `<tool_call>` block
-    that holds `{"name": str, "arguments": object}` becomes a call and leaves the content;
-    anything else (an unclosed block, bad JSON) stays content. Content is None when only
-    whitespace is left."""
-    return parse_reply(ToolPlan("auto", {}), text)
-
-
-def _hermes_call(body: str) -> ToolCall | None:
+def _call_from_json(text: str) -> ToolCall | None:
+    """The call in `text` when it is one JSON object `{"name": str, "arguments": object}`
+    (arguments may be absent), else None."""
     try:
-        data = json.loads(body)
+        data = json.loads(text)
     except json.JSONDecodeError:
         return None
     if (
@@ -206,21 +199,6 @@ def _hermes_call(body: str) -> ToolCall | None:
     ):
         return None
     return ToolCall(data["name"], json.dumps(data.get("arguments", {}), ensure_ascii=False))
-
-
-def parse_required(text: str) -> list[ToolCall] | None:
-    """The calls of a JSON array of {"name", "arguments"} objects, or None when the text
-    is not one."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, list) or not all(
-        isinstance(d, dict) and isinstance(d.get("name"), str) for d in data
-    ):
-        return None
-    return [ToolCall(d["name"], json.dumps(d.get("arguments", {}), ensure_ascii=False))
-            for d in data]
 
 
 def parse_reply(plan: ToolPlan, text: str | None) -> tuple[str | None, list[ToolCall]]:
@@ -392,10 +370,8 @@ class ToolCallStream:
             if not self._element.done:
                 break
             reader, self._reader = self._reader, None
-            if not reader.streaming:
-                calls = parse_required(f"[{reader.text}]")
-                for call in calls or []:
-                    self._whole(call, deltas)
+            if not reader.streaming and (call := _call_from_json(reader.text)) is not None:
+                self._whole(call, deltas)
         return deltas
 
     def _hermes(self) -> tuple[str | None, list[dict[str, Any]]]:
@@ -424,7 +400,7 @@ class ToolCallStream:
             self._buffer = self._buffer[len(CALL_END):]
             reader, self._reader = self._reader, None
             if not reader.streaming:
-                call = _hermes_call(reader.text)
+                call = _call_from_json(reader.text)
                 if call is None:
                     content.append(CALL_START + reader.text + CALL_END)
                 else:
