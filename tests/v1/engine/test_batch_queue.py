@@ -471,7 +471,7 @@ def test_depth_3_with_the_real_runner_matches_sync(
     monkeypatch: pytest.MonkeyPatch, sync_reference: Any, condition: str
 ) -> None:
     """demo-tiny on the CPU with three batches in flight: deferred structured batches are
-    overtaken by newer forwards (the runner then holds several unsampled steps, and rows move
+    overtaken by newer forwards (always with chunked prefill) (the runner then holds several unsampled steps, and rows move
     between a step's forward and its sampling), and every token and logprob equals the
     synchronous engine's."""
     from tests.v1.engine import test_async_sync_equivalence as eq
@@ -490,6 +490,11 @@ def test_depth_3_with_the_real_runner_matches_sync(
         property(lambda self: 3 if self.scheduler_config.async_scheduling else 1))
     got, stats = eq._run(True, "uni", condition)
     eq._assert_same(got, sync_reference)
-    assert stats["deferred"] and any(launched_past_deferred)
+    assert stats["deferred"]
+    if condition == "chunked":
+        # Partial prefills sample nothing, so they are schedulable past a deferred batch in
+        # every run. Under preemption alone that needs a request admitted while a batch is
+        # deferred, which depends on when grammar compiles finish: not asserted there.
+        assert any(launched_past_deferred)
     if condition == "preemption":
         assert stats["preemptions"] > 0
