@@ -37,9 +37,13 @@ def test_explicit_backends() -> None:
                                          r"worker .* needs 4 ranks"):
         ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2,
                        distributed_executor_backend="uni")
-    with pytest.raises(ValueError, match=r"--distributed-executor-backend: must be 'uni' or "
-                                         r"'mp', got 'ray'"):
-        ParallelConfig(distributed_executor_backend="ray")
+    assert ParallelConfig(2, 2, "ray").world_size == 4
+    with pytest.raises(ValueError, match=r"--distributed-executor-backend: must be 'uni', "
+                                         r"'mp' or 'ray', got 'dask'"):
+        ParallelConfig(distributed_executor_backend="dask")
+    with pytest.raises(ValueError, match=r"--ray-placement: must be 'pack' or 'spread', "
+                                         r"got 'scatter'"):
+        ParallelConfig(distributed_executor_backend="ray", ray_placement="scatter")
 
 
 @pytest.mark.parametrize("field, value", [

@@ -192,13 +192,16 @@ class ParallelConfig:
 
     `world_size` is always `tensor_parallel_size * pipeline_parallel_size` (derived, never
     passed). The executor defaults to `mp` (one process per rank) when the world size is above
-    1, else to `uni` (one worker in the engine process).
+    1, else to `uni` (one worker in the engine process); `ray` runs one Ray actor per rank,
+    on this machine or across a Ray cluster.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # "uni" or "mp"; None picks mp for more than one rank, else uni.
+    # "uni", "mp" or "ray"; None picks mp for more than one rank, else uni.
     distributed_executor_backend: str | None = None
+    # Ray only: "pack" puts the ranks on as few nodes as possible, "spread" on as many.
+    ray_placement: str = "pack"
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -211,10 +214,14 @@ class ParallelConfig:
         self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "mp" if self.world_size > 1 else "uni"
-        if self.distributed_executor_backend not in ("uni", "mp"):
+        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
             raise ValueError(
-                "--distributed-executor-backend: must be 'uni' or 'mp', got "
+                "--distributed-executor-backend: must be 'uni', 'mp' or 'ray', got "
                 f"{self.distributed_executor_backend!r}"
+            )
+        if self.ray_placement not in ("pack", "spread"):
+            raise ValueError(
+                f"--ray-placement: must be 'pack' or 'spread', got {self.ray_placement!r}"
             )
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(
@@ -273,8 +280,8 @@ class ParallelConfig:
         share the cores: more ranks than cores is allowed, with a warning, and each rank still
         gets at least one thread.
         """
-        if self.world_size == 1:
-            return
+        if self.world_size == 1 or self.distributed_executor_backend == "ray":
+            return  # Ray places the ranks on the cluster's devices, not this machine's
         if device.type == "cuda":
             count = torch.cuda.device_count()
             if self.world_size > count:

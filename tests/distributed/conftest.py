@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.utils_models import build_checkpoint
 from vllm import LLM, SamplingParams
@@ -39,21 +37,3 @@ def checkpoint(request, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp(request.param)
     build_checkpoint(request.param, path, seed=3)
     return path
-
-
-@pytest.fixture(scope="module")
-def one_thread_per_rank() -> Iterator[None]:
-    """Every rank (in this process and in worker processes) runs one OpenMP thread.
-
-    CPU kernels reduce in an order that depends on their thread count, so two layouts
-    compute the same numbers only when their ranks run the same number of threads; the
-    layouts themselves change no arithmetic.
-    """
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)

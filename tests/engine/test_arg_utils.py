@@ -140,8 +140,10 @@ def test_unknown_bench_flag_names_the_subcommand(capsys: pytest.CaptureFixture[s
 def test_bad_values_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
     err = _main_error(capsys, "serve", MODEL, "-tp", "two")
     assert "invalid int value: 'two'" in err and "-tp" in err
-    err = _main_error(capsys, "serve", MODEL, "--distributed-executor-backend", "ray")
-    assert "invalid choice: 'ray'" in err
+    err = _main_error(capsys, "serve", MODEL, "--distributed-executor-backend", "dask")
+    assert "invalid choice: 'dask'" in err
+    err = _main_error(capsys, "serve", MODEL, "--ray-placement", "scatter")
+    assert "invalid choice: 'scatter'" in err
     err = _main_error(capsys, "serve", MODEL, "--max-num", "8")  # two flags start with it
     assert "ambiguous option: --max-num" in err
 
@@ -170,7 +172,8 @@ def test_serve_help_documents_the_flags(capsys: pytest.CaptureFixture[str]) -> N
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for flag in ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp",
-                 "--distributed-executor-backend {mp,uni}", "--trust-remote-code"):
+                 "--distributed-executor-backend {mp,ray,uni}", "--ray-placement {pack,spread}",
+                 "--trust-remote-code"):
         assert flag in text, flag
     assert "runs only its own model code" in text
     assert "default: mp when tensor x pipeline parallel size is above 1" in text
@@ -197,7 +200,8 @@ def test_world_size_one_resolves_to_uni_or_mp() -> None:
     ({"pipeline_parallel_size": -1}, r"--pipeline-parallel-size: must be a positive integer"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
      r"--distributed-executor-backend uni: .* needs 2 ranks; use mp"),
-    ({"distributed_executor_backend": "ray"}, r"--distributed-executor-backend: must be"),
+    ({"distributed_executor_backend": "dask"}, r"--distributed-executor-backend: must be"),
+    ({"distributed_executor_backend": "ray", "ray_placement": "x"}, r"--ray-placement: must"),
 ])
 def test_invalid_layouts_name_the_flag(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

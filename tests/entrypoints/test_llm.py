@@ -185,7 +185,7 @@ def test_bad_model_directories(tmp_path) -> None:
         ({"block_size": 3}, "--block-size"),
         ({"dtype": "int8"}, "--dtype"),
         ({"load_format": "pickle"}, "--load-format"),
-        ({"distributed_executor_backend": "ray"}, "--distributed-executor-backend"),
+        ({"distributed_executor_backend": "dask"}, "--distributed-executor-backend"),
         ({"max_model_len": 100000}, "--max-model-len"),
         ({"num_gpu_blocks_override": 2, "max_model_len": 256}, "--kv-cache-memory"),
         ({"structured_outputs_config": {"bogus": 1}}, "--structured-outputs-config"),

@@ -80,9 +80,17 @@ class EngineArgs:
     )
     distributed_executor_backend: str | None = field(
         default=None,
-        metadata=_help("uni (one worker in the engine process) or mp (one process per rank); "
-                       "default: mp when tensor x pipeline parallel size is above 1, else uni.",
-                       choices=("mp", "uni")),
+        metadata=_help("uni (one worker in the engine process), mp (one process per rank) "
+                       "or ray (one Ray actor per rank, across a Ray cluster: pip install "
+                       "-e '.[ray]'); default: mp when tensor x pipeline parallel size is above "
+                       "1, else uni.",
+                       choices=("mp", "ray", "uni")),
+    )
+    ray_placement: str = field(
+        default="pack",
+        metadata=_help("With ray: pack (the ranks on as few nodes as possible, so a tensor-"
+                       "parallel group shares a node when it fits) or spread (one rank per "
+                       "node where the cluster has the nodes).", choices=("pack", "spread")),
     )
     trust_remote_code: bool = field(
         default=False,
@@ -139,6 +147,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            ray_placement=self.ray_placement,
         )
         model_config = ModelConfig(
             model=self.model or "demo",

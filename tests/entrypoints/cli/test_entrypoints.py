@@ -46,7 +46,7 @@ def test_api_server_module_help() -> None:
     text = " ".join(result.stdout.split())
     assert text.startswith("usage: python -m vllm.entrypoints.openai.api_server")
     for flag in ("--model", "--port", "--tensor-parallel-size", "-tp", "-pp",
-                 "--distributed-executor-backend {mp,uni}", "--trust-remote-code",
+                 "--distributed-executor-backend {mp,ray,uni}", "--trust-remote-code",
                  "--disable-log-requests", "Same as `vllm serve`"):
         assert flag in text, flag
 

@@ -75,11 +75,11 @@ CONDITIONS = {
 }
 
 
-def generate_all(llm: LLM) -> dict[float, list]:
-    """The workload at every structured ratio, by ratio; checks every structured output and
-    that the engine released every block and grammar afterwards."""
+def generate_all(llm: LLM, ratios: tuple[float, ...] = RATIOS) -> dict[float, list]:
+    """The workload at every structured ratio (of `ratios`), by ratio; checks every
+    structured output and that the engine released every block and grammar afterwards."""
     results = {}
-    for ratio in RATIOS:
+    for ratio in ratios:
         params = _params(ratio)
         outs = llm.generate(_prompts(), params, use_tqdm=False)
         for p, o in zip(params, outs):

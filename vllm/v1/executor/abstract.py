@@ -28,6 +28,10 @@ class Executor(ABC):
             from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
             return MultiprocExecutor
+        if backend == "ray":
+            from vllm.v1.executor.ray_executor import RayExecutor
+
+            return RayExecutor
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
         return UniProcExecutor

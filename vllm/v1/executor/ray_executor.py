@@ -1,0 +1,310 @@
+"""Workers as Ray actors, on one machine or across a cluster (`--distributed-executor-backend
+ray`; docs/architecture.md §10).
+
+One actor per rank, placed by one placement group with a bundle per rank. The engine process
+joins a running cluster (`ray.init(address="auto")`: RAY_ADDRESS, or a cluster started with
+`ray start` on this machine) or, when there is none, starts a local one that it stops again
+at shutdown. torch.distributed meets over TCP at rank 0's node address.
+
+Calls reach the actors in the order they are made (Ray runs one caller's tasks on an actor
+in submission order), so `execute_model` and `sample_tokens` keep the same contract as on
+the mp executor: non-blocking futures resolved in call order, answered by the output rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import pickle
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm import thread_policy
+from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import ParallelLayout
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.ray_worker import RayWorker
+from vllm.v1.executor.worker_messages import WorkerMethod, as_method
+from vllm.v1.outputs import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+# Seconds to wait for the cluster to grant the placement group, and for every rank to load.
+_PLACEMENT_TIMEOUT_S = 60.0
+_STARTUP_TIMEOUT_S = 600.0
+# Seconds the actors get to leave the distributed world at shutdown before they are killed.
+_CLOSE_TIMEOUT_S = 5.0
+# --ray-placement values and the placement group strategy each one uses.
+PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(
+            "--distributed-executor-backend ray needs the `ray` package: "
+            "pip install -e '.[ray]'"
+        ) from exc
+    return ray
+
+
+def _connect(ray: Any, num_ranks: int) -> bool:
+    """Joins a running cluster, or starts a local one. Returns True when this process started
+    (and so must stop) the cluster."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address="auto", log_to_driver=False)
+        logger.info("RayExecutor: joined the running Ray cluster")
+        return False
+    except ConnectionError:
+        pass
+    # Every rank's bundle asks for one CPU; on a machine with fewer cores the ranks share
+    # them, as they do on the mp executor.
+    ray.init(num_cpus=max(thread_policy.available_cpus(), num_ranks), log_to_driver=False,
+             include_dashboard=False)
+    logger.info("RayExecutor: no running Ray cluster found; started a local one")
+    return True
+
+
+def _bundle(device_type: str) -> dict[str, float]:
+    return {"GPU": 1.0, "CPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
+
+
+@dataclass
+class _Cluster:
+    """What this executor holds in the cluster, released by `release` (also from the
+    finalizer: nothing here refers back to the executor)."""
+
+    ray: Any
+    owns_ray: bool
+    placement_group: Any = None
+    actors: list[Any] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> None:
+        """Closes the workers (killing those that do not answer), removes the placement group,
+        and stops the cluster if this process started it. Idempotent."""
+        if self.released:
+            return
+        self.released = True
+        ray = self.ray
+        if self.actors:
+            closing = [actor.close.remote() for actor in self.actors]
+            ray.wait(closing, num_returns=len(closing), timeout=_CLOSE_TIMEOUT_S)
+            for actor in self.actors:
+                try:
+                    ray.kill(actor)
+                except Exception:  # already dead, or its node is gone
+                    pass
+        if self.placement_group is not None:
+            try:
+                ray.util.remove_placement_group(self.placement_group)
+            except Exception:  # its node is gone: the cluster drops it
+                pass
+        if self.owns_ray:
+            ray.shutdown()
+
+
+class RayExecutor(Executor):
+    """Runs `parallel_config.world_size` workers as Ray actors. Every call goes to all of them
+    and is answered by the output rank (the first rank of the last pipeline stage); futures
+    complete in call order. A dead actor or node fails pending and later calls with
+    RuntimeError naming the rank and its node.
+
+    Raises at construction ImportError without ray, RuntimeError when the cluster cannot
+    place the ranks, and what a worker raised while loading its model.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
+        ray = _import_ray()
+        pc = vllm_config.parallel_config
+        self.world_size = pc.world_size
+        self.output_rank = ParallelLayout(
+            pc.tensor_parallel_size, pc.pipeline_parallel_size
+        ).output_rank
+        self._ray = ray
+        self._cluster = _Cluster(ray, _connect(ray, self.world_size))
+        self._finalizer = weakref.finalize(self, self._cluster.release)
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+        self._lock = threading.Lock()
+        self._error: str | None = None
+        self.node_ips: list[str] = []
+        self._node_ids: list[str] = []
+        try:
+            self._start(vllm_config, pc.ray_placement)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, vllm_config: VllmConfig, placement: str) -> None:
+        ray = self._ray
+        from ray.util.placement_group import placement_group, placement_group_table
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = [_bundle(vllm_config.model_config.device.type)] * self.world_size
+        group = placement_group(bundles, strategy=PLACEMENTS[placement])
+        self._cluster.placement_group = group
+        ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(
+                f"RayExecutor: the Ray cluster cannot place {self.world_size} ranks of "
+                f"{bundles[0]} each (--ray-placement {placement}) within "
+                f"{_PLACEMENT_TIMEOUT_S:.0f} s; it has {ray.cluster_resources()}"
+            )
+        node_of = placement_group_table(group)["bundles_to_node_id"]
+        ranks_on = {node: list(node_of.values()).count(node) for node in node_of.values()}
+        cpus_on = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in ray.nodes()}
+        actor_class = ray.remote(RayWorker)
+        for rank in range(self.world_size):
+            node = node_of[rank]
+            local_rank = list(node_of.values())[:rank].count(node)
+            # The ranks of a node share its cores (the mp executor's policy per node); a
+            # value the user set in OMP_NUM_THREADS wins, as everywhere.
+            policy = thread_policy.derive(ranks_on[node], cpus=cpus_on.get(node, 1))
+            actor = actor_class.options(
+                num_cpus=bundles[rank].get("CPU", 0),
+                num_gpus=bundles[rank].get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": policy.env()},
+                name=None,
+            ).remote(rank, self.world_size, local_rank)
+            self._cluster.actors.append(actor)
+        actors = self._cluster.actors
+        ip, port = ray.get(actors[0].address.remote(), timeout=_STARTUP_TIMEOUT_S)
+        init_method = f"tcp://{ip}:{port}"
+        starts = [actor.start.remote(vllm_config, init_method) for actor in actors]
+        self.node_ips = self._gather(starts, _STARTUP_TIMEOUT_S)
+        self._node_ids = [node_of[rank] for rank in range(self.world_size)]
+
+    # ------------------------------------------------------------------ calls
+
+    def _gather(self, refs: list[Any], timeout: float) -> list[Any]:
+        """Every rank's result of a startup call, by rank. Raises the first failure (see
+        `_explain`), RuntimeError when ranks do not answer within `timeout` seconds."""
+        ray = self._ray
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not done:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                raise RuntimeError(f"RayExecutor: ranks {ranks} did not start within {timeout} s")
+            try:
+                ray.get(done[0])
+            except Exception as exc:
+                raise self._explain(exc, rank_of[done[0]], "at startup") from None
+        return ray.get(refs)
+
+    def _explain(self, exc: BaseException, rank: int, when: str) -> BaseException:
+        """`exc` as the engine should see it: an actor or node that died becomes a
+        RuntimeError naming the rank and node and marks the executor unusable; an error the
+        worker raised passes through unchanged."""
+        ray = self._ray
+        if not isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError,
+                                ray.exceptions.ObjectLostError)):
+            return exc
+        node = self.node_ips[rank] if rank < len(self.node_ips) else "?"
+        message = (
+            f"RayExecutor: worker rank {rank} (node {node}) died {when} "
+            f"({type(exc).__name__}); the engine cannot continue"
+        )
+        with self._lock:
+            if self._error is None:
+                self._error = message
+        return RuntimeError(message)
+
+    def _submit(self, method: WorkerMethod | Callable[..., Any], args: tuple,
+                reply_all: bool) -> Future:
+        """Sends one call to every rank; returns a Future of every rank's result (reply_all)
+        or of the output rank's. The Future fails as soon as any rank fails."""
+        with self._lock:
+            if self._error is not None:
+                raise RuntimeError(self._error)
+            if self._cluster.released:
+                raise RuntimeError("RayExecutor: the executor has been shut down")
+        # Pickled once, not once per rank by Ray: steps are sent to every rank.
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        refs = [
+            actor.call.remote(payload, reply_all or rank == self.output_rank)
+            for rank, actor in enumerate(self._cluster.actors)
+        ]
+        future: Future = Future()
+        results: dict[int, Any] = {}
+        lock = threading.Lock()
+
+        def on_done(rank: int, done: Future) -> None:
+            exc = done.exception()
+            with lock:
+                if future.done():
+                    return
+                if exc is not None:
+                    future.set_exception(self._explain(exc, rank, "during a call"))
+                    return
+                results[rank] = done.result()
+                if len(results) < len(refs):
+                    return
+            future.set_result(
+                [results[r] for r in sorted(results)] if reply_all else results[self.output_rank]
+            )
+
+        for rank, ref in enumerate(refs):
+            ref.future().add_done_callback(lambda done, rank=rank: on_done(rank, done))
+        return future
+
+    def collective_rpc(
+        self,
+        method: WorkerMethod | str | Callable[..., Any],
+        args: tuple = (),
+        non_block: bool = False,
+    ) -> list[Any] | Future:
+        """Calls `method` on every rank (see Executor.collective_rpc); a function must be
+        importable on the cluster's nodes. Raises UnknownWorkerMethodError for a name workers
+        do not serve, RuntimeError when a rank died."""
+        future = self._submit(as_method(method), args, reply_all=True)
+        return future if non_block else future.result()
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> None | Future:
+        """Starts the forward pass of one step on every rank (see Executor)."""
+        future = self._submit(WorkerMethod.EXECUTE_MODEL, (scheduler_output,), reply_all=False)
+        return future if non_block else future.result()
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future:
+        """Samples the oldest executed step; the result is a plain ModelRunnerOutput (the
+        output rank's actor finishes the host copy before it answers)."""
+        future = self._submit(WorkerMethod.SAMPLE_TOKENS, (grammar_output,), reply_all=False)
+        return future if non_block else future.result()
+
+    def check_health(self) -> None:
+        """Raises RuntimeError when a rank has died or a node of this executor is gone."""
+        with self._lock:
+            if self._error is not None:
+                raise RuntimeError(self._error)
+        alive = {n["NodeID"] for n in self._ray.nodes() if n["Alive"]}
+        for rank, node in enumerate(self._node_ids):
+            if node not in alive:
+                message = (f"RayExecutor: the node of worker rank {rank} ({self.node_ips[rank]}) "
+                           "is gone; the engine cannot continue")
+                with self._lock:
+                    self._error = self._error or message
+                raise RuntimeError(message)
+
+    def shutdown(self) -> None:
+        """Stops the actors and removes the placement group (and the local cluster this
+        process started); pending calls fail. Idempotent."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)
