@@ -202,12 +202,15 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     # Ray only: "pack" puts the ranks on as few nodes as possible, "spread" on as many.
     ray_placement: str = "pack"
+    # Engine cores behind one API server, each with world_size ranks of its own.
+    data_parallel_size: int = 1
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
         for flag, value in (
             ("--tensor-parallel-size", self.tensor_parallel_size),
             ("--pipeline-parallel-size", self.pipeline_parallel_size),
+            ("--data-parallel-size", self.data_parallel_size),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag}: must be a positive integer, got {value!r}")
@@ -280,25 +283,29 @@ class ParallelConfig:
         share the cores: more ranks than cores is allowed, with a warning, and each rank still
         gets at least one thread.
         """
-        if self.world_size == 1 or self.distributed_executor_backend == "ray":
+        ranks = self.world_size * self.data_parallel_size
+        if ranks == 1 or self.distributed_executor_backend == "ray":
             return  # Ray places the ranks on the cluster's devices, not this machine's
         if device.type == "cuda":
             count = torch.cuda.device_count()
-            if self.world_size > count:
+            if ranks > count:
+                what = self.describe() + (
+                    f" x --data-parallel-size {self.data_parallel_size}"
+                    if self.data_parallel_size > 1 else "")
                 raise ValueError(
-                    f"{self.describe()} = {self.world_size} ranks need {self.world_size} GPUs "
-                    f"(one per rank), but {count} {'is' if count == 1 else 'are'} visible"
+                    f"{what} = {ranks} ranks need {ranks} GPUs (one per rank), but {count} "
+                    f"{'is' if count == 1 else 'are'} visible"
                 )
             return
         from vllm import thread_policy
 
         cpus = thread_policy.available_cpus()
-        if self.world_size > cpus:
-            threads = thread_policy.derive(self.world_size, cpus=cpus).num_threads
+        if ranks > cpus:
+            threads = thread_policy.derive(ranks, cpus=cpus).num_threads
             logger.warning(
                 "%s = %d ranks on %d CPU core(s): more ranks than cores, so the ranks share "
                 "them; each rank gets %d thread(s) and the forward passes will be slower",
-                self.describe(), self.world_size, cpus, threads,
+                self.describe(), ranks, cpus, threads,
             )
 
 

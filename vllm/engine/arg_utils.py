@@ -78,6 +78,12 @@ class EngineArgs:
         metadata=_help("Stages the layers are split into (pipeline parallelism): one batch "
                        "in flight per stage.", aliases=("-pp",)),
     )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_help("Engine cores behind the API server (data parallelism), each with "
+                       "tensor x pipeline parallel ranks of its own; requests go to the least "
+                       "loaded one. vllm serve only.", aliases=("-dp",)),
+    )
     distributed_executor_backend: str | None = field(
         default=None,
         metadata=_help("uni (one worker in the engine process), mp (one process per rank) "
@@ -148,6 +154,7 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             ray_placement=self.ray_placement,
+            data_parallel_size=self.data_parallel_size,
         )
         model_config = ModelConfig(
             model=self.model or "demo",

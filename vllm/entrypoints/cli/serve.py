@@ -163,7 +163,7 @@ def _serve(
     print(
         f"vLLM API server listening on http://{host}:{port} serving model '{name}' "
         f"({model_config.model_dir}, max_model_len {model_config.max_model_len}, "
-        f"engine core pid {engine.engine_core.pid})",
+        f"engine core pid {', '.join(map(str, engine.engine_core.pids))})",
         flush=True,
     )
     models = OpenAIServingModels([name], str(model_config.model_dir), model_config.max_model_len)

@@ -116,8 +116,13 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine serves, 503 once it is gone."""
+        """200 while the engine serves (with the data-parallel engines that are gone, if
+        any), 503 once it is gone."""
         if engine.is_healthy:
+            dead = engine.dead_engines
+            if dead:
+                return JSONResponse({"status": "degraded", "dead_engines": {
+                    str(index): reason for index, reason in dead.items()}})
             return Response(status_code=200)
         return error_response(f"The engine is not available: {engine.dead_reason}", 503)
 

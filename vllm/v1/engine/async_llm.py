@@ -17,6 +17,7 @@ from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient
+from vllm.v1.engine.data_parallel import DataParallelClient
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
@@ -164,7 +165,13 @@ class AsyncLLM:
         self._dead_reason: str | None = None
         self._shut_down = False
         self.last_stats: EngineCoreStats | None = None
-        self.engine_core = EngineCoreClient(vllm_config, startup_timeout_s=startup_timeout_s)
+        self.engine_core: EngineCoreClient | DataParallelClient
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            self.engine_core = DataParallelClient(vllm_config, startup_timeout_s)
+            if metrics is not None:
+                metrics.watch_engines(self.engine_core.engine_states)
+        else:
+            self.engine_core = EngineCoreClient(vllm_config, startup_timeout_s=startup_timeout_s)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -187,6 +194,14 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         """True while the engine core serves."""
         return not self._shut_down and not self.errored
+
+    @property
+    def dead_engines(self) -> dict[int, str]:
+        """Data-parallel engines that are gone while others serve, with the reason."""
+        if isinstance(self.engine_core, DataParallelClient):
+            return {s.index: s.dead_reason for s in self.engine_core.engine_states()
+                    if s.dead_reason is not None}
+        return {}
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait as wait_for
 
 import msgspec
@@ -47,7 +49,14 @@ class EngineCoreClient:
     failure) with the engine's message, leaving nothing behind.
     """
 
-    def __init__(self, vllm_config: VllmConfig, startup_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        startup_timeout_s: float | None = None,
+        engine_index: int = 0,
+    ) -> None:
+        """`engine_index` is this engine's place among `--data-parallel-size` engines (it
+        picks the engine's GPUs on CUDA)."""
         self.vllm_config = vllm_config
         self.num_blocks = 0
         self._dead_reason: str | None = None
@@ -86,11 +95,14 @@ class EngineCoreClient:
         )
         # Runs before multiprocessing's own exit hook, which would wait for the process forever.
         atexit.register(_shutdown_ref, weakref.ref(self))
+        pc = vllm_config.parallel_config
         try:
-            # The engine core (and the workers it starts) inherit the thread policy.
-            with main_module_hidden(), thread_policy.child_env(
-                vllm_config.parallel_config.world_size
-            ):
+            # The engine core (and the workers it starts) inherit the thread policy; every
+            # rank of every data-parallel engine shares this machine's CPUs. The environment
+            # is the process's: one engine starts at a time.
+            with _START_LOCK, main_module_hidden(), thread_policy.child_env(
+                pc.world_size * pc.data_parallel_size
+            ), _scoped_devices(vllm_config, engine_index):
                 self.proc.start()
             writer.close()
             self._wait_ready(reader, startup_timeout_s)
@@ -104,6 +116,11 @@ class EngineCoreClient:
     def pid(self) -> int | None:
         """The engine-core process id."""
         return self.proc.pid
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The engine-core process ids (one: see DataParallelClient)."""
+        return [self.proc.pid]
 
     def _wait_ready(self, reader, timeout_s: float | None) -> None:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -274,6 +291,34 @@ class EngineCoreClient:
         self._sync_ctx.term()
         self._async_ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+# Engine cores start with a scoped environment (threads, devices): one at a time.
+_START_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scoped_devices(vllm_config: VllmConfig, engine_index: int) -> Iterator[None]:
+    """On CUDA with several data-parallel engines, shows engine `engine_index` only its own
+    GPUs (the next world_size of those visible) while it starts."""
+    pc = vllm_config.parallel_config
+    if (pc.data_parallel_size == 1 or vllm_config.model_config.device.type != "cuda"
+            or pc.distributed_executor_backend == "ray"):
+        yield
+        return
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    first = engine_index * pc.world_size
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[first:first + pc.world_size])
+    try:
+        yield
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 def _kill_group(pgid: int) -> None:

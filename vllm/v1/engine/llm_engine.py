@@ -21,6 +21,14 @@ class LLMEngine:
     """Adds requests, steps the engine core, and returns finished/updated RequestOutputs."""
 
     def __init__(self, vllm_config: VllmConfig) -> None:
+        """Builds the engine in this process. Raises ValueError for --data-parallel-size
+        above 1, which only `vllm serve` runs."""
+        dp = vllm_config.parallel_config.data_parallel_size
+        if dp > 1:
+            raise ValueError(
+                f"--data-parallel-size {dp}: the offline engine runs one engine core; "
+                "serve with `vllm serve -dp N` for several"
+            )
         # For an engine built directly; a no-op after LLM did it (before importing torch).
         thread_policy.configure_process()
         self.vllm_config = vllm_config

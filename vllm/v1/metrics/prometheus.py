@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -10,6 +11,9 @@ from prometheus_client.registry import Collector
 
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.metrics.stats import FinishedRequestStats
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.data_parallel import EngineState
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -30,6 +34,8 @@ class _EngineCollector(Collector):
         self.stats: EngineCoreStats | None = None
         self.engine_alive = True
         self.num_frontend_requests = 0
+        # The data-parallel engines' states, read at every scrape (None: one engine).
+        self.engines: Callable[[], list[EngineState]] | None = None
 
     def collect(self) -> Iterator[Metric]:
         """The current values (called by the registry on every scrape)."""
@@ -51,6 +57,21 @@ class _EngineCollector(Collector):
         yield gauge("vllm:num_requests_api_server",
                     "Requests the API server is still tracking (admitted, not yet finished).",
                     self.num_frontend_requests)
+        if self.engines is not None:
+            routed = CounterMetricFamily(
+                "vllm:data_parallel_requests_routed",
+                "Requests the API server sent to each data-parallel engine core.",
+                labels=labels + ["engine"],
+            )
+            alive = GaugeMetricFamily(
+                "vllm:data_parallel_engine_alive", "1 while the data-parallel engine serves.",
+                labels=labels + ["engine"],
+            )
+            for state in self.engines():
+                routed.add_metric(values + [str(state.index)], state.num_routed)
+                alive.add_metric(values + [str(state.index)], 1.0 if state.alive else 0.0)
+            yield routed
+            yield alive
         s = self.stats
         if s is None:
             return
@@ -123,6 +144,10 @@ class PrometheusMetrics:
     def record_engine_stats(self, stats: EngineCoreStats) -> None:
         """Stores the engine's latest snapshot."""
         self._engine.stats = stats
+
+    def watch_engines(self, engines: Callable[[], list[EngineState]]) -> None:
+        """Exposes the data-parallel engines' routing counts and health per engine."""
+        self._engine.engines = engines
 
     def record_engine_dead(self) -> None:
         """Marks the engine as gone (vllm:engine_alive 0)."""

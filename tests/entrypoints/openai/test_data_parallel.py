@@ -1,0 +1,117 @@
+"""`vllm serve -dp 2`: two engine cores behind one API server.
+
+Both engines take requests (counted per engine in /metrics), an abort reaches the engine
+that holds the request (its engine counts an abort of a live request), and a killed engine
+core fails only its own requests while the other keeps serving and /health names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+MODEL = "demo-tiny"
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(MODEL, "-dp", "2", "--max-model-len", "512", "--disable-log-requests")
+
+
+def _metric(server, name: str) -> dict[str, float]:
+    """Samples of metric `name` by their `engine` label ("" when it has none)."""
+    text = httpx.get(server.url("/metrics"), timeout=10).text
+    out = {}
+    for m in re.finditer(rf'^{re.escape(name)}(?:_total)?{{([^}}]*)}} (\S+)$', text, re.M):
+        engine = re.search(r'engine="(\d+)"', m.group(1))
+        out[engine.group(1) if engine else ""] = float(m.group(2))
+    return out
+
+
+def _complete(server, prompt: str, max_tokens: int = 8) -> httpx.Response:
+    return httpx.post(server.url("/v1/completions"), timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+
+
+def _engine_pids(server) -> list[int]:
+    m = re.search(r"engine core pid ([\d, ]+)\)", server.log())
+    assert m, server.log()
+    return [int(p) for p in m.group(1).split(", ")]
+
+
+def test_both_engines_serve(server) -> None:
+    assert len(_engine_pids(server)) == 2
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda i: _complete(server, f"request {i}"), range(8)))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert all(r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+    routed = _metric(server, "vllm:data_parallel_requests_routed")
+    assert set(routed) == {"0", "1"} and min(routed.values()) >= 1, routed
+    assert sum(routed.values()) == 8
+    # The engines' own stats are summed: both caches count.
+    assert _metric(server, "vllm:data_parallel_engine_alive") == {"0": 1.0, "1": 1.0}
+
+
+def test_an_abort_reaches_the_engine_holding_the_request(server) -> None:
+    before = _metric(server, "vllm:engine_aborted_requests").get("", 0.0)
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 400, "ignore_eos": True,
+            "stream": True}
+    # Occupy one engine, so the stream below is the only request of the other.
+    with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as first:
+        lines = first.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: "))
+        # Leaving the block closed the second stream: the server aborts that request.
+        deadline = time.monotonic() + 20
+        while _metric(server, "vllm:engine_aborted_requests").get("", 0.0) < before + 1:
+            assert time.monotonic() < deadline, "no engine found the aborted request alive"
+            time.sleep(0.2)
+
+
+def test_a_dead_engine_fails_only_its_requests(server) -> None:
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 300, "ignore_eos": True,
+            "stream": True}
+    events: dict[int, list[str]] = {0: [], 1: []}
+    started = [threading.Event(), threading.Event()]
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events[i].append(line[len("data: "):])
+                    started[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in (0, 1)]
+    for i, thread in enumerate(threads):
+        thread.start()
+        assert started[i].wait(60)
+    # Least loaded first: the two streams run on different engines.
+    victim = _engine_pids(server)[1]
+    os.kill(victim, signal.SIGKILL)
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive()
+    outcomes = []
+    for i in (0, 1):
+        assert events[i][-1] == "[DONE]"
+        last = json.loads(events[i][-2])
+        outcomes.append("error" if "error" in last else last["choices"][0]["finish_reason"])
+    assert sorted(outcomes) == ["error", "length"], outcomes
+
+    health = httpx.get(server.url("/health"), timeout=10)
+    assert health.status_code == 200
+    assert list(health.json()["dead_engines"]) == ["1"], health.json()
+    assert _metric(server, "vllm:data_parallel_engine_alive") == {"0": 1.0, "1": 0.0}
+    # New requests go to the engine that is left.
+    for i in range(3):
+        r = _complete(server, f"after {i}")
+        assert r.status_code == 200, r.text

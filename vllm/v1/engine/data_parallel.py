@@ -1,0 +1,217 @@
+"""Data parallelism: several engine cores behind one front end (`--data-parallel-size N`).
+
+`DataParallelClient` has the interface of `EngineCoreClient` and holds one per engine core.
+Each engine core is a full engine (its own scheduler, KV cache, and tensor/pipeline-parallel
+workers on any executor). A new request goes to the live engine with the fewest of this
+front end's requests still unfinished, then the least KV cache in use; aborts go to the
+engine that holds the request. Stats are summed into one snapshot. When one engine core
+dies, only its requests fail (each ends with finish_reason "error"); the others keep
+serving, and the client is dead only when every engine is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgspec
+
+from vllm.config import VllmConfig
+from vllm.exceptions import EngineDeadError, ErrorKind
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.core_client import EngineCoreClient
+from vllm.v1.engine.messages import EngineCoreStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineState:
+    """What the front end knows about one engine core (also what /metrics and /health show)."""
+
+    index: int
+    # Requests sent to this engine since startup.
+    num_routed: int = 0
+    # Request ids sent to this engine and not finished or aborted yet.
+    unfinished: set[str] = field(default_factory=set)
+    # The engine's latest stats snapshot.
+    stats: EngineCoreStats | None = None
+    # Why the engine core is gone; None while it serves.
+    dead_reason: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None
+
+    def load(self) -> tuple[int, float, int]:
+        """Routing key: lower is less loaded."""
+        usage = self.stats.kv_cache_usage if self.stats is not None else 0.0
+        return len(self.unfinished), usage, self.num_routed
+
+
+def sum_stats(snapshots: list[EngineCoreStats]) -> EngineCoreStats:
+    """One snapshot for several engines: counts and blocks add up, KV usage is weighted by
+    each engine's blocks, backend counts merge."""
+    blocks = sum(s.num_blocks for s in snapshots)
+    backends: dict[tuple[str, str], int] = {}
+    for s in snapshots:
+        for backend, reason, count in s.grammar_backends:
+            backends[backend, reason] = backends.get((backend, reason), 0) + count
+    return EngineCoreStats(
+        num_running=sum(s.num_running for s in snapshots),
+        num_waiting=sum(s.num_waiting for s in snapshots),
+        kv_cache_usage=(
+            sum(s.kv_cache_usage * s.num_blocks for s in snapshots) / blocks if blocks else 0.0
+        ),
+        num_free_blocks=sum(s.num_free_blocks for s in snapshots),
+        num_blocks=blocks,
+        num_preemptions=sum(s.num_preemptions for s in snapshots),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in snapshots),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in snapshots),
+        num_aborted_requests=sum(s.num_aborted_requests for s in snapshots),
+        grammar_backends=[(b, r, n) for (b, r), n in sorted(backends.items())],
+        timestamp=max(s.timestamp for s in snapshots),
+    )
+
+
+class DataParallelClient:
+    """N engine-core processes behind the EngineCoreClient interface (see module docstring).
+
+    The constructor starts them all at once and blocks until every one is ready; if one
+    fails, the others are stopped and its error is raised (as EngineCoreClient raises it).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, startup_timeout_s: float | None = None) -> None:
+        self.vllm_config = vllm_config
+        size = vllm_config.parallel_config.data_parallel_size
+        self.engines = [EngineState(i) for i in range(size)]
+        self._owner: dict[str, int] = {}
+        self._on_outputs: Callable[[EngineCoreOutputs], None] | None = None
+        self._on_stats: Callable[[EngineCoreStats], None] | None = None
+        self._on_dead: Callable[[str], None] | None = None
+        with ThreadPoolExecutor(size, thread_name_prefix="vllm-dp-start") as pool:
+            futures = [
+                pool.submit(EngineCoreClient, vllm_config, startup_timeout_s, engine_index=i)
+                for i in range(size)
+            ]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        self.clients = [f.result() for f in futures if f.exception() is None]
+        if errors:
+            for client in self.clients:
+                client.shutdown()
+            raise errors[0]
+        self.num_blocks = sum(client.num_blocks for client in self.clients)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The engine-core process ids, by engine."""
+        return [client.pid for client in self.clients]
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engines are unusable (every one is gone), or None while one serves."""
+        reasons = [s.dead_reason or c.dead_reason for s, c in zip(self.engines, self.clients)]
+        if any(reason is None for reason in reasons):
+            return None
+        return "; ".join(f"engine {i}: {reason}" for i, reason in enumerate(reasons))
+
+    def engine_states(self) -> list[EngineState]:
+        """Every engine's routing counts, stats and health, by engine."""
+        return self.engines
+
+    # ------------------------------------------------------------------ background tasks
+
+    def start(
+        self,
+        on_outputs: Callable[[EngineCoreOutputs], None],
+        on_stats: Callable[[EngineCoreStats], None],
+        on_dead: Callable[[str], None],
+    ) -> None:
+        """Starts listening to every engine in the running event loop (idempotent).
+
+        `on_dead` runs once, when the last engine is gone; an engine that dies before that
+        ends its own requests through `on_outputs` with finish_reason "error".
+        """
+        if self._on_outputs is not None:
+            return
+        self._on_outputs, self._on_stats, self._on_dead = on_outputs, on_stats, on_dead
+        for i, client in enumerate(self.clients):
+            client.start(
+                lambda outputs, i=i: self._outputs(i, outputs),
+                lambda stats, i=i: self._stats(i, stats),
+                lambda reason, i=i: self._engine_died(i, reason),
+            )
+
+    def _outputs(self, index: int, outputs: EngineCoreOutputs) -> None:
+        unfinished = self.engines[index].unfinished
+        for out in outputs.outputs:
+            if out.finished:
+                unfinished.discard(out.request_id)
+                self._owner.pop(out.request_id, None)
+        assert self._on_outputs is not None
+        self._on_outputs(outputs)
+
+    def _stats(self, index: int, stats: EngineCoreStats) -> None:
+        self.engines[index].stats = stats
+        known = [s.stats for s in self.engines if s.stats is not None]
+        assert self._on_stats is not None
+        self._on_stats(sum_stats(known))
+
+    def _engine_died(self, index: int, reason: str) -> None:
+        state = self.engines[index]
+        if state.dead_reason is not None:
+            return
+        state.dead_reason = reason
+        if state.stats is not None:
+            # Its counters stay in the sums; it runs and waits for nothing any more.
+            state.stats = msgspec.structs.replace(state.stats, num_running=0, num_waiting=0)
+        lost = sorted(state.unfinished)
+        state.unfinished.clear()
+        for request_id in lost:
+            self._owner.pop(request_id, None)
+        if any(s.alive for s in self.engines):
+            logger.error("data-parallel engine %d is gone (%s); %d of its requests fail, the "
+                         "other engines keep serving", index, reason, len(lost))
+            if lost and self._on_outputs is not None:
+                message = f"data-parallel engine {index} is gone: {reason}"
+                self._on_outputs(EngineCoreOutputs([
+                    EngineCoreOutput(request_id, [], finish_reason="error", error=message,
+                                     error_kind=ErrorKind.INTERNAL)
+                    for request_id in lost
+                ]))
+        elif self._on_dead is not None:
+            callback, self._on_dead = self._on_dead, None
+            callback(self.dead_reason or reason)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Sends the request to the least-loaded live engine. Raises EngineDeadError when
+        every engine is gone."""
+        live = [s for s in self.engines if s.alive and self.clients[s.index].dead_reason is None]
+        if not live:
+            raise EngineDeadError(self.dead_reason or "every data-parallel engine is gone")
+        state = min(live, key=EngineState.load)
+        self.clients[state.index].add_request(request)
+        state.num_routed += 1
+        state.unfinished.add(request.request_id)
+        self._owner[request.request_id] = state.index
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Aborts each request in the engine that holds it (unknown ids are ignored)."""
+        by_engine: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            index = self._owner.pop(request_id, None)
+            if index is not None:
+                self.engines[index].unfinished.discard(request_id)
+                by_engine.setdefault(index, []).append(request_id)
+        for index, ids in by_engine.items():
+            self.clients[index].abort_requests(ids)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stops every engine core. Idempotent."""
+        self._on_dead = None
+        for client in self.clients:
+            client.shutdown(timeout_s)
