@@ -57,7 +57,11 @@ CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pp1": ("sync/uni", ()),
     "pp1/async": ("async/uni", ()),
     "pp2/async": ("async/mp", ("-pp", "2")),
+    # Not run by default: the same two stages as Ray actors, and two data-parallel engines.
+    "pp2/async/ray": ("async/mp", ("-pp", "2", "--distributed-executor-backend", "ray")),
+    "dp2/async": ("async/uni", ("-dp", "2")),
 }
+DEFAULT_CONFIGS = ("pp1", "pp1/async", "pp2/async")
 RATIOS = (0.0, 1.0)
 DEFAULT_PRESET = "cpu-pipeline"
 DEFAULT_REPEATS = 3
@@ -229,7 +233,7 @@ def format_report(result: PipelineResult) -> str:
 def run_benchmark(
     preset: Preset,
     result_dir: Path,
-    configs: Sequence[str] = tuple(CONFIGS),
+    configs: Sequence[str] = DEFAULT_CONFIGS,
     ratios: Sequence[float] = RATIOS,
     repeats: int = DEFAULT_REPEATS,
     num_prompts: int | None = None,
@@ -351,8 +355,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PIPELINE_PRESETS))
     parser.add_argument("--result-dir", default="results/pipeline",
                         help="Where logs and results go (default: results/pipeline).")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"Comma-separated subset of {', '.join(CONFIGS)}.")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"Comma-separated subset of {', '.join(CONFIGS)} (default: "
+                        f"{', '.join(DEFAULT_CONFIGS)}).")
     parser.add_argument("--ratios", default=",".join(str(r) for r in RATIOS),
                         help="Comma-separated structured-output ratios.")
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,

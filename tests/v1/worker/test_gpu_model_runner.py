@@ -51,6 +51,40 @@ def test_lagging_copies_with_preemption_match_sync(monkeypatch) -> None:
         assert got == want, num_blocks
 
 
+def _penalized_outputs(async_scheduling: bool) -> list:
+    prompts, _ = _workload()
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2,
+                             repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.4,
+                             **({"temperature": 1.0, "seed": i} if i % 2 else {"temperature": 0}))
+              for i in range(len(prompts))]
+    llm = LLM("demo-tiny", max_model_len=128, max_num_seqs=16,
+              async_scheduling=async_scheduling)
+    try:
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+def test_penalties_count_tokens_still_on_the_device_without_waiting(monkeypatch) -> None:
+    """With no host copy ever landing on its own, penalties must count the in-flight tokens
+    from the device and never wait for a copy; tokens and logprobs equal the sync engine's."""
+    want = _penalized_outputs(False)
+    monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: False)
+    settle = gpu_model_runner.GPUModelRunner._settle
+    blocking: list[bool] = []
+
+    def spy(self, block: bool) -> None:
+        blocking.append(block)
+        settle(self, block)
+
+    monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "_settle", spy)
+    got = _penalized_outputs(True)
+    assert blocking and not any(blocking), "a step waited for a device-to-host copy"
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+
+
 # ---------------------------------------------------------------------- unsampled steps FIFO
 
 

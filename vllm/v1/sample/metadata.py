@@ -41,6 +41,9 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None
     # Per row, the tokens sampled so far; only needed when penalties are used.
     output_token_ids: list[list[int]]
+    # [N, P] int64 padded with vocab_size, or None: more of each row's sampled tokens, still
+    # on the device only (under async scheduling); penalties count them with the above.
+    pending_output_token_ids: torch.Tensor | None = None
     # Row -> (min_tokens, stop token ids): the ids are banned while
     # output_positions[row] < min_tokens.
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
@@ -115,6 +118,10 @@ class SamplingMetadata:
                     "output_token_ids",
                     f"expected {num_rows} entries, got {len(self.output_token_ids)}",
                 )
+            q = self.pending_output_token_ids
+            if q is not None and (q.dim() != 2 or q.shape[0] != num_rows):
+                raise bad("pending_output_token_ids",
+                          f"expected shape ({num_rows}, P), got {tuple(q.shape)}")
         for row in self.min_tokens:
             if not 0 <= row < num_rows:
                 raise bad("min_tokens", f"row {row} is outside the batch of {num_rows}")

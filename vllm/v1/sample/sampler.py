@@ -156,6 +156,8 @@ class Sampler(nn.Module):
             return x
         vocab = x.shape[1]
         out_ids = pad_token_lists(md.output_token_ids[lo:hi], vocab, x.device)
+        if md.pending_output_token_ids is not None:
+            out_ids = torch.cat([out_ids, md.pending_output_token_ids[lo:hi]], dim=1)
         prompt = md.prompt_token_ids[lo:hi] if md.prompt_token_ids is not None else None
         return apply_penalties(
             x,

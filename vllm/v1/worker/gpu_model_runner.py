@@ -85,6 +85,8 @@ class _SampledTokens:
         copy_stream,
     ) -> None:
         self.req_ids = req_ids
+        # The sampled ids on the device, by row (penalties read them before the host copy).
+        self.device_token_ids = out.sampled_token_ids
         # The states sampled for: a finished id may be reused by a new request meanwhile.
         self.states = states
         # Output index of each row's token: a resumed request may already hold it.
@@ -516,6 +518,33 @@ class GPUModelRunner:
             0, self.buffers.to_device(np.asarray(rows, dtype=np.int64)), token_ids
         )
 
+    def _pending_output_ids(self, states: list[CachedRequestState]) -> torch.Tensor | None:
+        """[len(states), P] int64 on the device, padded with vocab_size: per state, the
+        tokens it sampled in steps whose host copy has not been settled into
+        `output_token_ids` yet (async scheduling). None when there are none."""
+        self._settle(block=False)
+        row_of = {id(state): i for i, state in enumerate(states)}
+        picks: list[list[int]] = [[] for _ in states]
+        parts: list[torch.Tensor] = []
+        offset = 0
+        for sampled in self._unsettled:
+            for j, (state, position) in enumerate(zip(sampled.states, sampled.positions)):
+                i = row_of.get(id(state))
+                # A resumed request may hold the token already (position below its length).
+                if i is not None and position >= len(state.output_token_ids):
+                    picks[i].append(offset + j)
+            parts.append(sampled.device_token_ids.reshape(-1).to(torch.int64))
+            offset += len(sampled.states)
+        width = max((len(p) for p in picks), default=0)
+        if width == 0:
+            return None
+        # The last element is the padding id, gathered wherever a row has fewer tokens.
+        parts.append(torch.full((1,), self.vocab_size, dtype=torch.int64, device=self.device))
+        index = np.full((len(states), width), offset, dtype=np.int64)
+        for i, p in enumerate(picks):
+            index[i, : len(p)] = p
+        return torch.cat(parts)[self.buffers.to_device(index)]
+
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
         greedy = [p.greedy for p in params]
@@ -536,8 +565,10 @@ class GPUModelRunner:
         )
         prompt_ids = None
         output_ids: list[list[int]] = []
+        pending_ids = None
         if not no_penalties:
-            self._settle(block=True)
+            # Tokens whose host copy has not arrived come from the device (never a wait).
+            pending_ids = self._pending_output_ids(states)
             width = max(len(s.prompt_token_ids) for s in states)
             padded = np.full((len(states), width), self.vocab_size, dtype=np.int64)
             for i, s in enumerate(states):
@@ -566,6 +597,7 @@ class GPUModelRunner:
             repetition_penalties=None if no_penalties else column("repetition_penalty"),
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
+            pending_output_token_ids=pending_ids,
             min_tokens=min_tokens,
             max_num_logprobs=max(logprobs) if logprobs else None,
         )
