@@ -220,3 +220,23 @@ def test_a_call_cut_off_keeps_its_partial_arguments() -> None:
     assert content == "x" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1')]
     content, calls = parse_reply(plan(), 'x<tool_call>{"name": "ad')
     assert content == 'x<tool_call>{"name": "ad' and calls == []
+
+
+def test_a_chat_request_plans_its_tools_once(monkeypatch) -> None:
+    """The plan (which checks every tool's schema) is made once per request, not again for
+    the response or the stream."""
+    from vllm.entrypoints.openai import serving_chat
+
+    calls = []
+
+    def counting(*args):
+        calls.append(args)
+        return plan_tools(*args)
+
+    monkeypatch.setattr(serving_chat, "plan_tools", counting)
+    chat = serving_chat.OpenAIServingChat.__new__(serving_chat.OpenAIServingChat)
+    chat.tool_call_parser = "hermes"
+    r = request()
+    first = chat.tool_plan(r)
+    assert chat.tool_plan(r) is first and len(calls) == 1
+    assert chat.tool_plan(request()) is not first and len(calls) == 2

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_serializer
 
 
 # The default --max-request-body-bytes. Parsing and validating a body holds the GIL (and so
@@ -266,6 +266,10 @@ class NamedToolChoice(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingRequestFields):
     """POST /v1/chat/completions."""
+
+    # The request's tool plan once made (serving_chat.tool_plan): never sent or received.
+    _tool_plan: Any = PrivateAttr(default=None)
+    _tool_plan_made: bool = PrivateAttr(default=False)
 
     messages: list[ChatMessage]
     max_tokens: int | None = None

@@ -89,10 +89,13 @@ class OpenAIServingChat(OpenAIServing):
         return await self.serve(request, raw_request, prepare)
 
     def tool_plan(self, request: ChatCompletionRequest) -> ToolPlan | None:
-        """What the request does with its tools (None without tools). Raises
-        InvalidRequestError naming the bad field."""
-        return plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls,
-                          self.tool_call_parser)
+        """What the request does with its tools (None without tools), made on the first call
+        and kept on the request. Raises InvalidRequestError naming the bad field."""
+        if not request._tool_plan_made:
+            request._tool_plan = plan_tools(request.tools, request.tool_choice,
+                                            request.parallel_tool_calls, self.tool_call_parser)
+            request._tool_plan_made = True
+        return request._tool_plan
 
     def render(self, request: ChatCompletionRequest) -> str:
         """The prompt text of the conversation. Raises ValueError for unusable messages."""
