@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import pickle
 import threading
 import weakref
@@ -63,8 +64,13 @@ def _connect(ray: Any, num_ranks: int) -> bool:
         ray.init(address="auto", log_to_driver=False)
         logger.info("RayExecutor: joined the running Ray cluster")
         return False
-    except ConnectionError:
-        pass
+    except ConnectionError as exc:
+        if os.environ.get("RAY_ADDRESS"):
+            # The user named a cluster: starting another one would hide the mistake.
+            raise RuntimeError(
+                f"RayExecutor: cannot join the Ray cluster at RAY_ADDRESS="
+                f"{os.environ['RAY_ADDRESS']}: {exc}"
+            ) from exc
     # Every rank's bundle asks for one CPU; on a machine with fewer cores the ranks share
     # them, as they do on the mp executor.
     ray.init(num_cpus=max(thread_policy.available_cpus(), num_ranks), log_to_driver=False,
