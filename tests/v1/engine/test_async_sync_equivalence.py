@@ -1,8 +1,8 @@
 """Oracle: async scheduling gives exactly what synchronous scheduling gives.
 
 For 20 prompts with greedy and seeded sampling, penalties and logprobs on some requests, and
-0, 50 or 100 % structured requests, async × {uni, mp} × {plain, forced preemption, chunked
-prefill}, and sync/mp, must produce the same tokens as sync/uni/plain, with logprobs within
+0, 50 or 100 % structured requests, async × {uni, mp} × {plain, forced preemption} plus
+async/uni with chunked prefill, and sync/mp, must produce the same tokens as sync/uni/plain, with logprobs within
 1e-5. Each special condition is asserted to have happened.
 """
 
