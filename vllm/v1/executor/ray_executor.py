@@ -183,7 +183,6 @@ class RayExecutor(Executor):
                     group, placement_group_bundle_index=rank
                 ),
                 runtime_env={"env_vars": policy.env()},
-                name=None,
             ).remote(rank, self.world_size, local_rank)
             self._cluster.actors.append(actor)
         actors = self._cluster.actors
