@@ -45,3 +45,42 @@ def test_data_parallel_size_is_validated() -> None:
         ParallelConfig(data_parallel_size=0)
     with pytest.raises(ValueError, match=r"--data-parallel-size 2: the offline engine runs one"):
         LLM("demo-tiny", data_parallel_size=2)
+
+
+class _FakeClient:
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.aborted: list[str] = []
+        self.dead_reason = None
+
+    def add_request(self, request) -> None:
+        self.added.append(request.request_id)
+
+    def abort_requests(self, ids: list[str]) -> None:
+        self.aborted += ids
+
+
+def _client(num_engines: int):
+    from vllm.v1.engine.data_parallel import DataParallelClient
+
+    client = DataParallelClient.__new__(DataParallelClient)
+    client.engines = [EngineState(i) for i in range(num_engines)]
+    client.clients = [_FakeClient() for _ in range(num_engines)]
+    client._owner = {}
+    return client
+
+
+def test_samples_of_one_request_go_to_one_engine_and_aborts_follow_them() -> None:
+    from vllm.v1.engine import EngineCoreRequest
+
+    def req(request_id: str) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id, [1, 2], {}, 0.0)
+
+    client = _client(2)
+    client.add_requests([req("a-0"), req("a-1"), req("a-2")])
+    client.add_requests([req("b-0")])
+    client.add_requests([req("c-0")])
+    assert [c.added for c in client.clients] == [["a-0", "a-1", "a-2"], ["b-0", "c-0"]]
+    client.abort_requests(["c-0", "a-1", "unknown"])
+    assert [c.aborted for c in client.clients] == [["a-1"], ["c-0"]]
+    assert [len(s.unfinished) for s in client.engines] == [2, 1]

@@ -292,16 +292,14 @@ class AsyncLLM:
         self._requests[request_id] = _Tracked(stream, child_ids, stats)
         for child in child_ids:
             self._child_to_parent[child] = request_id
-        sent: list[str] = []
         try:
-            for child_request in child_requests(core_request, params, child_ids):
-                self.engine_core.add_request(child_request)
-                sent.append(child_request.request_id)
+            self.engine_core.add_requests(list(child_requests(core_request, params, child_ids)))
         except BaseException as e:
-            # Whatever failed, the id and its children must not stay registered.
+            # Whatever failed, the id and its children must not stay registered (aborting a
+            # child the engine never got is a no-op there).
             self._forget(request_id)
             self.output_processor.abort_request(request_id)
-            self.engine_core.abort_requests(sent)
+            self.engine_core.abort_requests(child_ids)
             if isinstance(e, (EngineDeadError, ValueError)) or not isinstance(e, Exception):
                 raise
             raise InvalidRequestError("request", f"cannot be sent to the engine: {e}") from e

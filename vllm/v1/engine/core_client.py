@@ -234,6 +234,12 @@ class EngineCoreClient:
         """Queues a request for the engine. Raises EngineDeadError once the engine is gone."""
         self._send(RequestType.ADD, self._encoder.encode(request))
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Queues requests (the samples of one request) for the engine, in order. Raises
+        EngineDeadError once the engine is gone (some may have been sent)."""
+        for request in requests:
+            self.add_request(request)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Aborts engine-side request ids (unknown or finished ids are ignored there).
 

@@ -187,17 +187,19 @@ class DataParallelClient:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Sends the request to the least-loaded live engine. Raises EngineDeadError when
-        every engine is gone."""
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Sends the requests (the samples of one request) together to the least-loaded live
+        engine, so they share its prefix cache. Raises EngineDeadError when every engine is
+        gone (or the chosen one is, after some were sent: the caller aborts them all)."""
         live = [s for s in self.engines if s.alive and self.clients[s.index].dead_reason is None]
         if not live:
             raise EngineDeadError(self.dead_reason or "every data-parallel engine is gone")
         state = min(live, key=EngineState.load)
-        self.clients[state.index].add_request(request)
-        state.num_routed += 1
-        state.unfinished.add(request.request_id)
-        self._owner[request.request_id] = state.index
+        for request in requests:
+            self.clients[state.index].add_request(request)
+            state.num_routed += 1
+            state.unfinished.add(request.request_id)
+            self._owner[request.request_id] = state.index
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Aborts each request in the engine that holds it (unknown ids are ignored)."""
