@@ -188,3 +188,67 @@ def test_a_dead_node_is_an_error_and_leaves_the_cluster_clean(
     assert groups and all(g["state"] == "REMOVED" for g in groups.values()), groups
     actors = ray._private.state.actors()
     assert actors and all(a["State"] == "DEAD" for a in actors.values()), actors
+
+
+# ---------------------------------------------------------------------- _Gather (no cluster)
+
+
+class _Died(Exception):
+    pass
+
+
+def _done(result=None, error: BaseException | None = None):
+    from concurrent.futures import Future
+
+    future: Future = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+    return future
+
+
+def _gather(num_ranks: int = 2, output_rank: int | None = None):
+    from vllm.v1.executor.ray_executor import _Gather
+
+    return _Gather(num_ranks, output_rank, lambda e: isinstance(e, _Died),
+                   lambda e, rank: RuntimeError(f"rank {rank}: {e!r}") if isinstance(e, _Died)
+                   else e)
+
+
+def test_a_dead_rank_is_named_even_after_its_peer_reported_a_broken_collective() -> None:
+    gather = _gather()
+    gather.on_done(0, _done(error=ValueError("connection closed by peer")))
+    assert not gather.future.done()  # waits a moment for news of a death
+    gather.on_done(1, _done(error=_Died()))
+    with pytest.raises(RuntimeError, match=r"rank 1: _Died"):
+        gather.future.result(timeout=1)
+
+
+def test_a_worker_error_fails_the_call_once_every_rank_answered_or_after_the_grace(
+    monkeypatch,
+) -> None:
+    from vllm.v1.executor import ray_executor
+
+    gather = _gather()
+    gather.on_done(1, _done(result="ok"))
+    gather.on_done(0, _done(error=ValueError("bad input")))
+    with pytest.raises(ValueError, match="bad input"):
+        gather.future.result(timeout=0)  # every rank answered: at once
+    monkeypatch.setattr(ray_executor, "_PEER_DEATH_GRACE_S", 0.2)
+    gather = _gather()
+    gather.on_done(0, _done(error=ValueError("stuck peer")))  # rank 1 never answers
+    with pytest.raises(ValueError, match="stuck peer"):
+        gather.future.result(timeout=5)
+
+
+def test_results_come_by_rank_or_from_the_output_rank() -> None:
+    gather = _gather(3)
+    for rank in (2, 0, 1):
+        gather.on_done(rank, _done(result=rank * 10))
+    assert gather.future.result(timeout=0) == [0, 10, 20]
+    gather = _gather(2, output_rank=1)
+    gather.on_done(1, _done(result="out"))
+    assert not gather.future.done()
+    gather.on_done(0, _done(result=None))
+    assert gather.future.result(timeout=0) == "out"

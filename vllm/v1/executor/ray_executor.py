@@ -40,6 +40,8 @@ _PLACEMENT_TIMEOUT_S = 60.0
 _STARTUP_TIMEOUT_S = 600.0
 # Seconds the actors get to leave the distributed world at shutdown before they are killed.
 _CLOSE_TIMEOUT_S = 5.0
+# Seconds a call that a worker failed waits for news that another rank died (see _Gather).
+_PEER_DEATH_GRACE_S = 3.0
 # --ray-placement values and the placement group strategy each one uses.
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
 
@@ -81,6 +83,67 @@ def _connect(ray: Any, num_ranks: int) -> bool:
 
 def _bundle(device_type: str) -> dict[str, float]:
     return {"GPU": 1.0, "CPU": 1.0} if device_type == "cuda" else {"CPU": 1.0}
+
+
+class _Gather:
+    """The replies of every rank to one call, as one Future: every rank's result by rank
+    (`output_rank` None) or the output rank's.
+
+    A rank that died fails the Future at once. An error a worker raised fails it once every
+    rank has answered, or after _PEER_DEATH_GRACE_S: when a rank dies, its peers' collectives
+    break and usually report before the death is known, and the death is the cause to name.
+    """
+
+    def __init__(
+        self,
+        num_ranks: int,
+        output_rank: int | None,
+        is_death: Callable[[BaseException], bool],
+        explain: Callable[[BaseException, int], BaseException],
+    ) -> None:
+        self.future: Future = Future()
+        self._num_ranks = num_ranks
+        self._output_rank = output_rank
+        self._is_death = is_death
+        self._explain = explain
+        self._results: dict[int, Any] = {}
+        self._errors: dict[int, BaseException] = {}
+        self._lock = threading.Lock()
+
+    def on_done(self, rank: int, done: Future) -> None:
+        """Takes one rank's reply (a done Ray future)."""
+        exc = done.exception()
+        with self._lock:
+            if self.future.done():
+                return
+            if exc is None:
+                self._results[rank] = done.result()
+            elif self._is_death(exc):
+                self.future.set_exception(self._explain(exc, rank))
+                return
+            else:
+                if not self._errors:
+                    timer = threading.Timer(_PEER_DEATH_GRACE_S, self._fail_with_first_error)
+                    timer.daemon = True
+                    timer.start()
+                self._errors[rank] = exc
+            if len(self._results) + len(self._errors) < self._num_ranks:
+                return
+            if self._errors:
+                self._fail_with_first_error_locked()
+            elif self._output_rank is None:
+                self.future.set_result([self._results[r] for r in range(self._num_ranks)])
+            else:
+                self.future.set_result(self._results[self._output_rank])
+
+    def _fail_with_first_error(self) -> None:
+        with self._lock:
+            self._fail_with_first_error_locked()
+
+    def _fail_with_first_error_locked(self) -> None:
+        if not self.future.done():
+            rank = min(self._errors)
+            self.future.set_exception(self._explain(self._errors[rank], rank))
 
 
 @dataclass
@@ -211,13 +274,16 @@ class RayExecutor(Executor):
                 raise self._explain(exc, rank_of[done[0]], "at startup") from None
         return ray.get(refs)
 
+    def _is_death(self, exc: BaseException) -> bool:
+        exceptions = self._ray.exceptions
+        return isinstance(exc, (exceptions.RayActorError, exceptions.NodeDiedError,
+                                exceptions.ObjectLostError))
+
     def _explain(self, exc: BaseException, rank: int, when: str) -> BaseException:
         """`exc` as the engine should see it: an actor or node that died becomes a
         RuntimeError naming the rank and node and marks the executor unusable; an error the
         worker raised passes through unchanged."""
-        ray = self._ray
-        if not isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError,
-                                ray.exceptions.ObjectLostError)):
+        if not self._is_death(exc):
             return exc
         node = self.node_ips[rank] if rank < len(self.node_ips) else "?"
         message = (
@@ -244,28 +310,11 @@ class RayExecutor(Executor):
             actor.call.remote(payload, reply_all or rank == self.output_rank)
             for rank, actor in enumerate(self._cluster.actors)
         ]
-        future: Future = Future()
-        results: dict[int, Any] = {}
-        lock = threading.Lock()
-
-        def on_done(rank: int, done: Future) -> None:
-            exc = done.exception()
-            with lock:
-                if future.done():
-                    return
-                if exc is not None:
-                    future.set_exception(self._explain(exc, rank, "during a call"))
-                    return
-                results[rank] = done.result()
-                if len(results) < len(refs):
-                    return
-            future.set_result(
-                [results[r] for r in sorted(results)] if reply_all else results[self.output_rank]
-            )
-
+        gather = _Gather(len(refs), None if reply_all else self.output_rank, self._is_death,
+                         lambda exc, rank: self._explain(exc, rank, "during a call"))
         for rank, ref in enumerate(refs):
-            ref.future().add_done_callback(lambda done, rank=rank: on_done(rank, done))
-        return future
+            ref.future().add_done_callback(lambda done, rank=rank: gather.on_done(rank, done))
+        return gather.future
 
     def collective_rpc(
         self,
