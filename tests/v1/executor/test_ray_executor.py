@@ -244,8 +244,11 @@ def test_a_worker_error_fails_the_call_once_every_rank_answered_or_after_the_gra
 
 def test_results_come_by_rank_or_from_the_output_rank() -> None:
     gather = _gather(3)
-    for rank in (2, 0, 1):
+    gather.on_done(2, _done(result=20))
+    assert gather.missing() == [0, 1]
+    for rank in (0, 1):
         gather.on_done(rank, _done(result=rank * 10))
+    assert gather.missing() == []
     assert gather.future.result(timeout=0) == [0, 10, 20]
     gather = _gather(2, output_rank=1)
     gather.on_done(1, _done(result="out"))

@@ -21,6 +21,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,12 @@ class _Gather:
                 self.future.set_result([self._results[r] for r in range(self._num_ranks)])
             else:
                 self.future.set_result(self._results[self._output_rank])
+
+    def missing(self) -> list[int]:
+        """The ranks that have not answered yet."""
+        with self._lock:
+            answered = self._results.keys() | self._errors.keys()
+        return [rank for rank in range(self._num_ranks) if rank not in answered]
 
     def _fail_with_first_error(self) -> None:
         with self._lock:
@@ -252,27 +259,24 @@ class RayExecutor(Executor):
         ip, port = ray.get(actors[0].address.remote(), timeout=_STARTUP_TIMEOUT_S)
         init_method = f"tcp://{ip}:{port}"
         starts = [actor.start.remote(vllm_config, init_method) for actor in actors]
-        self.node_ips = self._gather(starts, _STARTUP_TIMEOUT_S)
+        gather = self._gather(starts, None, "at startup")
+        try:
+            self.node_ips = gather.future.result(timeout=_STARTUP_TIMEOUT_S)
+        except FutureTimeoutError:
+            raise RuntimeError(f"RayExecutor: ranks {gather.missing()} did not start within "
+                               f"{_STARTUP_TIMEOUT_S:.0f} s") from None
         self._node_ids = [node_of[rank] for rank in range(self.world_size)]
 
     # ------------------------------------------------------------------ calls
 
-    def _gather(self, refs: list[Any], timeout: float) -> list[Any]:
-        """Every rank's result of a startup call, by rank. Raises the first failure (see
-        `_explain`), RuntimeError when ranks do not answer within `timeout` seconds."""
-        ray = self._ray
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-            if not done:
-                ranks = sorted(rank_of[ref] for ref in pending)
-                raise RuntimeError(f"RayExecutor: ranks {ranks} did not start within {timeout} s")
-            try:
-                ray.get(done[0])
-            except Exception as exc:
-                raise self._explain(exc, rank_of[done[0]], "at startup") from None
-        return ray.get(refs)
+    def _gather(self, refs: list[Any], output_rank: int | None, when: str) -> _Gather:
+        """The replies to `refs` (one object ref per rank, by rank) as one `_Gather`, whose
+        failures `_explain` words with `when`."""
+        gather = _Gather(len(refs), output_rank, self._is_death,
+                         lambda exc, rank: self._explain(exc, rank, when))
+        for rank, ref in enumerate(refs):
+            ref.future().add_done_callback(lambda done, rank=rank: gather.on_done(rank, done))
+        return gather
 
     def _is_death(self, exc: BaseException) -> bool:
         exceptions = self._ray.exceptions
@@ -298,7 +302,7 @@ class RayExecutor(Executor):
     def _submit(self, method: WorkerMethod | Callable[..., Any], args: tuple,
                 reply_all: bool) -> Future:
         """Sends one call to every rank; returns a Future of every rank's result (reply_all)
-        or of the output rank's. The Future fails as soon as any rank fails."""
+        or of the output rank's, failing as `_Gather` describes."""
         with self._lock:
             if self._error is not None:
                 raise RuntimeError(self._error)
@@ -310,11 +314,7 @@ class RayExecutor(Executor):
             actor.call.remote(payload, reply_all or rank == self.output_rank)
             for rank, actor in enumerate(self._cluster.actors)
         ]
-        gather = _Gather(len(refs), None if reply_all else self.output_rank, self._is_death,
-                         lambda exc, rank: self._explain(exc, rank, "during a call"))
-        for rank, ref in enumerate(refs):
-            ref.future().add_done_callback(lambda done, rank=rank: gather.on_done(rank, done))
-        return gather.future
+        return self._gather(refs, None if reply_all else self.output_rank, "during a call").future
 
     def collective_rpc(
         self,
