@@ -66,7 +66,6 @@ def _client(num_engines: int):
     client = DataParallelClient.__new__(DataParallelClient)
     client.engines = [EngineState(i) for i in range(num_engines)]
     client.clients = [_FakeClient() for _ in range(num_engines)]
-    client._owner = {}
     return client
 
 

@@ -87,7 +87,6 @@ class DataParallelClient:
         self.vllm_config = vllm_config
         size = vllm_config.parallel_config.data_parallel_size
         self.engines = [EngineState(i) for i in range(size)]
-        self._owner: dict[str, int] = {}
         self._on_outputs: Callable[[EngineCoreOutputs], None] | None = None
         self._on_stats: Callable[[EngineCoreStats], None] | None = None
         self._on_dead: Callable[[str], None] | None = None
@@ -149,7 +148,6 @@ class DataParallelClient:
         for out in outputs.outputs:
             if out.finished:
                 unfinished.discard(out.request_id)
-                self._owner.pop(out.request_id, None)
         assert self._on_outputs is not None
         self._on_outputs(outputs)
 
@@ -169,8 +167,6 @@ class DataParallelClient:
             state.stats = msgspec.structs.replace(state.stats, num_running=0, num_waiting=0)
         lost = sorted(state.unfinished)
         state.unfinished.clear()
-        for request_id in lost:
-            self._owner.pop(request_id, None)
         if any(s.alive for s in self.engines):
             logger.error("data-parallel engine %d is gone (%s); %d of its requests fail, the "
                          "other engines keep serving", index, reason, len(lost))
@@ -199,18 +195,14 @@ class DataParallelClient:
             self.clients[state.index].add_request(request)
             state.num_routed += 1
             state.unfinished.add(request.request_id)
-            self._owner[request.request_id] = state.index
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Aborts each request in the engine that holds it (unknown ids are ignored)."""
-        by_engine: dict[int, list[str]] = {}
-        for request_id in request_ids:
-            index = self._owner.pop(request_id, None)
-            if index is not None:
-                self.engines[index].unfinished.discard(request_id)
-                by_engine.setdefault(index, []).append(request_id)
-        for index, ids in by_engine.items():
-            self.clients[index].abort_requests(ids)
+        for state in self.engines:
+            held = [request_id for request_id in request_ids if request_id in state.unfinished]
+            if held:
+                state.unfinished.difference_update(held)
+                self.clients[state.index].abort_requests(held)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stops every engine core. Idempotent."""
