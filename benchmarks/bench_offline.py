@@ -56,9 +56,9 @@ def run(model: str, async_scheduling: bool, backend: str, prompts: list[str], ou
         fill_us: list[float] = []
         fill = manager.grammar_bitmask
 
-        def timed_fill(requests, req_ids):
+        def timed_fill(requests, req_ids, *rest):
             t = time.perf_counter()
-            out = fill(requests, req_ids)
+            out = fill(requests, req_ids, *rest)
             fill_us.append((time.perf_counter() - t) * 1e6 / max(len(req_ids), 1))
             return out
 

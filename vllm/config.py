@@ -407,6 +407,52 @@ class StructuredOutputsConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (CLI: `--speculative-config JSON`; docs/architecture.md §11).
+
+    Each step, a request may carry up to `num_speculative_tokens` drafted tokens that the
+    model verifies in one forward pass; the tokens kept are exactly those the target model
+    would have produced (greedy) or distributed as it would sample them (random).
+    """
+
+    # "ngram": prompt lookup over the request's own tokens (prompt and output).
+    method: str = "ngram"
+    # Most drafted tokens per request and step.
+    num_speculative_tokens: int = 3
+    # The shortest and longest suffix of the tokens looked up earlier in the same tokens.
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(
+                f"--speculative-config.method: {self.method!r} is not supported; the one "
+                "method is 'ngram' (prompt lookup)"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"--speculative-config.{name}: must be a positive integer, got {value!r}"
+                )
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"--speculative-config.num_speculative_tokens: at most "
+                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"--speculative-config.prompt_lookup_min ({self.prompt_lookup_min}) must not "
+                f"exceed prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+
+# Verification costs one forward row per draft whether it is kept or not; beyond a handful
+# of tokens a lookup draft is rarely kept whole.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
 class VllmConfig:
     """Everything the engine needs, checked once at startup."""
 
@@ -417,9 +463,15 @@ class VllmConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--speculative-config: not supported with --pipeline-parallel-size above 1 "
+                "(the first stage learns tokens from the scheduler one step late)"
+            )
         # The layout is checked in full before any process starts.
         self.parallel_config.verify_with_model_config(self.model_config)
         self.parallel_config.verify_devices(self.model_config.device)
@@ -433,4 +485,10 @@ class VllmConfig:
         if self.scheduler_config.async_scheduling:
             return max(2, stages)
         return stages
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Most drafted tokens per request and step (0 without speculative decoding)."""
+        spec = self.speculative_config
+        return spec.num_speculative_tokens if spec is not None else 0
 

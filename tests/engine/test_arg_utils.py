@@ -247,3 +247,35 @@ def test_reasoning_parser_flag_reaches_the_structured_outputs_config(
     with pytest.raises(SystemExit):
         parse("serve", MODEL, "--reasoning-parser", "mistral")
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_speculative_config_flag_builds_the_config() -> None:
+    args = serve_args("--speculative-config",
+                      '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
+    config = args.create_engine_config()
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+            spec.prompt_lookup_max) == ("ngram", 5, 1, 3)
+    assert config.num_speculative_tokens == 5
+    assert EngineArgs(model=MODEL).create_engine_config().num_speculative_tokens == 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "eagle"}, r"--speculative-config.method: 'eagle' is not supported"),
+    ({"num_speculative_tokens": 0}, r"num_speculative_tokens: must be a positive integer"),
+    ({"num_speculative_tokens": 99}, r"num_speculative_tokens: at most 16"),
+    ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) must not"),
+    ({"draft_tokens": 3}, r"unknown option\(s\) \['draft_tokens'\]"),
+    ([3], r"must be a JSON object"),
+])
+def test_bad_speculative_configs_name_the_option(spec: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=MODEL, speculative_config=spec).create_engine_config()
+
+
+@pytest.mark.usefixtures("many_gpus")
+def test_speculative_decoding_refuses_pipeline_stages() -> None:
+    with pytest.raises(ValueError, match="--speculative-config: not supported with "
+                                         "--pipeline-parallel-size"):
+        EngineArgs(model=MODEL, pipeline_parallel_size=2,
+                   speculative_config={"method": "ngram"}).create_engine_config()

@@ -14,6 +14,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
     VllmConfig,
 )
@@ -122,6 +123,16 @@ class EngineArgs:
                        type=json.loads),
     )
 
+    speculative_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help("JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                       "\"prompt_lookup_min\": 1, \"prompt_lookup_max\": 4}': each step, "
+                       "draft up to num_speculative_tokens tokens by looking up the request's "
+                       "latest tokens earlier in its prompt and output, and verify them in one "
+                       "forward pass (outputs are unchanged).",
+                       type=json.loads),
+    )
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Adds one flag per field (booleans get --x/--no-x; some have upstream's short
@@ -182,6 +193,19 @@ class EngineArgs:
                     f"--reasoning-parser {self.reasoning_parser} and "
                     f"--structured-outputs-config.reasoning_parser {given} disagree"
                 )
+        speculative_config = None
+        if self.speculative_config is not None:
+            spec_options = self.speculative_config
+            if not isinstance(spec_options, dict):
+                raise ValueError("--speculative-config: must be a JSON object")
+            known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+            unknown = set(spec_options) - known
+            if unknown:
+                raise ValueError(
+                    f"--speculative-config: unknown option(s) {sorted(unknown)}; "
+                    f"known: {sorted(known)}"
+                )
+            speculative_config = SpeculativeConfig(**spec_options)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -200,6 +224,7 @@ class EngineArgs:
             ),
             parallel_config=parallel_config,
             structured_outputs_config=StructuredOutputsConfig(**structured_options),
+            speculative_config=speculative_config,
         )
 
 

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -62,6 +69,7 @@ def make_config(
     async_scheduling: bool = False,
     enable_prefix_caching: bool = True,
     pipeline_parallel_size: int = 1,
+    num_speculative_tokens: int = 0,
 ) -> VllmConfig:
     """A VllmConfig over a copy of `model_config` with the given scheduler and cache sizes."""
     mc = copy.copy(model_config)
@@ -79,6 +87,10 @@ def make_config(
             async_scheduling=async_scheduling,
         ),
         parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
+        speculative_config=(
+            SpeculativeConfig(num_speculative_tokens=num_speculative_tokens)
+            if num_speculative_tokens else None
+        ),
     )
 
 
@@ -152,6 +164,41 @@ def first_allowed(bitmask: np.ndarray, row: int) -> int:
     return 32 * w + (word & -word).bit_length() - 1
 
 
+# ---------------------------------------------------------------------- speculative decoding
+
+CYCLE = [300, 301, 302, 303]
+
+
+def cyclic(req_id: str, k: int) -> int:
+    """Continues CYCLE (every prompt below is CYCLE repeated), except that requests named
+    "x..." break the cycle every fifth output, so some of their drafts are rejected."""
+    if req_id.startswith("x") and k % 5 == 4:
+        return 900 + k
+    return CYCLE[k % len(CYCLE)]
+
+
+def spec_workload() -> list[Request]:
+    """Requests whose outputs (under `cyclic`) make n-gram drafts pay, mostly."""
+    prompt = CYCLE * 3
+    return [
+        make_request("a", prompt, max_tokens=14),
+        make_request("x1", prompt, max_tokens=17, ignore_eos=True),
+        make_request("short", prompt, max_tokens=2),
+        # The grammar follows the cycle, then leaves it: drafts past the turn are cut.
+        make_request("g", prompt, max_tokens=12, grammar="300 301 302 303 300 301 7 8"),
+        make_request("x2", prompt[:6], max_tokens=9),
+    ]
+
+
+# Scheduler settings the speculative-decoding tests run under: few blocks force
+# preemption, a small budget chunks the prompts.
+SPEC_CONDITIONS: dict[str, dict] = {
+    "plain": {},
+    "preemption": dict(num_blocks=14),
+    "chunked": dict(max_num_batched_tokens=8),
+}
+
+
 # ---------------------------------------------------------------------- fake model runner
 
 
@@ -170,7 +217,8 @@ class FakeRunner:
     Output k of a request is `policy(req_id, k)`, except that a request named in the step's
     GrammarOutput gets the lowest token its bitmask row allows, and `force[(req_id, k)]`
     overrides both. Counting k continues across preemption (it is the index of the output
-    token). Raises AssertionError when a SchedulerOutput contradicts what the runner was told
+    token). Drafts are verified as the real runner does: the output at each drafted position
+    is chosen the same way, and drafts are kept while they equal it. Raises AssertionError when a SchedulerOutput contradicts what the runner was told
     before (computed-token counts, block counts, unknown requests).
     """
 
@@ -242,7 +290,9 @@ class FakeRunner:
         if grammar_output is not None:
             ids = grammar_output.structured_output_request_ids
             assert grammar_output.grammar_bitmask.shape[0] == len(ids)
-            rows = {r: i for i, r in enumerate(ids)}
+            for i, r in enumerate(ids):
+                rows.setdefault(r, i)  # a request's draft rows follow its first
+        spec = scheduler_output.scheduled_spec_decode_tokens
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled = set(scheduler_output.sampled_req_ids)
         tokens: list[list[int]] = []
@@ -251,16 +301,25 @@ class FakeRunner:
                 tokens.append([])
                 continue
             k = self.num_sampled.get(req_id, 0)
-            self.num_sampled[req_id] = k + 1
-            if (req_id, k) in self.force:
-                token = self.force[(req_id, k)]
-            elif req_id in rows:
-                assert grammar_output is not None
-                token = first_allowed(grammar_output.grammar_bitmask, rows[req_id])
-            else:
-                token = self.policy(req_id, k)
-            tokens.append([token])
-            self.sampled_tokens.setdefault(req_id, []).append(token)
+            drafts = spec.get(req_id, [])
+            kept: list[int] = []
+            for j in range(len(drafts) + 1):
+                if (req_id, k + j) in self.force:
+                    token = self.force[(req_id, k + j)]
+                elif req_id in rows:
+                    assert grammar_output is not None
+                    token = first_allowed(grammar_output.grammar_bitmask, rows[req_id] + j)
+                else:
+                    token = self.policy(req_id, k + j)
+                kept.append(token)
+                if j == len(drafts) or token != drafts[j]:
+                    break
+            self.num_sampled[req_id] = k + len(kept)
+            rejected = len(drafts) - (len(kept) - 1)
+            if rejected and req_id in self.reqs:
+                self.reqs[req_id].num_computed -= rejected  # their KV is computed again
+            tokens.append(kept)
+            self.sampled_tokens.setdefault(req_id, []).extend(kept)
         return ModelRunnerOutput(
             req_ids=req_ids,
             sampled_token_ids=tokens,
@@ -540,8 +599,12 @@ class Harness:
             want = self.in_flight_samples(req_id) if is_async else 0
             assert request.num_output_placeholders == want, (
                 req_id, request.num_output_placeholders, want)
+            drafts_in_flight = sum(
+                len(e.scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+                for e in self.in_flight
+            )
             assert request.num_computed_tokens <= (
-                request.num_tokens + request.num_output_placeholders
+                request.num_tokens + request.num_output_placeholders + drafts_in_flight
             )
         owners: Counter[int] = Counter()
         for req_id in sched.requests:

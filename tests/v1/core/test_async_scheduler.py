@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 from tests.v1.core.sched_utils import (
+    SPEC_CONDITIONS,
+    cyclic,
     harness_factory,
+    spec_workload,
     EOS,
     GRAMMAR_END,
     Harness,
@@ -608,3 +611,29 @@ def test_abort_with_end_of_thinking_in_flight(make: MakeHarness, kwargs: dict) -
     h.run()
     assert h.tokens.get("g", []) == [THINK, 1001, END_THINK][: len(h.tokens.get("g", []))]
     assert h.tokens["p"] == expected("p", 8)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("condition", ["plain", "preemption", "chunked"])
+def test_drafts_match_sync_without_drafts(
+    make: MakeHarness, depth: int, condition: str
+) -> None:
+    config = SPEC_CONDITIONS[condition]
+    reference = make(async_scheduling=False, policy=cyclic, **config)
+    reference.add(*spec_workload())
+    reference.run()
+    h = make(policy=cyclic, depth=depth, num_speculative_tokens=3, **config)
+    h.add(*spec_workload())
+    while h.step():
+        # A request that may draft is scheduled only once its tokens are all confirmed:
+        # drafts come from confirmed tokens, and the next position depends on how many
+        # drafts were kept.
+        for req_id in h.added:
+            request = h.added[req_id]
+            if request.sampling_params.logprobs is None:
+                assert h.in_flight_samples(req_id) <= 1
+    assert h.tokens == reference.tokens
+    assert h.sched.num_accepted_tokens > 0
+    assert {r: h.finish_reason(r) for r in h.tokens} == {
+        r: reference.finish_reason(r) for r in reference.tokens
+    }

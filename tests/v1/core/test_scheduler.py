@@ -8,7 +8,11 @@ import msgspec
 import pytest
 
 from tests.v1.core.sched_utils import (
+    CYCLE,
+    SPEC_CONDITIONS,
+    cyclic,
     harness_factory,
+    spec_workload,
     EOS,
     GRAMMAR_END,
     Harness,
@@ -432,3 +436,76 @@ def test_pipeline_stages_give_the_workers_every_new_token(
     assert runs[2].sched.num_preemptions > 0, "the workload must force preemption"
     assert any(s.scheduled_cached_reqs.new_token_ids for s in runs[2].runner.steps)
     assert runs[2].tokens == runs[1].tokens
+
+
+# ---------------------------------------------------------------------- speculative decoding
+
+@pytest.mark.parametrize("condition", ["plain", "preemption", "chunked"])
+def test_drafts_change_no_token_and_save_steps(make: MakeHarness, condition: str) -> None:
+    config = SPEC_CONDITIONS[condition]
+    runs = {}
+    # (request, outputs known when scheduled, drafts) for every drafted request of a step.
+    drafted: list[tuple[object, int, list[int]]] = []
+    for k in (0, 3):
+        h = make(policy=cyclic, num_speculative_tokens=k, **config)
+        schedule = h.sched.schedule
+
+        def recording_schedule(h=h, schedule=schedule):
+            out = schedule()
+            for req_id, drafts in out.scheduled_spec_decode_tokens.items():
+                drafted.append((h.added[req_id], h.added[req_id].num_output_tokens, drafts))
+            return out
+
+        h.sched.schedule = recording_schedule
+        h.add(*spec_workload())
+        h.run()
+        runs[k] = h
+    plain, spec = runs[0], runs[3]
+    assert spec.tokens == plain.tokens
+    assert {r: spec.finish_reason(r) for r in spec.tokens} == {
+        r: plain.finish_reason(r) for r in plain.tokens
+    }
+    assert len(spec.tokens["x1"]) == 17 and spec.tokens["g"][:8] == [
+        300, 301, 302, 303, 300, 301, 7, 8]
+    assert len(spec.runner.steps) < len(plain.runner.steps)
+    sched = spec.sched
+    assert sched.num_draft_tokens > sched.num_accepted_tokens > 0  # "x" requests reject some
+    if condition == "preemption":
+        assert sched.num_preemptions > 0
+    assert drafted
+    for request, done, drafts in drafted:
+        assert 1 <= len(drafts) <= 3
+        # Never past max_tokens: the drafts and the token after them fit.
+        assert done + len(drafts) + 1 <= request.sampling_params.max_tokens
+    stats = sched.make_stats()
+    assert (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) == (
+        sched.num_draft_tokens, sched.num_accepted_tokens)
+
+
+def test_grammar_cuts_drafts_at_the_first_rejected_token(make: MakeHarness) -> None:
+    h = make(policy=cyclic, num_speculative_tokens=4)
+    # After "300 301" the lookup drafts 302 303 300 301; the grammar allows only 7 next.
+    h.add(make_request("g", CYCLE * 3, max_tokens=12, grammar="300 301 7 300"))
+    h.run()
+    assert h.tokens["g"] == [300, 301, 7, 300, GRAMMAR_END]
+    drafts = [s.scheduled_spec_decode_tokens.get("g") for s in h.runner.steps]
+    # Step 2 (after 300) drafts 301 only: the grammar rejects the 302 the lookup proposed.
+    assert drafts[1] == [301]
+    for d in drafts:
+        assert d is None or 302 not in d
+
+
+def test_no_drafts_for_penalties_logprobs_or_min_tokens(make: MakeHarness) -> None:
+    h = make(policy=cyclic, num_speculative_tokens=3)
+    h.add(make_request("pen", CYCLE * 3, max_tokens=6, presence_penalty=0.5),
+          make_request("lp", CYCLE * 3, max_tokens=6, logprobs=2),
+          make_request("min", CYCLE * 3, max_tokens=6, min_tokens=4),
+          make_request("free", CYCLE * 3, max_tokens=6))
+    h.run()
+    drafted = {r for s in h.runner.steps for r in s.scheduled_spec_decode_tokens}
+    assert drafted == {"min", "free"}
+    # min_tokens: drafting starts once the minimum is reached.
+    first = next(i for i, s in enumerate(h.runner.steps)
+                 if "min" in s.scheduled_spec_decode_tokens)
+    assert sum("min" in s.sampled_req_ids for s in h.runner.steps[:first]) >= 4
+    assert all(h.tokens[r] == [cyclic(r, k) for k in range(6)] for r in h.tokens)

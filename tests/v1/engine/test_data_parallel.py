@@ -15,7 +15,8 @@ def _stats(running: int, usage: float, blocks: int, backends: list) -> EngineCor
     return EngineCoreStats(
         num_running=running, num_waiting=1, kv_cache_usage=usage, num_free_blocks=blocks // 2,
         num_blocks=blocks, num_preemptions=2, prefix_cache_queries=10, prefix_cache_hits=4,
-        num_aborted_requests=1, grammar_backends=backends, timestamp=float(running),
+        num_aborted_requests=1, spec_decode_num_steps=running, spec_decode_num_draft_tokens=3,
+        spec_decode_num_accepted_tokens=2, grammar_backends=backends, timestamp=float(running),
     )
 
 
@@ -28,6 +29,8 @@ def test_sum_stats_adds_counts_and_weights_usage_by_blocks() -> None:
         200, 4, 2)
     assert total.kv_cache_usage == pytest.approx((0.5 * 100 + 0.1 * 300) / 400)
     assert total.grammar_backends == [("guidance", "fallback", 4), ("xgrammar", "first_choice", 3)]
+    assert (total.spec_decode_num_steps, total.spec_decode_num_draft_tokens,
+            total.spec_decode_num_accepted_tokens) == (4, 6, 4)
     assert total.timestamp == 3.0
 
 

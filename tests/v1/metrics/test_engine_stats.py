@@ -25,6 +25,9 @@ def _stats(**changes: object) -> EngineCoreStats:
         prefix_cache_queries=1200,
         prefix_cache_hits=480,
         num_aborted_requests=2,
+        spec_decode_num_steps=11,
+        spec_decode_num_draft_tokens=30,
+        spec_decode_num_accepted_tokens=12,
         grammar_backends=[("guidance", "fallback", 4), ("xgrammar", "first_choice", 9)],
         timestamp=1_700_000_000.25,
     )
@@ -85,8 +88,9 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
     after = _samples(metrics)
     rendered = {k: v for k, v in after.items() if k not in before}
     # One sample per field: a field added to the record must be rendered too (timestamp is
-    # not rendered; grammar_backends is a labelled counter, checked below).
-    assert len(rendered) == len(msgspec.structs.fields(EngineCoreStats)) - 2
+    # not rendered; grammar_backends is a labelled counter, checked below), plus the two
+    # speculative-decoding ratios derived from the counters.
+    assert len(rendered) == len(msgspec.structs.fields(EngineCoreStats)) - 2 + 2
     assert rendered == {
         "vllm:num_requests_running": ("gauge", 3.0),
         "vllm:num_requests_waiting": ("gauge", 5.0),
@@ -97,11 +101,25 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
         "vllm:prefix_cache_queries_total": ("counter", 1200.0),
         "vllm:prefix_cache_hits_total": ("counter", 480.0),
         "vllm:engine_aborted_requests_total": ("counter", 2.0),
+        "vllm:spec_decode_num_drafts_total": ("counter", 11.0),
+        "vllm:spec_decode_num_draft_tokens_total": ("counter", 30.0),
+        "vllm:spec_decode_num_accepted_tokens_total": ("counter", 12.0),
+        "vllm:spec_decode_draft_acceptance_rate": ("gauge", 0.4),
+        "vllm:spec_decode_mean_accepted_length": ("gauge", 1 + 12 / 11),
     }
     # The decoded record renders exactly as the one the engine core built.
     from_wire = metrics.render()
     metrics.record_engine_stats(stats)
     assert metrics.render() == from_wire
+
+
+def test_spec_decode_ratios_are_absent_before_any_draft() -> None:
+    metrics = PrometheusMetrics(MODEL)
+    metrics.record_engine_stats(_stats(spec_decode_num_steps=0, spec_decode_num_draft_tokens=0,
+                                       spec_decode_num_accepted_tokens=0))
+    rendered = _samples(metrics)
+    assert rendered["vllm:spec_decode_num_draft_tokens_total"] == ("counter", 0.0)
+    assert "vllm:spec_decode_draft_acceptance_rate" not in rendered
 
 
 def test_backend_choices_render_as_one_labelled_counter() -> None:

@@ -183,6 +183,56 @@ def test_batch_bitmask_matches_fresh_replays(
         manager.clear(request)
 
 
+def test_bitmask_rows_for_drafts_match_fresh_replays(
+    manager: StructuredOutputManager, walk_vocab: WalkVocab
+) -> None:
+    """Speculative decoding: a request with drafts gets a row per position, each the mask
+    after the drafts before it; every grammar is left where it was."""
+    rng = np.random.default_rng(11)
+    requests: dict[str, Request] = {}
+    histories: dict[str, list[int]] = {}
+    drafts: dict[str, list[int]] = {}
+    for i in range(12):
+        case = ALL_CASES[(i * 5) % len(ALL_CASES)]
+        request = _request(f"d{i}", **case.params)
+        requests[request.request_id] = request
+        manager.grammar_init(request)
+        assert _wait(request), request.structured_output_request.error
+        grammar = request.structured_output_request.grammar
+        histories[request.request_id], _ = random_walk(
+            grammar, walk_vocab, rng, max_steps=int(rng.integers(0, 4)))
+        if i % 3:  # some requests have no drafts
+            ahead, _ = random_walk(grammar, walk_vocab, rng, max_steps=int(rng.integers(1, 5)))
+            grammar.rollback(len(ahead))
+            drafts[request.request_id] = ahead
+    ids = list(requests)
+    before = {r: requests[r].structured_output_request.grammar.num_processed_tokens for r in ids}
+    bitmask = manager.grammar_bitmask(requests, ids, drafts)
+    assert bitmask.shape[0] == len(ids) + sum(len(d) for d in drafts.values())
+    row = 0
+    for req_id in ids:
+        grammar = requests[req_id].structured_output_request.grammar
+        assert grammar.num_processed_tokens == before[req_id]
+        params = requests[req_id].sampling_params.structured_outputs
+        ahead = drafts.get(req_id, [])
+        for j in range(len(ahead) + 1):
+            fresh = manager.backend.compile_grammar(params)
+            assert fresh.accept_tokens("replay", histories[req_id] + ahead[:j])
+            expected = np.zeros((1, bitmask.shape[1]), dtype=np.int32)
+            fresh.fill_bitmask(expected, 0)
+            assert np.array_equal(bitmask[row], expected[0]), (req_id, j)
+            row += 1
+    # A draft the grammar rejects is refused, and the grammar is still left as it was.
+    victim = ids[0]
+    grammar = requests[victim].structured_output_request.grammar
+    bad = next(t for t in range(VOCAB_SIZE) if not grammar.validate_tokens([t]))
+    with pytest.raises(ValueError, match="rejected by its grammar"):
+        manager.grammar_bitmask(requests, [victim], {victim: [bad]})
+    assert grammar.num_processed_tokens == before[victim]
+    for request in requests.values():
+        manager.clear(request)
+
+
 def test_bitmask_buffers_rotate(manager: StructuredOutputManager) -> None:
     request = _request("rot", choice=["a", "b"])
     manager.grammar_init(request)
@@ -206,6 +256,10 @@ def test_bitmask_rejects_bad_input(manager: StructuredOutputManager) -> None:
         manager.grammar_bitmask({}, ["missing"])
     with pytest.raises(ValueError, match="max_num_seqs"):
         manager.grammar_bitmask({}, [f"x{i}" for i in range(MAX_NUM_SEQS + 1)])
+    # Draft rows count too: each request with drafts needs 1 + len(drafts) rows.
+    ids = [f"x{i}" for i in range(MAX_NUM_SEQS)]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        manager.grammar_bitmask({}, ids, {"x0": [1]})
 
 
 def test_validate_then_engine_compile_hits_the_cache(manager: StructuredOutputManager) -> None:

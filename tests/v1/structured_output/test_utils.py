@@ -94,3 +94,18 @@ def test_bad_shapes_raise() -> None:
         apply_grammar_bitmask(logits, GrammarOutput(["a"], np.zeros((1, 3), np.int32)), {"a": 0})
     with pytest.raises(ValueError, match="outside logits"):
         apply_grammar_bitmask(logits, GrammarOutput(["a"], np.zeros((1, 2), np.int32)), {"a": 5})
+
+
+def test_repeated_ids_fill_consecutive_rows_from_the_requests_row() -> None:
+    # Request "s" has two drafts: three bitmask rows, for logits rows 2, 3 and 4.
+    source = np.arange(4 * 2, dtype=np.int32).reshape(4, 2)
+    out = GrammarOutput(["a", "s", "s", "s"], source)
+    bitmask, rows = reorder_bitmask(out, {"a": 0, "s": 2})
+    assert rows == [0, 2, 3, 4]
+    assert np.array_equal(bitmask[rows], source)
+    logits = torch.zeros(5, 64)
+    full = np.zeros((4, 2), dtype=np.int32)
+    full[:, 0] = 1 << np.arange(4)  # row i allows token i only
+    apply_grammar_bitmask(logits, GrammarOutput(["a", "s", "s", "s"], full), {"a": 0, "s": 2})
+    allowed = [torch.isfinite(logits[r]).nonzero().flatten().tolist() for r in range(5)]
+    assert allowed == [[0], list(range(64)), [1], [2], [3]]

@@ -71,6 +71,11 @@ def sum_stats(snapshots: list[EngineCoreStats]) -> EngineCoreStats:
         prefix_cache_queries=sum(s.prefix_cache_queries for s in snapshots),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in snapshots),
         num_aborted_requests=sum(s.num_aborted_requests for s in snapshots),
+        spec_decode_num_steps=sum(s.spec_decode_num_steps for s in snapshots),
+        spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in snapshots),
+        spec_decode_num_accepted_tokens=sum(
+            s.spec_decode_num_accepted_tokens for s in snapshots
+        ),
         grammar_backends=[(b, r, n) for (b, r), n in sorted(backends.items())],
         timestamp=max(s.timestamp for s in snapshots),
     )

@@ -53,6 +53,12 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int
     # Aborts that found the request still alive in the engine (cumulative).
     num_aborted_requests: int
+    # Speculative decoding (cumulative): steps in which a request verified drafts, drafted
+    # tokens, and drafted tokens kept. Acceptance rate = accepted / draft tokens; mean
+    # accepted length = 1 + accepted / steps (each verification also samples one token).
+    spec_decode_num_steps: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
     # Structured-output compiles by backend and reason (cumulative): (backend, reason, count)
     # with reason "first_choice", or "fallback" when an earlier backend could not enforce
     # the constraint.

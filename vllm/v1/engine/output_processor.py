@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from vllm.exceptions import ErrorKind
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -208,6 +210,21 @@ class OutputProcessor:
 
     def _update_seq(self, seq: _SeqState, out: EngineCoreOutput) -> bool:
         """Returns True when a stop string ended the sequence (the engine still runs it)."""
+        if seq.params.stop and len(out.new_token_ids) > 1:
+            # Several tokens at once (kept drafts): look for stop strings after each, so the
+            # output ends at the same token as it would one token per step.
+            *head, tail = out.new_token_ids
+            for token in head:
+                part = msgspec.structs.replace(
+                    out, new_token_ids=[token], finish_reason=None, stop_reason=None,
+                    error=None, error_kind=None,
+                )
+                if self._update_one(seq, part) or seq.finish_reason is not None:
+                    return not out.finished
+            out = msgspec.structs.replace(out, new_token_ids=[tail])
+        return self._update_one(seq, out)
+
+    def _update_one(self, seq: _SeqState, out: EngineCoreOutput) -> bool:
         params = seq.params
         seq.token_ids.extend(out.new_token_ids)
         if seq.logprobs is not None and out.new_logprobs is not None:

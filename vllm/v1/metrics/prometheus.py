@@ -92,6 +92,21 @@ class _EngineCollector(Collector):
         yield counter("vllm:engine_aborted_requests",
                       "Aborts that ended a request still alive in the engine core.",
                       s.num_aborted_requests)
+        yield counter("vllm:spec_decode_num_drafts",
+                      "Verification steps of a request that carried drafted tokens.",
+                      s.spec_decode_num_steps)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.",
+                      s.spec_decode_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens",
+                      "Drafted tokens the model kept.", s.spec_decode_num_accepted_tokens)
+        if s.spec_decode_num_draft_tokens:
+            yield gauge("vllm:spec_decode_draft_acceptance_rate",
+                        "Kept drafted tokens over drafted tokens, since startup.",
+                        s.spec_decode_num_accepted_tokens / s.spec_decode_num_draft_tokens)
+            yield gauge("vllm:spec_decode_mean_accepted_length",
+                        "Tokens a verification step produced per request, on average "
+                        "(1 + kept drafts).",
+                        1 + s.spec_decode_num_accepted_tokens / s.spec_decode_num_steps)
         choices = CounterMetricFamily(
             "vllm:structured_output_backend",
             "Structured-output constraints compiled in the engine, by backend and reason "

@@ -62,7 +62,10 @@ class StructuredOutputManager:
         self._num_workers = self._config.num_compile_workers
         self._vocab_size = int(vllm_config.model_config.vocab_size)
         self._stop_token_ids = list(vllm_config.model_config.eos_token_ids)
-        self._max_num_seqs = vllm_config.scheduler_config.max_num_seqs
+        # Bitmask rows one step may need: a request with drafts has a row per position.
+        self._max_rows = vllm_config.scheduler_config.max_num_seqs * (
+            1 + vllm_config.num_speculative_tokens
+        )
         # A returned bitmask may still be in use by in-flight batches when the next is filled.
         self._num_buffers = vllm_config.max_concurrent_batches + 1
         self._backend: AutoBackend | None = None
@@ -317,34 +320,52 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ bitmasks
 
-    def grammar_bitmask(self, requests: dict[str, Request], req_ids: list[str]) -> np.ndarray:
-        """Returns int32 [len(req_ids), ceil(vocab/32)]: row i masks the next token of req_ids[i].
+    def grammar_bitmask(
+        self,
+        requests: dict[str, Request],
+        req_ids: list[str],
+        drafts: dict[str, list[int]] | None = None,
+    ) -> np.ndarray:
+        """Returns int32 [rows, ceil(vocab/32)] masks for the next tokens of `req_ids`, in
+        order: one row per request, or 1 + len(drafts[id]) consecutive rows for a request
+        with drafts (row j masks the token after its j-th draft).
 
         A terminated grammar's row allows every token; the row of a reply that may still open
         a thinking block also allows `<think>`. The array is a view of a preallocated
         buffer that stays intact through the next `max_concurrent_batches` calls (copy it to
-        keep it longer). Raises ValueError for an unknown request, one without a ready grammar,
-        or more ids than max_num_seqs.
+        keep it longer). Every grammar is left as it was (drafts are accepted, then rolled
+        back). Raises ValueError for an unknown request, one without a ready grammar, drafts
+        the grammar rejects, or more rows than max_num_seqs x (1 + num_speculative_tokens).
         """
-        if len(req_ids) > self._max_num_seqs:
+        drafts = drafts or {}
+        num_rows = len(req_ids) + sum(len(drafts.get(r, ())) for r in req_ids)
+        if num_rows > self._max_rows:
             raise ValueError(
-                f"grammar_bitmask: {len(req_ids)} requests exceed max_num_seqs "
-                f"({self._max_num_seqs})"
+                f"grammar_bitmask: {num_rows} rows exceed max_num_seqs x (1 + "
+                f"num_speculative_tokens) ({self._max_rows})"
             )
         if not req_ids:
             return np.zeros((0, (self._vocab_size + 31) // 32), dtype=np.int32)
         grammars: list[StructuredOutputGrammar | None] = []
+        rows: list[int] = []
         undecided: list[int] = []
-        for row, req_id in enumerate(req_ids):
+        row = 0
+        for req_id in req_ids:
             request = requests.get(req_id)
             structured_req = request.structured_output_request if request is not None else None
             if structured_req is None or structured_req.grammar is None:
                 raise ValueError(f"grammar_bitmask: request {req_id!r} has no ready grammar")
             grammars.append(structured_req.grammar)
+            rows.append(row)
             if structured_req.undecided:
                 undecided.append(row)
-        bitmask = self._take_buffer()[: len(req_ids)]
-        self.backend.fill_bitmasks(grammars, bitmask, range(len(grammars)))
+            row += 1 + len(drafts.get(req_id, ()))
+        bitmask = self._take_buffer()[:num_rows]
+        self.backend.fill_bitmasks(grammars, bitmask, rows)
+        for req_id, grammar, first in zip(req_ids, grammars, rows):
+            tokens = drafts.get(req_id)
+            if tokens:
+                _fill_draft_rows(req_id, grammar, tokens, bitmask, first)
         if undecided:
             assert self.reasoning_parser is not None
             start = self.reasoning_parser.start_id
@@ -356,7 +377,7 @@ class StructuredOutputManager:
         if not self._buffers:
             backend = self.backend
             self._buffers = [
-                backend.allocate_token_bitmask(self._max_num_seqs) for _ in range(self._num_buffers)
+                backend.allocate_token_bitmask(self._max_rows) for _ in range(self._num_buffers)
             ]
         buffer = self._buffers[self._next_buffer]
         self._next_buffer = (self._next_buffer + 1) % self._num_buffers
@@ -394,3 +415,27 @@ class StructuredOutputManager:
                 self._backend.destroy()
                 self._backend = None
         self._buffers = []
+
+
+def _fill_draft_rows(
+    req_id: str,
+    grammar: StructuredOutputGrammar,
+    drafts: list[int],
+    bitmask: np.ndarray,
+    first: int,
+) -> None:
+    """Fills rows first+1 .. first+len(drafts): the masks after each draft in turn, by
+    accepting the drafts and rolling them back. Raises ValueError if the grammar rejects one
+    (the scheduler truncates drafts at the first rejected token, so this is a bug)."""
+    accepted = 0
+    try:
+        for j, token in enumerate(drafts, start=1):
+            if not grammar.accept_tokens(req_id, [token]):
+                raise ValueError(
+                    f"grammar_bitmask: draft token {token} of request {req_id!r} is rejected "
+                    "by its grammar"
+                )
+            accepted += 1
+            grammar.fill_bitmask(bitmask, first + j)
+    finally:
+        grammar.rollback(accepted)

@@ -12,7 +12,8 @@ def reorder_bitmask(
     grammar_output: GrammarOutput, req_id_to_row: dict[str, int]
 ) -> tuple[np.ndarray, list[int]]:
     """Returns (bitmask, rows): `bitmask[r]` holds the mask of the request in batch row r, for
-    each r in `rows`; other rows of `bitmask` are unspecified.
+    each r in `rows`; other rows of `bitmask` are unspecified. A request id repeated on
+    consecutive bitmask rows (drafted positions) maps to consecutive rows from its row.
 
     Requests of the GrammarOutput that are not in the batch are skipped.
     Raises ValueError when the bitmask has a different number of rows than request ids.
@@ -26,11 +27,14 @@ def reorder_bitmask(
         )
     src: list[int] = []
     rows: list[int] = []
+    seen: dict[str, int] = {}
     for i, req_id in enumerate(ids):
         row = req_id_to_row.get(req_id)
         if row is not None:
+            offset = seen.get(req_id, 0)
+            seen[req_id] = offset + 1
             src.append(i)
-            rows.append(row)
+            rows.append(row + offset)
     if not rows:
         return np.empty((0, source.shape[1]), dtype=np.int32), rows
     # Only rows in `rows` are read by the kernel, so the others may stay uninitialized.

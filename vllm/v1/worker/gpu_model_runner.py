@@ -42,7 +42,8 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 from vllm.v1.sample.metadata import SamplingMetadata
-from vllm.v1.sample.sampler import Sampler, SamplerOutput
+from vllm.v1.sample.sampler import LogprobsTensors, Sampler
+from vllm.v1.spec_decode.verify import NO_TOKEN, verify_drafts
 from vllm.v1.worker.cuda_graph import DecodeGraphs, capture_sizes
 from vllm.v1.worker.gpu_input_batch import (
     SAMPLING_FLOAT_DTYPE,
@@ -70,7 +71,14 @@ class _Step:
     # run before this step is sampled, and it can move rows or drop finished and preempted
     # requests.
     sampled_states: list[CachedRequestState]
-    logits: torch.Tensor | None  # [len(sampled_req_ids), vocab] float32
+    # Drafted tokens of each sampling request ([] for most), verified by this step.
+    drafts: list[list[int]]
+    # [sum(1 + len(d) for d in drafts), vocab] float32: a row per verified position.
+    logits: torch.Tensor | None
+
+    @property
+    def num_rows(self) -> list[int]:
+        return [1 + len(d) for d in self.drafts]
 
 
 class _SampledTokens:
@@ -81,20 +89,23 @@ class _SampledTokens:
         req_ids: list[str],
         states: list[CachedRequestState],
         positions: list[int],
-        out: SamplerOutput,
+        token_ids: torch.Tensor,
+        logprobs: LogprobsTensors | None,
         copy_stream,
     ) -> None:
         self.req_ids = req_ids
-        # The sampled ids on the device, by row (penalties read them before the host copy).
-        self.device_token_ids = out.sampled_token_ids
+        # The first new id of each request on the device (penalties read them before the
+        # host copy; requests with penalties never draft, so they have only that one).
+        self.device_token_ids = token_ids[:, 0]
         # The states sampled for: a finished id may be reused by a new request meanwhile.
         self.states = states
-        # Output index of each row's token: a resumed request may already hold it.
+        # Output index of each row's first token: a resumed request may already hold it.
         self.positions = positions
         self._event = None
-        tensors = [out.sampled_token_ids]
-        if out.logprobs is not None:
-            tensors += [out.logprobs.token_ids, out.logprobs.logprobs, out.logprobs.ranks]
+        # [len(req_ids), 1 + most drafts]: the kept ids of each request, then NO_TOKEN.
+        tensors = [token_ids]
+        if logprobs is not None:
+            tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
         if copy_stream is None:
             self._host = tensors
             return
@@ -115,9 +126,10 @@ class _SampledTokens:
         if self._event is not None:
             self._event.synchronize()
 
-    def token_lists(self) -> list[int]:
+    def token_lists(self) -> list[list[int]]:
+        """Each request's new token ids (one, or more after a verification with drafts)."""
         self.wait()
-        return self._host[0].tolist()
+        return [[t for t in row if t != NO_TOKEN] for row in self._host[0].tolist()]
 
     def logprobs(self) -> LogprobsLists | None:
         self.wait()
@@ -147,7 +159,7 @@ class _AsyncOutput(AsyncModelRunnerOutput):
             )
         return ModelRunnerOutput(
             req_ids=self._req_ids,
-            sampled_token_ids=[[tokens[r]] if r in tokens else [] for r in self._req_ids],
+            sampled_token_ids=[tokens.get(r, []) for r in self._req_ids],
             logprobs=lp,
         )
 
@@ -278,16 +290,18 @@ class GPUModelRunner:
         """Moves sampled token values that reached the host into the request states."""
         while self._unsettled and (block or self._unsettled[0].ready()):
             sampled = self._unsettled.popleft()
-            for req_id, sampled_state, position, token in zip(
+            for req_id, sampled_state, position, tokens in zip(
                 sampled.req_ids, sampled.states, sampled.positions, sampled.token_lists()
             ):
+                # sample_tokens counted one token; a verification may have kept more.
+                sampled_state.num_output_tokens += len(tokens) - 1
                 state = self.requests.get(req_id)
                 if state is not sampled_state or position != len(state.output_token_ids):
                     continue  # finished, or resumed from preemption with this token already
-                state.output_token_ids.append(token)
+                state.output_token_ids.extend(tokens)
                 row = self.input_batch.req_id_to_index.get(req_id)
                 if row is not None and self.input_batch.states[row] is state:
-                    self.input_batch.append_tokens(row, [token])
+                    self.input_batch.append_tokens(row, tokens)
 
     # ------------------------------------------------------------------ forward
 
@@ -298,7 +312,7 @@ class GPUModelRunner:
         self._update_states(scheduler_output)
         batch = self.input_batch
         if scheduler_output.total_num_scheduled_tokens == 0:
-            self._steps.append(_Step([], [], [], None))
+            self._steps.append(_Step([], [], [], [], None))
             return None
         scheduled = scheduler_output.num_scheduled_tokens
         rows = [r for r, req_id in enumerate(batch.req_ids) if req_id in scheduled]
@@ -322,15 +336,24 @@ class GPUModelRunner:
         token_ids[:num_tokens] = np.where(
             known, batch.token_ids[req_indices, np.where(known, positions[:num_tokens], 0)], 0
         )
+        cu = np.full(padded_reqs + 1, num_tokens, dtype=np.int32)
+        cu[0] = 0
+        np.cumsum(num_sched, out=cu[1 : num_reqs + 1])
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        drafts = [spec.get(r, []) for r in req_ids] if spec else None
+        if drafts is not None:
+            # Drafts follow the request's one regular token, at the end of its segment.
+            for i, tokens in enumerate(drafts):
+                if tokens:
+                    end = int(cu[i + 1])
+                    token_ids[end - len(tokens) : end] = tokens
+                    known[end - len(tokens) : end] = True
         slot_mapping = np.full(padded_tokens, -1, dtype=np.int64)
         ops.compute_slot_mapping(
             batch.block_table, req_indices, positions[:num_tokens], self.block_size,
             slot_mapping[:num_tokens],
         )
-        # Padded requests (graph replays) own no query tokens and no context.
-        cu = np.full(padded_reqs + 1, num_tokens, dtype=np.int32)
-        cu[0] = 0
-        np.cumsum(num_sched, out=cu[1 : num_reqs + 1])
+        # Padded requests (graph replays) own no query tokens and no context (cu above).
         seq_lens = np.zeros(padded_reqs, dtype=np.int32)
         seq_lens[:num_reqs] = starts + num_sched
         block_table = np.zeros((padded_reqs, batch.max_num_blocks), dtype=np.int32)
@@ -389,17 +412,25 @@ class GPUModelRunner:
 
         sampled = set(scheduler_output.sampled_req_ids)
         pick = [i for i, r in enumerate(req_ids) if r in sampled]
+        step_drafts = [drafts[i] if drafts is not None else [] for i in pick]
         logits = None
         if pick and self.last_stage:
-            idx = np.zeros(max(len(pick), self.min_rows), dtype=np.int64)
-            idx[: len(pick)] = cu[1:][pick] - 1
+            # The last position of each sampling request, and the ones of its drafts before it.
+            ends = cu[1:][pick]
+            counts = np.asarray([1 + len(d) for d in step_drafts], dtype=np.int64)
+            num_rows = int(counts.sum())
+            idx = np.zeros(max(num_rows, self.min_rows), dtype=np.int64)
+            idx[:num_rows] = np.repeat(ends - counts, counts) + (
+                np.arange(num_rows) - np.repeat(np.cumsum(counts) - counts, counts)
+            )
             logits = self.model.compute_logits(hidden[self.buffers.to_device(idx)])
-            logits = logits[: len(pick)]
+            logits = logits[:num_rows]
         self._steps.append(
             _Step(
                 req_ids=req_ids,
                 sampled_req_ids=[req_ids[i] for i in pick],
                 sampled_states=[batch.states[rows[i]] for i in pick],
+                drafts=step_drafts,
                 logits=logits,
             )
         )
@@ -472,24 +503,38 @@ class GPUModelRunner:
             )
             return out if step.req_ids else EMPTY_MODEL_RUNNER_OUTPUT
         logits = step.logits
+        num_rows = step.num_rows
+        first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
         if grammar_output is not None:
             from vllm.v1.structured_output.utils import apply_grammar_bitmask
 
             apply_grammar_bitmask(
-                logits, grammar_output, {r: i for i, r in enumerate(step.sampled_req_ids)}
+                logits, grammar_output, dict(zip(step.sampled_req_ids, first_rows))
             )
         states = step.sampled_states
-        metadata = self._sampling_metadata(states)
+        # A request with drafts samples every verified position: row j is its output
+        # position num_output_tokens + j (docs/architecture.md §11).
+        row_states = [s for s, n in zip(states, num_rows) for _ in range(n)]
+        offsets = [j for n in num_rows for j in range(n)]
+        metadata = self._sampling_metadata(row_states, offsets)
         result = self.sampler(logits, metadata)
         self.parallel.broadcast(result.sampled_token_ids)
+        token_ids, last = verify_drafts(result.sampled_token_ids, num_rows, step.drafts)
+        logprobs = result.logprobs
+        if logprobs is not None and len(row_states) > len(states):
+            # Requests with logprobs never draft: their one row is their first.
+            first = self.buffers.to_device(np.asarray(first_rows, dtype=np.int64))
+            logprobs = LogprobsTensors(
+                logprobs.token_ids[first], logprobs.logprobs[first], logprobs.ranks[first]
+            )
         positions = [state.num_output_tokens for state in states]
         for state in states:
             state.num_output_tokens += 1
         sampled = _SampledTokens(
-            step.sampled_req_ids, states, positions, result, self.copy_stream
+            step.sampled_req_ids, states, positions, token_ids, logprobs, self.copy_stream
         )
         if not self.pipelined:
-            self._feed_back(step, result.sampled_token_ids)
+            self._feed_back(step, last)
             self._unsettled.append(sampled)
         output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled)
         return output if self.async_scheduling else output.get_output()
@@ -545,7 +590,12 @@ class GPUModelRunner:
             index[i, : len(p)] = p
         return torch.cat(parts)[self.buffers.to_device(index)]
 
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+    def _sampling_metadata(
+        self, states: list[CachedRequestState], offsets: list[int] | None = None
+    ) -> SamplingMetadata:
+        """Sampling inputs for one row per state; row i samples output position
+        num_output_tokens + offsets[i] (0 without drafts)."""
+        offsets = offsets or [0] * len(states)
         params = [s.sampling_params for s in states]
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
@@ -575,10 +625,11 @@ class GPUModelRunner:
                 padded[i, : len(s.prompt_token_ids)] = s.prompt_token_ids
             prompt_ids = self.buffers.to_device(padded)
             output_ids = [list(s.output_token_ids) for s in states]
+        output_positions = [s.num_output_tokens + off for s, off in zip(states, offsets)]
         min_tokens = {
             i: (p.min_tokens, set(p.all_stop_token_ids))
-            for i, (p, s) in enumerate(zip(params, states))
-            if s.num_output_tokens < p.min_tokens and p.all_stop_token_ids
+            for i, (p, position) in enumerate(zip(params, output_positions))
+            if position < p.min_tokens and p.all_stop_token_ids
         }
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingMetadata(
@@ -589,7 +640,7 @@ class GPUModelRunner:
             top_k=column("top_k", 0, TOP_K_DTYPE),
             min_p=column("min_p", 0.0),
             seeds=[p.seed for p in params],
-            output_positions=[s.num_output_tokens for s in states],
+            output_positions=output_positions,
             generator=self.generator,
             no_penalties=no_penalties,
             presence_penalties=None if no_penalties else column("presence_penalty"),

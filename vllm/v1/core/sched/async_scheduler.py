@@ -51,6 +51,10 @@ class AsyncScheduler(Scheduler):
         self._unsampled_steps.pop(scheduler_output.step_id, None)
 
     def _waits_for_sampling(self, request: Request) -> bool:
+        if self._may_draft(request):
+            # Drafts are looked up from confirmed tokens, and after a verification the
+            # number of kept tokens (and so the next position) is known only on the host.
+            return request.num_output_placeholders > 0
         if self.pipeline_stages > 1:
             # With pipeline stages a request runs in one in-flight step at a time: its next
             # token cannot enter the first stage before it has left the last one, so

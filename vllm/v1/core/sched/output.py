@@ -75,6 +75,10 @@ class SchedulerOutput:
     # Requests whose token this step is sampled (prefill finished or decoding), in batch order
     # of scheduling. Partial prefills are absent.
     sampled_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: drafted tokens per request id (absent: none). The request's
+    # num_scheduled_tokens counts them after its one regular token; the runner verifies them
+    # and samples one token past the last accepted one (docs/architecture.md §11).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Monotonic step counter (debugging and batch-queue bookkeeping).
     step_id: int = 0
 
@@ -83,7 +87,8 @@ class SchedulerOutput:
 class GrammarOutput:
     """Token bitmasks for the constrained requests of one step."""
 
-    # Constrained request ids, one per bitmask row, in this order.
+    # Constrained request ids, one per bitmask row, in this order. A request with drafts
+    # has one row per verified position: its id repeats on consecutive rows.
     structured_output_request_ids: list[str]
     # int32 [len(ids), ceil(vocab_size / 32)]: bit j of word w allows token 32 * w + j.
     grammar_bitmask: np.ndarray

@@ -20,6 +20,7 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,17 @@ class Scheduler:
         # Aborts that found the request still live (cumulative), for the stats record.
         self.num_aborted_requests = 0
         self._step_id = 0
+        spec = vllm_config.speculative_config
+        self.proposer = (
+            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                          spec.num_speculative_tokens)
+            if spec is not None else None
+        )
+        # Speculative decoding counters (cumulative): verification steps that carried drafts,
+        # drafted tokens, and drafted tokens the target model kept.
+        self.num_spec_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -183,6 +195,7 @@ class Scheduler:
         cached = CachedRequestData()
         preempted: list[Request] = []
         scheduled_running: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled_running) < max_requests:
@@ -196,15 +209,19 @@ class Scheduler:
             ):
                 i += 1
                 continue
+            drafts = self._propose(request, budget - num_new) if samples else []
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request.request_id,
                     request.num_computed_tokens,
-                    num_new,
+                    num_new + len(drafts),
                     request.all_token_ids,
                 )
                 if new_blocks is not None:
                     break
+                if drafts:
+                    drafts = []  # drafts never cost another request its blocks
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -212,6 +229,9 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
+            if drafts:
+                spec_tokens[request.request_id] = drafts
+                num_new += len(drafts)
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -288,7 +308,7 @@ class Scheduler:
         has_structured = False
         pending_structured = False
         for request in scheduled_running:
-            n = num_scheduled[request.request_id]
+            n = num_scheduled[request.request_id] - len(spec_tokens.get(request.request_id, ()))
             if request.num_computed_tokens + n == request.num_tokens + request.num_output_placeholders:
                 sampled.append(request.request_id)
                 if request.use_structured_output:
@@ -305,12 +325,53 @@ class Scheduler:
             has_structured_output_requests=has_structured,
             pending_structured_output_tokens=pending_structured,
             sampled_req_ids=sampled,
+            scheduled_spec_decode_tokens=spec_tokens,
             step_id=self._step_id,
         )
         self.finished_req_ids = set()
         self._unsent_preempted_ids = set()
         self._update_after_schedule(output)
         return output
+
+    def _may_draft(self, request: Request) -> bool:
+        """True when drafts for `request` can be verified exactly: its sampling at each
+        position depends only on the model and the tokens before it, and its answer (if
+        constrained) has left any thinking block."""
+        if self.proposer is None:
+            return False
+        params = request.sampling_params
+        if (
+            params.logprobs is not None
+            or params.presence_penalty != 0
+            or params.frequency_penalty != 0
+            or params.repetition_penalty != 1
+            or request.num_output_tokens < params.min_tokens
+        ):
+            return False
+        structured_req = request.structured_output_request
+        return structured_req is None or (
+            structured_req.grammar is not None
+            and not structured_req.thinking
+            and not structured_req.undecided
+        )
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a decoding request, at most `budget` of them, truncated where the
+        request would stop anyway (max_tokens, max_model_len) and at the first token its
+        grammar rejects. [] when the request may not draft or its token is in flight."""
+        if request.num_output_placeholders or not self._may_draft(request):
+            return []
+        assert self.proposer is not None
+        room = self.max_model_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        drafts = self.proposer.propose(request.all_token_ids, min(room, budget))
+        structured_req = request.structured_output_request
+        if drafts and structured_req is not None:
+            assert structured_req.grammar is not None
+            drafts = structured_req.grammar.validate_tokens(drafts)
+        return drafts
 
     def unschedule(self, output: SchedulerOutput) -> None:
         """Keeps the runner-facing news of a step that schedules no tokens and is never run:
@@ -398,8 +459,10 @@ class Scheduler:
         if not ids:
             return None
         assert self.structured_output_manager is not None
-        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, ids)
-        return GrammarOutput(structured_output_request_ids=ids, grammar_bitmask=bitmask.copy())
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, ids, drafts)
+        rows = [req_id for req_id in ids for _ in range(1 + len(drafts.get(req_id, ())))]
+        return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask.copy())
 
     # ------------------------------------------------------------------ outputs
 
@@ -419,7 +482,10 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # finished or aborted while this step was in flight
-            self._release_placeholders(request, len(token_ids))
+            self._release_placeholders(request, 1)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts is not None:
+                self._verified(request, len(drafts), len(token_ids) - 1)
             new_ids = self._append_and_check(request, token_ids)
             out = EngineCoreOutput(
                 request_id=req_id,
@@ -446,6 +512,15 @@ class Scheduler:
 
     def _release_placeholders(self, request: Request, num_tokens: int) -> None:
         """Async scheduling hook: in-flight tokens became real."""
+
+    def _verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Counts a verification and forgets the KV of the rejected drafts: their positions
+        are computed again, with the tokens that were kept, in the next steps."""
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if request.status == RequestStatus.RUNNING:  # a preempted request recomputes all
+            request.num_computed_tokens -= num_drafts - num_accepted
 
     def _append_and_check(self, request: Request, token_ids: list[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns the ones kept."""
@@ -511,6 +586,9 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_aborted_requests=self.num_aborted_requests,
+            spec_decode_num_steps=self.num_spec_steps,
+            spec_decode_num_draft_tokens=self.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
             grammar_backends=sorted(
                 (backend, reason, count)
                 for (backend, reason), count in self._backend_choices().items()

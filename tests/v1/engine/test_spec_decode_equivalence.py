@@ -1,0 +1,117 @@
+"""Oracle: speculative decoding (n-gram drafts) changes no output token.
+
+Greedy requests must give the tokens they give without drafts, and so must seeded random
+ones (each kept token is the target's own sample at its position, and the seed mixes in the
+position). The workload mixes greedy and seeded requests, requests that never draft
+(penalties, logprobs), a stop string, and 0, 50 or 100 % structured requests; it runs sync
+and async on the uni executor, async on mp (the sync mp transport is the async one's), with
+forced preemption, and async with chunked prefill (the scheduler tests cover sync chunking).
+Every structured output must pass the grammar oracle, and drafts must have been kept.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.v1.engine.test_async_sync_equivalence import CONDITIONS, CONSTRAINTS
+from tests.v1.structured_output.oracle import check_structured_output
+from vllm import LLM, SamplingParams
+
+NUM_PROMPTS = 16
+MAX_TOKENS = 24
+RATIOS = (0.0, 0.5, 1.0)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def _prompts() -> list[str]:
+    rng = random.Random(1)
+    words = "red green blue cyan magenta yellow".split()
+    # Repetitive text: the lookup finds the latest words earlier in the prompt.
+    return [" ".join(rng.choices(words, k=rng.randint(2, 6)) * rng.randint(2, 5))
+            for _ in range(NUM_PROMPTS)]
+
+
+def _params(ratio: float) -> list[SamplingParams]:
+    out = []
+    num_structured = round(NUM_PROMPTS * ratio)
+    for i in range(NUM_PROMPTS):
+        kwargs: dict = dict(max_tokens=MAX_TOKENS, ignore_eos=i % 3 != 2)
+        if i % 4 == 1:
+            kwargs.update(temperature=1.0, seed=2000 + i)
+        elif i % 4 == 3:
+            kwargs.update(temperature=0.8, top_k=20, seed=3000 + i)
+        else:
+            kwargs.update(temperature=0.0)
+        if i == 2:
+            kwargs.update(repetition_penalty=1.3, logprobs=2)  # never drafts
+        if i < num_structured:
+            kwargs.update(structured_outputs=CONSTRAINTS[i % len(CONSTRAINTS)])
+        elif i % 4 == 0:
+            kwargs.update(stop=["e"])  # may end inside a verification's kept tokens
+        out.append(SamplingParams(**kwargs))
+    return out
+
+
+def _run(spec: bool, async_scheduling: bool, executor: str, condition: str):
+    llm = LLM(
+        "demo-tiny",
+        max_model_len=160,
+        max_num_seqs=16,
+        async_scheduling=async_scheduling,
+        distributed_executor_backend=executor,
+        speculative_config=SPEC if spec else None,
+        **CONDITIONS[condition],
+    )
+    try:
+        results = {}
+        for ratio in RATIOS:
+            params = _params(ratio)
+            outs = llm.generate(_prompts(), params, use_tqdm=False)
+            for p, o in zip(params, outs):
+                if p.structured_outputs is not None:
+                    check_structured_output(
+                        p.structured_outputs, o.outputs[0], llm.get_tokenizer())
+            results[ratio] = [o.outputs[0] for o in outs]
+        core = llm.llm_engine.engine_core
+        kv = core.scheduler.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_blocks
+        assert core.structured_output_manager.num_live_grammars == 0
+        return results, core.scheduler
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run(False, False, "uni", "plain")[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "async_scheduling, executor, condition",
+    [
+        (False, "uni", "plain"),
+        (True, "uni", "plain"),
+        (True, "mp", "plain"),
+        (False, "uni", "preemption"),
+        (True, "uni", "preemption"),
+        (True, "uni", "chunked"),
+    ],
+)
+def test_drafts_change_no_output(reference, async_scheduling, executor, condition) -> None:
+    got, scheduler = _run(True, async_scheduling, executor, condition)
+    for ratio in RATIOS:
+        for i, (a, b) in enumerate(zip(got[ratio], reference[ratio])):
+            assert a.token_ids == b.token_ids, (ratio, i)
+            assert a.text == b.text, (ratio, i)
+            assert a.finish_reason == b.finish_reason, (ratio, i)
+            if b.logprobs is not None:
+                for la, lb in zip(a.logprobs, b.logprobs):
+                    assert la.keys() == lb.keys(), (ratio, i)
+                    assert max(abs(la[k] - lb[k]) for k in lb) < 1e-5, (ratio, i)
+    assert scheduler.num_accepted_tokens > 0
+    assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens  # random rows reject
+    if condition == "preemption":
+        assert scheduler.num_preemptions > 0

@@ -1,0 +1,53 @@
+"""Verification of drafted tokens: which drafts the target model keeps, on the device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+# Output id of a position past the kept tokens.
+NO_TOKEN = -1
+
+
+def verify_drafts(
+    sampled: torch.Tensor, num_rows: Sequence[int], drafts: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keeps, per request, the drafts that match the target's own samples, plus one token.
+
+    `sampled` ([sum(num_rows)] int64) holds the target's token for every verified position:
+    request i owns `num_rows[i]` consecutive rows, row j sampled after its first j drafts
+    (`drafts[i]`, num_rows[i] - 1 tokens). Returns (tokens [n, max(num_rows)] with NO_TOKEN
+    past the kept ones, last [n]: each request's newest kept token), both on the device.
+
+    Draft j + 1 is kept while every earlier one was and the target's sample at row j equals
+    it; the first sample that differs (or the one after the last draft) ends the output.
+    Every kept token is therefore the target's own sample given the tokens before it: greedy
+    rows reproduce the non-speculative argmax, and a seeded row draws the same value as
+    without drafts (the seed mixes in the output position). For a deterministic proposer
+    (the draft is a point mass q) this is exactly the standard accept/resample rule: draft d
+    is kept with probability p(d) = min(1, p(d)/q(d)), and a rejected position emits a
+    sample of p conditioned on differing from d, which is the normalised max(0, p - q).
+    """
+    n = len(num_rows)
+    width = max(num_rows)
+    total = int(sampled.shape[0])
+    index = np.full((n, width), total, dtype=np.int64)  # `total` picks the padding below
+    guesses = np.full((n, max(width - 1, 1)), NO_TOKEN - 1, dtype=np.int64)  # never matches
+    start = 0
+    for i, (rows, tokens) in enumerate(zip(num_rows, drafts)):
+        index[i, :rows] = np.arange(start, start + rows)
+        guesses[i, : len(tokens)] = tokens
+        start += rows
+    device = sampled.device
+    padded = torch.cat([sampled.to(torch.int64), sampled.new_full((1,), NO_TOKEN)])
+    table = padded[torch.from_numpy(index).to(device, non_blocking=True)]
+    if width == 1:
+        return table, table[:, 0]
+    match = table[:, :-1] == torch.from_numpy(guesses).to(device, non_blocking=True)
+    accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)
+    keep = torch.arange(width, device=device)[None, :] <= accepted[:, None]
+    tokens = torch.where(keep, table, torch.full_like(table, NO_TOKEN))
+    last = table.gather(1, accepted[:, None]).squeeze(1)
+    return tokens, last
