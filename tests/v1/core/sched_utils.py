@@ -337,14 +337,20 @@ class FakeRunner:
 
 
 class FakeGrammar(StructuredOutputGrammar):
-    """Accepts exactly `seq` followed by one stop token; rejects anything else."""
+    """Accepts exactly `seq` followed by one stop token; rejects anything else. With
+    `jump_forward`, it reports the rest of `seq` as forced tokens."""
 
-    def __init__(self, seq: list[int], stop_ids: list[int], vocab_size: int) -> None:
+    def __init__(self, seq: list[int], stop_ids: list[int], vocab_size: int,
+                 jump_forward: bool = False) -> None:
         self.seq = seq
         self.stop_ids = stop_ids
         self.vocab_size = vocab_size
+        self.jump_forward = jump_forward
         self.accepted: list[int] = []
         self.terminated = False
+
+    def jump_forward_tokens(self) -> list[int]:
+        return self.seq[len(self.accepted):] if self.jump_forward else []
 
     def _ok(self, token: int) -> bool:
         pos = len(self.accepted)
@@ -404,7 +410,8 @@ class FakeGrammar(StructuredOutputGrammar):
 
 
 class FakeBackend(StructuredOutputBackend):
-    """Compiles `regex` specs of space-separated token ids into FakeGrammars.
+    """Compiles `regex` specs of space-separated token ids into FakeGrammars ("!" first:
+    one that reports its forced tokens).
 
     The spec "fail" raises ValueError, like an invalid constraint.
     """
@@ -417,7 +424,9 @@ class FakeBackend(StructuredOutputBackend):
         spec = params.regex or ""
         if spec == "fail":
             raise ValueError("structured_outputs.regex: the fake backend refuses 'fail'")
-        return FakeGrammar([int(t) for t in spec.split()], self.stop_ids, self.vocab_size)
+        forced = spec.startswith("!")
+        return FakeGrammar([int(t) for t in spec.lstrip("!").split()], self.stop_ids,
+                           self.vocab_size, jump_forward=forced)
 
 
 class FakeStructuredOutputManager(StructuredOutputManager):

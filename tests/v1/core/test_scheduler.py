@@ -495,6 +495,20 @@ def test_grammar_cuts_drafts_at_the_first_rejected_token(make: MakeHarness) -> N
         assert d is None or 302 not in d
 
 
+def test_forced_tokens_are_drafted_before_the_lookup(make: MakeHarness) -> None:
+    h = make(policy=cyclic, num_speculative_tokens=4)
+    h.add(make_request("g", CYCLE * 3, max_tokens=12, grammar="!300 301 7 300 301 302 303"))
+    h.run()
+    assert h.tokens["g"] == [300, 301, 7, 300, 301, 302, 303, GRAMMAR_END]
+    drafts = [s.scheduled_spec_decode_tokens.get("g") for s in h.runner.steps]
+    # After the first token the grammar forces the next four (the lookup would say 301 302).
+    assert drafts[1] == [301, 7, 300, 301]
+    # All four kept, plus 302: forced 303, then the lookup's guess (300), which the grammar
+    # refuses (it wants the end).
+    assert drafts[2] == [303]
+    assert len(h.runner.steps) == 3  # prefill, then two verifications (the last ends it)
+
+
 def test_no_drafts_for_penalties_logprobs_or_min_tokens(make: MakeHarness) -> None:
     h = make(policy=cyclic, num_speculative_tokens=3)
     h.add(make_request("pen", CYCLE * 3, max_tokens=6, presence_penalty=0.5),

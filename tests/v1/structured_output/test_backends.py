@@ -197,6 +197,28 @@ def test_accept_reject_validate_rollback(any_backend: Any, tokenizer: Any) -> No
     assert grammar.num_processed_tokens == 0 and np.array_equal(_allowed(grammar), start)
 
 
+def test_jump_forward_tokens_spell_the_forced_text(any_backend: Any, tokenizer: Any) -> None:
+    schema = {"type": "object", "properties": {"title": {"type": "string"},
+                                               "score": {"type": "integer"}},
+              "required": ["title", "score"], "additionalProperties": False}
+    grammar = any_backend.compile_grammar(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    assert grammar.accept_tokens("r", _encode(tokenizer, '{"title":"ab"'))
+    before = _allowed(grammar)
+    forced = grammar.jump_forward_tokens()
+    # Only `,"score":` can follow; the backend may stop early, never go past it.
+    text = tokenizer.decode(forced)
+    assert text and ',"score":'.startswith(text), text
+    assert grammar.validate_tokens(forced) == forced
+    assert grammar.num_processed_tokens == len(_encode(tokenizer, '{"title":"ab"'))
+    assert np.array_equal(_allowed(grammar), before)
+    # A choice point forces nothing.
+    free = any_backend.compile_grammar(StructuredOutputsParams(regex="[a-z]+"))
+    assert free.jump_forward_tokens() == []
+    assert grammar.accept_tokens("r", _encode(tokenizer, ',"score":1}') + [EOS_IDS[0]])
+    assert grammar.jump_forward_tokens() == []  # terminated
+
+
 def test_rejected_tokens_leave_the_state_unchanged(any_backend: Any, tokenizer: Any) -> None:
     # llguidance enters an unrecoverable error state when it consumes a token it rejects; a
     # rejection must never do that (nor change anything else).

@@ -423,6 +423,13 @@ class GuidanceGrammar(StructuredOutputGrammar):
                 )
             self._consumed -= num_tokens
 
+    def jump_forward_tokens(self) -> list[int]:
+        """llguidance's forced tokens (`compute_ff_tokens`), cut where this grammar's own
+        checks would refuse them."""
+        if self._terminated:
+            return []
+        return self.validate_tokens(list(self.matcher.compute_ff_tokens()))
+
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` tokens. Raises ValueError past the start."""
         if not 0 <= num_tokens <= self.num_processed_tokens:

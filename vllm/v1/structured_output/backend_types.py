@@ -14,10 +14,10 @@ class StructuredOutputGrammar(ABC):
     """The matcher state of one request's constraint.
 
     Bitmask rows are int32 words; bit j of word w allows token 32 * w + j. The engine uses
-    accept_tokens, fill_bitmask and is_terminated. validate_tokens, rollback and
-    num_processed_tokens are for speculative decoding: truncating drafts at the first token
-    the grammar rejects, and filling one bitmask row per draft position by advancing through
-    the drafts and rolling back.
+    accept_tokens, fill_bitmask and is_terminated. validate_tokens, rollback,
+    jump_forward_tokens and num_processed_tokens are for speculative decoding: truncating
+    drafts at the first token the grammar rejects, filling one bitmask row per draft position
+    by advancing through the drafts and rolling back, and drafting what the grammar forces.
     """
 
     @abstractmethod
@@ -31,6 +31,15 @@ class StructuredOutputGrammar(ABC):
     @abstractmethod
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         """Returns the longest prefix of `tokens` the grammar would accept; no state change."""
+
+    def jump_forward_tokens(self) -> list[int]:
+        """Tokens the grammar forces next, as far as they are certain (jump-forward), for
+        drafting; [] when the next token is a choice. No state change.
+
+        The tokenization is the backend's and may differ from the model's: drafts are
+        verified, so this only affects how many are kept.
+        """
+        return []
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:

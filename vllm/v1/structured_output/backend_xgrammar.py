@@ -295,6 +295,13 @@ class XgrammarGrammar(StructuredOutputGrammar):
             self.matcher.rollback(len(accepted))
         return accepted
 
+    def jump_forward_tokens(self) -> list[int]:
+        """The forced continuation in xgrammar's tokenization (longest tokens first), cut
+        where this grammar's own checks (masked ids, the UTF-8 guard) would refuse it."""
+        if self._terminated:
+            return []
+        return self.validate_tokens(self.matcher.find_jump_forward_tokens())
+
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` tokens. Raises ValueError past the start."""
         if not 0 <= num_tokens <= len(self._states):

@@ -358,20 +358,30 @@ class Scheduler:
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Drafts for a decoding request, at most `budget` of them, truncated where the
         request would stop anyway (max_tokens, max_model_len) and at the first token its
-        grammar rejects. [] when the request may not draft or its token is in flight."""
+        grammar rejects. [] when the request may not draft or its token is in flight.
+
+        A constrained request first drafts what its grammar forces (jump-forward), then
+        continues by lookup over its tokens followed by those."""
         if request.num_output_placeholders or not self._may_draft(request):
             return []
         assert self.proposer is not None
-        room = self.max_model_len - request.num_tokens - 1
+        limit = min(self.max_model_len - request.num_tokens - 1, budget,
+                    self.proposer.num_tokens)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
-            room = min(room, max_tokens - request.num_output_tokens - 1)
-        drafts = self.proposer.propose(request.all_token_ids, min(room, budget))
+            limit = min(limit, max_tokens - request.num_output_tokens - 1)
+        if limit <= 0:
+            return []
         structured_req = request.structured_output_request
-        if drafts and structured_req is not None:
-            assert structured_req.grammar is not None
-            drafts = structured_req.grammar.validate_tokens(drafts)
-        return drafts
+        if structured_req is None:
+            return self.proposer.propose(request.all_token_ids, limit)
+        grammar = structured_req.grammar
+        assert grammar is not None
+        drafts = grammar.jump_forward_tokens()[:limit]
+        if len(drafts) < limit:
+            context = request.all_token_ids + drafts if drafts else request.all_token_ids
+            drafts = drafts + self.proposer.propose(context, limit - len(drafts))
+        return grammar.validate_tokens(drafts) if drafts else drafts
 
     def unschedule(self, output: SchedulerOutput) -> None:
         """Keeps the runner-facing news of a step that schedules no tokens and is never run:
