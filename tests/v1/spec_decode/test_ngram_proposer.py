@@ -13,8 +13,18 @@ def test_longest_suffix_wins_and_its_latest_occurrence() -> None:
     assert p.propose([1, 2, 3, 4, 1, 2]) == [3, 4, 1]
     # "9 1 2" is longer than "1 2" and points elsewhere.
     assert p.propose([9, 1, 2, 7, 1, 2, 8, 9, 1, 2]) == [7, 1, 2]
-    # Only a 1-gram matches: its latest earlier occurrence is the one used.
-    assert p.propose([5, 6, 5, 7, 5]) == [7, 5]
+    # Only a 1-gram matches: its latest earlier occurrence with three tokens after it.
+    assert p.propose([5, 6, 1, 5, 7, 8, 9, 5]) == [7, 8, 9]
+    # No occurrence has a full continuation: the earliest, whose continuation is longest.
+    assert p.propose([5, 6, 5, 7, 5]) == [6, 5, 7]
+
+
+def test_a_run_of_one_token_drafts_in_full() -> None:
+    p = NgramProposer(min_n=1, max_n=4, num_tokens=3)
+    assert p.propose([9] * 8) == [9, 9, 9]
+    # The longest suffix wins even where a shorter one would draft more.
+    assert p.propose([9] * 6) == [9, 9]
+    assert p.propose([9] * 3) == [9]
 
 
 def test_no_match_short_input_and_limits() -> None:

@@ -40,6 +40,10 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tokens - 1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n
+                # The latest occurrence followed by k tokens, else the earliest (the longest
+                # continuation): in a run of one repeated token, the latest occurrence is
+                # followed by a single token.
+                full = hits[hits + n + k <= n_tokens]
+                start = int(full[-1] if len(full) else hits[0]) + n
                 return tokens[start : start + k].tolist()
         return []
