@@ -1,19 +1,26 @@
 """Speculative decoding (n-gram drafts): tokens/s with and without drafts, one run.
 
     .venv/bin/python benchmarks/bench_spec_decode.py [--model demo] [--num-prompts 32] \
-        [--output-len 128] [--num-speculative-tokens 3] [--workloads stories,repetitive]
+        [--output-len 64] [--num-speculative-tokens 3] [--repeats 3] \
+        [--workloads stories,repetitive] [--json results/bench_spec_decode.json]
 
-Cells: {workload} x {0 %, 100 % JSON-schema requests} x {sync, async} x {no drafts, drafts},
-all on the uni executor, greedy with ignore_eos so every cell generates the same number of
-tokens. `stories` are bench_offline's prompts; `repetitive` prompts repeat a record several
-times, the text where prompt lookup pays. Prints tokens/s, drafts/no-drafts, the draft
-acceptance rate and the mean accepted length (1 + kept drafts per verification).
+For sync and async scheduling (uni executor) one engine is started with speculative
+decoding; every cell, {workload} x {0 %, 100 % JSON-schema requests}, then runs with drafts
+off and on in turn, `--repeats` times interleaved (these machines are noisy: back-to-back runs
+in one process are the fairest comparison). Drafts off means the scheduler's proposer is
+switched off, which is exactly an engine started without `--speculative-config`.
+Requests are greedy with ignore_eos, so every run generates the same number of tokens.
+`stories` are bench_offline's prompts; `repetitive` prompts repeat a record several times,
+the text where prompt lookup pays. Prints median tokens/s with the min-max range, the ratio
+of medians, the draft acceptance rate and the mean accepted length (1 + kept drafts per
+verification).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -31,71 +38,88 @@ def repetitive_prompts(n: int) -> list[str]:
     return out
 
 
-def run(model: str, async_scheduling: bool, prompts: list[str], output_len: int,
-        structured: bool, num_spec: int) -> dict[str, float]:
-    spec = ({"method": "ngram", "num_speculative_tokens": num_spec, "prompt_lookup_max": 4}
-            if num_spec else None)
-    llm = LLM(model, async_scheduling=async_scheduling, max_num_seqs=max(len(prompts), 1),
-              speculative_config=spec)
-    try:
-        constraint = (
-            StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if structured else None
-        )
-        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                                structured_outputs=constraint)
-        llm.generate(prompts[:4], params, use_tqdm=False)  # warm up (grammar compile, kernels)
-        scheduler = llm.llm_engine.engine_core.scheduler
-        before = (scheduler.num_spec_steps, scheduler.num_draft_tokens,
-                  scheduler.num_accepted_tokens)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        steps, drafted, accepted = (
-            now - then for now, then in zip(
-                (scheduler.num_spec_steps, scheduler.num_draft_tokens,
-                 scheduler.num_accepted_tokens), before)
-        )
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {
-            "tokens": tokens,
-            "seconds": elapsed,
-            "tok_per_s": tokens / elapsed,
-            "draft_tokens": drafted,
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
-        }
-    finally:
-        llm.shutdown()
+WORKLOADS = {"stories": make_prompts, "repetitive": repetitive_prompts}
+
+
+def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
+          proposer) -> dict[str, float]:
+    """One generate call with the scheduler's proposer on or off; its tokens/s and drafts."""
+    scheduler = llm.llm_engine.engine_core.scheduler
+    scheduler.proposer = proposer if drafts else None
+    before = (scheduler.num_spec_steps, scheduler.num_draft_tokens,
+              scheduler.num_accepted_tokens)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    steps, drafted, accepted = (
+        now - then for now, then in zip(
+            (scheduler.num_spec_steps, scheduler.num_draft_tokens,
+             scheduler.num_accepted_tokens), before)
+    )
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"tok_per_s": tokens / elapsed, "steps": steps, "drafted": drafted,
+            "accepted": accepted}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo")
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", default="stories,repetitive")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args()
-    workloads = {"stories": make_prompts, "repetitive": repetitive_prompts}
-    results: dict[str, dict[str, float]] = {}
-    print(f"{'cell':34s} {'tok/s':>8s} {'drafts/none':>11s} {'accept':>7s} {'mean len':>8s}")
-    for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
-        prompts = workloads[name](args.num_prompts)
-        for share in ("0%", "100%"):
-            for mode in ("sync", "async"):
-                base = None
-                for num_spec in (0, args.num_speculative_tokens):
-                    key = f"{name}/{share}/{mode}/{'k=' + str(num_spec) if num_spec else 'none'}"
-                    r = results[key] = run(args.model, mode == "async", prompts,
-                                           args.output_len, share == "100%", num_spec)
-                    base = base or r["tok_per_s"]
-                    print(f"{key:34s} {r['tok_per_s']:8.1f} {r['tok_per_s'] / base:11.2f} "
-                          f"{r['acceptance_rate']:7.2f} {r['mean_accepted_length']:8.2f}",
-                          flush=True)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_max": 4}
+    results: dict[str, dict] = {}
+    print(f"{'cell':26s} {'none tok/s (range)':>22s} {'drafts tok/s (range)':>22s} "
+          f"{'ratio':>6s} {'accept':>7s} {'mean len':>8s}", flush=True)
+    for mode in ("sync", "async"):
+        llm = LLM(args.model, async_scheduling=mode == "async",
+                  max_num_seqs=max(args.num_prompts, 1), speculative_config=spec)
+        proposer = llm.llm_engine.engine_core.scheduler.proposer
+        try:
+            for name in workloads:
+                prompts = WORKLOADS[name](args.num_prompts)
+                for share in ("0%", "100%"):
+                    constraint = (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+                                  if share == "100%" else None)
+                    params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
+                                            ignore_eos=True, structured_outputs=constraint)
+                    timed(llm, prompts[:4], params, True, proposer)  # warm up, compile
+                    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+                    for _ in range(args.repeats):
+                        for drafts in (False, True):
+                            runs[drafts].append(timed(llm, prompts, params, drafts, proposer))
+                    key = f"{name}/{share}/{mode}"
+                    none = [r["tok_per_s"] for r in runs[False]]
+                    with_drafts = [r["tok_per_s"] for r in runs[True]]
+                    steps = sum(r["steps"] for r in runs[True])
+                    drafted = sum(r["drafted"] for r in runs[True])
+                    accepted = sum(r["accepted"] for r in runs[True])
+                    cell = results[key] = {
+                        "none_tok_per_s": none,
+                        "drafts_tok_per_s": with_drafts,
+                        "ratio_of_medians": statistics.median(with_drafts)
+                        / statistics.median(none),
+                        "acceptance_rate": accepted / drafted if drafted else 0.0,
+                        "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
+                    }
+                    print(f"{key:26s} {_cell(none):>22s} {_cell(with_drafts):>22s} "
+                          f"{cell['ratio_of_medians']:6.2f} {cell['acceptance_rate']:7.2f} "
+                          f"{cell['mean_accepted_length']:8.2f}", flush=True)
+        finally:
+            llm.shutdown()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
+
+
+def _cell(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({min(values):.0f}-{max(values):.0f})"
 
 
 if __name__ == "__main__":

@@ -154,3 +154,36 @@ def test_load_tokenizer_by_demo_name() -> None:
     assert tok.encode("Hello world", add_special_tokens=False) == [9707, 1879]
     with pytest.raises(ValueError, match="tokenizer"):
         serve.load_tokenizer("no-such-model-name")
+
+
+def test_spec_decode_summary_from_the_servers_metrics_text() -> None:
+    from vllm.benchmarks.serve import (
+        format_spec_decode,
+        parse_spec_decode_counters,
+        spec_decode_summary,
+    )
+    from vllm.v1.engine.messages import EngineCoreStats
+    from vllm.v1.metrics.prometheus import PrometheusMetrics
+
+    def rendered(steps: int, drafted: int, kept: int) -> str:
+        metrics = PrometheusMetrics("m")
+        metrics.record_engine_stats(EngineCoreStats(
+            num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=1, num_blocks=1,
+            num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
+            num_aborted_requests=0, spec_decode_num_steps=steps,
+            spec_decode_num_draft_tokens=drafted, spec_decode_num_accepted_tokens=kept,
+            grammar_backends=[], timestamp=0.0))
+        return metrics.render().decode()
+
+    before = parse_spec_decode_counters(rendered(10, 30, 12))
+    assert before == {"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_draft_tokens": 30,
+                      "vllm:spec_decode_num_accepted_tokens": 12}
+    after = parse_spec_decode_counters(rendered(30, 90, 52))
+    summary = spec_decode_summary(before, after)
+    # Over the run: 20 verifications, 60 drafted tokens, 40 kept.
+    assert summary == {"draft_tokens": 60, "accepted_tokens": 40,
+                       "acceptance_rate": 40 / 60, "mean_accepted_length": 1 + 40 / 20}
+    assert "Draft acceptance rate:" in format_spec_decode(summary)
+    assert spec_decode_summary(after, after) is None  # nothing drafted during the run
+    assert spec_decode_summary({}, {}) is None  # a server without the counters
+    assert format_spec_decode(None) == ""

@@ -220,6 +220,70 @@ async def wait_until_ready(root: str, timeout_s: float, api_key: str | None = No
             await asyncio.sleep(min(0.5, remaining))
 
 
+# The server's speculative-decoding counters (vLLM's names), read before and after a run.
+SPEC_DECODE_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+def parse_spec_decode_counters(text: str) -> dict[str, float]:
+    """The SPEC_DECODE_COUNTERS in a Prometheus text exposition, summed over labels (absent
+    counters are left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in SPEC_DECODE_COUNTERS:
+            totals[family.name] = sum(
+                s.value for s in family.samples if s.name.endswith("_total"))
+    return totals
+
+
+async def read_spec_decode_counters(root: str, api_key: str | None = None) -> dict[str, float]:
+    """The server's speculative-decoding counters from `root`/metrics; {} when it has no
+    /metrics or no such counters (a benchmark must not fail over a report)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(trust_env=False) as session:
+            async with session.get(root + "/metrics", headers=headers,
+                                   timeout=aiohttp.ClientTimeout(total=10)) as response:
+                if response.status != 200:
+                    return {}
+                return parse_spec_decode_counters(await response.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return {}
+
+
+def spec_decode_summary(
+    before: dict[str, float], after: dict[str, float]
+) -> dict[str, float] | None:
+    """Draft acceptance over one run from counters read before and after it; None when the
+    server drafted nothing meanwhile."""
+    drafts, tokens, accepted = (
+        after.get(name, 0.0) - before.get(name, 0.0) for name in SPEC_DECODE_COUNTERS
+    )
+    if tokens <= 0 or drafts <= 0:
+        return None
+    return {
+        "draft_tokens": tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / tokens,
+        "mean_accepted_length": 1 + accepted / drafts,
+    }
+
+
+def format_spec_decode(summary: dict[str, float] | None) -> str:
+    """Report lines for spec_decode_summary's result ("" when there is none)."""
+    if summary is None:
+        return ""
+    return (
+        f"{'Draft acceptance rate:':<42}{summary['acceptance_rate']:>18.2f}\n"
+        f"{'Mean accepted length:':<42}{summary['mean_accepted_length']:>18.2f}"
+    )
+
+
 def load_tokenizer(name: str) -> Tokenizer:
     """A tokenizer from a local directory or a built-in demo model name.
 
@@ -473,10 +537,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             shuffle=not args.no_shuffle,
             seed=args.seed,
         )
+    counters = asyncio.run(read_spec_decode_counters(base_url(args), args.api_key))
     run = run_with_args(args, requests, model, extra_body)
+    spec = spec_decode_summary(
+        counters, asyncio.run(read_spec_decode_counters(base_url(args), args.api_key)))
     metrics = summarize_run(args, run, tokenizer)
     print(format_report(metrics))
+    if spec is not None:
+        print(format_spec_decode(spec))
     record = result_record(args, model, metrics, run)
+    record["spec_decode"] = spec
     if args.save_results:
         print(f"Results written to {save_result(args, record, model)}")
     return record

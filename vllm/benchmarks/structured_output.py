@@ -8,6 +8,7 @@ regex, choice list or EBNF grammar, and every structured output is checked again
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from typing import Any
 
@@ -23,14 +24,18 @@ from vllm.benchmarks.metrics import format_report
 from vllm.benchmarks.serve import (
     RunResult,
     add_common_args,
+    base_url,
     check_common_args,
     exit_status,
+    format_spec_decode,
     load_tokenizer,
     parse_extra_body,
+    read_spec_decode_counters,
     resolve_model,
     result_record,
     run_with_args,
     save_result,
+    spec_decode_summary,
     summarize_run,
 )
 from vllm.benchmarks.validation import CorrectnessReport, evaluate
@@ -99,7 +104,10 @@ def run(
     if tokenizer is None:
         tokenizer = load_tokenizer(args.tokenizer or model)
     requests = build_requests(args, tokenizer)
+    counters = asyncio.run(read_spec_decode_counters(base_url(args), args.api_key))
     result = run_with_args(args, requests, model, extra_body)
+    spec = spec_decode_summary(
+        counters, asyncio.run(read_spec_decode_counters(base_url(args), args.api_key)))
     metrics = summarize_run(args, result, tokenizer)
     report, verdicts = evaluate(result.outputs, [r.structured for r in requests])
     record = result_record(args, model, metrics, result)
@@ -110,9 +118,12 @@ def run(
         correctness=report.to_dict(),
         valid=verdicts,
         structured=[r.structured is not None for r in requests],
+        spec_decode=spec,
     )
     if not quiet:
         print(format_report(metrics, "Structured Output Benchmark"))
+        if spec is not None:
+            print(format_spec_decode(spec))
         print(format_correctness(report, result))
     if args.save_results:
         path = save_result(args, record, model)

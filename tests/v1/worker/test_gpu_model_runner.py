@@ -30,9 +30,11 @@ def _run(async_scheduling: bool, **kwargs):
         llm.shutdown()
 
 
-def test_lagging_copies_with_preemption_match_sync(monkeypatch) -> None:
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_lagging_copies_with_preemption_match_sync(monkeypatch, spec) -> None:
     """A request preempted with a token in flight resumes holding that token; when the copy
-    lands later, the runner must not append it a second time."""
+    lands later, the runner must not append it a second time, nor count the tokens a
+    verification kept twice (seeded sampling reads the count)."""
     want, _ = _run(False)
     newest: list[object] = [None]
     original_init = gpu_model_runner._SampledTokens.__init__
@@ -46,7 +48,7 @@ def test_lagging_copies_with_preemption_match_sync(monkeypatch) -> None:
     monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: self is not newest[0])
     for num_blocks in (56, 64):
         got, scheduler = _run(True, block_size=4, num_gpu_blocks_override=num_blocks,
-                              enable_prefix_caching=False)
+                              enable_prefix_caching=False, speculative_config=spec)
         assert scheduler.num_preemptions > 0
         assert got == want, num_blocks
 

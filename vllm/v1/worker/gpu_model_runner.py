@@ -293,11 +293,11 @@ class GPUModelRunner:
             for req_id, sampled_state, position, tokens in zip(
                 sampled.req_ids, sampled.states, sampled.positions, sampled.token_lists()
             ):
-                # sample_tokens counted one token; a verification may have kept more.
-                sampled_state.num_output_tokens += len(tokens) - 1
                 state = self.requests.get(req_id)
                 if state is not sampled_state or position != len(state.output_token_ids):
                     continue  # finished, or resumed from preemption with this token already
+                # sample_tokens counted one token; a verification may have kept more.
+                state.num_output_tokens += len(tokens) - 1
                 state.output_token_ids.extend(tokens)
                 row = self.input_batch.req_id_to_index.get(req_id)
                 if row is not None and self.input_batch.states[row] is state:
