@@ -178,14 +178,9 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             served_model_name=self.served_model_name,
         )
-        structured_options = dict(self.structured_outputs_config or {})
-        allowed = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
-        unknown = set(structured_options) - allowed
-        if unknown:
-            raise ValueError(
-                f"--structured-outputs-config: unknown option(s) {sorted(unknown)}; "
-                f"known: {sorted(allowed)}"
-            )
+        structured_options = _options(
+            "--structured-outputs-config", self.structured_outputs_config or {},
+            StructuredOutputsConfig)
         if self.reasoning_parser is not None:
             given = structured_options.setdefault("reasoning_parser", self.reasoning_parser)
             if given != self.reasoning_parser:
@@ -195,17 +190,8 @@ class EngineArgs:
                 )
         speculative_config = None
         if self.speculative_config is not None:
-            spec_options = self.speculative_config
-            if not isinstance(spec_options, dict):
-                raise ValueError("--speculative-config: must be a JSON object")
-            known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-            unknown = set(spec_options) - known
-            if unknown:
-                raise ValueError(
-                    f"--speculative-config: unknown option(s) {sorted(unknown)}; "
-                    f"known: {sorted(known)}"
-                )
-            speculative_config = SpeculativeConfig(**spec_options)
+            speculative_config = SpeculativeConfig(**_options(
+                "--speculative-config", self.speculative_config, SpeculativeConfig))
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -226,6 +212,18 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig(**structured_options),
             speculative_config=speculative_config,
         )
+
+
+def _options(flag: str, options: object, config_cls: type) -> dict[str, Any]:
+    """A copy of a JSON-object flag's options. Raises ValueError naming the flag when it is
+    not an object or has keys that are not fields of `config_cls`."""
+    if not isinstance(options, dict):
+        raise ValueError(f"{flag}: must be a JSON object")
+    known = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"{flag}: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+    return dict(options)
 
 
 def _scalar_type(annotation: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -75,13 +76,19 @@ CONDITIONS = {
 }
 
 
-def generate_all(llm: LLM, ratios: tuple[float, ...] = RATIOS) -> dict[float, list]:
-    """The workload at every structured ratio (of `ratios`), by ratio; checks every
-    structured output and that the engine released every block and grammar afterwards."""
+def generate_all(
+    llm: LLM,
+    ratios: tuple[float, ...] = RATIOS,
+    prompts: Callable[[], list[str]] = _prompts,
+    params_at: Callable[[float], list[SamplingParams]] = _params,
+) -> dict[float, list]:
+    """The workload (this module's, unless `prompts` and `params_at` give another) at every
+    structured ratio of `ratios`, by ratio; checks every structured output and that the
+    engine released every block and grammar afterwards."""
     results = {}
     for ratio in ratios:
-        params = _params(ratio)
-        outs = llm.generate(_prompts(), params, use_tqdm=False)
+        params = params_at(ratio)
+        outs = llm.generate(prompts(), params, use_tqdm=False)
         for p, o in zip(params, outs):
             if p.structured_outputs is not None:
                 check_structured_output(p.structured_outputs, o.outputs[0], llm.get_tokenizer())

@@ -15,8 +15,7 @@ import random
 
 import pytest
 
-from tests.v1.engine.test_async_sync_equivalence import CONDITIONS, CONSTRAINTS
-from tests.v1.structured_output.oracle import check_structured_output
+from tests.v1.engine.test_async_sync_equivalence import CONDITIONS, CONSTRAINTS, generate_all
 from vllm import LLM, SamplingParams
 
 NUM_PROMPTS = 16
@@ -65,20 +64,8 @@ def _run(spec: bool, async_scheduling: bool, executor: str, condition: str):
         **CONDITIONS[condition],
     )
     try:
-        results = {}
-        for ratio in RATIOS:
-            params = _params(ratio)
-            outs = llm.generate(_prompts(), params, use_tqdm=False)
-            for p, o in zip(params, outs):
-                if p.structured_outputs is not None:
-                    check_structured_output(
-                        p.structured_outputs, o.outputs[0], llm.get_tokenizer())
-            results[ratio] = [o.outputs[0] for o in outs]
-        core = llm.llm_engine.engine_core
-        kv = core.scheduler.kv_cache_manager
-        assert kv.num_free_blocks == kv.num_blocks
-        assert core.structured_output_manager.num_live_grammars == 0
-        return results, core.scheduler
+        results = generate_all(llm, RATIOS, _prompts, _params)
+        return results, llm.llm_engine.engine_core.scheduler
     finally:
         llm.shutdown()
 
