@@ -8,7 +8,7 @@ With several structured-output backends, each configuration runs its 100 % cell 
 backend (the 0 % cell does not depend on it), and the table gains a row per backend.
 
 The ceiling: a bare greedy decode loop over the same checkpoint and prompts
-(vllm/benchmarks/bare_decode.py: no scheduler, paging, sampler or detokenizer) runs last, and
+(vllm/model_executor/bare_decoder.py: no scheduler, paging, sampler or detokenizer) runs last, and
 every cell is also printed as a fraction of it (engine / bare; `--no-ceiling` skips it).
 
 Plain requests are greedy with ignore_eos; structured ones follow a JSON schema whose string
@@ -83,7 +83,7 @@ def ceiling(model: str, prompts: list[str], output_len: int) -> dict[str, float]
     """Tokens/s of the bare decode loop on the same checkpoint, prompts and output length."""
     import torch
 
-    from vllm.benchmarks.bare_decode import BareDecoder
+    from vllm.model_executor.bare_decoder import BareDecoder
     from vllm.model_executor.model_loader.demo_model import resolve_model_dir
     from vllm.transformers_utils.tokenizer import get_tokenizer
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.benchmarks.bare_decode import BareDecoder
+from vllm.model_executor.bare_decoder import BareDecoder
 from vllm.benchmarks.plot import line_chart_png
 from vllm.model_executor.model_loader.demo_model import resolve_model_dir
 

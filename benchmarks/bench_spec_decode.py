@@ -1,8 +1,11 @@
-"""Speculative decoding (n-gram drafts): tokens/s with and without drafts, one run.
+"""Speculative decoding: tokens/s with and without drafts, one run.
 
     .venv/bin/python benchmarks/bench_spec_decode.py [--model demo] [--num-prompts 32] \
         [--output-len 64] [--num-speculative-tokens 3] [--repeats 3] \
-        [--workloads stories,repetitive] [--json results/bench_spec_decode.json]
+        [--draft-model demo-tiny] [--workloads stories,repetitive] \
+        [--json results/bench_spec_decode.json]
+
+Drafts come from n-gram prompt lookup, or with `--draft-model` from that model.
 
 For sync and async scheduling (uni executor) one engine is started with speculative
 decoding; every cell, {workload} x {0 %, 100 % JSON-schema requests}, then runs with drafts
@@ -68,12 +71,17 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draft-model", default=None,
+                        help="draft with this model (same vocabulary) instead of n-gram lookup")
     parser.add_argument("--workloads", default="stories,repetitive")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": 4}
+    if args.draft_model:
+        spec = {"method": "draft_model", "model": args.draft_model,
+                "num_speculative_tokens": args.num_speculative_tokens}
     results: dict[str, dict] = {}
     print(f"{'cell':26s} {'none tok/s (range)':>22s} {'drafts tok/s (range)':>22s} "
           f"{'ratio':>6s} {'accept':>7s} {'mean len':>8s}", flush=True)

@@ -416,18 +416,26 @@ class SpeculativeConfig:
     """
 
     # "ngram": prompt lookup over the request's own tokens (prompt and output).
+    # "draft_model": greedy decoding with `model`, a smaller model with the same vocabulary.
     method: str = "ngram"
     # Most drafted tokens per request and step.
     num_speculative_tokens: int = 3
-    # The shortest and longest suffix of the tokens looked up earlier in the same tokens.
+    # ngram: the shortest and longest suffix of the tokens looked up earlier in them.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # draft_model: its directory, or a demo model name (demo-tiny drafts for demo).
+    model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
+        if self.method not in ("ngram", "draft_model"):
             raise ValueError(
-                f"--speculative-config.method: {self.method!r} is not supported; the one "
-                "method is 'ngram' (prompt lookup)"
+                f"--speculative-config.method: {self.method!r} is not supported; use 'ngram' "
+                "(prompt lookup) or 'draft_model'"
+            )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "--speculative-config.model: required with method 'draft_model' and only "
+                "with it"
             )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)

@@ -262,6 +262,8 @@ def test_speculative_config_flag_builds_the_config() -> None:
 
 @pytest.mark.parametrize("spec, message", [
     ({"method": "eagle"}, r"--speculative-config.method: 'eagle' is not supported"),
+    ({"method": "draft_model"}, r"--speculative-config.model: required with method"),
+    ({"method": "ngram", "model": "demo-tiny"}, r"--speculative-config.model: required"),
     ({"num_speculative_tokens": 0}, r"num_speculative_tokens: must be a positive integer"),
     ({"num_speculative_tokens": 99}, r"num_speculative_tokens: at most 16"),
     ({"prompt_lookup_min": 4, "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) must not"),

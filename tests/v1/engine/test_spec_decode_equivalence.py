@@ -1,12 +1,14 @@
-"""Oracle: speculative decoding (n-gram drafts) changes no output token.
+"""Oracle: speculative decoding (n-gram or draft-model drafts) changes no output token.
 
 Greedy requests must give the tokens they give without drafts, and so must seeded random
 ones (each kept token is the target's own sample at its position, and the seed mixes in the
 position). The workload mixes greedy and seeded requests, requests that never draft
-(penalties, logprobs), a stop string, and 0, 50 or 100 % structured requests; it runs sync
-and async on the uni executor, async on mp (the sync mp transport is the async one's), with
-forced preemption, and async with chunked prefill (the scheduler tests cover sync chunking).
-Every structured output must pass the grammar oracle, and drafts must have been kept.
+(penalties, logprobs), a stop string, and 0, 50 or 100 % structured requests. The n-gram
+proposer runs sync and async on the uni executor, async on mp (the sync mp transport is the
+async one's), with forced preemption, and async with chunked prefill (the scheduler tests
+cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
+and async on mp with forced preemption. Every structured output must pass the grammar
+oracle, and drafts must have been kept.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from vllm import LLM, SamplingParams
 NUM_PROMPTS = 16
 MAX_TOKENS = 24
 RATIOS = (0.0, 0.5, 1.0)
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+SPECS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    # The target drafting for itself: greedy drafts are kept, random ones mostly not.
+    "draft": {"method": "draft_model", "model": "demo-tiny", "num_speculative_tokens": 3},
+}
 
 
 def _prompts() -> list[str]:
@@ -53,14 +59,14 @@ def _params(ratio: float) -> list[SamplingParams]:
     return out
 
 
-def _run(spec: bool, async_scheduling: bool, executor: str, condition: str):
+def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str):
     llm = LLM(
         "demo-tiny",
         max_model_len=160,
         max_num_seqs=16,
         async_scheduling=async_scheduling,
         distributed_executor_backend=executor,
-        speculative_config=SPEC if spec else None,
+        speculative_config=SPECS[spec] if spec else None,
         **CONDITIONS[condition],
     )
     try:
@@ -72,23 +78,25 @@ def _run(spec: bool, async_scheduling: bool, executor: str, condition: str):
 
 @pytest.fixture(scope="module")
 def reference():
-    return _run(False, False, "uni", "plain")[0]
+    return _run(None, False, "uni", "plain")[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "async_scheduling, executor, condition",
+    "spec, async_scheduling, executor, condition",
     [
-        (False, "uni", "plain"),
-        (True, "uni", "plain"),
-        (True, "mp", "plain"),
-        (False, "uni", "preemption"),
-        (True, "uni", "preemption"),
-        (True, "uni", "chunked"),
+        ("ngram", False, "uni", "plain"),
+        ("ngram", True, "uni", "plain"),
+        ("ngram", True, "mp", "plain"),
+        ("ngram", False, "uni", "preemption"),
+        ("ngram", True, "uni", "preemption"),
+        ("ngram", True, "uni", "chunked"),
+        ("draft", False, "uni", "plain"),
+        ("draft", True, "mp", "preemption"),
     ],
 )
-def test_drafts_change_no_output(reference, async_scheduling, executor, condition) -> None:
-    got, scheduler = _run(True, async_scheduling, executor, condition)
+def test_drafts_change_no_output(reference, spec, async_scheduling, executor, condition) -> None:
+    got, scheduler = _run(spec, async_scheduling, executor, condition)
     for ratio in RATIOS:
         for i, (a, b) in enumerate(zip(got[ratio], reference[ratio])):
             assert a.token_ids == b.token_ids, (ratio, i)

@@ -26,6 +26,20 @@ class NgramProposer:
         self.max_n = max_n
         self.num_tokens = num_tokens
 
+    def propose_batch(
+        self, contexts: dict[str, tuple[list[int], int, int]]
+    ) -> dict[str, list[int]]:
+        """Drafts to follow each request's tokens: `contexts[id]` is (tokens, how many are
+        confirmed (unused here), most drafts). Returns only non-empty drafts."""
+        drafts = {}
+        for req_id, (tokens, _, limit) in contexts.items():
+            if draft := self.propose(tokens, limit):
+                drafts[req_id] = draft
+        return drafts
+
+    def release(self, req_id: str) -> None:
+        """Nothing to free: lookups keep no per-request state."""
+
     def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """Returns up to min(num_tokens, max_tokens) drafted tokens to follow `token_ids`
         ([] when no suffix occurs earlier). Pure: no state is kept between calls."""

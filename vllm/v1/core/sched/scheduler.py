@@ -20,7 +20,7 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+from vllm.v1.spec_decode.proposer import build_proposer
 from vllm.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -64,12 +64,7 @@ class Scheduler:
         # Aborts that found the request still live (cumulative), for the stats record.
         self.num_aborted_requests = 0
         self._step_id = 0
-        spec = vllm_config.speculative_config
-        self.proposer = (
-            NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
-                          spec.num_speculative_tokens)
-            if spec is not None else None
-        )
+        self.proposer = build_proposer(vllm_config)
         # Speculative decoding counters (cumulative): verification steps that carried drafts,
         # drafted tokens, and drafted tokens the target model kept.
         self.num_spec_steps = 0
@@ -145,6 +140,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         if request.use_structured_output and self.structured_output_manager is not None:
             self.structured_output_manager.clear(request)
         self.finished_req_ids.add(request.request_id)
@@ -196,6 +193,7 @@ class Scheduler:
         preempted: list[Request] = []
         scheduled_running: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
+        proposed = self._propose_all()
 
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled_running) < max_requests:
@@ -209,7 +207,7 @@ class Scheduler:
             ):
                 i += 1
                 continue
-            drafts = self._propose(request, budget - num_new) if samples else []
+            drafts = proposed.get(request.request_id, [])[: budget - num_new] if samples else []
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request.request_id,
@@ -355,33 +353,52 @@ class Scheduler:
             and not structured_req.undecided
         )
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Drafts for a decoding request, at most `budget` of them, truncated where the
-        request would stop anyway (max_tokens, max_model_len) and at the first token its
-        grammar rejects. [] when the request may not draft or its token is in flight.
+    def _propose_all(self) -> dict[str, list[int]]:
+        """Drafts for the running requests that decode next with every token confirmed, by
+        request id, each cut where the request would stop anyway (max_tokens,
+        max_model_len) and at the first token its grammar rejects. The step's budget is
+        applied by the caller.
 
-        A constrained request first drafts what its grammar forces (jump-forward), then
-        continues by lookup over its tokens followed by those."""
-        if request.num_output_placeholders or not self._may_draft(request):
-            return []
-        assert self.proposer is not None
-        limit = min(self.max_model_len - request.num_tokens - 1, budget,
-                    self.proposer.num_tokens)
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - request.num_output_tokens - 1)
-        if limit <= 0:
-            return []
-        structured_req = request.structured_output_request
-        if structured_req is None:
-            return self.proposer.propose(request.all_token_ids, limit)
-        grammar = structured_req.grammar
-        assert grammar is not None
-        drafts = grammar.jump_forward_tokens()[:limit]
-        if len(drafts) < limit:
-            context = request.all_token_ids + drafts if drafts else request.all_token_ids
-            drafts = drafts + self.proposer.propose(context, limit - len(drafts))
-        return grammar.validate_tokens(drafts) if drafts else drafts
+        A constrained request first drafts what its grammar forces (jump-forward); the
+        proposer continues after those."""
+        if self.proposer is None:
+            return {}
+        contexts: dict[str, tuple[list[int], int, int]] = {}
+        forced: dict[str, list[int]] = {}
+        for request in self.running:
+            if (
+                request.num_output_placeholders
+                or self._num_new_tokens(request) != 1
+                or not self._may_draft(request)
+            ):
+                continue
+            limit = min(self.max_model_len - request.num_tokens - 1, self.proposer.num_tokens)
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:
+                limit = min(limit, max_tokens - request.num_output_tokens - 1)
+            if limit <= 0:
+                continue
+            tokens = request.all_token_ids
+            structured_req = request.structured_output_request
+            if structured_req is not None:
+                assert structured_req.grammar is not None
+                head = forced[request.request_id] = structured_req.grammar.jump_forward_tokens()[
+                    :limit]
+                tokens = tokens + head if head else tokens
+                limit -= len(head)
+            contexts[request.request_id] = (tokens, request.num_tokens, limit)
+        proposed = self.proposer.propose_batch(
+            {req_id: c for req_id, c in contexts.items() if c[2] > 0})
+        drafts: dict[str, list[int]] = {}
+        for req_id in contexts:
+            tokens = forced.get(req_id, []) + proposed.get(req_id, [])
+            structured_req = self.requests[req_id].structured_output_request
+            if tokens and structured_req is not None:
+                assert structured_req.grammar is not None
+                tokens = structured_req.grammar.validate_tokens(tokens)
+            if tokens:
+                drafts[req_id] = tokens
+        return drafts
 
     def unschedule(self, output: SchedulerOutput) -> None:
         """Keeps the runner-facing news of a step that schedules no tokens and is never run:

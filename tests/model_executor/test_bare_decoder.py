@@ -1,4 +1,4 @@
-"""Tests for vllm/benchmarks/bare_decode.py: the bare decode loop gives the engine's greedy
+"""Tests for vllm/model_executor/bare_decoder.py: the bare decode loop gives the engine's greedy
 tokens, so the engine / bare-loop throughput ratio compares the same work."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from tests.utils_models import TINY, build_checkpoint
 from vllm import LLM, SamplingParams
-from vllm.benchmarks.bare_decode import BareDecoder
+from vllm.model_executor.bare_decoder import BareDecoder
 from vllm.model_executor.model_loader.demo_model import build_demo_model
 
 MAX_TOKENS = 12

@@ -1,4 +1,5 @@
-"""A bare greedy decode loop over a checkpoint: the ceiling the engine is measured against.
+"""A bare greedy decode loop over a checkpoint: the ceiling the engine is measured against,
+and the draft model of speculative decoding (docs/architecture.md §11).
 
 No scheduler, no paging, no sampler, no detokenizer: the embedding, each decoder layer with a
 contiguous KV cache and `scaled_dot_product_attention`, the final norm, the LM head and an
@@ -35,6 +36,7 @@ class BareDecoder:
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError("bare decode loop: RoPE scaling is not supported")
         theta = rope.get("rope_theta") or config.get("rope_theta") or 10000.0
+        self.vocab_size = config["vocab_size"]
         self.num_layers = config["num_hidden_layers"]
         self.num_heads = config["num_attention_heads"]
         self.num_kv_heads = config.get("num_key_value_heads", self.num_heads)
@@ -66,11 +68,17 @@ class BareDecoder:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[torch.Tensor],
-                 rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def new_cache(self, rows: int, capacity: int) -> list[torch.Tensor]:
+        """A zeroed KV cache of `rows` sequences of up to `capacity` tokens (for `forward`)."""
+        return [torch.zeros(rows, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
+                            device=self.device) for _ in range(2 * self.num_layers)]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[torch.Tensor],
+                rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Runs tokens [B, T] at positions [B, T] for cache rows `rows`; returns the last
         position's logits [B, vocab]. With `mask` None the T tokens attend causally to each
-        other only (a prefill from position 0); else mask [B, 1, T, L] selects cache slots."""
+        other only (a prefill from position 0); else mask [B, 1, T, L] selects cache slots.
+        Side effect: the tokens' keys and values are written to the cache at their positions."""
         b, t = tokens.shape
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])
         for i in range(self.num_layers):
@@ -109,14 +117,13 @@ class BareDecoder:
         n = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         capacity = int(lengths.max()) + max_new_tokens
-        cache = [torch.zeros(n, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,
-                             device=self.device) for _ in range(2 * self.num_layers)]
+        cache = self.new_cache(n, capacity)
         next_tokens = []
         for r, prompt in enumerate(prompts):
             ids = torch.tensor([prompt], device=self.device)
             positions = torch.arange(len(prompt), device=self.device)[None]
             rows = torch.tensor([r], device=self.device)
-            next_tokens.append(self._forward(ids, positions, cache, rows, None).argmax(-1))
+            next_tokens.append(self.forward(ids, positions, cache, rows, None).argmax(-1))
         tokens = torch.cat(next_tokens)
         out = [tokens]
         all_rows = torch.arange(n, device=self.device)
@@ -125,7 +132,7 @@ class BareDecoder:
             positions = lengths + step  # where this step's input token goes
             length = int(positions.max()) + 1
             mask = (slots[None, :length] <= positions[:, None])[:, None, None, :]
-            tokens = self._forward(tokens[:, None], positions[:, None], cache, all_rows,
+            tokens = self.forward(tokens[:, None], positions[:, None], cache, all_rows,
                                    mask).argmax(-1)
             out.append(tokens)
         return torch.stack(out, dim=1).tolist()

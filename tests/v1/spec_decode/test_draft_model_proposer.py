@@ -1,0 +1,65 @@
+"""Tests for vllm/v1/spec_decode/draft_model_proposer.py: greedy drafts of a small model,
+computed incrementally over a per-request cache row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.utils_models import build_checkpoint
+from vllm.model_executor.bare_decoder import BareDecoder
+from vllm.model_executor.model_loader.demo_model import build_demo_model
+from vllm.v1.spec_decode.draft_model_proposer import DraftModelProposer
+
+VOCAB = 151_936  # the demo models' vocabulary
+
+
+@pytest.fixture(scope="module")
+def draft_dir():
+    return build_demo_model("demo-tiny")
+
+
+def _proposer(draft_dir, rows: int = 4, k: int = 3) -> DraftModelProposer:
+    return DraftModelProposer(draft_dir, k, rows, 64, VOCAB, torch.device("cpu"), torch.float32)
+
+
+def _greedy(draft_dir, tokens: list[int], n: int) -> list[int]:
+    return BareDecoder(draft_dir).generate([tokens], n)[0]
+
+
+def test_drafts_are_the_draft_models_greedy_tokens_step_after_step(draft_dir) -> None:
+    proposer = _proposer(draft_dir)
+    a, b = [11, 12, 13, 14, 11, 12], [500, 7, 500, 7, 500]
+    got = proposer.propose_batch({"a": (a, len(a), 3), "b": (b, len(b), 2)})
+    assert got == {"a": _greedy(draft_dir, a, 3), "b": _greedy(draft_dir, b, 2)}
+    # The next step computes only the new tokens; the drafts' cache slots are overwritten.
+    a2 = a + [99, 98]
+    again = proposer.propose_batch({"a": (a2, len(a2), 3)})
+    assert again == {"a": _greedy(draft_dir, a2, 3)}
+
+
+def test_provisional_tokens_are_not_kept_as_cached(draft_dir) -> None:
+    proposer = _proposer(draft_dir)
+    a = [21, 22, 23]
+    # Two forced tokens after three confirmed ones; then the request confirms others.
+    proposer.propose_batch({"a": (a + [5, 6], 3, 2)})
+    later = a + [7, 8]
+    assert proposer.propose_batch({"a": (later, 5, 2)}) == {"a": _greedy(draft_dir, later, 2)}
+
+
+def test_rows_are_reused_after_release_and_limits_hold(draft_dir) -> None:
+    proposer = _proposer(draft_dir, rows=1)
+    assert len(proposer.propose_batch({"a": ([1, 2, 3], 3, 2)})["a"]) == 2
+    # Every row taken: the other request gets no drafts, and nothing fails.
+    assert proposer.propose_batch({"b": ([4, 5], 2, 2)}) == {}
+    proposer.release("a")
+    proposer.release("unknown")
+    b = [4, 5]
+    assert proposer.propose_batch({"b": (b, 2, 1)}) == {"b": _greedy(draft_dir, b, 1)}
+    assert proposer.propose_batch({"b": (b + [6], 3, 0)}) == {}
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path) -> None:
+    build_checkpoint("qwen3", tmp_path, seed=1)  # 512 tokens
+    with pytest.raises(ValueError, match="vocabulary has 512 tokens, the target's 151936"):
+        DraftModelProposer(tmp_path, 3, 2, 64, VOCAB, torch.device("cpu"), torch.float32)

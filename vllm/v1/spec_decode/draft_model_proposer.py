@@ -1,0 +1,98 @@
+"""Draft-model drafting: a small model with the target's vocabulary guesses the next tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vllm.model_executor.bare_decoder import BareDecoder
+
+
+class DraftModelProposer:
+    """Drafts by greedy decoding with a small model (docs/architecture.md §11).
+
+    It runs in the scheduler's process, on the target's device. Each drafting request owns
+    a row of a contiguous KV cache that holds its confirmed tokens: a proposal first computes
+    the tokens confirmed since the request's previous proposal (one forward per request),
+    then decodes the drafts of all requests together. The drafts' keys and values are
+    written past the confirmed tokens, where the next proposal overwrites them, so nothing
+    is rolled back. A request keeps its row (through preemption too) until `release`; with
+    every row taken, further requests simply get no drafts.
+    """
+
+    def __init__(self, model_dir: str | Path, num_tokens: int, max_num_seqs: int,
+                 max_model_len: int, vocab_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        """Loads the draft model. Raises ValueError when its vocabulary is not the target's
+        size (token ids would mean different things) or its architecture is unsupported."""
+        self.model = BareDecoder(model_dir, dtype=dtype, device=device)
+        if self.model.vocab_size != vocab_size:
+            raise ValueError(
+                f"--speculative-config.model: the draft model's vocabulary has "
+                f"{self.model.vocab_size} tokens, the target's {vocab_size}; they must share it"
+            )
+        self.num_tokens = num_tokens
+        self.device = torch.device(device)
+        self.cache = self.model.new_cache(max_num_seqs, max_model_len)
+        self._slots = torch.arange(max_model_len, device=self.device)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._rows: dict[str, int] = {}
+        self._num_cached: dict[str, int] = {}
+
+    @torch.inference_mode()
+    def propose_batch(
+        self, contexts: dict[str, tuple[list[int], int, int]]
+    ) -> dict[str, list[int]]:
+        """Drafts to follow each request's tokens: `contexts[id]` is (tokens, how many of them
+        are confirmed, most drafts). Tokens past the confirmed ones (drafts forced by a
+        grammar) are computed but not kept as cached. Returns only non-empty drafts."""
+        firsts: dict[str, torch.Tensor] = {}
+        for req_id, (tokens, num_confirmed, limit) in contexts.items():
+            if limit <= 0 or not tokens:
+                continue
+            row = self._row(req_id)
+            if row is None:
+                continue
+            start = min(self._num_cached.get(req_id, 0), len(tokens) - 1)
+            new = torch.tensor([tokens[start:]], device=self.device)
+            positions = torch.arange(start, len(tokens), device=self.device)[None]
+            logits = self.model.forward(
+                new, positions, self.cache, torch.tensor([row], device=self.device),
+                self._mask(positions, len(tokens)))
+            firsts[req_id] = logits.argmax(-1)
+            self._num_cached[req_id] = min(num_confirmed, len(tokens))
+        if not firsts:
+            return {}
+        ids = list(firsts)
+        limits = [contexts[r][2] for r in ids]
+        tokens = torch.cat([firsts[r] for r in ids])
+        drafts = [tokens]
+        rows = torch.tensor([self._rows[r] for r in ids], device=self.device)
+        positions = torch.tensor([len(contexts[r][0]) for r in ids], device=self.device)
+        for _ in range(max(limits) - 1):
+            logits = self.model.forward(tokens[:, None], positions[:, None], self.cache, rows,
+                                        self._mask(positions[:, None], int(positions.max()) + 1))
+            tokens = logits.argmax(-1)
+            drafts.append(tokens)
+            positions = positions + 1
+        table = torch.stack(drafts, dim=1).tolist()
+        return {r: table[i][:limit] for i, (r, limit) in enumerate(zip(ids, limits))}
+
+    def _mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """[B, 1, T, length]: a token at position p sees the cache slots up to p."""
+        return (self._slots[None, None, :length] <= positions[:, :, None])[:, None]
+
+    def _row(self, req_id: str) -> int | None:
+        row = self._rows.get(req_id)
+        if row is None and self._free_rows:
+            row = self._rows[req_id] = self._free_rows.pop()
+            self._num_cached[req_id] = 0
+        return row
+
+    def release(self, req_id: str) -> None:
+        """Frees the request's cache row (it finished). Unknown ids are ignored."""
+        row = self._rows.pop(req_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+            self._num_cached.pop(req_id, None)

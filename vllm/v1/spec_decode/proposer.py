@@ -1,0 +1,48 @@
+"""The proposer interface the scheduler drafts through, and the one the config asks for."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class Proposer(Protocol):
+    """Guesses the tokens that follow a request's tokens (docs/architecture.md §11)."""
+
+    # Most drafts per request and step.
+    num_tokens: int
+
+    def propose_batch(
+        self, contexts: dict[str, tuple[list[int], int, int]]
+    ) -> dict[str, list[int]]:
+        """Drafts for each request id: `contexts[id]` is (tokens, how many of them are
+        confirmed, most drafts). Returns only non-empty drafts."""
+        ...
+
+    def release(self, req_id: str) -> None:
+        """Forgets whatever the proposer keeps for a finished request."""
+        ...
+
+
+def build_proposer(config: VllmConfig) -> Proposer | None:
+    """The proposer of `config.speculative_config` (None without speculative decoding).
+    Raises ValueError when a draft model cannot serve this target."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                             spec.num_speculative_tokens)
+    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.v1.spec_decode.draft_model_proposer import DraftModelProposer
+
+    mc = config.model_config
+    assert spec.model is not None
+    return DraftModelProposer(
+        resolve_model_dir(spec.model), spec.num_speculative_tokens,
+        config.scheduler_config.max_num_seqs, mc.max_model_len, mc.vocab_size, mc.device,
+        mc.torch_dtype)
