@@ -32,10 +32,14 @@ def test_drafts_are_the_draft_models_greedy_tokens_step_after_step(draft_dir) ->
     a, b = [11, 12, 13, 14, 11, 12], [500, 7, 500, 7, 500]
     got = proposer.propose_batch({"a": (a, len(a), 3), "b": (b, len(b), 2)})
     assert got == {"a": _greedy(draft_dir, a, 3), "b": _greedy(draft_dir, b, 2)}
-    # The next step computes only the new tokens; the drafts' cache slots are overwritten.
-    a2 = a + [99, 98]
-    again = proposer.propose_batch({"a": (a2, len(a2), 3)})
-    assert again == {"a": _greedy(draft_dir, a2, 3)}
+    # The next step computes the new tokens of both in one forward (a's two, b's one, so b
+    # recomputes one cached token); the drafts' cache slots are overwritten.
+    a2, b2 = a + [99, 98], b + [7]
+    again = proposer.propose_batch({"a": (a2, len(a2), 3), "b": (b2, len(b2), 3)})
+    assert again == {"a": _greedy(draft_dir, a2, 3), "b": _greedy(draft_dir, b2, 3)}
+    # Many new tokens at once (more than k + 1) are computed on their own.
+    a3 = a2 + [5, 6, 7, 8, 9]
+    assert proposer.propose_batch({"a": (a3, len(a3), 2)}) == {"a": _greedy(draft_dir, a3, 2)}
 
 
 def test_provisional_tokens_are_not_kept_as_cached(draft_dir) -> None:

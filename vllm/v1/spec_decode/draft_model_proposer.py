@@ -48,20 +48,25 @@ class DraftModelProposer:
         are confirmed, most drafts). Tokens past the confirmed ones (drafts forced by a
         grammar) are computed but not kept as cached. Returns only non-empty drafts."""
         firsts: dict[str, torch.Tensor] = {}
+        # Requests with up to `window` new tokens and that many before them catch up in one
+        # forward over their last `window` tokens (recomputing a few cached ones); the rest
+        # (first proposals) one by one.
+        window = self.num_tokens + 1
+        together: dict[str, int] = {}  # id -> tokens to compute
         for req_id, (tokens, num_confirmed, limit) in contexts.items():
-            if limit <= 0 or not tokens:
+            if limit <= 0 or not tokens or self._row(req_id) is None:
                 continue
-            row = self._row(req_id)
-            if row is None:
-                continue
-            start = min(self._num_cached.get(req_id, 0), len(tokens) - 1)
-            new = torch.tensor([tokens[start:]], device=self.device)
-            positions = torch.arange(start, len(tokens), device=self.device)[None]
-            logits = self.model.forward(
-                new, positions, self.cache, torch.tensor([row], device=self.device),
-                self._mask(positions, len(tokens)))
-            firsts[req_id] = logits.argmax(-1)
+            start = min(self._num_cached[req_id], len(tokens) - 1)
+            if len(tokens) - start <= window <= len(tokens):
+                together[req_id] = len(tokens) - start
+            else:
+                firsts[req_id] = self._catch_up([req_id], [tokens], start)
             self._num_cached[req_id] = min(num_confirmed, len(tokens))
+        if together:
+            ids = list(together)
+            batch = self._catch_up(ids, [contexts[r][0] for r in ids], None,
+                                   max(together.values()))
+            firsts.update(zip(ids, batch[:, None]))
         if not firsts:
             return {}
         ids = list(firsts)
@@ -78,6 +83,20 @@ class DraftModelProposer:
             positions = positions + 1
         table = torch.stack(drafts, dim=1).tolist()
         return {r: table[i][:limit] for i, (r, limit) in enumerate(zip(ids, limits))}
+
+    def _catch_up(self, ids: list[str], token_lists: list[list[int]], start: int | None,
+                  width: int = 0) -> torch.Tensor:
+        """Computes the tokens of each request from `start` (one request), or its last `width`
+        tokens (several of equal width); returns the greedy next token of each [len(ids)]."""
+        if start is not None:
+            width = len(token_lists[0]) - start
+        tokens = torch.tensor([t[len(t) - width:] for t in token_lists], device=self.device)
+        ends = torch.tensor([len(t) for t in token_lists], device=self.device)
+        positions = ends[:, None] - width + torch.arange(width, device=self.device)[None]
+        rows = torch.tensor([self._rows[r] for r in ids], device=self.device)
+        logits = self.model.forward(tokens, positions, self.cache, rows,
+                                    self._mask(positions, int(ends.max())))
+        return logits.argmax(-1)
 
     def _mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
         """[B, 1, T, length]: a token at position p sees the cache slots up to p."""
