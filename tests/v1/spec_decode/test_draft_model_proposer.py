@@ -67,3 +67,12 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path) -> None:
     build_checkpoint("qwen3", tmp_path, seed=1)  # 512 tokens
     with pytest.raises(ValueError, match="vocabulary has 512 tokens, the target's 151936"):
         DraftModelProposer(tmp_path, 3, 2, 64, VOCAB, torch.device("cpu"), torch.float32)
+
+
+def test_a_request_near_max_model_len_drafts_beside_a_longer_limit(draft_dir) -> None:
+    proposer = _proposer(draft_dir, k=5)  # 64 slots per row
+    near = [3] * 62  # one draft fits before max_model_len
+    far = [4, 5, 6]
+    # The batch decodes four more times for `far`; `near` must not write past its row.
+    got = proposer.propose_batch({"near": (near, 62, 1), "far": (far, 3, 5)})
+    assert got == {"near": _greedy(draft_dir, near, 1), "far": _greedy(draft_dir, far, 5)}

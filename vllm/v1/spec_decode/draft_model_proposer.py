@@ -74,13 +74,17 @@ class DraftModelProposer:
         tokens = torch.cat([firsts[r] for r in ids])
         drafts = [tokens]
         rows = torch.tensor([self._rows[r] for r in ids], device=self.device)
-        positions = torch.tensor([len(contexts[r][0]) for r in ids], device=self.device)
-        for _ in range(max(limits) - 1):
-            logits = self.model.forward(tokens[:, None], positions[:, None], self.cache, rows,
-                                        self._mask(positions[:, None], int(positions.max()) + 1))
+        starts = [len(contexts[r][0]) for r in ids]
+        # A request past its own limit keeps decoding garbage with the others; its position
+        # stops at the last slot (never a confirmed token's: it drafts only below it).
+        last_slot = len(self._slots) - 1
+        for step in range(max(limits) - 1):
+            where = [min(s + step, last_slot) for s in starts]
+            positions = torch.tensor(where, device=self.device)[:, None]
+            logits = self.model.forward(tokens[:, None], positions, self.cache, rows,
+                                        self._mask(positions, max(where) + 1))
             tokens = logits.argmax(-1)
             drafts.append(tokens)
-            positions = positions + 1
         table = torch.stack(drafts, dim=1).tolist()
         return {r: table[i][:limit] for i, (r, limit) in enumerate(zip(ids, limits))}
 
@@ -91,11 +95,14 @@ class DraftModelProposer:
         if start is not None:
             width = len(token_lists[0]) - start
         tokens = torch.tensor([t[len(t) - width:] for t in token_lists], device=self.device)
-        ends = torch.tensor([len(t) for t in token_lists], device=self.device)
-        positions = ends[:, None] - width + torch.arange(width, device=self.device)[None]
+        ends = [len(t) for t in token_lists]
+        positions = torch.tensor([[e - width + j for j in range(width)] for e in ends],
+                                 device=self.device)
         rows = torch.tensor([self._rows[r] for r in ids], device=self.device)
-        logits = self.model.forward(tokens, positions, self.cache, rows,
-                                    self._mask(positions, int(ends.max())))
+        # From position 0 the tokens see only each other: plain causal attention, without a
+        # [width, width] mask.
+        mask = None if start == 0 else self._mask(positions, max(ends))
+        logits = self.model.forward(tokens, positions, self.cache, rows, mask)
         return logits.argmax(-1)
 
     def _mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
