@@ -241,6 +241,10 @@ class FakeRunner:
         for req_id in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
             self.reqs.pop(req_id, None)
             assert req_id not in scheduler_output.num_scheduled_tokens, f"{req_id} scheduled and dropped"
+        for req_id, kept in scheduler_output.num_kept_blocks.items():
+            if req_id in self.reqs:
+                assert kept <= self.reqs[req_id].num_blocks, (req_id, kept)
+                self.reqs[req_id].num_blocks = kept
         for new in scheduler_output.scheduled_new_reqs:
             assert new.req_id not in self.reqs, f"{new.req_id} sent as new twice"
             assert new.num_computed_tokens % self.block_size == 0

@@ -108,6 +108,21 @@ def test_allocate_grow_and_free(make: Callable[..., KVCacheManager]) -> None:
     assert mgr.get_block_ids("a") == []
 
 
+def test_trim_frees_the_tail_but_never_cached_blocks(make: Callable[..., KVCacheManager]) -> None:
+    mgr = make(num_blocks=8)
+    tokens = list(range(200, 210))  # 10 known tokens; 3 draft slots past them -> 4 blocks
+    assert mgr.allocate_slots("a", 0, 13, tokens) == [0, 1, 2, 3]
+    # Two drafts rejected: 11 tokens computed need 3 blocks; the fourth goes back.
+    assert mgr.trim("a", 11) == 3
+    assert mgr.get_block_ids("a") == [0, 1, 2] and mgr.num_free_blocks == 5
+    _check_invariants(mgr, {"a": [0, 1, 2]})
+    # Full blocks of known tokens (the first two, registered) are kept whatever is asked.
+    assert mgr.trim("a", 1) == 2
+    assert mgr.get_block_ids("a") == [0, 1]
+    assert mgr.trim("never-seen", 4) == 0
+    mgr.free("a")
+
+
 def test_prefix_hit_across_requests_with_partial_last_block(
         make: Callable[..., KVCacheManager]) -> None:
     mgr = make(num_blocks=10)

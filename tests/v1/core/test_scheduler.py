@@ -523,3 +523,48 @@ def test_no_drafts_for_penalties_logprobs_or_min_tokens(make: MakeHarness) -> No
                  if "min" in s.scheduled_spec_decode_tokens)
     assert sum("min" in s.sampled_req_ids for s in h.runner.steps[:first]) >= 4
     assert all(h.tokens[r] == [cyclic(r, k) for k in range(6)] for r in h.tokens)
+
+
+def test_drafts_take_only_blocks_no_regular_token_needs(make: MakeHarness) -> None:
+    """Five blocks of four tokens. After the prefills one block is free: b's next token
+    needs it, so a (whose next token fits its blocks) gets no drafts instead of b being
+    preempted. The steps are those of the run without drafts."""
+    runs = {}
+    for k in (0, 3):
+        h = make(policy=cyclic, num_speculative_tokens=k, block_size=4, num_blocks=5)
+        h.add(make_request("a", [5, 6, 5, 6, 5, 6, 5], max_tokens=3),
+              make_request("b", [9, 8, 7, 6, 5, 4, 3, 2], max_tokens=3))
+        h.run()
+        runs[k] = h
+    assert runs[3].tokens == runs[0].tokens
+    second = runs[3].runner.steps[1]
+    assert second.num_scheduled_tokens == {"a": 1, "b": 1} and not second.preempted_req_ids
+    assert [s.num_scheduled_tokens for s in runs[3].runner.steps] == [
+        s.num_scheduled_tokens for s in runs[0].runner.steps]
+    assert runs[3].sched.num_preemptions == runs[0].sched.num_preemptions
+
+
+def test_blocks_of_rejected_drafts_are_freed(make: MakeHarness) -> None:
+    # "x1" breaks its cycle every fifth token, so some drafts are rejected; blocks of 2
+    # tokens make the drafts reach blocks of their own.
+    h = make(policy=cyclic, num_speculative_tokens=3, block_size=2, num_blocks=64)
+    h.add(make_request("x1", CYCLE * 3, max_tokens=17, ignore_eos=True))
+    trimmed = []
+    update = h.sched.update_from_output
+
+    def recording_update(scheduler_output, output):
+        outs = update(scheduler_output, output)
+        request = h.sched.requests.get("x1")
+        if request is not None:
+            # Never more blocks than the computed tokens need.
+            owned = len(h.kv.get_block_ids("x1"))
+            assert owned <= -(-request.num_computed_tokens // 2), owned
+            trimmed.append(h.sched._kept_blocks.get("x1"))
+        return outs
+
+    h.sched.update_from_output = recording_update
+    h.run()
+    assert len(h.tokens["x1"]) == 17
+    assert any(n is not None for n in trimmed)
+    # The runner was told: its block counts followed (FakeRunner checks every step).
+    assert any("x1" in s.num_kept_blocks for s in h.runner.steps)

@@ -432,3 +432,25 @@ def test_engine_goes_idle_after_the_last_request(
         s.step()
     assert not s.engine.has_work(), "the engine never becomes idle: has_work() stays True"
     assert s.executor.runner.reqs == {}, "the runner was never told that p finished"
+
+
+def test_a_draft_model_that_cannot_serve_stops_the_workers(model_config: ModelConfig,
+                                                           tmp_path) -> None:
+    """The scheduler is built after the workers started: its failure (here a draft model
+    of another vocabulary) must shut them down, not leave them running."""
+    from tests.utils_models import build_checkpoint
+    from vllm.config import SpeculativeConfig
+
+    build_checkpoint("qwen3", tmp_path, seed=1)  # a 512-token vocabulary
+    vllm_config = make_config(model_config)
+    vllm_config.speculative_config = SpeculativeConfig(method="draft_model", model=str(tmp_path))
+    shutdowns: list[bool] = []
+
+    class Recording(FakeExecutor):
+        def shutdown(self) -> None:
+            shutdowns.append(True)
+            super().shutdown()
+
+    with pytest.raises(ValueError, match="vocabulary has 512 tokens"):
+        EngineCore(vllm_config, executor_class=Recording)
+    assert shutdowns == [True]

@@ -176,6 +176,21 @@ class KVCacheManager:
         if state is not None and state.blocks:
             self.pool.free_blocks(reversed(state.blocks))
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Frees the request's blocks past the first ceil(num_tokens / block_size) (the slots
+        of rejected drafts); returns how many blocks it keeps. Blocks registered in the
+        prefix cache are never freed here (they hold confirmed tokens); an unknown request
+        keeps 0."""
+        state = self._reqs.get(request_id)
+        if state is None:
+            return 0
+        keep = max(-(-num_tokens // self.block_size), state.num_cached)
+        if keep < len(state.blocks):
+            tail = state.blocks[keep:]
+            del state.blocks[keep:]
+            self.pool.free_blocks(reversed(tail))
+        return len(state.blocks)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """Return the ids of the blocks the request owns, in token order ([] if none)."""
         state = self._reqs.get(request_id)

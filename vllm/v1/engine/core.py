@@ -36,22 +36,25 @@ class EngineCore:
         try:
             num_blocks = self.model_executor.determine_num_blocks()
             self.model_executor.initialize_kv_cache(num_blocks)
+            # KV blocks allocated (the startup handshake reports it to the client).
+            self.num_blocks = num_blocks
+            cache = vllm_config.cache_config
+            kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+            self.structured_output_manager = StructuredOutputManager(vllm_config, tokenizer)
+            # Pipeline stages overlap steps even without --async-scheduling: a request
+            # preempted while its token is in flight must wait for it, which only
+            # AsyncScheduler tracks.
+            overlapped = (
+                vllm_config.scheduler_config.async_scheduling
+                or vllm_config.parallel_config.pipeline_parallel_size > 1
+            )
+            scheduler_cls = AsyncScheduler if overlapped else Scheduler
+            # A draft model that cannot serve this target fails here.
+            self.scheduler: Scheduler = scheduler_cls(
+                vllm_config, kv, self.structured_output_manager)
         except BaseException:
             self.model_executor.shutdown()
             raise
-        # KV blocks allocated (the startup handshake reports it to the client).
-        self.num_blocks = num_blocks
-        cache = vllm_config.cache_config
-        kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.structured_output_manager = StructuredOutputManager(vllm_config, tokenizer)
-        # Pipeline stages overlap steps even without --async-scheduling: a request preempted
-        # while its token is in flight must wait for it, which only AsyncScheduler tracks.
-        overlapped = (
-            vllm_config.scheduler_config.async_scheduling
-            or vllm_config.parallel_config.pipeline_parallel_size > 1
-        )
-        scheduler_cls = AsyncScheduler if overlapped else Scheduler
-        self.scheduler: Scheduler = scheduler_cls(vllm_config, kv, self.structured_output_manager)
         self.eos_token_ids = vllm_config.model_config.eos_token_ids
         self.vocab_size = vllm_config.model_config.vocab_size
         self.max_model_len = vllm_config.model_config.max_model_len

@@ -248,6 +248,14 @@ class GPUModelRunner:
             self._remove_row(req_id)
         for req_id in sorted(scheduler_output.preempted_req_ids):
             self._remove_row(req_id)
+        for req_id, kept in scheduler_output.num_kept_blocks.items():
+            # Blocks of rejected drafts went back to the pool: they may be someone else's now.
+            state = self.requests.get(req_id)
+            if state is not None:
+                del state.block_ids[kept:]
+                row = batch.req_id_to_index.get(req_id)
+                if row is not None:
+                    batch.num_blocks[row] = min(int(batch.num_blocks[row]), kept)
         for new in scheduler_output.scheduled_new_reqs:
             state = CachedRequestState(
                 req_id=new.req_id,

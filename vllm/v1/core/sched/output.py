@@ -75,6 +75,10 @@ class SchedulerOutput:
     # Requests whose token this step is sampled (prefill finished or decoding), in batch order
     # of scheduling. Partial prefills are absent.
     sampled_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: requests whose trailing blocks (slots of rejected drafts) were
+    # freed since the previous step, by id: keep only this many of their block ids. Applied
+    # before this step's new_block_ids.
+    num_kept_blocks: dict[str, int] = field(default_factory=dict)
     # Speculative decoding: drafted tokens per request id (absent: none). The request's
     # num_scheduled_tokens counts them after its one regular token; the runner verifies them
     # and samples one token past the last accepted one (docs/architecture.md §11).

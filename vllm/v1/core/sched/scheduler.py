@@ -58,6 +58,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Preempted in a step that never ran (see unschedule): sent with the next step.
         self._unsent_preempted_ids: set[str] = set()
+        # Block counts of requests trimmed after a verification, for the next step.
+        self._kept_blocks: dict[str, int] = {}
         # Outputs for requests that ended outside update_from_output (compile errors).
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
@@ -207,19 +209,15 @@ class Scheduler:
             ):
                 i += 1
                 continue
-            drafts = proposed.get(request.request_id, [])[: budget - num_new] if samples else []
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request.request_id,
                     request.num_computed_tokens,
-                    num_new + len(drafts),
+                    num_new,
                     request.all_token_ids,
                 )
                 if new_blocks is not None:
                     break
-                if drafts:
-                    drafts = []  # drafts never cost another request its blocks
-                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -227,9 +225,6 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            if drafts:
-                spec_tokens[request.request_id] = drafts
-                num_new += len(drafts)
             scheduled_running.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -302,6 +297,27 @@ class Scheduler:
                 budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
+        # Drafts last: they get only the budget and blocks that every regular token and
+        # admission left, so they never cost another request its place.
+        for index, req_id in enumerate(cached.req_ids):
+            drafts = proposed.get(req_id)
+            if not drafts or budget <= 0 or cached.resumed_from_preemption[index]:
+                continue
+            request = self.requests[req_id]
+            drafts = drafts[:budget]
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                req_id,
+                request.num_computed_tokens,
+                num_scheduled[req_id] + len(drafts),
+                request.all_token_ids,
+            )
+            if new_blocks is None:
+                continue
+            cached.new_block_ids[index].extend(new_blocks)
+            spec_tokens[req_id] = drafts
+            num_scheduled[req_id] += len(drafts)
+            budget -= len(drafts)
+
         sampled: list[str] = []
         has_structured = False
         pending_structured = False
@@ -323,9 +339,11 @@ class Scheduler:
             has_structured_output_requests=has_structured,
             pending_structured_output_tokens=pending_structured,
             sampled_req_ids=sampled,
+            num_kept_blocks=self._kept_blocks,
             scheduled_spec_decode_tokens=spec_tokens,
             step_id=self._step_id,
         )
+        self._kept_blocks = {}
         self.finished_req_ids = set()
         self._unsent_preempted_ids = set()
         self._update_after_schedule(output)
@@ -406,6 +424,7 @@ class Scheduler:
         assert output.total_num_scheduled_tokens == 0
         self.finished_req_ids |= output.finished_req_ids
         self._unsent_preempted_ids |= output.preempted_req_ids
+        self._kept_blocks = {**output.num_kept_blocks, **self._kept_blocks}
 
     def sampling_issued(self, scheduler_output: SchedulerOutput) -> None:
         """Tells the scheduler that the engine has issued `scheduler_output`'s sample_tokens.
@@ -514,6 +533,11 @@ class Scheduler:
             if drafts is not None:
                 self._verified(request, len(drafts), len(token_ids) - 1)
             new_ids = self._append_and_check(request, token_ids)
+            if drafts is not None:
+                # Kept drafts count only up to a stop: tokens after it are dropped.
+                self.num_spec_steps += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += min(len(token_ids) - 1, len(new_ids))
             out = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_ids,
@@ -541,13 +565,17 @@ class Scheduler:
         """Async scheduling hook: in-flight tokens became real."""
 
     def _verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Counts a verification and forgets the KV of the rejected drafts: their positions
-        are computed again, with the tokens that were kept, in the next steps."""
-        self.num_spec_steps += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        if request.status == RequestStatus.RUNNING:  # a preempted request recomputes all
-            request.num_computed_tokens -= num_drafts - num_accepted
+        """Forgets the KV of the rejected drafts: their positions are computed again, with
+        the tokens that were kept, in the next steps; blocks that only they used are freed
+        (the workers learn it with the next step)."""
+        if request.status != RequestStatus.RUNNING:
+            return  # a preempted request owns no blocks and recomputes everything
+        request.num_computed_tokens -= num_drafts - num_accepted
+        req_id = request.request_id
+        before = len(self.kv_cache_manager.get_block_ids(req_id))
+        kept = self.kv_cache_manager.trim(req_id, request.num_computed_tokens)
+        if kept < before:
+            self._kept_blocks[req_id] = kept
 
     def _append_and_check(self, request: Request, token_ids: list[int]) -> list[int]:
         """Appends tokens one by one until a stop condition; returns the ones kept."""
