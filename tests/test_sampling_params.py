@@ -71,3 +71,14 @@ def test_boundary_values_are_accepted(kwargs):
         if name == "stop":
             value = [value]
         assert getattr(params, name) == value
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({}, False),
+    ({"presence_penalty": 0.5}, True),
+    ({"frequency_penalty": -0.1}, True),
+    ({"repetition_penalty": 1.2}, True),
+    ({"repetition_penalty": 1.0, "presence_penalty": 0.0}, False),
+])
+def test_has_penalties(kwargs: dict, expected: bool) -> None:
+    assert SamplingParams(**kwargs).has_penalties is expected

@@ -260,6 +260,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def has_penalties(self) -> bool:
+        """True when presence, frequency or repetition penalties change the logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
     def update_from_model(self, eos_token_ids: list[int]) -> None:
         """Records the stop token ids the engine must check (EOS unless ignored, plus user ids)."""
         ids = set(self.stop_token_ids)

@@ -617,10 +617,7 @@ class GPUModelRunner:
                 return None
             return self.buffers.to_device(np.asarray(values, dtype=dtype))
 
-        no_penalties = all(
-            p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
-            for p in params
-        )
+        no_penalties = not any(p.has_penalties for p in params)
         prompt_ids = None
         output_ids: list[list[int]] = []
         pending_ids = None

@@ -358,9 +358,7 @@ class Scheduler:
         params = request.sampling_params
         if (
             params.logprobs is not None
-            or params.presence_penalty != 0
-            or params.frequency_penalty != 0
-            or params.repetition_penalty != 1
+            or params.has_penalties
             or request.num_output_tokens < params.min_tokens
         ):
             return False
