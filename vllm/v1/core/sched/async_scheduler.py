@@ -64,6 +64,6 @@ class AsyncScheduler(Scheduler):
         # At most max_concurrent_batches steps are ever listed.
         return any(request.request_id in ids for ids in self._unsampled_steps.values())
 
-    def _release_placeholders(self, request: Request, num_tokens: int) -> None:
-        request.num_output_placeholders -= num_tokens
+    def _release_placeholder(self, request: Request) -> None:
+        request.num_output_placeholders -= 1
         assert request.num_output_placeholders >= 0, request.request_id

@@ -526,16 +526,11 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # finished or aborted while this step was in flight
-            self._release_placeholders(request, 1)
+            self._release_placeholder(request)
+            new_ids = self._append_and_check(request, token_ids)
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             if drafts is not None:
-                self._verified(request, len(drafts), len(token_ids) - 1)
-            new_ids = self._append_and_check(request, token_ids)
-            if drafts is not None:
-                # Kept drafts count only up to a stop: tokens after it are dropped.
-                self.num_spec_steps += 1
-                self.num_draft_tokens += len(drafts)
-                self.num_accepted_tokens += min(len(token_ids) - 1, len(new_ids))
+                self._verified(request, len(drafts), len(token_ids) - 1, len(new_ids))
             out = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_ids,
@@ -559,15 +554,23 @@ class Scheduler:
                 self._free_request(request)
         return outputs
 
-    def _release_placeholders(self, request: Request, num_tokens: int) -> None:
-        """Async scheduling hook: in-flight tokens became real."""
+    def _release_placeholder(self, request: Request) -> None:
+        """Async scheduling hook: the tokens of one in-flight step became real."""
 
-    def _verified(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """Forgets the KV of the rejected drafts: their positions are computed again, with
-        the tokens that were kept, in the next steps; blocks that only they used are freed
-        (the workers learn it with the next step)."""
+    def _verified(
+        self, request: Request, num_drafts: int, num_accepted: int, num_appended: int
+    ) -> None:
+        """Counts a verification and forgets the KV of the rejected drafts: their positions
+        are computed again, with the tokens that were kept, in the next steps; blocks that
+        only they used are freed (the workers learn it with the next step).
+
+        `num_accepted` drafts matched the model; `num_appended` tokens were kept after the
+        stop checks, which is where the counted acceptance ends."""
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += min(num_accepted, num_appended)
         if request.status != RequestStatus.RUNNING:
-            return  # a preempted request owns no blocks and recomputes everything
+            return  # finished (freed next), or preempted: it owns no blocks
         request.num_computed_tokens -= num_drafts - num_accepted
         req_id = request.request_id
         before = len(self.kv_cache_manager.get_block_ids(req_id))
