@@ -487,6 +487,21 @@ def run_with_args(
     )
 
 
+def run_counting_drafts(
+    args: argparse.Namespace,
+    requests: Sequence[SampleRequest],
+    model: str,
+    extra_body: dict[str, Any] | None,
+) -> tuple[RunResult, dict[str, float] | None]:
+    """run_with_args, plus the server's draft acceptance over the run (spec_decode_summary of
+    its counters read before and after; None when it drafted nothing)."""
+    root = base_url(args)
+    before = asyncio.run(read_spec_decode_counters(root, args.api_key))
+    result = run_with_args(args, requests, model, extra_body)
+    after = asyncio.run(read_spec_decode_counters(root, args.api_key))
+    return result, spec_decode_summary(before, after)
+
+
 def exit_status(action: Callable[[], object]) -> int:
     """Run a benchmark command; return its exit status: 0, or after printing the error, 2 for
     a ValueError (bad flags) and 1 for a RuntimeError (the server cannot be used)."""
@@ -537,10 +552,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             shuffle=not args.no_shuffle,
             seed=args.seed,
         )
-    counters = asyncio.run(read_spec_decode_counters(base_url(args), args.api_key))
-    run = run_with_args(args, requests, model, extra_body)
-    spec = spec_decode_summary(
-        counters, asyncio.run(read_spec_decode_counters(base_url(args), args.api_key)))
+    run, spec = run_counting_drafts(args, requests, model, extra_body)
     metrics = summarize_run(args, run, tokenizer)
     print(format_report(metrics))
     if spec is not None:

@@ -8,7 +8,6 @@ regex, choice list or EBNF grammar, and every structured output is checked again
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from typing import Any
 
@@ -24,18 +23,15 @@ from vllm.benchmarks.metrics import format_report
 from vllm.benchmarks.serve import (
     RunResult,
     add_common_args,
-    base_url,
     check_common_args,
     exit_status,
     format_spec_decode,
     load_tokenizer,
     parse_extra_body,
-    read_spec_decode_counters,
     resolve_model,
     result_record,
-    run_with_args,
+    run_counting_drafts,
     save_result,
-    spec_decode_summary,
     summarize_run,
 )
 from vllm.benchmarks.validation import CorrectnessReport, evaluate
@@ -104,10 +100,7 @@ def run(
     if tokenizer is None:
         tokenizer = load_tokenizer(args.tokenizer or model)
     requests = build_requests(args, tokenizer)
-    counters = asyncio.run(read_spec_decode_counters(base_url(args), args.api_key))
-    result = run_with_args(args, requests, model, extra_body)
-    spec = spec_decode_summary(
-        counters, asyncio.run(read_spec_decode_counters(base_url(args), args.api_key)))
+    result, spec = run_counting_drafts(args, requests, model, extra_body)
     metrics = summarize_run(args, result, tokenizer)
     report, verdicts = evaluate(result.outputs, [r.structured for r in requests])
     record = result_record(args, model, metrics, result)
