@@ -138,10 +138,13 @@ def reference():
     return _run(False, "uni", "plain")[0]
 
 
-def _assert_same(got, want) -> None:
-    for ratio in RATIOS:
-        for i, (a, b) in enumerate(zip(got[ratio], want[ratio])):
+def assert_same(got, want, ratios: tuple[float, ...] = RATIOS) -> None:
+    """Each ratio's outputs (from generate_all) have the same tokens, text and finish
+    reasons as `want`'s, and logprobs within 1e-5."""
+    for ratio in ratios:
+        for i, (a, b) in enumerate(zip(got[ratio], want[ratio], strict=True)):
             assert a.token_ids == b.token_ids, (ratio, i)
+            assert a.text == b.text, (ratio, i)
             assert a.finish_reason == b.finish_reason, (ratio, i)
             if b.logprobs is not None:
                 for la, lb in zip(a.logprobs, b.logprobs):
@@ -163,7 +166,7 @@ def _assert_same(got, want) -> None:
 )
 def test_matches_sync_uniproc(reference, async_scheduling, executor, condition) -> None:
     got, stats = _run(async_scheduling, executor, condition)
-    _assert_same(got, reference)
+    assert_same(got, reference)
     if condition == "preemption":
         assert stats["preemptions"] > 0
     if async_scheduling:

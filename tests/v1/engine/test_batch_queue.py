@@ -489,7 +489,7 @@ def test_depth_3_with_the_real_runner_matches_sync(
         VllmConfig, "max_concurrent_batches",
         property(lambda self: 3 if self.scheduler_config.async_scheduling else 1))
     got, stats = eq._run(True, "uni", condition)
-    eq._assert_same(got, sync_reference)
+    eq.assert_same(got, sync_reference)
     assert stats["deferred"]
     if condition == "chunked":
         # Partial prefills sample nothing, so they are schedulable past a deferred batch in

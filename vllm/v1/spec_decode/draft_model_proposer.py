@@ -14,8 +14,9 @@ class DraftModelProposer:
 
     It runs in the scheduler's process, on the target's device. Each drafting request owns
     a row of a contiguous KV cache that holds its confirmed tokens: a proposal first computes
-    the tokens confirmed since the request's previous proposal (one forward per request),
-    then decodes the drafts of all requests together. The drafts' keys and values are
+    the tokens confirmed since the request's previous proposal (one forward for all requests
+    with at most k + 1 of them, one per request for the others, e.g. first proposals), then
+    decodes the drafts of all requests together. The drafts' keys and values are
     written past the confirmed tokens, where the next proposal overwrites them, so nothing
     is rolled back. A request keeps its row (through preemption too) until `release`; with
     every row taken, further requests simply get no drafts.

@@ -11,8 +11,8 @@ class NgramProposer:
     """Drafts by n-gram lookup over a request's own tokens (prompt and output).
 
     The longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that also
-    occurs earlier is looked up; the tokens that followed its latest earlier occurrence are
-    the draft. Repetitive text (code edits, extraction, JSON keys) drafts well; free prose
+    occurs earlier is looked up; the tokens that followed its latest earlier occurrence with
+    a full continuation (else its earliest) are the draft. Repetitive text (code edits, extraction, JSON keys) drafts well; free prose
     rarely matches and costs only the lookup.
     """
 
