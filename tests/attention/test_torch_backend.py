@@ -84,6 +84,34 @@ def test_matches_naive_attention(
         start += new
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 8), (6, 1)])
+def test_a_decode_is_bit_identical_alone_and_in_any_batch(num_heads: int, num_kv_heads: int) -> None:
+    """The backend's promise: a request's result never depends on its batch (decode path)."""
+    rng = random.Random(num_heads * 10 + num_kv_heads)
+    torch.manual_seed(0)
+    head_size, block_size = 16, 16
+    # Context lengths inside one 64-token bucket and in others, the probe first.
+    lens = [100, 70, 128, 101, 3, 250, 65, 127] + [rng.randrange(65, 129) for _ in range(56)]
+    block_ids, num_blocks = allocate_blocks(lens, block_size, rng)
+    kv_cache = torch.randn(
+        TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    )
+    queries = torch.randn(len(lens), num_heads, head_size)
+    kvs = torch.randn(len(lens), num_kv_heads, head_size)
+    backend = TorchAttentionBackend(num_heads, head_size, num_kv_heads, head_size**-0.5)
+
+    def probe_output(members: list[int]) -> torch.Tensor:
+        steps = [ReqStep(lens[i] - 1, 1, block_ids[i]) for i in members]
+        meta, _ = make_metadata(steps, block_size, pad=0)
+        idx = torch.tensor(members)
+        out = backend.forward(queries[idx], kvs[idx], kvs[idx], kv_cache.clone(), meta)
+        return out[members.index(0)]
+
+    alone = probe_output([0])
+    for members in ([0, 1, 2, 3], [4, 0, 5], list(range(64)), list(range(64))[::-1]):
+        assert torch.equal(probe_output(members), alone), members
+
+
 def test_padding_slots_are_not_written() -> None:
     backend = TorchAttentionBackend(2, 4, 2, 0.5)
     kv_cache = torch.zeros(TorchAttentionBackend.kv_cache_shape(2, 4, 2, 4))

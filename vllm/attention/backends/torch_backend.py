@@ -29,14 +29,15 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reads the first ``length`` cached positions of sequences from their blocks.
 
-    block_ids: [B, nb] physical block ids; returns keys and values [B, Hkv, length, D].
+    block_ids: [B, nb] physical block ids; returns keys and values [B, length, Hkv, D]
+    (token-major, as cached).
     """
     batch, nb = block_ids.shape
-    ids = block_ids.long()
+    ids = block_ids.long().flatten()
     flat = (batch, nb * kv_cache.shape[2], *kv_cache.shape[3:])
-    # Keys and values are gathered separately: one [2, ...] gather is markedly slower on CPU.
-    k = kv_cache[0][ids].view(flat)[:, :length].transpose(1, 2)
-    v = kv_cache[1][ids].view(flat)[:, :length].transpose(1, 2)
+    # index_select copies whole blocks; advanced indexing is about twice as slow on CPU.
+    k = torch.index_select(kv_cache[0], 0, ids).view(flat)[:, :length]
+    v = torch.index_select(kv_cache[1], 0, ids).view(flat)[:, :length]
     return k, v
 
 
@@ -103,7 +104,8 @@ class TorchAttentionBackend(AttentionBackend):
             # New token j sits at position context + j and sees every position up to it.
             rows = torch.arange(query_len, device=q.device)[:, None] + context
             mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-        o = self._sdpa(q, k.to(q.dtype), v.to(q.dtype), mask, is_causal=mask is None)
+        k, v = (t.transpose(1, 2).to(q.dtype) for t in (k, v))  # [1, Hkv, seq_len, D]
+        o = self._sdpa(q, k, v, mask, is_causal=mask is None)
         out[start : start + query_len] = o[0].transpose(0, 1)
 
     def _decode(
@@ -131,12 +133,18 @@ class TorchAttentionBackend(AttentionBackend):
         k, v = gather_kv(kv_cache, block_ids, longest)
         batch, group = len(reqs), self.num_heads // self.num_kv_heads
         # Plain matmuls rather than SDPA: SDPA's CPU kernel rounds differently with the batch
-        # size, these compute every (request, head) on its own.
+        # size, these compute every (request, head) on its own. One bmm per KV head reads the
+        # gathered keys in place (rows Hkv * D apart); a single matmul over all heads would
+        # first copy them into head-major order, which cost more than the products.
         q = query[token_idx].view(batch, self.num_kv_heads, group, self.head_size)
-        scores = torch.matmul(q, k.to(q.dtype).transpose(-1, -2)) * self.scale
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        heads = range(self.num_kv_heads)
+        scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in heads], 1)
+        scores = scores * self.scale
         visible = torch.arange(longest, device=device)[None, :] < lens_t[:, None]
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), v.to(q.dtype))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in heads], 1)
         out.index_copy_(0, token_idx, o.reshape(batch, self.num_heads, self.head_size))
 
     def _sdpa(
