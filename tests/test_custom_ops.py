@@ -19,13 +19,31 @@ import pytest
 
 import vllm._custom_ops as ops
 
-SLOT_IMPLS: dict[str, Callable[..., None]] = {"numpy": ops.compute_slot_mapping_numpy}
-POS_IMPLS: dict[str, Callable[..., None]] = {"numpy": ops.prepare_positions_numpy}
+
+def pinned(public: Callable[..., None], table: object) -> Callable[..., None]:
+    """The public op, run with table's implementations whatever this process chose.
+
+    Going through the public op keeps its argument checks, so every implementation is tested
+    with the errors callers get.
+    """
+
+    def run(*args: object) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(ops, "_ops", lambda: table)
+            public(*args)
+
+    return run
+
+
+TABLES = {"numpy": ops._NUMPY_OPS}
 if ops.HAS_NATIVE:
-    SLOT_IMPLS["native"] = ops.compute_slot_mapping_native
-    POS_IMPLS["native"] = ops.prepare_positions_native
+    TABLES["native"] = ops._NATIVE_OPS
+SLOT_IMPLS = {name: pinned(ops.compute_slot_mapping, t) for name, t in TABLES.items()}
+POS_IMPLS = {name: pinned(ops.prepare_positions, t) for name, t in TABLES.items()}
+BITMASK_IMPLS = {name: pinned(ops.apply_token_bitmask, t) for name, t in TABLES.items()}
 SLOT_IMPLS["dispatch"] = ops.compute_slot_mapping
 POS_IMPLS["dispatch"] = ops.prepare_positions
+BITMASK_IMPLS["dispatch"] = ops.apply_token_bitmask
 
 
 def has_cxx_toolchain() -> bool:
@@ -267,7 +285,7 @@ def test_disable_env_falls_back_to_numpy(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("VLLM_DISABLE_NATIVE", "1")
     assert fresh.HAS_NATIVE is False
     with pytest.raises(RuntimeError):
-        fresh.compute_slot_mapping_native(
+        fresh._NATIVE_OPS.compute_slot_mapping(
             np.zeros((1, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64), 16,
             np.zeros(0, np.int64),
         )
@@ -315,12 +333,9 @@ def test_native_or_numpy_is_decided_once_for_every_op(monkeypatch: pytest.Monkey
     # The decision made at the first call holds for every op, whatever the environment says now.
     monkeypatch.delenv("VLLM_DISABLE_NATIVE")
     assert fresh.HAS_NATIVE is False
-    assert fresh._ops() == fresh._OpTable(
-        fresh.compute_slot_mapping_numpy, fresh.prepare_positions_numpy,
-        fresh.apply_token_bitmask_numpy,
-    )
+    assert fresh._ops() is fresh._NUMPY_OPS
     with pytest.raises(RuntimeError, match="not loaded"):
-        fresh.apply_token_bitmask_native(
+        fresh._NATIVE_OPS.apply_token_bitmask(
             np.zeros((1, 32), np.float32), np.zeros((1, 1), np.int32), np.zeros(0, np.int64),
             np.zeros(0, np.int64),
         )
@@ -366,28 +381,27 @@ def test_apply_token_bitmask_agrees_with_xgrammar_and_numpy(vocab: int) -> None:
         xgr.apply_token_bitmask_inplace(want, torch.from_numpy(full), vocab_size=vocab,
                                         indices=logit_rows.tolist())
     else:
-        ops.apply_token_bitmask_numpy(want.numpy(), mask, logit_rows, mask_rows)
-    impls = [ops.apply_token_bitmask_numpy]
-    if ops.HAS_NATIVE:
-        impls.append(ops.apply_token_bitmask_native)
-    for impl in impls:
+        BITMASK_IMPLS["numpy"](want.numpy(), mask, logit_rows, mask_rows)
+    for name, impl in BITMASK_IMPLS.items():
         got = logits.clone()
         impl(got.numpy(), mask, logit_rows, mask_rows)
-        assert torch.equal(got, want), impl.__name__
+        assert torch.equal(got, want), name
     untouched = [1, 2, 4]
     assert torch.equal(want[untouched], logits[untouched])
 
 
-def test_apply_token_bitmask_rejects_bad_arguments() -> None:
+@pytest.mark.parametrize("impl", sorted(BITMASK_IMPLS))
+def test_apply_token_bitmask_rejects_bad_arguments(impl: str) -> None:
+    fn = BITMASK_IMPLS[impl]
     logits = np.zeros((2, 64), dtype=np.float32)
     mask = np.zeros((2, 2), dtype=np.int32)
     rows = np.array([0, 1], dtype=np.int64)
     with pytest.raises(ValueError, match="logits"):
-        ops.apply_token_bitmask(logits.astype(np.float64), mask, rows, rows)
+        fn(logits.astype(np.float64), mask, rows, rows)
     with pytest.raises(ValueError, match="bitmask"):
-        ops.apply_token_bitmask(logits, np.zeros((2, 1), dtype=np.int32), rows, rows)
+        fn(logits, np.zeros((2, 1), dtype=np.int32), rows, rows)
     with pytest.raises(ValueError, match="mask_rows"):
-        ops.apply_token_bitmask(logits, mask, rows, rows[:1])
+        fn(logits, mask, rows, rows[:1])
     with pytest.raises(ValueError, match="row index"):
-        ops.apply_token_bitmask(logits, mask, np.array([0, 2], dtype=np.int64), rows)
+        fn(logits, mask, np.array([0, 2], dtype=np.int64), rows)
     assert not logits.any()

@@ -3,8 +3,9 @@
 The native versions live in csrc/cpu/prepare_inputs.cpp, built by setup.py into vllm/_C<suffix>
 and loaded here with ctypes on the first call of a public op (not at import). Without that
 library, or with VLLM_DISABLE_NATIVE=1 at that moment, the public functions run numpy
-implementations with the same results and the same errors. The choice is made once per process,
-for every op together (`_ops`); HAS_NATIVE reports it.
+implementations with the same results and the same errors: each public op checks its arguments
+once, then runs one implementation. The choice is made once per process, for every op together
+(`_ops`); HAS_NATIVE reports it.
 """
 
 from __future__ import annotations
@@ -118,144 +119,20 @@ def _check(name: str, array: object, dtype: type, ndim: int, writeable: bool = F
     return array
 
 
-def _check_slot_mapping_args(
-    block_table: np.ndarray,
-    req_indices: np.ndarray,
-    positions: np.ndarray,
-    block_size: int,
-    out: np.ndarray,
-) -> None:
-    _check("block_table", block_table, np.int32, 2)
-    _check("req_indices", req_indices, np.int32, 1)
-    _check("positions", positions, np.int64, 1)
-    _check("out", out, np.int64, 1, writeable=True)
-    n = req_indices.shape[0]
-    if positions.shape[0] != n:
-        raise ValueError(f"positions: length {positions.shape[0]} != len(req_indices) {n}")
-    if out.shape[0] != n:
-        raise ValueError(f"out: length {out.shape[0]} != len(req_indices) {n}")
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
-        raise ValueError(f"block_size: expected an int, got {type(block_size).__name__}")
-    if block_size <= 0:
-        raise ValueError(f"block_size: must be positive, got {block_size}")
-
-
-def _check_prepare_positions_args(
-    num_computed_tokens: np.ndarray,
-    num_scheduled: np.ndarray,
-    out_req_indices: np.ndarray,
-    out_positions: np.ndarray,
-) -> None:
-    _check("num_computed_tokens", num_computed_tokens, np.int32, 1)
-    _check("num_scheduled", num_scheduled, np.int32, 1)
-    _check("out_req_indices", out_req_indices, np.int32, 1, writeable=True)
-    _check("out_positions", out_positions, np.int64, 1, writeable=True)
-    if num_scheduled.shape[0] != num_computed_tokens.shape[0]:
-        raise ValueError(
-            f"num_scheduled: length {num_scheduled.shape[0]} != "
-            f"len(num_computed_tokens) {num_computed_tokens.shape[0]}"
-        )
-    if out_positions.shape[0] != out_req_indices.shape[0]:
-        raise ValueError(
-            f"out_positions: length {out_positions.shape[0]} != "
-            f"len(out_req_indices) {out_req_indices.shape[0]}"
-        )
-
-
 def _raise_status(status: int) -> None:
     if status != 0:
         raise ValueError(_STATUS_MESSAGES.get(status, f"native op failed with status {status}"))
 
 
-def compute_slot_mapping_numpy(
-    block_table: np.ndarray,
-    req_indices: np.ndarray,
-    positions: np.ndarray,
-    block_size: int,
-    out: np.ndarray,
-) -> None:
-    """Numpy version of compute_slot_mapping (same arguments, results, and errors)."""
-    _check_slot_mapping_args(block_table, req_indices, positions, block_size, out)
-    if req_indices.shape[0] == 0:
-        return
-    num_rows, num_cols = block_table.shape
-    if req_indices.min() < 0 or req_indices.max() >= num_rows:
-        _raise_status(1)
-    if positions.min() < 0 or positions.max() >= num_cols * block_size:
-        _raise_status(2)
-    blocks = positions // block_size
-    # int64 before multiplying: block id * block_size can exceed int32.
-    np.multiply(block_table[req_indices, blocks], block_size, out=out, dtype=np.int64)
-    out += positions - blocks * block_size
+def _call_native(symbol: str, *args: int) -> None:
+    """Calls the library's function symbol and raises the ValueError for a failing status."""
+    _raise_status(getattr(_require_library(), symbol)(*args))
 
 
-def compute_slot_mapping_native(
-    block_table: np.ndarray,
-    req_indices: np.ndarray,
-    positions: np.ndarray,
-    block_size: int,
-    out: np.ndarray,
-) -> None:
-    """Native version of compute_slot_mapping; raises RuntimeError if the library is not loaded."""
-    lib = _require_library()
-    _check_slot_mapping_args(block_table, req_indices, positions, block_size, out)
-    status = lib.vllm_compute_slot_mapping(
-        block_table.ctypes.data,
-        block_table.shape[0],
-        block_table.shape[1],
-        req_indices.ctypes.data,
-        positions.ctypes.data,
-        req_indices.shape[0],
-        int(block_size),
-        out.ctypes.data,
-    )
-    _raise_status(status)
-
-
-def prepare_positions_numpy(
-    num_computed_tokens: np.ndarray,
-    num_scheduled: np.ndarray,
-    out_req_indices: np.ndarray,
-    out_positions: np.ndarray,
-) -> None:
-    """Numpy version of prepare_positions (same arguments, results, and errors)."""
-    _check_prepare_positions_args(
-        num_computed_tokens, num_scheduled, out_req_indices, out_positions
-    )
-    num_reqs = num_scheduled.shape[0]
-    if num_reqs and (num_scheduled.min() < 0 or num_computed_tokens.min() < 0):
-        _raise_status(4)
-    counts = num_scheduled.astype(np.int64)
-    if int(counts.sum()) != out_positions.shape[0]:
-        _raise_status(5)
-    req_ids = np.repeat(np.arange(num_reqs, dtype=np.int32), counts)
-    out_req_indices[:] = req_ids
-    # Position of flat token t of request r: num_computed[r] + (t - first flat index of r).
-    first = np.cumsum(counts) - counts
-    offsets = (num_computed_tokens.astype(np.int64) - first)[req_ids]
-    np.add(np.arange(out_positions.shape[0], dtype=np.int64), offsets, out=out_positions)
-
-
-def prepare_positions_native(
-    num_computed_tokens: np.ndarray,
-    num_scheduled: np.ndarray,
-    out_req_indices: np.ndarray,
-    out_positions: np.ndarray,
-) -> None:
-    """Native version of prepare_positions; raises RuntimeError if the library is not loaded."""
-    lib = _require_library()
-    _check_prepare_positions_args(
-        num_computed_tokens, num_scheduled, out_req_indices, out_positions
-    )
-    status = lib.vllm_prepare_positions(
-        num_computed_tokens.ctypes.data,
-        num_scheduled.ctypes.data,
-        num_scheduled.shape[0],
-        out_req_indices.ctypes.data,
-        out_positions.ctypes.data,
-        out_positions.shape[0],
-    )
-    _raise_status(status)
+def _same_length(name: str, array: np.ndarray, other_name: str, other: np.ndarray) -> None:
+    """Raises ValueError naming array unless it is as long as other."""
+    if array.shape[0] != other.shape[0]:
+        raise ValueError(f"{name}: length {array.shape[0]} != len({other_name}) {other.shape[0]}")
 
 
 def compute_slot_mapping(
@@ -275,7 +152,61 @@ def compute_slot_mapping(
     index outside the table, or a negative position or one past its row's last block; out is
     untouched then.
     """
-    _ops().compute_slot_mapping(block_table, req_indices, positions, block_size, out)
+    # Chosen before the checks, so that even a rejected first call fixes native vs numpy.
+    impl = _ops()
+    _check("block_table", block_table, np.int32, 2)
+    _check("req_indices", req_indices, np.int32, 1)
+    _check("positions", positions, np.int64, 1)
+    _check("out", out, np.int64, 1, writeable=True)
+    _same_length("positions", positions, "req_indices", req_indices)
+    _same_length("out", out, "req_indices", req_indices)
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise ValueError(f"block_size: expected an int, got {type(block_size).__name__}")
+    if block_size <= 0:
+        raise ValueError(f"block_size: must be positive, got {block_size}")
+    impl.compute_slot_mapping(block_table, req_indices, positions, block_size, out)
+
+
+def _slot_mapping_numpy(
+    block_table: np.ndarray,
+    req_indices: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+) -> None:
+    """compute_slot_mapping's numpy implementation, on arguments it has checked."""
+    if req_indices.shape[0] == 0:
+        return
+    num_rows, num_cols = block_table.shape
+    if req_indices.min() < 0 or req_indices.max() >= num_rows:
+        _raise_status(1)
+    if positions.min() < 0 or positions.max() >= num_cols * block_size:
+        _raise_status(2)
+    blocks = positions // block_size
+    # int64 before multiplying: block id * block_size can exceed int32.
+    np.multiply(block_table[req_indices, blocks], block_size, out=out, dtype=np.int64)
+    out += positions - blocks * block_size
+
+
+def _slot_mapping_native(
+    block_table: np.ndarray,
+    req_indices: np.ndarray,
+    positions: np.ndarray,
+    block_size: int,
+    out: np.ndarray,
+) -> None:
+    """compute_slot_mapping's native implementation, on arguments it has checked."""
+    _call_native(
+        "vllm_compute_slot_mapping",
+        block_table.ctypes.data,
+        block_table.shape[0],
+        block_table.shape[1],
+        req_indices.ctypes.data,
+        positions.ctypes.data,
+        req_indices.shape[0],
+        int(block_size),
+        out.ctypes.data,
+    )
 
 
 def prepare_positions(
@@ -293,31 +224,82 @@ def prepare_positions(
     HAS_NATIVE. Raises ValueError for a wrong dtype, shape, or contiguity, a negative count or
     start, or T != sum(num_scheduled); the outputs are untouched then.
     """
-    _ops().prepare_positions(num_computed_tokens, num_scheduled, out_req_indices, out_positions)
+    impl = _ops()
+    _check("num_computed_tokens", num_computed_tokens, np.int32, 1)
+    _check("num_scheduled", num_scheduled, np.int32, 1)
+    _check("out_req_indices", out_req_indices, np.int32, 1, writeable=True)
+    _check("out_positions", out_positions, np.int64, 1, writeable=True)
+    _same_length("num_scheduled", num_scheduled, "num_computed_tokens", num_computed_tokens)
+    _same_length("out_positions", out_positions, "out_req_indices", out_req_indices)
+    impl.prepare_positions(num_computed_tokens, num_scheduled, out_req_indices, out_positions)
 
 
-def _check_bitmask_args(
+def _positions_numpy(
+    num_computed_tokens: np.ndarray,
+    num_scheduled: np.ndarray,
+    out_req_indices: np.ndarray,
+    out_positions: np.ndarray,
+) -> None:
+    """prepare_positions' numpy implementation, on arguments it has checked."""
+    num_reqs = num_scheduled.shape[0]
+    if num_reqs and (num_scheduled.min() < 0 or num_computed_tokens.min() < 0):
+        _raise_status(4)
+    counts = num_scheduled.astype(np.int64)
+    if int(counts.sum()) != out_positions.shape[0]:
+        _raise_status(5)
+    req_ids = np.repeat(np.arange(num_reqs, dtype=np.int32), counts)
+    out_req_indices[:] = req_ids
+    # Position of flat token t of request r: num_computed[r] + (t - first flat index of r).
+    first = np.cumsum(counts) - counts
+    offsets = (num_computed_tokens.astype(np.int64) - first)[req_ids]
+    np.add(np.arange(out_positions.shape[0], dtype=np.int64), offsets, out=out_positions)
+
+
+def _positions_native(
+    num_computed_tokens: np.ndarray,
+    num_scheduled: np.ndarray,
+    out_req_indices: np.ndarray,
+    out_positions: np.ndarray,
+) -> None:
+    """prepare_positions' native implementation, on arguments it has checked."""
+    _call_native(
+        "vllm_prepare_positions",
+        num_computed_tokens.ctypes.data,
+        num_scheduled.ctypes.data,
+        num_scheduled.shape[0],
+        out_req_indices.ctypes.data,
+        out_positions.ctypes.data,
+        out_positions.shape[0],
+    )
+
+
+def apply_token_bitmask(
     logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
 ) -> None:
+    """Sets logits[logit_rows[i], t] = -inf for every token t that bitmask[mask_rows[i]] forbids.
+
+    logits: float32 [R, V], writeable (e.g. a CPU tensor's .numpy() view); bitmask: int32
+    [M, ceil(V / 32)], bit j of word w allowing token 32 * w + j; logit_rows, mask_rows: int64
+    [N]. Uses the native library when HAS_NATIVE. Raises ValueError for a wrong dtype, shape or
+    contiguity, or a row index out of range; logits are untouched then.
+    """
+    impl = _ops()
     _check("logits", logits, np.float32, 2, writeable=True)
     _check("bitmask", bitmask, np.int32, 2)
     _check("logit_rows", logit_rows, np.int64, 1)
     _check("mask_rows", mask_rows, np.int64, 1)
-    if logit_rows.shape[0] != mask_rows.shape[0]:
-        raise ValueError(
-            f"mask_rows: length {mask_rows.shape[0]} != len(logit_rows) {logit_rows.shape[0]}"
-        )
+    _same_length("mask_rows", mask_rows, "logit_rows", logit_rows)
     if bitmask.shape[1] * 32 < logits.shape[1]:
         raise ValueError(
             f"bitmask: {bitmask.shape[1]} words per row cannot mask {logits.shape[1]} tokens"
         )
+    impl.apply_token_bitmask(logits, bitmask, logit_rows, mask_rows)
 
 
-def apply_token_bitmask_numpy(
+def _bitmask_numpy(
     logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
 ) -> None:
-    """Numpy version of apply_token_bitmask (same arguments, results, and errors)."""
-    _check_bitmask_args(logits, bitmask, logit_rows, mask_rows)
+    """apply_token_bitmask's numpy implementation, on arguments it has checked."""
     if logit_rows.shape[0] == 0:
         return
     if not (0 <= logit_rows.min() and logit_rows.max() < logits.shape[0]):
@@ -332,13 +314,12 @@ def apply_token_bitmask_numpy(
     logits[logit_rows] = rows
 
 
-def apply_token_bitmask_native(
+def _bitmask_native(
     logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
 ) -> None:
-    """Native version of apply_token_bitmask; raises RuntimeError if the library is not loaded."""
-    lib = _require_library()
-    _check_bitmask_args(logits, bitmask, logit_rows, mask_rows)
-    status = lib.vllm_apply_token_bitmask(
+    """apply_token_bitmask's native implementation, on arguments it has checked."""
+    _call_native(
+        "vllm_apply_token_bitmask",
         logits.ctypes.data,
         logits.shape[0],
         logits.shape[1],
@@ -350,20 +331,6 @@ def apply_token_bitmask_native(
         mask_rows.ctypes.data,
         logit_rows.shape[0],
     )
-    _raise_status(status)
-
-
-def apply_token_bitmask(
-    logits: np.ndarray, bitmask: np.ndarray, logit_rows: np.ndarray, mask_rows: np.ndarray
-) -> None:
-    """Sets logits[logit_rows[i], t] = -inf for every token t that bitmask[mask_rows[i]] forbids.
-
-    logits: float32 [R, V], writeable (e.g. a CPU tensor's .numpy() view); bitmask: int32
-    [M, ceil(V / 32)], bit j of word w allowing token 32 * w + j; logit_rows, mask_rows: int64
-    [N]. Uses the native library when HAS_NATIVE. Raises ValueError for a wrong dtype, shape or
-    contiguity, or a row index out of range; logits are untouched then.
-    """
-    _ops().apply_token_bitmask(logits, bitmask, logit_rows, mask_rows)
 
 
 SlotMappingFn = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], None]
@@ -373,19 +340,15 @@ TokenBitmaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None
 
 @dataclass(frozen=True)
 class _OpTable:
-    """One implementation of every op: all native or all numpy."""
+    """One implementation of every op, all native or all numpy; the public ops check first."""
 
     compute_slot_mapping: SlotMappingFn
     prepare_positions: PreparePositionsFn
     apply_token_bitmask: TokenBitmaskFn
 
 
-_NATIVE_OPS = _OpTable(
-    compute_slot_mapping_native, prepare_positions_native, apply_token_bitmask_native
-)
-_NUMPY_OPS = _OpTable(
-    compute_slot_mapping_numpy, prepare_positions_numpy, apply_token_bitmask_numpy
-)
+_NATIVE_OPS = _OpTable(_slot_mapping_native, _positions_native, _bitmask_native)
+_NUMPY_OPS = _OpTable(_slot_mapping_numpy, _positions_numpy, _bitmask_numpy)
 
 
 def _ops() -> _OpTable:
