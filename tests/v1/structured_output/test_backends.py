@@ -4,6 +4,7 @@ independent oracles, with the demo model's Qwen vocabulary."""
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import os
 import time
 import zlib
@@ -489,13 +490,18 @@ def test_outputs_stay_valid_utf8(
 # ---------------------------------------------------------------------------- whitespace
 
 
+def set_option(monkeypatch: pytest.MonkeyPatch, backend: Any, **changes: Any) -> None:
+    """Changes engine-wide options of a (shared) backend for this test only."""
+    monkeypatch.setattr(backend, "options", dataclasses.replace(backend.options, **changes))
+
+
 def test_compact_json_forbids_whitespace(
     any_backend: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}
     steps = ["{", '"a"', ":", "1", ","]
     for compact, engine_wide in [(False, False), (True, False), (False, True)]:
-        monkeypatch.setattr(any_backend, "disable_any_whitespace", engine_wide)
+        set_option(monkeypatch, any_backend, disable_any_whitespace=engine_wide)
         grammar = any_backend.compile_grammar(
             StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
         )
@@ -545,7 +551,7 @@ def test_max_whitespace_bounds_every_run(limit: int, any_backend: Any, tokenizer
 def test_engine_max_whitespace_and_request_override(
     any_backend: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(any_backend, "max_whitespace", 2)
+    set_option(monkeypatch, any_backend, max_whitespace=2)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     two, three = '{  "a": 1}', '{   "a": 1}'
     engine = StructuredOutputsParams(json=schema)
@@ -553,7 +559,7 @@ def test_engine_max_whitespace_and_request_override(
     assert not _accepts_whole(any_backend, engine, tokenizer, three)
     wider = StructuredOutputsParams(json=schema, max_whitespace=3)
     assert _accepts_whole(any_backend, wider, tokenizer, three)
-    monkeypatch.setattr(any_backend, "max_whitespace", None)
+    set_option(monkeypatch, any_backend, max_whitespace=None)
     assert _accepts_whole(any_backend, engine, tokenizer, "{" + " " * 40 + '"a": 1}')
 
 

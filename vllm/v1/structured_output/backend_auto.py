@@ -21,6 +21,7 @@ import numpy as np
 from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
+    BackendOptions,
     StructuredOutputBackend,
     StructuredOutputGrammar,
 )
@@ -165,7 +166,7 @@ def create_backend(
     """The backend `config.backend` names ("auto" gives an AutoBackend over xgrammar, then
     llguidance unless `disable_fallback`). `vocab` reuses xgrammar's prepared vocabulary;
     `tokenizer` may be None only when `vocab` is given and llguidance is never needed."""
-    options: dict[str, Any] = dict(
+    options = BackendOptions(
         disable_any_whitespace=config.disable_any_whitespace,
         max_whitespace=config.max_whitespace,
         one_of_as_any_of=config.one_of_as_any_of,
@@ -178,14 +179,14 @@ def create_backend(
         extra: dict[str, Any] = {"vocab": vocab}
         if cache_limit_bytes is not None:
             extra["cache_limit_bytes"] = cache_limit_bytes
-        return XgrammarBackend(tokenizer, vocab_size, stop_token_ids, **options, **extra)
+        return XgrammarBackend(tokenizer, vocab_size, stop_token_ids, options, **extra)
 
     def guidance() -> StructuredOutputBackend:
         from vllm.v1.structured_output.backend_guidance import GuidanceBackend
 
         if tokenizer is None:
             raise RuntimeError("structured outputs: llguidance needs the tokenizer")
-        return GuidanceBackend(tokenizer, vocab_size, stop_token_ids, **options)
+        return GuidanceBackend(tokenizer, vocab_size, stop_token_ids, options)
 
     if config.backend == "xgrammar":
         factories = [("xgrammar", xgrammar)]

@@ -79,11 +79,12 @@ from vllm.exceptions import (
     UnsupportedConstraintError,
 )
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.thread_policy import helper_threads
 from vllm.transformers_utils.tokenizer import control_token_ids
 from vllm.v1.structured_output.backend_types import (
+    BackendOptions,
     StructuredOutputBackend,
     StructuredOutputGrammar,
+    tokenizer_vocab,
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text
 from vllm.v1.structured_output.json_schema import (
@@ -283,12 +284,7 @@ class _Vocab:
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
     ) -> None:
-        try:
-            vocab: dict[str, int] = tokenizer.get_vocab()
-        except AttributeError as e:
-            raise ValueError(
-                f"structured outputs: tokenizer {type(tokenizer)} has no vocabulary"
-            ) from e
+        vocab = tokenizer_vocab(tokenizer)
         stops = sorted({int(t) for t in stop_token_ids if 0 <= int(t) < vocab_size})
         try:
             # An empty list means "the tokenizer's EOS" (llguidance refuses an empty list).
@@ -477,24 +473,19 @@ class GuidanceBackend(StructuredOutputBackend):
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: Sequence[int],
-        *,
-        disable_any_whitespace: bool = False,
-        max_whitespace: int | None = None,
-        one_of_as_any_of: bool = False,
-        max_threads: int | None = None,
+        options: BackendOptions = BackendOptions(),
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size: must be positive, got {vocab_size}")
+        max_whitespace = options.max_whitespace
         if max_whitespace is not None and max_whitespace < 0:
             raise ValueError(f"max_whitespace: must be >= 0 or None, got {max_whitespace}")
         self.vocab_size = vocab_size
-        self.disable_any_whitespace = disable_any_whitespace
-        self.max_whitespace = max_whitespace
-        self.one_of_as_any_of = one_of_as_any_of
+        self.options = options
         self.vocab = _Vocab(tokenizer, vocab_size, stop_token_ids)
         self.stop_token_ids: tuple[int, ...] = tuple(sorted(self.vocab.stop_ids))
         self.masked_token_ids = self.vocab.masked_token_ids()
-        self._threads = max_threads if max_threads is not None else helper_threads()
+        self._threads = options.threads()
         self._executor: llg.LLExecutor | None = None
         self._executor_pid = -1
         self._destroyed = False
@@ -533,7 +524,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 schema = normalize_json_schema(
                     schema,
                     disable_additional_properties=params.disable_additional_properties,
-                    one_of_as_any_of=self.one_of_as_any_of,
+                    one_of_as_any_of=self.options.one_of_as_any_of,
                 )
                 spell_out_min_properties(schema)
             else:
@@ -585,10 +576,10 @@ class GuidanceBackend(StructuredOutputBackend):
         options: dict[str, Any] = {
             "item_separator": ",",
             "key_separator": ":",
-            "coerce_one_of": self.one_of_as_any_of,
+            "coerce_one_of": self.options.one_of_as_any_of,
             "lenient": False,
         }
-        if self.disable_any_whitespace or params.disable_any_whitespace:
+        if self.options.disable_any_whitespace or params.disable_any_whitespace:
             options["whitespace_flexible"] = False
         else:
             options["whitespace_flexible"] = True
@@ -609,7 +600,7 @@ class GuidanceBackend(StructuredOutputBackend):
             return pattern
         limit = params.max_whitespace
         if limit is None:
-            limit = self.max_whitespace
+            limit = self.options.max_whitespace
         if limit is None:
             return None
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:

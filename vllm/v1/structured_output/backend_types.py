@@ -1,13 +1,46 @@
-"""The two interfaces a structured-output backend implements: one per engine, one per request."""
+"""The two interfaces a structured-output backend implements (one per engine, one per request),
+and what every backend takes from the engine: its options and the tokenizer's vocabulary."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.thread_policy import helper_threads
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """The engine-wide settings every backend applies to the constraints it compiles."""
+
+    # Compact JSON (no whitespace between tokens) for every request.
+    disable_any_whitespace: bool = False
+    # Most whitespace characters in one run between JSON tokens when a request sets no
+    # max_whitespace of its own; None: unbounded.
+    max_whitespace: int | None = None
+    # Enforce a oneOf whose branches may overlap as anyOf instead of refusing it.
+    one_of_as_any_of: bool = False
+    # Helper threads for compiling and filling bitmasks; None: helper_threads().
+    max_threads: int | None = None
+
+    def threads(self) -> int:
+        """How many helper threads a backend may use."""
+        return self.max_threads if self.max_threads is not None else helper_threads()
+
+
+def tokenizer_vocab(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's token-to-id map; ValueError when the tokenizer has none."""
+    try:
+        return tokenizer.get_vocab()
+    except AttributeError as e:
+        raise ValueError(
+            f"structured outputs: tokenizer {type(tokenizer)} has no vocabulary"
+        ) from e
 
 
 class StructuredOutputGrammar(ABC):

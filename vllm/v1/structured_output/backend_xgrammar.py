@@ -63,12 +63,13 @@ from vllm.exceptions import (
     InvalidRequestError,
     UnsupportedConstraintError,
 )
-from vllm.thread_policy import helper_threads
 from vllm.transformers_utils.tokenizer import control_token_ids
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
+    BackendOptions,
     StructuredOutputBackend,
     StructuredOutputGrammar,
+    tokenizer_vocab,
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text, find_lookaround
 from vllm.v1.structured_output.json_schema import check_xgrammar_support, normalize_json_schema
@@ -178,12 +179,7 @@ def build_tokenizer_info(
 def _build_tokenizer_info(
     tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
 ) -> tuple[xgr.TokenizerInfo, frozenset[int], list[str]]:
-    try:
-        vocab: dict[str, int] = tokenizer.get_vocab()
-    except AttributeError as e:
-        raise ValueError(
-            f"structured outputs: tokenizer {type(tokenizer)} has no vocabulary"
-        ) from e
+    vocab = tokenizer_vocab(tokenizer)
     stops = sorted({int(t) for t in stop_token_ids})
     base = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None
@@ -344,11 +340,8 @@ class XgrammarBackend(StructuredOutputBackend):
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: Sequence[int],
+        options: BackendOptions = BackendOptions(),
         *,
-        disable_any_whitespace: bool = False,
-        max_whitespace: int | None = None,
-        one_of_as_any_of: bool = False,
-        max_threads: int | None = None,
         cache_limit_bytes: int = _CACHE_LIMIT_BYTES,
         vocab: PreparedVocab | None = None,
     ) -> None:
@@ -356,12 +349,10 @@ class XgrammarBackend(StructuredOutputBackend):
             vocab = PreparedVocab.build(tokenizer, vocab_size, stop_token_ids)
         elif vocab.vocab_size != vocab_size:
             raise ValueError(f"vocab_size: {vocab_size} differs from the prepared vocabulary's")
-        threads = max_threads if max_threads is not None else helper_threads()
+        threads = options.threads()
         self.vocab_size = vocab_size
         self.vocab = vocab
-        self.disable_any_whitespace = disable_any_whitespace
-        self.max_whitespace = max_whitespace
-        self.one_of_as_any_of = one_of_as_any_of
+        self.options = options
         self.masked_token_ids = vocab.masked_token_ids
         self.stop_token_ids: tuple[int, ...] = tuple(vocab.info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(
@@ -415,8 +406,10 @@ class XgrammarBackend(StructuredOutputBackend):
                 )
 
     def _compile(self, params: StructuredOutputsParams, kind: str) -> xgr.CompiledGrammar:
-        compact = self.disable_any_whitespace or params.disable_any_whitespace
-        max_ws = params.max_whitespace if params.max_whitespace is not None else self.max_whitespace
+        compact = self.options.disable_any_whitespace or params.disable_any_whitespace
+        max_ws = params.max_whitespace
+        if max_ws is None:
+            max_ws = self.options.max_whitespace
         if kind == "json":
             schema = params.json if isinstance(params.json, dict) else json.loads(params.json)
             return self._compile_schema(json.dumps(self._exact(schema, params)), compact, max_ws)
@@ -454,7 +447,7 @@ class XgrammarBackend(StructuredOutputBackend):
         schema = normalize_json_schema(
             schema,
             disable_additional_properties=params.disable_additional_properties,
-            one_of_as_any_of=self.one_of_as_any_of,
+            one_of_as_any_of=self.options.one_of_as_any_of,
         )
         check_xgrammar_support(schema)
         return schema
