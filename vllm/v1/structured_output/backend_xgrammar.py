@@ -435,7 +435,8 @@ class XgrammarBackend(StructuredOutputBackend):
         if kind == "structural_tag":
 
             def schema_grammar(schema: Any) -> str:
-                return self._schema_ebnf(json.dumps(self._exact(schema, params)), compact, max_ws)
+                exact = json.dumps(self._exact(schema, params))
+                return self._schema_ebnf(exact, compact, max_ws)[0]
 
             tag = normalize_structural_tag(params.structural_tag, schema_grammar=schema_grammar)
             return self.compiler.compile_structural_tag(tag)
@@ -461,22 +462,23 @@ class XgrammarBackend(StructuredOutputBackend):
             style["max_whitespace_cnt"] = max_whitespace
         return style
 
-    def _schema_ebnf(self, schema: str, compact: bool, max_whitespace: int | None) -> str:
-        """The EBNF of a JSON schema, with strings that never hold raw control characters."""
+    def _schema_ebnf(
+        self, schema: str, compact: bool, max_whitespace: int | None
+    ) -> tuple[str, bool]:
+        """The EBNF of a JSON schema, with strings that never hold raw control characters,
+        and whether that took a change to xgrammar's own conversion."""
         ebnf = str(xgr.Grammar.from_json_schema(schema, **self._style(compact, max_whitespace)))
-        return ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR)
+        # Asked before replacing: xgrammar's output may hold the strict class already.
+        return ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR), _LOOSE_STRING_CHAR in ebnf
 
     def _compile_schema(
         self, schema: str, compact: bool, max_whitespace: int | None
     ) -> xgr.CompiledGrammar:
-        style = self._style(compact, max_whitespace)
         # Converting alone takes ~0.1 ms; compiling is cached either way.
-        ebnf = str(xgr.Grammar.from_json_schema(schema, **style))
-        if _LOOSE_STRING_CHAR in ebnf:
-            return self.compiler.compile_grammar(
-                ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR)
-            )
-        return self.compiler.compile_json_schema(schema, **style)
+        ebnf, changed = self._schema_ebnf(schema, compact, max_whitespace)
+        if changed:
+            return self.compiler.compile_grammar(ebnf)
+        return self.compiler.compile_json_schema(schema, **self._style(compact, max_whitespace))
 
     def fill_bitmasks(
         self,
