@@ -43,9 +43,12 @@ from vllm.benchmarks.sweep import (
     Preset,
     Server,
     ServedModel,
+    add_run_flags,
     bench_argv,
     cell_from_record,
+    first_and_last_line,
     free_port,
+    parse_ratios,
     prepare_model,
     ratio_label,
     serve_command,
@@ -224,7 +227,7 @@ def format_report(result: PipelineResult) -> str:
     blocks.append("\n".join(lines))
     if result.errors:
         blocks.append("Failures:\n" + "\n".join(
-            f"  round {e['round']} {e['config']}: {_first_and_last_line(e['error'])}"
+            f"  round {e['round']} {e['config']}: {first_and_last_line(e['error'])}"
             for e in result.errors
         ))
     return "\n\n".join(blocks)
@@ -358,17 +361,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"Comma-separated subset of {', '.join(CONFIGS)} (default: "
                         f"{', '.join(DEFAULT_CONFIGS)}).")
-    parser.add_argument("--ratios", default=",".join(str(r) for r in RATIOS),
-                        help="Comma-separated structured-output ratios.")
+    add_run_flags(parser, RATIOS)
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                         help="Interleaved rounds; each starts every configuration's server once.")
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="Override the preset's number of prompts per run.")
     parser.add_argument("--output-len", type=int, default=None,
                         help="Override the preset's output length (for smoke runs).")
-    parser.add_argument("--serve-arg", action="append", default=[],
-                        help="Extra `vllm serve` flag; repeat it, e.g. "
-                        "--serve-arg=--max-num-seqs=32.")
     return parser.parse_args(argv)
 
 
@@ -378,12 +375,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[float]]:
     unknown = [c for c in configs if c not in CONFIGS]
     if not configs or unknown:
         raise ValueError(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
-    try:
-        ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
-    except ValueError:
-        raise ValueError(f"--ratios: {args.ratios!r} is not a list of numbers") from None
-    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
-        raise ValueError("--ratios: each ratio must be in [0, 1]")
+    ratios = parse_ratios(args.ratios)
     for flag, value in (("--repeats", args.repeats), ("--num-prompts", args.num_prompts),
                         ("--output-len", args.output_len)):
         if value is not None and value < 1:
@@ -445,10 +437,6 @@ def _verdict(value: dict[str, Any] | None, target: float) -> str:
         return ""
     return ": met" if value["median"] >= target else ": below"
 
-
-def _first_and_last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()] or ["?"]
-    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"
 
 
 if __name__ == "__main__":

@@ -18,7 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-from vllm.benchmarks.sweep import CONFIGS, PRESETS, RATIOS, format_tables, run_sweep
+from vllm.benchmarks.sweep import (
+    CONFIGS,
+    PRESETS,
+    RATIOS,
+    add_run_flags,
+    format_tables,
+    parse_ratios,
+    run_sweep,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,13 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Where logs and results go (default: results/sweep-<preset>).")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"Comma-separated subset of {', '.join(CONFIGS)}.")
-    parser.add_argument("--ratios", default=",".join(str(r) for r in RATIOS),
-                        help="Comma-separated structured-output ratios.")
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="Override the preset's number of prompts per run.")
-    parser.add_argument("--serve-arg", action="append", default=[],
-                        help="Extra `vllm serve` flag; repeat it, e.g. "
-                        "--serve-arg=--max-num-seqs=128.")
+    add_run_flags(parser, RATIOS)
     parser.add_argument("--structured-outputs-backend", default=None,
                         choices=("auto", "xgrammar", "guidance"),
                         help="The servers' structured-output backend (default: the server's, "
@@ -62,12 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --configs: unknown {unknown}; known: {list(CONFIGS)}", file=sys.stderr)
         return 2
     try:
-        ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
-    except ValueError:
-        print(f"error: --ratios: {args.ratios!r} is not a list of numbers", file=sys.stderr)
-        return 2
-    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
-        print("error: --ratios: each ratio must be in [0, 1]", file=sys.stderr)
+        ratios = parse_ratios(args.ratios)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     preset = PRESETS[args.preset]
     result_dir = Path(args.result_dir or f"results/sweep-{preset.name}")

@@ -231,6 +231,30 @@ def prepare_model(preset: Preset, workdir: Path) -> ServedModel:
     return ServedModel(str(target), preset.model, str(target))
 
 
+def add_run_flags(parser: argparse.ArgumentParser, ratios: Sequence[float]) -> None:
+    """Adds the flags every sweep script takes the same way: --ratios (default `ratios`),
+    --num-prompts and --serve-arg."""
+    parser.add_argument("--ratios", default=",".join(str(r) for r in ratios),
+                        help="Comma-separated structured-output ratios.")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="Override the preset's number of prompts per run.")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="Extra `vllm serve` flag; repeat it, e.g. "
+                        "--serve-arg=--max-num-seqs=32.")
+
+
+def parse_ratios(text: str) -> list[float]:
+    """The structured-output ratios of a --ratios value. Raises ValueError naming the flag
+    unless it is a non-empty list of numbers in [0, 1]."""
+    try:
+        ratios = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--ratios: {text!r} is not a list of numbers") from None
+    if not ratios or any(not 0.0 <= r <= 1.0 for r in ratios):
+        raise ValueError("--ratios: each ratio must be in [0, 1]")
+    return ratios
+
+
 def serve_command(
     model: ServedModel, config: str, port: int, serve_args: Sequence[str] = ()
 ) -> list[str]:
@@ -596,7 +620,7 @@ def format_tables(result: SweepResult) -> str:
     )
     if result.errors:
         blocks.append("Failed configurations:\n" + "\n".join(
-            f"  {config}: {_first_and_last_line(why)}" for config, why in result.errors.items()
+            f"  {config}: {first_and_last_line(why)}" for config, why in result.errors.items()
         ))
     return "\n\n".join(blocks)
 
@@ -614,7 +638,9 @@ def write_chart(result: SweepResult, path: Path) -> Path:
     return bar_chart_png(path, title, labels, series, ylabel="requests/s")
 
 
-def _first_and_last_line(text: str) -> str:
+def first_and_last_line(text: str) -> str:
+    """A failure's text in one line: its first and last non-blank lines (a traceback's
+    header and its error)."""
     lines = [line for line in text.strip().splitlines() if line.strip()] or ["?"]
     return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1].strip()}"
 
