@@ -24,6 +24,13 @@ def test_keeps_matching_drafts_then_one_token() -> None:
     assert last.tolist() == [5, 8, 4, 2]
 
 
+def test_without_drafts_the_samples_are_the_output() -> None:
+    sampled = torch.tensor([9, 0, 4], dtype=torch.int32)
+    tokens, last = verify_drafts(sampled, [1, 1, 1], [[], [], []])
+    assert tokens.dtype == last.dtype == torch.int64
+    assert tokens.tolist() == [[9], [0], [4]] and last.tolist() == [9, 0, 4]
+
+
 def test_first_draft_rejected_keeps_only_the_target_token() -> None:
     tokens, last = verify_drafts(torch.tensor([6, 1, 1]), [3], [[1, 1]])
     assert tokens.tolist() == [[6, NO_TOKEN, NO_TOKEN]] and last.tolist() == [6]

@@ -30,21 +30,24 @@ def verify_drafts(
     is kept with probability p(d) = min(1, p(d)/q(d)), and a rejected position emits a
     sample of p conditioned on differing from d, which is the normalised max(0, p - q).
     """
-    n = len(num_rows)
+    sampled = sampled.to(torch.int64)
     width = max(num_rows)
-    total = int(sampled.shape[0])
-    index = np.full((n, width), total, dtype=np.int64)  # `total` picks the padding below
-    guesses = np.full((n, max(width - 1, 1)), NO_TOKEN - 1, dtype=np.int64)  # never matches
-    start = 0
-    for i, (rows, tokens) in enumerate(zip(num_rows, drafts)):
-        index[i, :rows] = np.arange(start, start + rows)
-        guesses[i, : len(tokens)] = tokens
-        start += rows
-    device = sampled.device
-    padded = torch.cat([sampled.to(torch.int64), sampled.new_full((1,), NO_TOKEN)])
-    table = padded[torch.from_numpy(index).to(device, non_blocking=True)]
     if width == 1:
-        return table, table[:, 0]
+        # Nothing drafted (every step without speculative decoding): the samples are the output.
+        return sampled[:, None], sampled
+    rows = np.asarray(num_rows, dtype=np.int64)
+    cols = np.arange(width, dtype=np.int64)
+    total = int(sampled.shape[0])
+    # Row j of request i is flat row starts[i] + j; `total` picks the padding below.
+    starts = np.cumsum(rows) - rows
+    index = np.where(cols[None, :] < rows[:, None], starts[:, None] + cols[None, :], total)
+    guesses = np.full((len(rows), width - 1), NO_TOKEN - 1, dtype=np.int64)  # never matches
+    for i, tokens in enumerate(drafts):
+        if tokens:
+            guesses[i, : len(tokens)] = tokens
+    device = sampled.device
+    padded = torch.cat([sampled, sampled.new_full((1,), NO_TOKEN)])
+    table = padded[torch.from_numpy(index).to(device, non_blocking=True)]
     match = table[:, :-1] == torch.from_numpy(guesses).to(device, non_blocking=True)
     accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)
     keep = torch.arange(width, device=device)[None, :] <= accepted[:, None]
