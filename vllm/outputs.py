@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from vllm.exceptions import ErrorKind
+
+
+class OutputKind(enum.Enum):
+    """What a request's outputs carry while it runs."""
+
+    # After every step, everything generated so far.
+    CUMULATIVE = "cumulative"
+    # After every step, only what is new since the last output (streaming).
+    DELTA = "delta"
+    # One output, when the request finishes: nothing is built, and without stop strings
+    # nothing is detokenized, before then.
+    FINAL_ONLY = "final_only"
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from vllm import thread_policy
-from vllm.outputs import RequestOutput
+from vllm.outputs import OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -94,7 +94,8 @@ class LLM:
         ids = [core.request_id for _, core in processed]
         try:
             for (text, core), params in zip(processed, params_list):
-                engine.add_processed_request(text, core, params)
+                # Only finished outputs are returned: the engine builds no others.
+                engine.add_processed_request(text, core, params, OutputKind.FINAL_ONLY)
             finished: dict[str, RequestOutput] = {}
             bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
             while engine.has_unfinished_requests():

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from vllm import LLM, SamplingParams, StructuredOutputsParams
+from vllm.outputs import OutputKind
 from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
 
@@ -45,8 +46,9 @@ def reference():
     llm.shutdown()
 
 
-async def _final(engine: AsyncLLM, prompt, params, rid: str, delta: bool = False):
-    outputs = [o async for o in engine.generate(prompt, params, rid, delta=delta)]
+async def _final(engine: AsyncLLM, prompt, params, rid: str,
+                 kind: OutputKind = OutputKind.CUMULATIVE):
+    outputs = [o async for o in engine.generate(prompt, params, rid, kind)]
     assert outputs and outputs[-1].finished
     assert all(not o.finished for o in outputs[:-1])
     return outputs
@@ -96,13 +98,16 @@ def test_matches_offline_llm(loop, engine, reference, params):
     SamplingParams(temperature=1.0, seed=3, max_tokens=24, n=3),
     SamplingParams(temperature=1.0, seed=5, max_tokens=24, stop=["a", "in"], logprobs=2),
 ])
-def test_delta_outputs_concatenate_to_cumulative(loop, engine, params):
+def test_delta_and_final_only_outputs_agree_with_cumulative(loop, engine, params):
     async def run():
         cumulative = (await _final(engine, PROMPTS[1], params, "cum"))[-1]
-        deltas = await _final(engine, PROMPTS[1], params, "delta", delta=True)
-        return cumulative, deltas
+        deltas = await _final(engine, PROMPTS[1], params, "delta", OutputKind.DELTA)
+        final = await _final(engine, PROMPTS[1], params, "final", OutputKind.FINAL_ONLY)
+        return cumulative, deltas, final
 
-    cumulative, deltas = loop.run_until_complete(run())
+    cumulative, deltas, final = loop.run_until_complete(run())
+    # A final-only request gets one output, the cumulative one's last.
+    assert len(final) == 1 and final[0].outputs == cumulative.outputs
     for want in cumulative.outputs:
         parts = [c for d in deltas for c in d.outputs if c.index == want.index]
         assert "".join(c.text for c in parts) == want.text
@@ -120,7 +125,7 @@ def test_cancelled_consumer_aborts_in_engine(loop, engine):
         got_first = asyncio.Event()
 
         async def consume():
-            async for _ in engine.generate("abort me", params, "cancel-me", delta=True):
+            async for _ in engine.generate("abort me", params, "cancel-me", OutputKind.DELTA):
                 got_first.set()
 
         task = asyncio.create_task(consume())
@@ -188,7 +193,7 @@ def test_engine_death_fails_requests():
             assert engine.is_healthy
             stream = await engine.add_request("victim", "x",
                                               SamplingParams(max_tokens=200, ignore_eos=True),
-                                              delta=True)
+                                              OutputKind.DELTA)
             await stream.__anext__()
             os.kill(engine.engine_core.pid, signal.SIGKILL)
             start = time.monotonic()

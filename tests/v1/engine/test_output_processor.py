@@ -1,10 +1,12 @@
 """Tests for vllm/v1/engine/output_processor.py: several tokens in one engine output (kept
-drafts of speculative decoding) end on a stop string where one token per step would."""
+drafts of speculative decoding) end on a stop string where one token per step would, and a
+final-only request's text, detokenized once, equals the step-by-step text."""
 
 from __future__ import annotations
 
 import pytest
 
+from vllm.outputs import OutputKind
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutput
@@ -55,3 +57,27 @@ def test_multi_token_output_without_stop_strings_is_kept_whole(tokenizer) -> Non
     out, aborted = _finish(tokenizer, [ids], max_tokens=16)
     assert out.token_ids == ids and out.text == " one two three" and not aborted
     assert out.finish_reason is None
+
+
+@pytest.mark.parametrize("text", [" the cat sat on the mat", " naïve café 🤖 日本語 ✓✓", "\n\n  x"])
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_final_only_detokenizes_once_to_the_same_text(
+    tokenizer, text: str, skip_special_tokens: bool
+) -> None:
+    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    outputs = {}
+    for kind in (OutputKind.CUMULATIVE, OutputKind.FINAL_ONLY):
+        processor = OutputProcessor(tokenizer)
+        processor.add_request("r", None, tokenizer.encode("Say:"), params, kind)
+        seen = []
+        for i, token in enumerate(ids):
+            last = i == len(ids) - 1
+            outs, _ = processor.process_outputs([EngineCoreOutput(
+                request_id="r", new_token_ids=[token], finish_reason="stop" if last else None)])
+            seen += outs
+        outputs[kind] = seen
+    cumulative, final = outputs[OutputKind.CUMULATIVE], outputs[OutputKind.FINAL_ONLY]
+    assert len(cumulative) == len(ids) and len(final) == 1
+    assert final[0].finished and final[0].outputs == cumulative[-1].outputs
+    assert final[0].outputs[0].text  # the text is there, not skipped

@@ -29,7 +29,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import NO_CONSTRAINT_MESSAGE, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
@@ -355,7 +355,9 @@ class OpenAIServing:
             # to the request: off the event loop, so /health and other requests stay live.
             prompts, params = await asyncio.to_thread(prepare)
             request_id = request.request_id or random_id(self.id_prefix)
-            streams = await self.add_requests(request_id, prompts, params, delta=request.stream)
+            # A non-streaming request reads only its final output: none is built before.
+            kind = OutputKind.DELTA if request.stream else OutputKind.FINAL_ONLY
+            streams = await self.add_requests(request_id, prompts, params, kind)
         except (ValueError, EngineDeadError) as e:
             return exception_error(e).response()
         created = int(time.time())
@@ -402,7 +404,7 @@ class OpenAIServing:
         raise NotImplementedError
 
     async def add_requests(
-        self, request_id: str, prompts: list[Any], params: SamplingParams, delta: bool
+        self, request_id: str, prompts: list[Any], params: SamplingParams, kind: OutputKind
     ) -> list[RequestStream]:
         """Admits one engine request per prompt. On any error, aborts the ones admitted and
         re-raises (ValueError: bad input; EngineDeadError: no engine)."""
@@ -410,7 +412,7 @@ class OpenAIServing:
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params, delta=delta))
+                streams.append(await self.engine.add_request(rid, prompt, params, kind))
         except BaseException:
             for s in streams:
                 s.abort()

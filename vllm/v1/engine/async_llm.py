@@ -12,7 +12,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import EngineDeadError, InvalidRequestError
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
@@ -228,7 +228,7 @@ class AsyncLLM:
         request_id: str,
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams,
-        delta: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> RequestStream:
         """Validates, tokenizes and admits a request; returns the stream of its outputs.
 
@@ -257,7 +257,7 @@ class AsyncLLM:
         # Checked again after the awaits: another request may have taken the id meanwhile.
         self._ensure_started()
         self._check_unused(request_id)
-        return self._admit(text, core_request, params, delta, arrival)
+        return self._admit(text, core_request, params, output_kind, arrival)
 
     def _check_unused(self, request_id: str) -> None:
         if request_id in self._requests:
@@ -280,13 +280,13 @@ class AsyncLLM:
         text: str | None,
         core_request: EngineCoreRequest,
         params: SamplingParams,
-        delta: bool,
+        output_kind: OutputKind,
         arrival: float,
     ) -> RequestStream:
         request_id = core_request.request_id
-        stream = RequestStream(self, request_id, delta)
+        stream = RequestStream(self, request_id, delta=output_kind is OutputKind.DELTA)
         child_ids = self.output_processor.add_request(
-            request_id, text, core_request.prompt_token_ids, params, delta=delta
+            request_id, text, core_request.prompt_token_ids, params, kind=output_kind
         )
         stats = RequestStateStats(arrival, len(core_request.prompt_token_ids), num_seqs=params.n)
         self._requests[request_id] = _Tracked(stream, child_ids, stats)
@@ -316,15 +316,15 @@ class AsyncLLM:
         prompt: str | list[int] | dict[str, Any],
         sampling_params: SamplingParams,
         request_id: str,
-        delta: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yields the request's outputs as they are produced (cumulative unless `delta`);
-        the last has `finished` set.
+        """Yields the request's outputs as they are produced (see OutputKind); the last has
+        `finished` set.
 
         Raises ValueError on bad input and EngineDeadError if the engine dies. Closing or
         cancelling the generator before the end aborts the request in the engine.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params, delta=delta)
+        stream = await self.add_request(request_id, prompt, sampling_params, output_kind)
         try:
             async for output in stream:
                 yield output

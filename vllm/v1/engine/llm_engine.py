@@ -8,7 +8,7 @@ from typing import Any
 from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
-from vllm.outputs import RequestOutput
+from vllm.outputs import OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreRequest
@@ -54,12 +54,17 @@ class LLMEngine:
         self.add_processed_request(text, core_request, params)
 
     def add_processed_request(
-        self, text: str | None, core_request: EngineCoreRequest, params: SamplingParams
+        self,
+        text: str | None,
+        core_request: EngineCoreRequest,
+        params: SamplingParams,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
-        """Queues a request that InputProcessor.process already validated."""
+        """Queues a request that InputProcessor.process already validated; `output_kind`
+        says what step() reports for it."""
         request_id = core_request.request_id
         child_ids = self.output_processor.add_request(
-            request_id, text, core_request.prompt_token_ids, params
+            request_id, text, core_request.prompt_token_ids, params, output_kind
         )
         for child_request in child_requests(core_request, params, child_ids):
             self.engine_core.add_request(child_request)

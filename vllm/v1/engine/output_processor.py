@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from vllm.exceptions import ErrorKind
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.detokenizer import IncrementalDetokenizer, find_stop_string
 from vllm.v1.engine import EngineCoreOutput
@@ -20,6 +20,9 @@ class _SeqState:
     index: int
     params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
+    # Detokenize once, when the sequence finishes: no one reads the text before (a
+    # final-only request) and no stop string has to be looked for in it.
+    text_at_finish: bool = False
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
@@ -93,8 +96,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     seqs: list[_SeqState]
     num_cached_tokens: int = 0
-    # Report only what changed since the last output (for streaming).
-    delta: bool = False
+    kind: OutputKind = OutputKind.CUMULATIVE
 
     @property
     def finished(self) -> bool:
@@ -118,12 +120,13 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
         params: SamplingParams,
-        delta: bool = False,
+        kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> list[str]:
         """Registers a request; returns the engine-side ids of its n sequences.
 
-        With `delta`, each RequestOutput of this request carries only the sequences that
-        changed, each with only its new text, tokens and logprobs.
+        `kind` says what its RequestOutputs carry: with DELTA only the sequences that
+        changed, each with only its new text, tokens and logprobs; with FINAL_ONLY there is
+        one output, when every sequence has finished.
         """
         seqs = []
         ids = []
@@ -138,6 +141,7 @@ class OutputProcessor:
                     index=i,
                     params=params,
                     detokenizer=detok,
+                    text_at_finish=kind is OutputKind.FINAL_ONLY and not params.stop,
                     logprobs=[] if params.logprobs is not None else None,
                     cumulative_logprob=0.0 if params.logprobs is not None else None,
                 )
@@ -146,7 +150,7 @@ class OutputProcessor:
             self._children[child] = (request_id, i)
             ids.append(child)
         self._requests[request_id] = _RequestState(
-            request_id, prompt, prompt_token_ids, seqs, delta=delta
+            request_id, prompt, prompt_token_ids, seqs, kind=kind
         )
         return ids
 
@@ -190,7 +194,9 @@ class OutputProcessor:
             finished = state.finished
             if finished:
                 del self._requests[state.request_id]
-            if state.delta:
+            if state.kind is OutputKind.FINAL_ONLY and not finished:
+                continue
+            if state.kind is OutputKind.DELTA:
                 completions = [c for s in state.seqs if (c := s.take_delta()) is not None]
                 if not completions and not finished:
                     continue
@@ -231,7 +237,10 @@ class OutputProcessor:
             for ids, lps in zip(out.new_logprobs_token_ids or [], out.new_logprobs):
                 seq.logprobs.append(dict(zip(ids, lps)))
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lps[0]
-        if seq.detokenizer is not None:
+        if seq.text_at_finish:
+            if out.finished and seq.detokenizer is not None:
+                seq.text = seq.detokenizer.update(seq.token_ids) + seq.detokenizer.flush()
+        elif seq.detokenizer is not None:
             delta = seq.detokenizer.update(out.new_token_ids)
             if out.finished:
                 delta += seq.detokenizer.flush()
