@@ -10,7 +10,8 @@ of context in the cache (the new tokens are the last ones of that context).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,9 @@ class AttentionMetadata:
     # CPU copies of query_start_loc and seq_lens, so backends can loop without a device sync.
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # Per backend class: what it derived from the fields above, built by the first layer of
+    # the forward pass and reused by the others (the metadata is made anew every step).
+    backend_plans: dict[type, Any] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):

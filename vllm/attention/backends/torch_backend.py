@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +47,64 @@ def gather_kv(
 _DECODE_BUCKET = 64
 
 
+@dataclass
+class _DecodeBucket:
+    """Decode requests whose context pads to the same length, and what every layer needs of
+    them: derived once per forward pass, since all layers share the metadata."""
+
+    # [b] int64: the query rows of the requests.
+    token_idx: torch.Tensor
+    # [b, num_blocks] int64: their block ids; rows of shorter requests may hold stale or
+    # invalid ids past their end (clamped to 0): those positions are masked.
+    block_ids: torch.Tensor
+    # Padded context length (at most num_blocks * block_size).
+    length: int
+    # [b, 1, 1, length] bool: positions past each request's context.
+    hidden: torch.Tensor
+
+
+@dataclass
+class _Plan:
+    """How one forward pass splits into prefills and decode buckets (see forward)."""
+
+    # (request, first query row, query length, context length) of every prefill.
+    prefills: list[tuple[int, int, int, int]]
+    decodes: list[_DecodeBucket]
+
+
+def _plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
+    """Splits the batch into prefills and decode buckets (once per metadata, see forward)."""
+    starts = metadata.query_start_loc_cpu.tolist()
+    seq_lens = metadata.seq_lens_cpu.tolist()
+    prefills: list[tuple[int, int, int, int]] = []
+    buckets: dict[int, list[int]] = {}
+    for i in range(metadata.num_reqs):
+        query_len = starts[i + 1] - starts[i]
+        if query_len == 1:
+            # The padded length depends only on a request's own length, so its result is the
+            # same in any batch (the reductions' order changes with the padded length).
+            buckets.setdefault(-(-seq_lens[i] // _DECODE_BUCKET) * _DECODE_BUCKET, []).append(i)
+        elif query_len > 1:
+            prefills.append((i, starts[i], query_len, seq_lens[i]))
+    device = metadata.block_table.device
+    decodes = []
+    for longest, reqs in buckets.items():
+        num_blocks = min(-(-longest // block_size), metadata.block_table.shape[1])
+        length = min(longest, num_blocks * block_size)
+        req_idx = torch.tensor(reqs, dtype=torch.long).to(device)
+        lens = torch.tensor([seq_lens[i] for i in reqs], dtype=torch.long).to(device)
+        visible = torch.arange(length, device=device)[None, :] < lens[:, None]
+        decodes.append(
+            _DecodeBucket(
+                token_idx=torch.tensor([starts[i] for i in reqs], dtype=torch.long).to(device),
+                block_ids=metadata.block_table[req_idx, :num_blocks].clamp(min=0).long(),
+                length=length,
+                hidden=~visible[:, None, None, :],
+            )
+        )
+    return _Plan(prefills, decodes)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Paged causal attention with grouped-query support, built on scaled_dot_product_attention.
 
@@ -64,23 +124,16 @@ class TorchAttentionBackend(AttentionBackend):
         n = metadata.num_actual_tokens
         write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
         out = torch.zeros_like(query)
-        starts = metadata.query_start_loc_cpu.tolist()
-        seq_lens = metadata.seq_lens_cpu.tolist()
-        decodes: list[int] = []
-        for i in range(metadata.num_reqs):
-            query_len = starts[i + 1] - starts[i]
-            if query_len == 1:
-                decodes.append(i)
-            elif query_len > 1:
-                self._prefill(query, kv_cache, metadata, out, i, starts[i], query_len, seq_lens[i])
-        # Decodes run batched per context-length bucket: the padded length then depends only
-        # on a request's own length, so its result is the same in any batch (SDPA's reduction
-        # order changes with the padded length).
-        buckets: dict[int, list[int]] = {}
-        for i in decodes:
-            buckets.setdefault(-(-seq_lens[i] // _DECODE_BUCKET) * _DECODE_BUCKET, []).append(i)
-        for length, reqs in buckets.items():
-            self._decode(query, kv_cache, metadata, out, reqs, starts, seq_lens, length)
+        # Every layer of the pass sees the same metadata: the first one plans for all.
+        plan = metadata.backend_plans.get(TorchAttentionBackend)
+        if plan is None:
+            plan = metadata.backend_plans[TorchAttentionBackend] = _plan(
+                metadata, kv_cache.shape[2]
+            )
+        for req, start, query_len, seq_len in plan.prefills:
+            self._prefill(query, kv_cache, metadata, out, req, start, query_len, seq_len)
+        for bucket in plan.decodes:
+            self._decode(query, kv_cache, out, bucket)
         return out
 
     def _prefill(
@@ -109,43 +162,22 @@ class TorchAttentionBackend(AttentionBackend):
         out[start : start + query_len] = o[0].transpose(0, 1)
 
     def _decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        out: torch.Tensor,
-        reqs: list[int],
-        starts: list[int],
-        seq_lens: list[int],
-        longest: int,
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bucket: _DecodeBucket
     ) -> None:
-        device = query.device
-        block_size = kv_cache.shape[2]
-        lens = [seq_lens[i] for i in reqs]
-        num_blocks = -(-longest // block_size)
-        token_idx = torch.tensor([starts[i] for i in reqs], dtype=torch.long).to(device)
-        req_idx = torch.tensor(reqs, dtype=torch.long).to(device)
-        lens_t = torch.tensor(lens, dtype=torch.long).to(device)
-        # Rows of shorter requests may hold stale or invalid ids past their end; they are masked.
-        num_blocks = min(num_blocks, metadata.block_table.shape[1])
-        block_ids = metadata.block_table[req_idx, :num_blocks].clamp(min=0)
-        longest = min(longest, num_blocks * block_size)
-        k, v = gather_kv(kv_cache, block_ids, longest)
-        batch, group = len(reqs), self.num_heads // self.num_kv_heads
+        k, v = gather_kv(kv_cache, bucket.block_ids, bucket.length)
+        batch, group = len(bucket.token_idx), self.num_heads // self.num_kv_heads
         # Plain matmuls rather than SDPA: SDPA's CPU kernel rounds differently with the batch
         # size, these compute every (request, head) on its own. One bmm per KV head reads the
         # gathered keys in place (rows Hkv * D apart); a single matmul over all heads would
         # first copy them into head-major order, which cost more than the products.
-        q = query[token_idx].view(batch, self.num_kv_heads, group, self.head_size)
+        q = query[bucket.token_idx].view(batch, self.num_kv_heads, group, self.head_size)
         k, v = k.to(q.dtype), v.to(q.dtype)
         heads = range(self.num_kv_heads)
         scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in heads], 1)
-        scores = scores * self.scale
-        visible = torch.arange(longest, device=device)[None, :] < lens_t[:, None]
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        scores = (scores * self.scale).masked_fill_(bucket.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in heads], 1)
-        out.index_copy_(0, token_idx, o.reshape(batch, self.num_heads, self.head_size))
+        out.index_copy_(0, bucket.token_idx, o.reshape(batch, self.num_heads, self.head_size))
 
     def _sdpa(
         self,
