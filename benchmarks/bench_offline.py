@@ -1,15 +1,20 @@
-"""Offline throughput: {sync, async} x {uni, mp} x {0 %, 100 % JSON-schema requests}, one run.
+"""Offline throughput: {sync, async} x {uni, mp} x {0 %, 100 % JSON-schema requests}.
 
     .venv/bin/python benchmarks/bench_offline.py [--model demo] [--num-prompts 64] \
-        [--output-len 128] [--json results/bench_offline.json] \
+        [--output-len 128] [--json results/bench_offline.json] [--repeats 3] \
         [--structured-outputs-backends xgrammar,guidance] [--configs async/uni,sync/uni]
+
+Every cell runs once per round, rounds in a row (interleaved, so slow drifts of a shared
+machine touch every cell alike); figures are the median (min-max) over the rounds, and each
+ratio is taken between cells of the same round.
 
 With several structured-output backends, each configuration runs its 100 % cell once per
 backend (the 0 % cell does not depend on it), and the table gains a row per backend.
 
 The ceiling: a bare greedy decode loop over the same checkpoint and prompts
-(vllm/model_executor/bare_decoder.py: no scheduler, paging, sampler or detokenizer) runs last, and
-every cell is also printed as a fraction of it (engine / bare; `--no-ceiling` skips it).
+(vllm/model_executor/bare_decoder.py: no scheduler, paging, sampler or detokenizer) runs last in
+every round, and every cell is also printed as a fraction of it (engine / bare;
+`--no-ceiling` skips it).
 
 Plain requests are greedy with ignore_eos; structured ones follow a JSON schema whose string
 field lets a random model write all output_len tokens, so every configuration generates the
@@ -103,6 +108,18 @@ def ceiling(model: str, prompts: list[str], output_len: int) -> dict[str, float]
     return {"tokens": tokens, "seconds": elapsed, "tok_per_s": tokens / elapsed}
 
 
+def spread(values: list[float], digits: int = 2) -> str:
+    """`median (min-max)` of a cell's repeats."""
+    median, low, high = statistics.median(values), min(values), max(values)
+    return f"{median:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
+
+def paired_ratios(num: list[float], den: list[float]) -> list[float]:
+    """Round-by-round ratios: two cells of one round ran minutes apart at most, so their ratio
+    is steadier on a noisy machine than a ratio of medians over all rounds."""
+    return [a / b for a, b in zip(num, den, strict=True)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo")
@@ -115,46 +132,66 @@ def main() -> None:
                         help="comma-separated scheduling/executor pairs")
     parser.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the bare decode loop and print engine / bare ratios")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds; each runs every cell once (interleaved), and every "
+                             "figure is the median (min-max) over the rounds")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     prompts = make_prompts(args.num_prompts)
     grammar_backends = [b.strip() for b in args.structured_outputs_backends.split(",") if b]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    results: dict[str, dict[str, float]] = {}
     cells = [(config, None) for config in configs]
     cells += [(config, b) for config in configs for b in grammar_backends]
-    for config, grammar_backend in sorted(cells, key=lambda c: configs.index(c[0])):
-        mode, backend = config.split("/")
-        key = f"{config}/0%" if grammar_backend is None else f"{config}/100%/{grammar_backend}"
-        results[key] = run(args.model, mode == "async", backend, prompts, args.output_len,
-                           grammar_backend is not None, grammar_backend or "auto")
-        r = results[key]
-        print(f"{key:28s} {r['tok_per_s']:8.1f} tok/s  ({r['tokens']} tokens in "
-              f"{r['seconds']:.1f} s; fill {r['fill_us_per_request_median']:.1f} us/req)",
-              flush=True)
-    print(f"\n{'config':12s} {'backend':9s} {'0% tok/s':>9s} {'100% tok/s':>11s} {'100%/0%':>8s}")
+    cells.sort(key=lambda c: configs.index(c[0]))
+    keys = [f"{c}/0%" if b is None else f"{c}/100%/{b}" for c, b in cells]
+    runs: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
+    if args.ceiling:
+        runs["bare"] = []
+    for round_ in range(1, args.repeats + 1):
+        for key, (config, grammar_backend) in zip(keys, cells):
+            mode, backend = config.split("/")
+            r = run(args.model, mode == "async", backend, prompts, args.output_len,
+                    grammar_backend is not None, grammar_backend or "auto")
+            runs[key].append(r)
+            print(f"[round {round_}] {key:28s} {r['tok_per_s']:8.1f} tok/s  ({r['tokens']} "
+                  f"tokens in {r['seconds']:.1f} s; fill {r['fill_us_per_request_median']:.1f} "
+                  "us/req)", flush=True)
+        if args.ceiling:
+            bare = ceiling(args.model, prompts, args.output_len)
+            runs["bare"].append(bare)
+            print(f"[round {round_}] {'bare decode loop':28s} {bare['tok_per_s']:8.1f} tok/s",
+                  flush=True)
+    tok = {key: [r["tok_per_s"] for r in rs] for key, rs in runs.items()}
+    print(f"\n{args.repeats} round(s); tok/s and ratios are median (min-max) over rounds, "
+          "ratios taken within each round")
+    print(f"\n{'config':12s} {'backend':9s} {'0% tok/s':>24s} {'100% tok/s':>24s} "
+          f"{'100%/0%':>20s}")
     for config in configs:
-        plain = results[f"{config}/0%"]["tok_per_s"]
+        plain = tok[f"{config}/0%"]
         for b in grammar_backends:
-            structured = results[f"{config}/100%/{b}"]["tok_per_s"]
-            print(f"{config:12s} {b:9s} {plain:9.1f} {structured:11.1f} "
-                  f"{structured / plain:8.2f}")
+            structured = tok[f"{config}/100%/{b}"]
+            print(f"{config:12s} {b:9s} {spread(plain, 1):>24s} {spread(structured, 1):>24s} "
+                  f"{spread(paired_ratios(structured, plain)):>20s}")
     for executor in ("uni", "mp"):
         if f"sync/{executor}" not in configs or f"async/{executor}" not in configs:
             continue
         for share in ["0%"] + [f"100%/{b}" for b in grammar_backends]:
-            ratio = results[f"async/{executor}/{share}"]["tok_per_s"] / results[
-                f"sync/{executor}/{share}"]["tok_per_s"]
-            print(f"async/sync {executor} {share}: {ratio:.2f}")
+            ratios = paired_ratios(
+                tok[f"async/{executor}/{share}"], tok[f"sync/{executor}/{share}"]
+            )
+            print(f"async/sync {executor} {share}: {spread(ratios)}")
     if args.ceiling:
-        bare = results["bare"] = ceiling(args.model, prompts, args.output_len)
-        print(f"\nbare decode loop: {bare['tok_per_s']:.1f} tok/s ({bare['tokens']} tokens in "
-              f"{bare['seconds']:.1f} s)")
-        for key, r in results.items():
-            if key != "bare":
-                print(f"engine/bare {key:28s} {r['tok_per_s'] / bare['tok_per_s']:.2f}")
+        print(f"\nbare decode loop: {spread(tok['bare'], 1)} tok/s")
+        for key in keys:
+            print(f"engine/bare {key:28s} {spread(paired_ratios(tok[key], tok['bare']))}")
     if args.json:
+        summary = {
+            key: {"tok_per_s": statistics.median(tok[key]), "runs": rs}
+            for key, rs in runs.items()
+        }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        args.json.write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
