@@ -4,6 +4,8 @@ final-only request's text, detokenized once, equals the step-by-step text."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from vllm.outputs import OutputKind
@@ -59,12 +61,22 @@ def test_multi_token_output_without_stop_strings_is_kept_whole(tokenizer) -> Non
     assert out.finish_reason is None
 
 
-@pytest.mark.parametrize("text", [" the cat sat on the mat", " naïve café 🤖 日本語 ✓✓", "\n\n  x"])
+def _random_ids(seed: int, vocab_size: int) -> list[int]:
+    """What a random model writes: byte tokens that split characters, special tokens."""
+    rng = random.Random(seed)
+    return [rng.randrange(vocab_size) for _ in range(rng.randrange(1, 40))]
+
+
+@pytest.mark.parametrize("text", [" the cat sat on the mat", " naïve café 🤖 日本語 ✓✓", "\n\n  x",
+                                  *(f"random:{seed}" for seed in range(20))])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_final_only_detokenizes_once_to_the_same_text(
     tokenizer, text: str, skip_special_tokens: bool
 ) -> None:
-    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+    if text.startswith("random:"):
+        ids = _random_ids(int(text.split(":")[1]), len(tokenizer))
+    else:
+        ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
     params = SamplingParams(skip_special_tokens=skip_special_tokens)
     outputs = {}
     for kind in (OutputKind.CUMULATIVE, OutputKind.FINAL_ONLY):
