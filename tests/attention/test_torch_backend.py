@@ -85,7 +85,9 @@ def test_matches_naive_attention(
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 8), (6, 1)])
-def test_a_decode_is_bit_identical_alone_and_in_any_batch(num_heads: int, num_kv_heads: int) -> None:
+def test_a_decode_is_bit_identical_alone_and_in_any_batch(
+    num_heads: int, num_kv_heads: int
+) -> None:
     """The backend's promise: a request's result never depends on its batch (decode path)."""
     rng = random.Random(num_heads * 10 + num_kv_heads)
     torch.manual_seed(0)

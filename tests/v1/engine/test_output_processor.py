@@ -67,8 +67,10 @@ def _random_ids(seed: int, vocab_size: int) -> list[int]:
     return [rng.randrange(vocab_size) for _ in range(rng.randrange(1, 40))]
 
 
-@pytest.mark.parametrize("text", [" the cat sat on the mat", " naïve café 🤖 日本語 ✓✓", "\n\n  x",
-                                  *(f"random:{seed}" for seed in range(20))])
+@pytest.mark.parametrize("text", [
+    " the cat sat on the mat", " naïve café 🤖 日本語 ✓✓", "\n\n  x",
+    *(f"random:{seed}" for seed in range(20)),
+])
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_final_only_detokenizes_once_to_the_same_text(
     tokenizer, text: str, skip_special_tokens: bool

@@ -12,8 +12,8 @@ class NgramProposer:
 
     The longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that also
     occurs earlier is looked up; the tokens that followed its latest earlier occurrence with
-    a full continuation (else its earliest) are the draft. Repetitive text (code edits, extraction, JSON keys) drafts well; free prose
-    rarely matches and costs only the lookup.
+    a full continuation (else its earliest) are the draft. Repetitive text (code edits,
+    extraction, JSON keys) drafts well; free prose rarely matches and costs only the lookup.
     """
 
     def __init__(self, min_n: int, max_n: int, num_tokens: int) -> None:
