@@ -3,7 +3,7 @@
 For 20 prompts with greedy and seeded sampling, penalties and logprobs on some requests, and
 0, 50 or 100 % structured requests, async × {uni, mp} × {plain, forced preemption} plus
 async/uni with chunked prefill, and sync/mp, must produce the same tokens as sync/uni/plain, with logprobs within
-1e-5. Each special condition is asserted to have happened.
+LOGPROB_TOLERANCE. Each special condition is asserted to have happened.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ from vllm import LLM, SamplingParams, StructuredOutputsParams
 NUM_PROMPTS = 20
 MAX_TOKENS = 20
 RATIOS = (0.0, 0.5, 1.0)
+# Tokens must match exactly; logprobs only to float32 precision. A log-softmax over ~150k
+# logits of magnitude ~10 computed in another process (another thread count, other buffer
+# alignment, so another reduction order in the BLAS kernels) differs by tens of ulps, which
+# is ~1e-5 here (a CI machine measured 1.14e-5 between sync/uni and sync/mp). A logprob of
+# the wrong row, position or token differs by orders of magnitude more.
+LOGPROB_TOLERANCE = 1e-4
 CONSTRAINTS = [
     StructuredOutputsParams(
         json={
@@ -140,7 +146,7 @@ def reference():
 
 def assert_same(got, want, ratios: tuple[float, ...] = RATIOS) -> None:
     """Each ratio's outputs (from generate_all) have the same tokens, text and finish
-    reasons as `want`'s, and logprobs within 1e-5."""
+    reasons as `want`'s, and logprobs within LOGPROB_TOLERANCE."""
     for ratio in ratios:
         for i, (a, b) in enumerate(zip(got[ratio], want[ratio], strict=True)):
             assert a.token_ids == b.token_ids, (ratio, i)
@@ -149,7 +155,7 @@ def assert_same(got, want, ratios: tuple[float, ...] = RATIOS) -> None:
             if b.logprobs is not None:
                 for la, lb in zip(a.logprobs, b.logprobs):
                     assert la.keys() == lb.keys(), (ratio, i)
-                    assert max(abs(la[k] - lb[k]) for k in lb) < 1e-5, (ratio, i)
+                    assert max(abs(la[k] - lb[k]) for k in lb) < LOGPROB_TOLERANCE, (ratio, i)
 
 
 @pytest.mark.slow
