@@ -68,6 +68,11 @@ class BareDecoder:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
+    def cache_bytes(self, rows: int, capacity: int) -> int:
+        """The size of `new_cache(rows, capacity)` in bytes."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * rows * self.num_kv_heads * capacity * self.head_dim * element
+
     def new_cache(self, rows: int, capacity: int) -> list[torch.Tensor]:
         """A zeroed KV cache of `rows` sequences of up to `capacity` tokens (for `forward`)."""
         return [torch.zeros(rows, self.num_kv_heads, capacity, self.head_dim, dtype=self.dtype,

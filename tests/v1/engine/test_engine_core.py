@@ -454,3 +454,30 @@ def test_a_draft_model_that_cannot_serve_stops_the_workers(model_config: ModelCo
     with pytest.raises(ValueError, match="vocabulary has 512 tokens"):
         EngineCore(vllm_config, executor_class=Recording)
     assert shutdowns == [True]
+
+
+def test_the_draft_model_loads_before_the_kv_cache_is_sized(model_config: ModelConfig,
+                                                            monkeypatch) -> None:
+    """On a GPU the KV cache takes the memory left when it is sized: the draft model and its
+    cache must already hold theirs, or the draft model's allocation runs out of memory."""
+    from vllm.v1.engine import core as core_module
+
+    events: list[str] = []
+    built = object()
+
+    def build_proposer(config):
+        events.append("proposer")
+        return built
+
+    class Recording(FakeExecutor):
+        def determine_num_blocks(self) -> int:
+            events.append("determine_num_blocks")
+            return super().determine_num_blocks()
+
+    monkeypatch.setattr(core_module, "build_proposer", build_proposer)
+    engine = EngineCore(make_config(model_config), executor_class=Recording)
+    try:
+        assert events == ["proposer", "determine_num_blocks"]
+        assert engine.scheduler.proposer is built
+    finally:
+        engine.shutdown()

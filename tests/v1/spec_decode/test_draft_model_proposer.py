@@ -69,6 +69,17 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path) -> None:
         DraftModelProposer(tmp_path, 3, 2, 64, VOCAB, torch.device("cpu"), torch.float32)
 
 
+def test_a_cache_that_does_not_fit_is_an_error_naming_its_size(draft_dir) -> None:
+    rows, tokens = 8, 2**36
+    size = BareDecoder(draft_dir).cache_bytes(rows, tokens)
+    assert size == sum(t.numel() * t.element_size()
+                       for t in BareDecoder(draft_dir).new_cache(2, 3)) * rows * tokens // 6
+    with pytest.raises(ValueError, match=rf"{rows} rows of {tokens} tokens, {size / 2**30:.1f} "
+                                         r"GiB.*lower --max-num-seqs or --max-model-len"):
+        DraftModelProposer(draft_dir, 3, rows, tokens, VOCAB, torch.device("cpu"),
+                           torch.float32)
+
+
 def test_a_request_near_max_model_len_drafts_beside_a_longer_limit(draft_dir) -> None:
     proposer = _proposer(draft_dir, k=5)  # 64 slots per row
     near = [3] * 62  # one draft fits before max_model_len

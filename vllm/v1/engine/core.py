@@ -15,6 +15,7 @@ from vllm.v1.engine.batch_queue import BatchQueue, resolve_output
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.proposer import build_proposer
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu_input_batch import check_request_inputs
 
@@ -34,6 +35,9 @@ class EngineCore:
         executor_class = executor_class or Executor.get_class(vllm_config)
         self.model_executor = executor_class(vllm_config)
         try:
+            # The draft model (if any) takes its memory before the KV cache is sized from
+            # what is left; a draft model that cannot serve this target fails here.
+            proposer = build_proposer(vllm_config)
             num_blocks = self.model_executor.determine_num_blocks()
             self.model_executor.initialize_kv_cache(num_blocks)
             # KV blocks allocated (the startup handshake reports it to the client).
@@ -49,9 +53,8 @@ class EngineCore:
                 or vllm_config.parallel_config.pipeline_parallel_size > 1
             )
             scheduler_cls = AsyncScheduler if overlapped else Scheduler
-            # A draft model that cannot serve this target fails here.
             self.scheduler: Scheduler = scheduler_cls(
-                vllm_config, kv, self.structured_output_manager)
+                vllm_config, kv, self.structured_output_manager, proposer)
         except BaseException:
             self.model_executor.shutdown()
             raise

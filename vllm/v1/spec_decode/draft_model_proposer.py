@@ -25,8 +25,9 @@ class DraftModelProposer:
     def __init__(self, model_dir: str | Path, num_tokens: int, max_num_seqs: int,
                  max_model_len: int, vocab_size: int, device: torch.device,
                  dtype: torch.dtype) -> None:
-        """Loads the draft model. Raises ValueError when its vocabulary is not the target's
-        size (token ids would mean different things) or its architecture is unsupported."""
+        """Loads the draft model and allocates its cache. Raises ValueError when its
+        vocabulary is not the target's size (token ids would mean different things), its
+        architecture is unsupported, or its cache does not fit in the device's memory."""
         self.model = BareDecoder(model_dir, dtype=dtype, device=device)
         if self.model.vocab_size != vocab_size:
             raise ValueError(
@@ -35,7 +36,15 @@ class DraftModelProposer:
             )
         self.num_tokens = num_tokens
         self.device = torch.device(device)
-        self.cache = self.model.new_cache(max_num_seqs, max_model_len)
+        try:
+            self.cache = self.model.new_cache(max_num_seqs, max_model_len)
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; a plain one on the CPU
+            size = self.model.cache_bytes(max_num_seqs, max_model_len)
+            raise ValueError(
+                f"--speculative-config.model: the draft model's cache ({max_num_seqs} rows of "
+                f"{max_model_len} tokens, {size / 2**30:.1f} GiB) does not fit in the "
+                f"device's memory; lower --max-num-seqs or --max-model-len"
+            ) from e
         self._slots = torch.arange(max_model_len, device=self.device)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}

@@ -7,6 +7,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
+from vllm.v1.spec_decode.proposer import Proposer
 from vllm.v1.structured_output import StructuredOutputManager
 
 
@@ -32,8 +33,9 @@ class AsyncScheduler(Scheduler):
         vllm_config: VllmConfig,
         kv_cache_manager: KVCacheManager,
         structured_output_manager: StructuredOutputManager | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
-        super().__init__(vllm_config, kv_cache_manager, structured_output_manager)
+        super().__init__(vllm_config, kv_cache_manager, structured_output_manager, proposer)
         # step_id -> ids that sample in that step, for steps whose sample_tokens is not issued.
         # Ids of requests that finish meanwhile stay until then: a reused id waits a little.
         self._unsampled_steps: dict[int, frozenset[str]] = {}

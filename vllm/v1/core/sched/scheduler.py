@@ -20,7 +20,7 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.spec_decode.proposer import build_proposer
+from vllm.v1.spec_decode.proposer import Proposer, build_proposer
 from vllm.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,10 @@ class Scheduler:
         vllm_config: VllmConfig,
         kv_cache_manager: KVCacheManager,
         structured_output_manager: StructuredOutputManager | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """`proposer` drafts for speculative decoding; without one, the scheduler builds the
+        one `vllm_config` asks for (None without speculative decoding)."""
         self.config = vllm_config
         sched = vllm_config.scheduler_config
         self.max_num_seqs = sched.max_num_seqs
@@ -66,7 +69,7 @@ class Scheduler:
         # Aborts that found the request still live (cumulative), for the stats record.
         self.num_aborted_requests = 0
         self._step_id = 0
-        self.proposer = build_proposer(vllm_config)
+        self.proposer = proposer if proposer is not None else build_proposer(vllm_config)
         # Speculative decoding counters (cumulative): verification steps that carried drafts,
         # drafted tokens, and drafted tokens the target model kept.
         self.num_spec_steps = 0
