@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
@@ -41,3 +43,51 @@ def test_no_match_short_input_and_limits() -> None:
 def test_bad_settings_are_refused(args: tuple[int, int, int]) -> None:
     with pytest.raises(ValueError, match="NgramProposer"):
         NgramProposer(*args)
+
+
+def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The rule in plain Python: the longest suffix (max_n down to min_n) that occurs
+    earlier; the k tokens after its latest occurrence with k tokens after it, else after its
+    earliest."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        starts = [s for s in range(length - n) if tokens[s : s + n] == suffix]
+        if starts:
+            full = [s for s in starts if s + n + k <= length]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start : start + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lookup_matches_the_rule_on_random_tokens(seed: int) -> None:
+    rng = random.Random(seed)
+    min_n = rng.randint(1, 3)
+    max_n = rng.randint(min_n, 5)
+    k = rng.randint(1, 5)
+    p = NgramProposer(min_n, max_n, k)
+    vocab = rng.choice([2, 3, 5, 20])  # small vocabularies repeat, as repetitive text does
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
+    for end in range(len(tokens) + 1):
+        prefix = tokens[:end]
+        want = _reference(prefix, min_n, max_n, k) if end > min_n else []
+        assert p.propose(prefix) == want, (prefix, min_n, max_n, k)
+
+
+def test_batched_lookups_follow_growing_confirmed_tokens() -> None:
+    """propose_batch keeps each request's confirmed tokens between calls; provisional tokens
+    (past the confirmed count) are used once and not kept."""
+    rng = random.Random(7)
+    p = NgramProposer(1, 3, 3)
+    tokens = [rng.randrange(4) for _ in range(5)]
+    for step in range(80):
+        tokens.append(rng.randrange(4))
+        forced = [rng.randrange(4) for _ in range(step % 3)]
+        context = tokens + forced
+        got = p.propose_batch({"a": (context, len(tokens), 2)})
+        want = _reference(context, 1, 3, 2)
+        assert got == ({"a": want} if want else {}), step
+    p.release("a")
+    # After release the id starts over with other tokens.
+    assert p.propose_batch({"a": ([5, 6, 5], 3, 3)}) == {"a": [6, 5]}

@@ -7,6 +7,31 @@ from collections.abc import Sequence
 import numpy as np
 
 
+class _TokenBuffer:
+    """A request's confirmed tokens as a growing numpy array, so that a lookup costs no
+    conversion of the whole token list (confirmed tokens never change)."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(64, dtype=np.int64)
+        self.size = 0
+
+    def view(self, tokens: Sequence[int], num_confirmed: int) -> np.ndarray:
+        """`tokens` as an array: the first `num_confirmed` are appended to the buffer once;
+        tokens after them (provisional, e.g. forced by a grammar) are copied for this call."""
+        num_confirmed = min(num_confirmed, len(tokens))
+        if num_confirmed < self.size:  # not this request's tokens: start over
+            self.size = 0
+        if num_confirmed > len(self.array):
+            grown = np.empty(max(num_confirmed, 2 * len(self.array)), dtype=np.int64)
+            grown[: self.size] = self.array[: self.size]
+            self.array = grown
+        self.array[self.size : num_confirmed] = tokens[self.size : num_confirmed]
+        self.size = num_confirmed
+        if num_confirmed == len(tokens):
+            return self.array[:num_confirmed]
+        return np.concatenate((self.array[:num_confirmed], tokens[num_confirmed:]))
+
+
 class NgramProposer:
     """Drafts by n-gram lookup over a request's own tokens (prompt and output).
 
@@ -14,6 +39,7 @@ class NgramProposer:
     occurs earlier is looked up; the tokens that followed its latest earlier occurrence with
     a full continuation (else its earliest) are the draft. Repetitive text (code edits,
     extraction, JSON keys) drafts well; free prose rarely matches and costs only the lookup.
+    Each request's confirmed tokens are kept as an array until `release`.
     """
 
     def __init__(self, min_n: int, max_n: int, num_tokens: int) -> None:
@@ -25,39 +51,63 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
         self.num_tokens = num_tokens
+        self._buffers: dict[str, _TokenBuffer] = {}
 
     def propose_batch(
         self, contexts: dict[str, tuple[list[int], int, int]]
     ) -> dict[str, list[int]]:
         """Drafts to follow each request's tokens: `contexts[id]` is (tokens, how many are
-        confirmed (unused here), most drafts). Returns only non-empty drafts."""
+        confirmed, most drafts). Returns only non-empty drafts."""
         drafts = {}
-        for req_id, (tokens, _, limit) in contexts.items():
-            if draft := self.propose(tokens, limit):
+        for req_id, (tokens, num_confirmed, limit) in contexts.items():
+            if limit <= 0 or len(tokens) <= self.min_n:
+                continue
+            buffer = self._buffers.get(req_id)
+            if buffer is None:
+                buffer = self._buffers[req_id] = _TokenBuffer()
+            if draft := self._lookup(buffer.view(tokens, num_confirmed), limit):
                 drafts[req_id] = draft
         return drafts
 
     def release(self, req_id: str) -> None:
-        """Nothing to free: lookups keep no per-request state."""
+        """Forgets the request's token buffer."""
+        self._buffers.pop(req_id, None)
 
     def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """Returns up to min(num_tokens, max_tokens) drafted tokens to follow `token_ids`
         ([] when no suffix occurs earlier). Pure: no state is kept between calls."""
         k = self.num_tokens if max_tokens is None else min(self.num_tokens, max_tokens)
-        n_tokens = len(token_ids)
-        if k <= 0 or n_tokens <= self.min_n:
+        if k <= 0 or len(token_ids) <= self.min_n:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
-            suffix = tokens[n_tokens - n :]
-            # Windows that end before the suffix starts (the suffix itself is no match).
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: n_tokens - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
+        return self._lookup(np.asarray(token_ids, dtype=np.int64), k)
+
+    def _lookup(self, tokens: np.ndarray, limit: int) -> list[int]:
+        k = min(self.num_tokens, limit)
+        length = len(tokens)
+        if k <= 0 or length <= self.min_n:
+            return []
+        max_n = min(self.max_n, length - 1)
+        # Earlier positions holding the last token end a match of length >= 1 (the suffix
+        # itself is no match); every candidate's match is extended backwards together.
+        ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+        if len(ends) == 0:
+            return []
+        matched = np.ones(len(ends), dtype=np.int64)
+        alive = np.ones(len(ends), dtype=bool)
+        for j in range(1, max_n):
+            before = ends - j
+            alive &= before >= 0
+            alive &= tokens[np.maximum(before, 0)] == tokens[length - 1 - j]
+            if not alive.any():
+                break
+            matched += alive
+        for n in range(max_n, self.min_n - 1, -1):
+            hits = ends[matched >= n]
             if len(hits):
                 # The latest occurrence followed by k tokens, else the earliest (the longest
                 # continuation): in a run of one repeated token, the latest occurrence is
                 # followed by a single token.
-                full = hits[hits + n + k <= n_tokens]
-                start = int(full[-1] if len(full) else hits[0]) + n
+                full = hits[hits + 1 + k <= length]
+                start = int(full[-1] if len(full) else hits[0]) + 1
                 return tokens[start : start + k].tolist()
         return []
