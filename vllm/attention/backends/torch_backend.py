@@ -172,11 +172,15 @@ class TorchAttentionBackend(AttentionBackend):
         # first copy them into head-major order, which cost more than the products.
         q = query[bucket.token_idx].view(batch, self.num_kv_heads, group, self.head_size)
         k, v = k.to(q.dtype), v.to(q.dtype)
+        if batch == 1:
+            # torch multiplies a batch of one with its plain matmul kernel, which can round
+            # differently from the batched one (seen with 6 heads per KV head): pad to two.
+            q, k, v = torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v])
         heads = range(self.num_kv_heads)
         scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in heads], 1)
         scores = (scores * self.scale).masked_fill_(bucket.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in heads], 1)
+        o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in heads], 1)[:batch]
         out.index_copy_(0, bucket.token_idx, o.reshape(batch, self.num_heads, self.head_size))
 
     def _sdpa(
