@@ -62,9 +62,15 @@ class Request:
         # not here; they are counted in num_output_placeholders.
         self.all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose KV is in the cache (or scheduled to be, within the current step).
+        # While a verification is in flight it assumes every draft is kept; its output
+        # takes back the rejected ones.
         self.num_computed_tokens = 0
-        # Tokens scheduled for sampling whose values the scheduler has not seen yet.
+        # Tokens scheduled for sampling whose values the scheduler has not seen yet (with
+        # drafts in flight, the most a verification can keep).
         self.num_output_placeholders = 0
+        # Drafts of the request's newest scheduled step (async scheduling: it drafts next
+        # from them before that step's output arrives).
+        self.spec_token_ids: list[int] = []
         # Tokens of all_token_ids the model runner has been given (the prompt when new, every
         # token when resumed, new tokens under pipeline parallelism: SchedulerOutput).
         self.num_tokens_sent = 0

@@ -208,6 +208,9 @@ class _RunnerReq:
 
     num_computed: int
     num_blocks: int
+    # Verified with drafts since its last forward: the scheduler may have scheduled the
+    # next one assuming every draft was kept (the real runner's verified_drafts).
+    verified: bool = False
 
 
 @dataclass
@@ -270,10 +273,14 @@ class FakeRunner:
                 assert not cached.new_token_ids, "new_token_ids sent without pipeline stages"
             assert req_id not in cached.resumed_req_token_ids
             state = self.reqs[req_id]
-            assert cached.num_computed_tokens[i] == state.num_computed, (
+            # After a verification the scheduler may count every draft as kept.
+            agrees = (cached.num_computed_tokens[i] >= state.num_computed if state.verified
+                      else cached.num_computed_tokens[i] == state.num_computed)
+            assert agrees, (
                 f"{req_id}: scheduler says {cached.num_computed_tokens[i]} computed, "
                 f"runner has {state.num_computed}"
             )
+            state.verified = False
             state.num_blocks += len(cached.new_block_ids[i])
         assert scheduler_output.total_num_scheduled_tokens == sum(scheduler_output.num_scheduled_tokens.values())
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -320,8 +327,9 @@ class FakeRunner:
                     break
             self.num_sampled[req_id] = k + len(kept)
             rejected = len(drafts) - (len(kept) - 1)
-            if rejected and req_id in self.reqs:
+            if drafts and req_id in self.reqs:
                 self.reqs[req_id].num_computed -= rejected  # their KV is computed again
+                self.reqs[req_id].verified = True
             tokens.append(kept)
             self.sampled_tokens.setdefault(req_id, []).extend(kept)
         return ModelRunnerOutput(
@@ -495,6 +503,14 @@ class Harness:
         """Steps in flight that sample `req_id`."""
         return sum(req_id in e.scheduler_output.sampled_req_ids for e in self.in_flight)
 
+    def tokens_in_flight(self, req_id: str) -> int:
+        """The most tokens the steps in flight can still give `req_id`: one per step that
+        samples it, plus that step's drafts."""
+        return sum(
+            1 + len(e.scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            for e in self.in_flight if req_id in e.scheduler_output.sampled_req_ids
+        )
+
     def schedule(self) -> SchedulerOutput:
         """Schedules one step; launches it unless it is empty (then its finished ids are
         handed back to the scheduler, as the engine does)."""
@@ -607,12 +623,13 @@ class Harness:
                     RequestStatus.PREEMPTED,
                 )
             assert request.num_output_placeholders >= 0
-            # Under async scheduling every in-flight sample is a placeholder, and nothing
-            # else is; the sync scheduler never has any.
-            want = self.in_flight_samples(req_id) if is_async else 0
+            # Under async scheduling every in-flight sample is a placeholder, and so is each
+            # draft in flight (a verification may keep them all), and nothing else is; the
+            # sync scheduler never has any.
+            want = self.tokens_in_flight(req_id) if is_async else 0
             assert request.num_output_placeholders == want, (
                 req_id, request.num_output_placeholders, want)
-            drafts_in_flight = sum(
+            drafts_in_flight = 0 if is_async else sum(
                 len(e.scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
                 for e in self.in_flight
             )

@@ -624,16 +624,31 @@ def test_drafts_match_sync_without_drafts(
     reference.run()
     h = make(policy=cyclic, depth=depth, num_speculative_tokens=3, **config)
     h.add(*spec_workload())
+    # Requests scheduled while a step of theirs was in flight, and those of them given
+    # drafts then (drafted one step stale).
+    overlapped: set[str] = set()
+    stale: set[str] = set()
+    schedule = h.sched.schedule
+
+    def recording_schedule():
+        in_flight = {r.request_id for r in h.sched.running if r.num_output_placeholders}
+        scheduler_output = schedule()
+        overlapped.update(in_flight & set(scheduler_output.num_scheduled_tokens))
+        stale.update(in_flight & set(scheduler_output.scheduled_spec_decode_tokens))
+        return scheduler_output
+
+    h.sched.schedule = recording_schedule
     while h.step():
-        # A request that may draft is scheduled only once its tokens are all confirmed:
-        # drafts come from confirmed tokens, and the next position depends on how many
-        # drafts were kept.
-        for req_id in h.added:
-            request = h.added[req_id]
-            if request.sampling_params.logprobs is None:
-                assert h.in_flight_samples(req_id) <= 1
+        # At most two steps of a drafting request in flight (see AsyncScheduler).
+        assert all(h.in_flight_samples(r) <= 2 for r in h.added)
     assert h.tokens == reference.tokens
     assert h.sched.num_accepted_tokens > 0
+    # A constrained request drafts from confirmed tokens only (its grammar cuts the drafts),
+    # so it waits for them; the others do not wait: they are scheduled while a step of theirs
+    # is in flight, with drafts that follow that step's assumed tokens.
+    assert "g" not in overlapped
+    assert {"a", "x1", "x2"} <= overlapped
+    assert stale and "g" not in stale
     assert {r: h.finish_reason(r) for r in h.tokens} == {
         r: reference.finish_reason(r) for r in reference.tokens
     }

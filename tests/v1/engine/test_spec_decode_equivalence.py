@@ -8,7 +8,8 @@ proposer runs sync and async on the uni executor, async on mp (the sync mp trans
 async one's), with forced preemption, and async with chunked prefill (the scheduler tests
 cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
 and async on mp with forced preemption. Every structured output must pass the grammar
-oracle, and drafts must have been kept.
+oracle, and drafts must have been kept; under async scheduling some must have been drafted
+while the request's previous step was still in flight.
 """
 
 from __future__ import annotations
@@ -75,8 +76,20 @@ def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str
         **CONDITIONS[condition],
     )
     try:
+        scheduler = llm.llm_engine.engine_core.scheduler
+        schedule = scheduler.schedule
+        # Requests given drafts while a step of theirs was in flight (async: one step stale).
+        stale: set[str] = set()
+
+        def recording_schedule():
+            in_flight = {r.request_id for r in scheduler.running if r.num_output_placeholders}
+            scheduler_output = schedule()
+            stale.update(in_flight & set(scheduler_output.scheduled_spec_decode_tokens))
+            return scheduler_output
+
+        scheduler.schedule = recording_schedule
         results = generate_all(llm, RATIOS, _prompts, _params)
-        return results, llm.llm_engine.engine_core.scheduler
+        return results, scheduler, stale
     finally:
         llm.shutdown()
 
@@ -101,8 +114,10 @@ def reference():
     ],
 )
 def test_drafts_change_no_output(reference, spec, async_scheduling, executor, condition) -> None:
-    got, scheduler = _run(spec, async_scheduling, executor, condition)
+    got, scheduler, stale = _run(spec, async_scheduling, executor, condition)
     assert_same(got, reference, RATIOS)
+    # Async: drafting requests do not wait for their previous step's tokens.
+    assert bool(stale) == async_scheduling
     assert scheduler.num_accepted_tokens > 0
     assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens  # random rows reject
     if condition == "preemption":

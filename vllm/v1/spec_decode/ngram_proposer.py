@@ -57,7 +57,7 @@ class NgramProposer:
         self, contexts: dict[str, tuple[list[int], int, int]]
     ) -> dict[str, list[int]]:
         """Drafts to follow each request's tokens: `contexts[id]` is (tokens, how many are
-        confirmed, most drafts). Returns only non-empty drafts."""
+        confirmed, most drafts, which may exceed num_tokens). Returns only non-empty drafts."""
         drafts = {}
         for req_id, (tokens, num_confirmed, limit) in contexts.items():
             if limit <= 0 or len(tokens) <= self.min_n:
@@ -81,8 +81,8 @@ class NgramProposer:
             return []
         return self._lookup(np.asarray(token_ids, dtype=np.int64), k)
 
-    def _lookup(self, tokens: np.ndarray, limit: int) -> list[int]:
-        k = min(self.num_tokens, limit)
+    def _lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        """Up to k tokens to follow `tokens` (the caller bounds k)."""
         length = len(tokens)
         if k <= 0 or length <= self.min_n:
             return []

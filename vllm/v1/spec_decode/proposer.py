@@ -18,7 +18,8 @@ class Proposer(Protocol):
         self, contexts: dict[str, tuple[list[int], int, int]]
     ) -> dict[str, list[int]]:
         """Drafts for each request id: `contexts[id]` is (tokens, how many of them are
-        confirmed, most drafts). Returns only non-empty drafts."""
+        confirmed, most drafts: the caller's bound, which may exceed num_tokens by one when
+        the first draft guesses a token in flight). Returns only non-empty drafts."""
         ...
 
     def release(self, req_id: str) -> None:

@@ -78,6 +78,9 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens this runner has sampled for the request (confirmed or not).
     num_output_tokens: int = 0
+    # Set by a verification with drafts, until the request's next forward: the scheduler
+    # may have scheduled that forward assuming every draft was kept.
+    verified_drafts: bool = False
 
     @property
     def num_known_tokens(self) -> int:

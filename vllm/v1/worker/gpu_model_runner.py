@@ -271,6 +271,7 @@ class GPUModelRunner:
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.resumed_from_preemption[i]:
+                state.verified_drafts = False  # recomputed from the scheduler's count
                 tokens = cached.resumed_req_token_ids[req_id]
                 num_out = cached.resumed_num_output_tokens[req_id]
                 state.output_token_ids = tokens[len(tokens) - num_out :]
@@ -328,6 +329,7 @@ class GPUModelRunner:
         rows_np = np.asarray(rows, dtype=np.int32)
         num_sched = np.asarray([scheduled[r] for r in req_ids], dtype=np.int32)
         starts = batch.num_computed_tokens[rows_np]
+        self._place_after_kept(rows, starts)
         num_reqs, num_tokens = len(rows), int(num_sched.sum())
         graph_size = None
         if self.graphs is not None and num_tokens == num_reqs:
@@ -445,6 +447,33 @@ class GPUModelRunner:
         self._settle(block=False)
         return None
 
+    def _place_after_kept(self, rows: list[int], starts: np.ndarray) -> None:
+        """Moves the start of each request verified with drafts since its last forward to
+        just after the tokens it kept (in place in `starts`, one entry per row of `rows`).
+
+        Under async scheduling such a request may be scheduled before the scheduler learns
+        how many drafts it kept; its computed-token count then assumes all were (an upper
+        bound, so its blocks suffice). The kept count is known here once the verification's
+        sampled ids reach the host: at once on the CPU; on CUDA this waits for that copy
+        (docs/architecture.md §11).
+        """
+        batch = self.input_batch
+        verified = [i for i, row in enumerate(rows) if batch.states[row].verified_drafts]
+        if not verified:
+            return
+        self._settle(block=True)
+        for i in verified:
+            row = rows[i]
+            batch.states[row].verified_drafts = False
+            # A verified request decodes: its newest token is its first input.
+            start = int(batch.num_known_tokens[row]) - 1
+            if start > starts[i]:
+                raise RuntimeError(
+                    f"request {batch.req_ids[row]}: scheduled from token {starts[i]}, but "
+                    f"it holds {start + 1} tokens"
+                )
+            starts[i] = start
+
     def _capture_graphs(self) -> None:
         """Captures decode graphs over the persistent input buffers (CUDA only)."""
         assert self.model is not None
@@ -536,8 +565,9 @@ class GPUModelRunner:
                 logprobs.token_ids[first], logprobs.logprobs[first], logprobs.ranks[first]
             )
         positions = [state.num_output_tokens for state in states]
-        for state in states:
+        for state, drafts in zip(states, step.drafts):
             state.num_output_tokens += 1
+            state.verified_drafts |= bool(drafts)
         sampled = _SampledTokens(
             step.sampled_req_ids, states, positions, token_ids, logprobs, self.copy_stream
         )

@@ -14,9 +14,10 @@ from vllm.v1.structured_output import StructuredOutputManager
 class AsyncScheduler(Scheduler):
     """A Scheduler whose steps may overlap: step N+1 is scheduled while step N is in flight.
 
-    Every token a step will sample is counted in `Request.num_output_placeholders` until its
-    value arrives in update_from_output; a request that samples in several in-flight steps
-    holds one placeholder per step. The base scheduling rules already count placeholders as
+    Every token a step may sample is counted in `Request.num_output_placeholders` until its
+    value arrives in update_from_output: one per step, plus the step's drafts (a
+    verification may keep them all; update_from_output takes back what it rejected). A
+    request that samples in several in-flight steps holds placeholders for each. The base scheduling rules already count placeholders as
     tokens to feed (the runner feeds them from the device) and never schedule past
     max_tokens or max_model_len; prefix caching only ever hashes confirmed tokens.
 
@@ -42,8 +43,12 @@ class AsyncScheduler(Scheduler):
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         super()._update_after_schedule(output)
+        spec = output.scheduled_spec_decode_tokens
         for req_id in output.sampled_req_ids:
-            self.requests[req_id].num_output_placeholders += 1
+            request = self.requests[req_id]
+            # A verification may keep every draft: until its output arrives, all count.
+            request.spec_token_ids = spec.get(req_id, [])
+            request.num_output_placeholders += 1 + len(request.spec_token_ids)
         if output.sampled_req_ids:
             self._unsampled_steps[output.step_id] = frozenset(output.sampled_req_ids)
 
@@ -54,9 +59,15 @@ class AsyncScheduler(Scheduler):
 
     def _waits_for_sampling(self, request: Request) -> bool:
         if self._may_draft(request):
-            # Drafts are looked up from confirmed tokens, and after a verification the
-            # number of kept tokens (and so the next position) is known only on the host.
-            return request.num_output_placeholders > 0
+            if request.use_structured_output:
+                # Its grammar cuts its drafts and knows only confirmed tokens: it drafts
+                # when all are confirmed (else it would never draft, running every step).
+                return request.num_output_placeholders > 0
+            if request.num_output_placeholders > 1 + len(request.spec_token_ids):
+                # Two steps in flight at most: the runner places a step after the tokens
+                # its previous verification kept, but a third step would be scheduled
+                # while the first one's rejected drafts are still counted as computed.
+                return True
         if self.pipeline_stages > 1:
             # With pipeline stages a request runs in one in-flight step at a time: its next
             # token cannot enter the first stage before it has left the last one, so
@@ -66,6 +77,16 @@ class AsyncScheduler(Scheduler):
         # At most max_concurrent_batches steps are ever listed.
         return any(request.request_id in ids for ids in self._unsampled_steps.values())
 
-    def _release_placeholder(self, request: Request) -> None:
-        request.num_output_placeholders -= 1
+    def _release_placeholders(self, request: Request, count: int) -> None:
+        request.num_output_placeholders -= count
         assert request.num_output_placeholders >= 0, request.request_id
+
+    def _assumed_in_flight(self, request: Request) -> list[int] | None:
+        if request.num_output_placeholders == 0:
+            return []
+        if request.use_structured_output:
+            return None  # see _waits_for_sampling
+        drafts = request.spec_token_ids
+        # Only one step in flight (its placeholders are all there are): with more, the
+        # tokens between them are unknown.
+        return drafts if request.num_output_placeholders == 1 + len(drafts) else None

@@ -384,20 +384,30 @@ class Scheduler:
             return {}
         contexts: dict[str, tuple[list[int], int, int]] = {}
         forced: dict[str, list[int]] = {}
+        guessed: set[str] = set()
         for request in self.running:
-            if (
-                request.num_output_placeholders
-                or self._num_new_tokens(request) != 1
-                or not self._may_draft(request)
-            ):
+            if self._num_new_tokens(request) != 1 or not self._may_draft(request):
                 continue
-            limit = min(self.max_model_len - request.num_tokens - 1, self.proposer.num_tokens)
+            assumed = self._assumed_in_flight(request)
+            if assumed is None:
+                continue
+            # Tokens still in flight count as produced (all drafts kept: an upper bound).
+            pending = request.num_output_placeholders
+            limit = min(self.max_model_len - request.num_tokens - pending - 1,
+                        self.proposer.num_tokens)
             max_tokens = request.sampling_params.max_tokens
             if max_tokens is not None:
-                limit = min(limit, max_tokens - request.num_output_tokens - 1)
+                limit = min(limit, max_tokens - request.num_output_tokens - pending - 1)
             if limit <= 0:
                 continue
             tokens = request.all_token_ids
+            if pending:
+                # One step stale: the in-flight step's drafts are assumed kept, and the
+                # proposal's first token guesses the token it samples after them (dropped
+                # below). A wrong guess costs only rejected drafts.
+                tokens = tokens + assumed
+                guessed.add(request.request_id)
+                limit += 1
             structured_req = request.structured_output_request
             if structured_req is not None:
                 assert structured_req.grammar is not None
@@ -411,6 +421,8 @@ class Scheduler:
         drafts: dict[str, list[int]] = {}
         for req_id in contexts:
             tokens = forced.get(req_id, []) + proposed.get(req_id, [])
+            if req_id in guessed:
+                tokens = tokens[1:]
             structured_req = self.requests[req_id].structured_output_request
             if tokens and structured_req is not None:
                 assert structured_req.grammar is not None
@@ -438,6 +450,12 @@ class Scheduler:
         """True while `request` must not be scheduled because its next input token is sampled
         in a step whose sample_tokens has not been issued (AsyncScheduler)."""
         return False
+
+    def _assumed_in_flight(self, request: Request) -> list[int] | None:
+        """The tokens a drafting request's in-flight step is assumed to feed before the one
+        it samples last (its drafts, all kept); [] with nothing in flight; None when the
+        request cannot draft now. The synchronous scheduler has nothing in flight."""
+        return [] if request.num_output_placeholders == 0 else None
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         for req_id, n in output.num_scheduled_tokens.items():
@@ -529,9 +547,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue  # finished or aborted while this step was in flight
-            self._release_placeholder(request)
-            new_ids = self._append_and_check(request, token_ids)
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            self._release_placeholders(request, 1 + len(drafts or ()))
+            new_ids = self._append_and_check(request, token_ids)
             if drafts is not None:
                 self._verified(request, len(drafts), len(token_ids) - 1, len(new_ids))
             out = EngineCoreOutput(
@@ -557,8 +575,9 @@ class Scheduler:
                 self._free_request(request)
         return outputs
 
-    def _release_placeholder(self, request: Request) -> None:
-        """Async scheduling hook: the tokens of one in-flight step became real."""
+    def _release_placeholders(self, request: Request, count: int) -> None:
+        """Async scheduling hook: one in-flight step, counted as `count` tokens, delivered
+        its tokens."""
 
     def _verified(
         self, request: Request, num_drafts: int, num_accepted: int, num_appended: int
