@@ -71,6 +71,8 @@ class Request:
         # Drafts of the request's newest scheduled step (async scheduling: it drafts next
         # from them before that step's output arrives).
         self.spec_token_ids: list[int] = []
+        # Whether the newest verification whose output arrived kept all its drafts.
+        self.kept_all_drafts = True
         # Tokens of all_token_ids the model runner has been given (the prompt when new, every
         # token when resumed, new tokens under pipeline parallelism: SchedulerOutput).
         self.num_tokens_sent = 0

@@ -296,7 +296,7 @@ class FakeRunner:
     def sample(
         self, scheduler_output: SchedulerOutput, grammar_output: GrammarOutput | None = None
     ) -> ModelRunnerOutput:
-        """The tokens of step `so` (call after execute(so), in step order)."""
+        """The tokens of `scheduler_output` (call after its execute, in step order)."""
         rows: dict[str, int] = {}
         if grammar_output is not None:
             ids = grammar_output.structured_output_request_ids

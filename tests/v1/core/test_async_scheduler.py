@@ -537,7 +537,7 @@ def test_grammar_starts_right_after_the_end_of_thinking(
     assert h.tokens["g"] == [THINK, 1001, 1002, 1003, END_THINK, *SEQ, GRAMMAR_END]
     assert h.finish_reason("g") == "stop"
     assert h.tokens["p"] == expected("p", 12)
-    sampling_steps = [so.step_id for so in h.runner.steps if "g" in so.sampled_req_ids]
+    sampling_steps = [step.step_id for step in h.runner.steps if "g" in step.sampled_req_ids]
     rows_of_step = dict(rows)
     constrained = [k for k, step in enumerate(sampling_steps) if "g" in rows_of_step[step]]
     # Output 0 may open a thinking block (its row allows <think> and the grammar's first

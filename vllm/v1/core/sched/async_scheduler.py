@@ -87,6 +87,11 @@ class AsyncScheduler(Scheduler):
         if request.use_structured_output:
             return None  # see _waits_for_sampling
         drafts = request.spec_token_ids
-        # Only one step in flight (its placeholders are all there are): with more, the
-        # tokens between them are unknown.
-        return drafts if request.num_output_placeholders == 1 + len(drafts) else None
+        if request.num_output_placeholders != 1 + len(drafts):
+            return None  # more than one step in flight: the tokens between them are unknown
+        if drafts and not request.kept_all_drafts:
+            # The drafts in flight were proposed assuming the previous verification kept
+            # all of its own, which it did not: they will be rejected, and so would drafts
+            # built on them.
+            return None
+        return drafts

@@ -591,6 +591,7 @@ class Scheduler:
         self.num_spec_steps += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += min(num_accepted, num_appended)
+        request.kept_all_drafts = num_accepted == num_drafts
         if request.status != RequestStatus.RUNNING:
             return  # finished (freed next), or preempted: it owns no blocks
         request.num_computed_tokens -= num_drafts - num_accepted
