@@ -181,6 +181,8 @@ class GPUModelRunner:
         self.block_size = vllm_config.cache_config.block_size
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
+        # Speculative decoding: some steps verify drafts.
+        self.speculative = vllm_config.speculative_config is not None
         self.vocab_size = mc.vocab_size
         self.min_rows = _CPU_MIN_ROWS if self.device.type == "cpu" else 1
         self.model: torch.nn.Module | None = None
@@ -457,6 +459,8 @@ class GPUModelRunner:
         sampled ids reach the host: at once on the CPU; on CUDA this waits for that copy
         (docs/architecture.md §11).
         """
+        if not self.speculative:
+            return
         batch = self.input_batch
         verified = [i for i, row in enumerate(rows) if batch.states[row].verified_drafts]
         if not verified:

@@ -17,9 +17,10 @@ class AsyncScheduler(Scheduler):
     Every token a step may sample is counted in `Request.num_output_placeholders` until its
     value arrives in update_from_output: one per step, plus the step's drafts (a
     verification may keep them all; update_from_output takes back what it rejected). A
-    request that samples in several in-flight steps holds placeholders for each. The base scheduling rules already count placeholders as
-    tokens to feed (the runner feeds them from the device) and never schedule past
-    max_tokens or max_model_len; prefix caching only ever hashes confirmed tokens.
+    request that samples in several in-flight steps holds placeholders for each. The base
+    scheduling rules already count placeholders as tokens to feed (the runner feeds them
+    from the device) and never schedule past max_tokens or max_model_len; prefix caching
+    only ever hashes confirmed tokens.
 
     The runner feeds an unconfirmed token from the device copy of the newest sample of its
     row, which exists only once that step's sample_tokens has run, and the workers run calls
