@@ -464,8 +464,14 @@ class InFlight:
     """A scheduled step whose output has not been given to update_from_output yet."""
 
     scheduler_output: SchedulerOutput
+    # The requests that sample in the step (an id may be reused by a new request meanwhile).
+    sampled: dict[str, Request] = field(default_factory=dict)
     # None while sampling is deferred until every older step has been updated.
     output: ModelRunnerOutput | None = None
+
+    def samples(self, request: Request | None) -> bool:
+        """Whether `request` (this very request, not another of its id) samples here."""
+        return request is not None and self.sampled.get(request.request_id) is request
 
 
 @dataclass
@@ -500,15 +506,17 @@ class Harness:
             wait_compiled(request)
 
     def in_flight_samples(self, req_id: str) -> int:
-        """Steps in flight that sample `req_id`."""
-        return sum(req_id in e.scheduler_output.sampled_req_ids for e in self.in_flight)
+        """Steps in flight that sample the live request `req_id`."""
+        request = self.sched.requests.get(req_id)
+        return sum(e.samples(request) for e in self.in_flight)
 
     def tokens_in_flight(self, req_id: str) -> int:
-        """The most tokens the steps in flight can still give `req_id`: one per step that
-        samples it, plus that step's drafts."""
+        """The most tokens the steps in flight can still give the live request `req_id`: one
+        per step that samples it, plus that step's drafts."""
+        request = self.sched.requests.get(req_id)
         return sum(
             1 + len(e.scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
-            for e in self.in_flight if req_id in e.scheduler_output.sampled_req_ids
+            for e in self.in_flight if e.samples(request)
         )
 
     def schedule(self) -> SchedulerOutput:
@@ -538,7 +546,8 @@ class Harness:
             self.check()
             return scheduler_output
         self.runner.execute(scheduler_output)
-        self.in_flight.append(InFlight(scheduler_output))
+        sampled = {r: sched.requests[r] for r in scheduler_output.sampled_req_ids}
+        self.in_flight.append(InFlight(scheduler_output, sampled))
         self.sample_ready()
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.scheduled[req_id] += n

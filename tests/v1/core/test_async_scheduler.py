@@ -1,8 +1,8 @@
 """Tests for vllm/v1/core/sched/async_scheduler.py: steps scheduled before the previous
 step's tokens are known (one or two steps in flight), with fake model outputs.
 
-The Harness checks after every call that each live request's placeholder count equals the
-number of in-flight steps that sample it, that `pending_structured_output_tokens` is set
+The Harness checks after every call that each live request's placeholder count equals what
+the in-flight steps that sample it may still give (one each, plus their drafts), that `pending_structured_output_tokens` is set
 exactly when a scheduled structured request waits for an in-flight token, and that KV block
 ownership matches the live requests.
 """
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.v1.core.sched_utils import (
+    CYCLE,
     SPEC_CONDITIONS,
     cyclic,
     harness_factory,
@@ -181,6 +182,30 @@ def test_abort_running_request_with_steps_in_flight(
     h.run()
     assert h.tokens.get("r", []) == tokens_before
     assert h.tokens["o"] == expected("o", 6)
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [0, 3])
+def test_an_aborted_id_reused_while_its_step_is_in_flight(
+    make: MakeHarness, num_speculative_tokens: int
+) -> None:
+    """The late output of an aborted request must not reach the new request that took its
+    id (before: its tokens were appended to the new request, and its placeholders taken
+    from it, failing an assertion that ended the engine)."""
+    h = make(depth=3, num_speculative_tokens=num_speculative_tokens)
+    h.add(make_request("r", CYCLE * 3, max_tokens=20), make_request("o", CYCLE * 3, max_tokens=20))
+    h.schedule()
+    h.update()
+    assert "r" in h.schedule().sampled_req_ids  # in flight
+    h.sched.finish_requests(["r"], ABORTED)
+    h.schedule()  # tells the runner that r finished
+    new = make_request("r", [7, 8, 9, 10, 11], max_tokens=3)
+    h.add(new)
+    outs = h.update()  # the old r's step
+    assert all(o.request_id != "r" for o in outs)
+    assert new.num_output_tokens == 0 and new.num_output_placeholders == 0
+    h.run()
+    assert new.num_output_tokens == 3 and new.is_finished()
+    assert h.tokens["o"] == [default_policy("o", k) for k in range(20)]
 
 
 # ---------------------------------------------------------------------- preemption

@@ -21,10 +21,10 @@ tests/v1/engine/test_batch_queue.py check each by event order):
    Only the requests that sample in a batch whose `sample_tokens` has not been issued wait:
    their next input token is that sample, and it is not on the device yet (see
    `Scheduler.sampling_issued`).
-4. **One placeholder per batch.** A request that samples in several in-flight batches holds
-   one output placeholder for each (`AsyncScheduler`); each is released when that batch's
-   output reaches `update_from_output`, and a token for a request that has finished since is
-   dropped there.
+4. **Placeholders per batch.** A request that samples in several in-flight batches holds
+   output placeholders for each (`AsyncScheduler`): one, plus the batch's drafts for it. They
+   are released when that batch's output reaches `update_from_output`, and a token for a
+   request that has finished since (even if a new request took its id) is dropped there.
 
 **When a batch's bitmask may be computed.** Only once no batch older than it can still
 advance one of its grammars. A batch scheduled with `pending_structured_output_tokens`

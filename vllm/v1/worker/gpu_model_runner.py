@@ -8,9 +8,10 @@ keeps them first in, first out, and each sample_tokens call samples the oldest.
 
 Sampled ids stay on the device: the next step's input for a request whose newest token is not
 on the host yet is copied from `last_token` on the device, so building a step never waits for
-the previous one (this is what makes async scheduling possible). It also means a step must not
-feed a request whose previous step is executed but not sampled yet: the scheduler never
-schedules one (AsyncScheduler).
+the previous one (this is what makes async scheduling possible). The one exception is a
+request verified with drafts: its next step starts after the tokens it kept, whose count this
+waits for on CUDA (`_place_after_kept`). A step must not feed a request whose previous step is
+executed but not sampled yet: the scheduler never schedules one (AsyncScheduler).
 
 With pipeline stages (docs/architecture.md §10) each rank runs its stage's layers: a stage
 other than the first receives the hidden states and residual of the previous one, a stage

@@ -69,6 +69,9 @@ class Scheduler:
         # Aborts that found the request still live (cumulative), for the stats record.
         self.num_aborted_requests = 0
         self._step_id = 0
+        # step_id -> the requests a step scheduled, until its output is handled: an id of a
+        # request that ended meanwhile may belong to a new request by then.
+        self._step_requests: dict[int, dict[str, Request]] = {}
         self.proposer = proposer if proposer is not None else build_proposer(vllm_config)
         # Speculative decoding counters (cumulative): verification steps that carried drafts,
         # drafted tokens, and drafted tokens the target model kept.
@@ -386,7 +389,11 @@ class Scheduler:
         forced: dict[str, list[int]] = {}
         guessed: set[str] = set()
         for request in self.running:
-            if self._num_new_tokens(request) != 1 or not self._may_draft(request):
+            if (
+                self._num_new_tokens(request) != 1
+                or not self._may_draft(request)
+                or self._waits_for_sampling(request)  # not scheduled now: drafts are wasted
+            ):
                 continue
             assumed = self._assumed_in_flight(request)
             if assumed is None:
@@ -435,6 +442,7 @@ class Scheduler:
         """Keeps the runner-facing news of a step that schedules no tokens and is never run:
         its finished and preempted ids go out with the next step instead."""
         assert output.total_num_scheduled_tokens == 0
+        self._step_requests.pop(output.step_id, None)
         self.finished_req_ids |= output.finished_req_ids
         self._unsent_preempted_ids |= output.preempted_req_ids
         self._kept_blocks = {**output.num_kept_blocks, **self._kept_blocks}
@@ -458,8 +466,11 @@ class Scheduler:
         return [] if request.num_output_placeholders == 0 else None
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        scheduled = {}
         for req_id, n in output.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = scheduled[req_id] = self.requests[req_id]
+            request.num_computed_tokens += n
+        self._step_requests[output.step_id] = scheduled
 
     def _ready_to_admit(self, request: Request) -> bool:
         """False while a waiting request cannot start yet; finishes it if its grammar failed."""
@@ -540,13 +551,16 @@ class Scheduler:
         outputs = self._pending_outputs
         self._pending_outputs = []
         logprobs = model_runner_output.logprobs
+        scheduled = self._step_requests.pop(scheduler_output.step_id, {})
         for idx, req_id in enumerate(model_runner_output.req_ids):
             token_ids = model_runner_output.sampled_token_ids[idx]
             if not token_ids:
                 continue
-            request = self.requests.get(req_id)
-            if request is None:
-                continue  # finished or aborted while this step was in flight
+            request = scheduled.get(req_id)
+            if request is None or self.requests.get(req_id) is not request:
+                # Finished or aborted while this step was in flight (its id may have been
+                # reused by a new request since).
+                continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             self._release_placeholders(request, 1 + len(drafts or ()))
             new_ids = self._append_and_check(request, token_ids)
