@@ -30,6 +30,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.proposer import build_proposer
 from vllm.v1.structured_output.backend_auto import AutoBackend
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import (
@@ -679,7 +680,7 @@ def build_harness(
     # counted.
     pipelined = vllm_config.parallel_config.pipeline_parallel_size > 1
     cls = AsyncScheduler if async_scheduling or pipelined else Scheduler
-    sched = cls(vllm_config, kv, som)
+    sched = cls(vllm_config, kv, som, build_proposer(vllm_config))
     if depth is None:
         depth = 2 if async_scheduling else 1
     runner = FakeRunner(vllm_config.cache_config.block_size, policy)

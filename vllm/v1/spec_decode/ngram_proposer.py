@@ -77,8 +77,6 @@ class NgramProposer:
         """Returns up to min(num_tokens, max_tokens) drafted tokens to follow `token_ids`
         ([] when no suffix occurs earlier). Pure: no state is kept between calls."""
         k = self.num_tokens if max_tokens is None else min(self.num_tokens, max_tokens)
-        if k <= 0 or len(token_ids) <= self.min_n:
-            return []
         return self._lookup(np.asarray(token_ids, dtype=np.int64), k)
 
     def _lookup(self, tokens: np.ndarray, k: int) -> list[int]:

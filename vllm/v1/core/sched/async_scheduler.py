@@ -67,7 +67,8 @@ class AsyncScheduler(Scheduler):
             if request.num_output_placeholders > 1 + len(request.spec_token_ids):
                 # Two steps in flight at most: the runner places a step after the tokens
                 # its previous verification kept, but a third step would be scheduled
-                # while the first one's rejected drafts are still counted as computed.
+                # while the first one's rejected drafts are still counted as computed (and
+                # a stale proposal would not know the tokens between the two).
                 return True
         if self.pipeline_stages > 1:
             # With pipeline stages a request runs in one in-flight step at a time: its next
@@ -83,13 +84,11 @@ class AsyncScheduler(Scheduler):
         assert request.num_output_placeholders >= 0, request.request_id
 
     def _assumed_in_flight(self, request: Request) -> list[int] | None:
+        # A request that is scheduled now has at most one step in flight, and a constrained
+        # one none (_waits_for_sampling).
         if request.num_output_placeholders == 0:
             return []
-        if request.use_structured_output:
-            return None  # see _waits_for_sampling
         drafts = request.spec_token_ids
-        if request.num_output_placeholders != 1 + len(drafts):
-            return None  # more than one step in flight: the tokens between them are unknown
         if drafts and not request.kept_all_drafts:
             # The drafts in flight were proposed assuming the previous verification kept
             # all of its own, which it did not: they will be rejected, and so would drafts

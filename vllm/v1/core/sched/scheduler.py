@@ -20,7 +20,7 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.spec_decode.proposer import Proposer, build_proposer
+from vllm.v1.spec_decode.proposer import Proposer
 from vllm.v1.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ class Scheduler:
         structured_output_manager: StructuredOutputManager | None = None,
         proposer: Proposer | None = None,
     ) -> None:
-        """`proposer` drafts for speculative decoding; without one, the scheduler builds the
-        one `vllm_config` asks for (None without speculative decoding)."""
+        """`proposer` drafts for speculative decoding (None: no drafts); the engine builds it
+        from `vllm_config` (build_proposer) before it sizes the KV cache."""
         self.config = vllm_config
         sched = vllm_config.scheduler_config
         self.max_num_seqs = sched.max_num_seqs
@@ -72,7 +72,7 @@ class Scheduler:
         # step_id -> the requests a step scheduled, until its output is handled: an id of a
         # request that ended meanwhile may belong to a new request by then.
         self._step_requests: dict[int, dict[str, Request]] = {}
-        self.proposer = proposer if proposer is not None else build_proposer(vllm_config)
+        self.proposer = proposer
         # Speculative decoding counters (cumulative): verification steps that carried drafts,
         # drafted tokens, and drafted tokens the target model kept.
         self.num_spec_steps = 0
@@ -460,9 +460,10 @@ class Scheduler:
         return False
 
     def _assumed_in_flight(self, request: Request) -> list[int] | None:
-        """The tokens a drafting request's in-flight step is assumed to feed before the one
-        it samples last (its drafts, all kept); [] with nothing in flight; None when the
-        request cannot draft now. The synchronous scheduler has nothing in flight."""
+        """For a drafting request scheduled now (not one that _waits_for_sampling): the tokens
+        its in-flight step is assumed to feed before the one it samples last (its drafts, all
+        kept); [] with nothing in flight; None when it should not draft now. The synchronous
+        scheduler has nothing in flight."""
         return [] if request.num_output_placeholders == 0 else None
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
