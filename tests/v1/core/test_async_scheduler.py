@@ -653,16 +653,34 @@ def test_drafts_match_sync_without_drafts(
     # drafts then (drafted one step stale).
     overlapped: set[str] = set()
     stale: set[str] = set()
+    # Requests whose in-flight drafts assumed a verification that turned out to reject one.
+    doomed: set[str] = set()
     schedule = h.sched.schedule
+    propose_batch = h.sched.proposer.propose_batch
+    waiting: set[str] = set()
+
+    def recording_propose_batch(contexts):
+        # No proposal for a request the step will not take.
+        assert not waiting & set(contexts), waiting & set(contexts)
+        return propose_batch(contexts)
 
     def recording_schedule():
-        in_flight = {r.request_id for r in h.sched.running if r.num_output_placeholders}
+        running = h.sched.running
+        in_flight = {r.request_id for r in running if r.num_output_placeholders}
+        waiting.clear()
+        waiting.update(r.request_id for r in running if h.sched._waits_for_sampling(r))
+        on_rejected = {r.request_id for r in running if r.num_output_placeholders
+                       and r.spec_token_ids and not r.kept_all_drafts} - waiting
         scheduler_output = schedule()
         overlapped.update(in_flight & set(scheduler_output.num_scheduled_tokens))
         stale.update(in_flight & set(scheduler_output.scheduled_spec_decode_tokens))
+        # They run without drafts: drafts built on theirs would be rejected too.
+        assert not on_rejected & set(scheduler_output.scheduled_spec_decode_tokens)
+        doomed.update(on_rejected & set(scheduler_output.num_scheduled_tokens))
         return scheduler_output
 
     h.sched.schedule = recording_schedule
+    h.sched.proposer.propose_batch = recording_propose_batch
     while h.step():
         # At most two steps of a drafting request in flight (see AsyncScheduler).
         assert all(h.in_flight_samples(r) <= 2 for r in h.added)
@@ -674,6 +692,7 @@ def test_drafts_match_sync_without_drafts(
     assert "g" not in overlapped
     assert {"a", "x1", "x2"} <= overlapped
     assert stale and "g" not in stale
+    assert doomed  # the rule above was exercised
     assert {r: h.finish_reason(r) for r in h.tokens} == {
         r: reference.finish_reason(r) for r in reference.tokens
     }
