@@ -112,10 +112,10 @@ def test_compile_timeout_fails_only_that_request(
     backend = manager.backend
     compile_choosing = backend.compile_choosing
 
-    def slow_for_one(params: StructuredOutputsParams) -> Any:
+    def slow_for_one(params: StructuredOutputsParams, **kwargs: Any) -> Any:
         if params.regex == "slow":
             time.sleep(0.6)
-        return compile_choosing(params)
+        return compile_choosing(params, **kwargs)
 
     monkeypatch.setattr(backend, "compile_choosing", slow_for_one)
     slow = _request("slow", regex="slow")
@@ -130,6 +130,28 @@ def test_compile_timeout_fails_only_that_request(
     assert slow.structured_output_request.grammar is None
     manager.clear(slow)
     manager.clear(fast)
+
+
+def test_building_a_backend_is_no_requests_compile_time(backend: Any, demo_dir: Path) -> None:
+    """The first structured requests of an engine wait while a backend is built (seconds, on
+    a busy machine more than a short time limit): that wait must not fail them."""
+    manager = StructuredOutputManager(_config(demo_dir, compile_timeout_s=0.3))
+
+    def slow_build() -> Any:
+        time.sleep(0.8)
+        return backend
+
+    manager._backend = AutoBackend(backend.vocab_size, [("xgrammar", slow_build)])
+    requests = [_request(f"first{i}", choice=["x", str(i)]) for i in range(3)]
+    try:
+        for request in requests:
+            manager.grammar_init(request)
+        for request in requests:
+            assert _wait(request, timeout_s=0.3), request.structured_output_request.error
+    finally:
+        for request in requests:
+            manager.clear(request)
+        manager.shutdown()
 
 
 def test_batch_bitmask_matches_fresh_replays(
@@ -353,11 +375,11 @@ def _block_big(monkeypatch: pytest.MonkeyPatch, manager: StructuredOutputManager
     compile_choosing = backend.compile_choosing
     release = threading.Event()
 
-    def blocking(params: StructuredOutputsParams) -> Any:
+    def blocking(params: StructuredOutputsParams, **kwargs: Any) -> Any:
         if params.regex is not None and params.regex.startswith("blocked"):
             assert release.wait(120), "the test never released the blocked compiles"
-            return compile_choosing(StructuredOutputsParams(regex="x+"))
-        return compile_choosing(params)
+            return compile_choosing(StructuredOutputsParams(regex="x+"), **kwargs)
+        return compile_choosing(params, **kwargs)
 
     monkeypatch.setattr(backend, "compile_choosing", blocking)
     return release
@@ -468,9 +490,9 @@ def test_validate_remembers_verdicts(
     compile_choosing = backend.compile_choosing
     calls: list[str] = []
 
-    def counting(params: StructuredOutputsParams) -> Any:
+    def counting(params: StructuredOutputsParams, **kwargs: Any) -> Any:
         calls.append(params.kind)
-        return compile_choosing(params)
+        return compile_choosing(params, **kwargs)
 
     monkeypatch.setattr(backend, "compile_choosing", counting)
     good = StructuredOutputsParams(json={"type": "object", "properties": {"remember": {}}})

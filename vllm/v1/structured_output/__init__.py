@@ -182,7 +182,9 @@ class StructuredOutputManager:
     ) -> StructuredOutputGrammar:
         backend = self.backend
         structured_req.mark_started()
-        grammar, name, reason = backend.compile_choosing(structured_req.params)
+        grammar, name, reason = backend.compile_choosing(
+            structured_req.params, clock=structured_req
+        )
         if count:  # a request's own compile, not an admission check
             with self._backend_lock:
                 self._choices[(name, reason)] += 1

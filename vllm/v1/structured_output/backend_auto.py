@@ -14,7 +14,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -36,6 +36,16 @@ logger = logging.getLogger(__name__)
 # Why a request's constraint went to the backend that compiled it (a /metrics label).
 FIRST_CHOICE = "first_choice"
 FALLBACK = "fallback"
+
+
+class CompileClock(Protocol):
+    """A request's compile time limit (StructuredOutputRequest)."""
+
+    def pause(self) -> None:
+        """Stops counting compile time."""
+
+    def resume(self) -> None:
+        """Counts on from where pause stopped."""
 
 
 class AutoBackend(StructuredOutputBackend):
@@ -80,11 +90,13 @@ class AutoBackend(StructuredOutputBackend):
         return self.compile_choosing(params)[0]
 
     def compile_choosing(
-        self, params: StructuredOutputsParams
+        self, params: StructuredOutputsParams, clock: CompileClock | None = None
     ) -> tuple[StructuredOutputGrammar, str, str]:
         """Compiles `params` with the first backend that enforces it exactly; returns the
         grammar, the backend's name, and why (FIRST_CHOICE, or FALLBACK when an earlier
-        backend refused). Builds a backend on its first use.
+        backend refused). Builds a backend on its first use, with `clock` paused meanwhile:
+        building one (seconds, once per process, maybe by another thread) is no request's
+        compile time.
 
         Raises GrammarCompileError when the constraint is invalid (the first backend's verdict:
         a later backend is tried only when one refuses with UnsupportedConstraintError), and
@@ -101,8 +113,14 @@ class AutoBackend(StructuredOutputBackend):
             )
         refusals: list[tuple[str, UnsupportedConstraintError]] = []
         for name, build in self._factories:
+            fresh = name not in self._built and clock is not None
+            if fresh:
+                clock.pause()
+            backend = self._backend(name, build)
+            if fresh:
+                clock.resume()
             try:
-                grammar = self._backend(name, build).compile_grammar(params)
+                grammar = backend.compile_grammar(params)
             except UnsupportedConstraintError as e:
                 refusals.append((name, e))
                 continue

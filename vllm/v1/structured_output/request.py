@@ -29,11 +29,13 @@ class StructuredOutputRequest:
         self.exception: GrammarCompileError | None = None
         self.future: Future[StructuredOutputGrammar] | None = None
         # time.monotonic() when a worker began compiling: time spent queued behind other
-        # compiles (or building the backend) does not count against the timeout.
+        # compiles, or while backends are built (`pause`), does not count against the timeout.
         self.compile_started_at: float | None = None
         # True when `error` is a timeout (which depends on the load, not only the constraint).
         self.timed_out = False
         self._started = threading.Event()
+        # Compile seconds counted before a `pause`.
+        self._compiled_s = 0.0
         # Set by the manager's grammar_init when the server has a --reasoning-parser.
         self.reasoning_parser: ReasoningParser | None = None
         self.reasoning = ReasoningState.ENDED
@@ -76,6 +78,21 @@ class StructuredOutputRequest:
     def mark_started(self) -> None:
         """Records that a worker began compiling now (called from the worker thread)."""
         self.compile_started_at = time.monotonic()
+        self._started.set()
+
+    def pause(self) -> None:
+        """Stops the compile clock (from the worker thread) while the compile waits for
+        something that is no request's cost, such as a backend being built; `resume` counts
+        on from there."""
+        started = self.compile_started_at
+        if started is not None:
+            self._compiled_s = time.monotonic() - started
+        self.compile_started_at = None
+        self._started.clear()
+
+    def resume(self) -> None:
+        """Restarts the compile clock stopped by `pause`."""
+        self.compile_started_at = time.monotonic() - self._compiled_s
         self._started.set()
 
     def wait(self, timeout_s: float) -> bool:
