@@ -658,10 +658,17 @@ def test_drafts_match_sync_without_drafts(
     schedule = h.sched.schedule
     propose_batch = h.sched.proposer.propose_batch
     waiting: set[str] = set()
+    on_rejected: set[str] = set()
 
     def recording_propose_batch(contexts):
         # No proposal for a request the step will not take.
         assert not waiting & set(contexts), waiting & set(contexts)
+        for req_id in on_rejected & set(contexts):
+            # Its drafts in flight followed a context that did not happen: it drafts from
+            # its confirmed tokens, as if its step in flight keeps none of them.
+            tokens, num_confirmed, _ = contexts[req_id]
+            assert len(tokens) == num_confirmed, req_id
+            doomed.add(req_id)
         return propose_batch(contexts)
 
     def recording_schedule():
@@ -669,14 +676,12 @@ def test_drafts_match_sync_without_drafts(
         in_flight = {r.request_id for r in running if r.num_output_placeholders}
         waiting.clear()
         waiting.update(r.request_id for r in running if h.sched._waits_for_sampling(r))
-        on_rejected = {r.request_id for r in running if r.num_output_placeholders
-                       and r.spec_token_ids and not r.kept_all_drafts} - waiting
+        on_rejected.clear()
+        on_rejected.update({r.request_id for r in running if r.num_output_placeholders
+                            and r.spec_token_ids and not r.kept_all_drafts} - waiting)
         scheduler_output = schedule()
         overlapped.update(in_flight & set(scheduler_output.num_scheduled_tokens))
         stale.update(in_flight & set(scheduler_output.scheduled_spec_decode_tokens))
-        # They run without drafts: drafts built on theirs would be rejected too.
-        assert not on_rejected & set(scheduler_output.scheduled_spec_decode_tokens)
-        doomed.update(on_rejected & set(scheduler_output.num_scheduled_tokens))
         return scheduler_output
 
     h.sched.schedule = recording_schedule
@@ -686,13 +691,42 @@ def test_drafts_match_sync_without_drafts(
         assert all(h.in_flight_samples(r) <= 2 for r in h.added)
     assert h.tokens == reference.tokens
     assert h.sched.num_accepted_tokens > 0
-    # A constrained request drafts from confirmed tokens only (its grammar cuts the drafts),
-    # so it waits for them; the others do not wait: they are scheduled while a step of theirs
-    # is in flight, with drafts that follow that step's assumed tokens.
-    assert "g" not in overlapped
-    assert {"a", "x1", "x2"} <= overlapped
-    assert stale and "g" not in stale
+    # No drafting request waits for its tokens: each is scheduled while a step of its own is
+    # in flight, with drafts that follow that step's assumed tokens (for "g", checked by its
+    # grammar as it would stand after them).
+    assert {"a", "x1", "x2", "g"} <= overlapped
+    assert "g" in stale
     assert doomed  # the rule above was exercised
     assert {r: h.finish_reason(r) for r in h.tokens} == {
         r: reference.finish_reason(r) for r in reference.tokens
     }
+
+
+@pytest.mark.parametrize("forced", [True, False])
+def test_constrained_drafts_follow_the_grammar_past_the_tokens_in_flight(
+    make: MakeHarness, forced: bool
+) -> None:
+    """A constrained request drafts while a step of its own is in flight, checked by its
+    grammar as it would stand after that step's tokens (drafts kept, then the guess). The
+    grammar allows one sequence, so every draft it lets through is right: all are kept, and
+    none of the lookup's cycle where the grammar leaves it (7, 8)."""
+    seq = [300, 301, 7, 300, 301, 302, 303, 300, 301, 302, 303, 300, 7, 8]
+    h = make(policy=cyclic, depth=2, num_speculative_tokens=3)
+    h.add(make_request("g", CYCLE * 3, max_tokens=20,
+                       grammar=("!" if forced else "") + " ".join(map(str, seq))))
+    stale = 0
+    schedule = h.sched.schedule
+
+    def recording_schedule():
+        nonlocal stale
+        request = h.sched.requests.get("g")
+        in_flight = request is not None and request.num_output_placeholders > 0
+        scheduler_output = schedule()
+        stale += in_flight and "g" in scheduler_output.scheduled_spec_decode_tokens
+        return scheduler_output
+
+    h.sched.schedule = recording_schedule
+    h.run()
+    assert h.tokens["g"] == [*seq, GRAMMAR_END]
+    assert stale > 0
+    assert h.sched.num_accepted_tokens == h.sched.num_draft_tokens > 0

@@ -8,13 +8,14 @@ proposer runs sync and async on the uni executor, async on mp (the sync mp trans
 async one's), with forced preemption, and async with chunked prefill (the scheduler tests
 cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
 and async on mp with forced preemption. Every structured output must pass the grammar
-oracle, and drafts must have been kept; under async scheduling some must have been drafted
-while the request's previous step was still in flight.
+oracle, and drafts must have been kept; under async scheduling some, of constrained requests
+too, must have been drafted while the request's previous step was still in flight.
 """
 
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 
@@ -24,6 +25,7 @@ from tests.v1.engine.test_async_sync_equivalence import (
     assert_same,
     generate_all,
 )
+import vllm.v1.structured_output as structured_output
 from vllm import LLM, SamplingParams
 
 NUM_PROMPTS = 16
@@ -78,18 +80,34 @@ def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str
     try:
         scheduler = llm.llm_engine.engine_core.scheduler
         schedule = scheduler.schedule
-        # Requests given drafts while a step of theirs was in flight (async: one step stale).
+        # Requests given drafts while a step of theirs was in flight (async: one step stale),
+        # and which of them were constrained.
         stale: set[str] = set()
+        stale_constrained: set[str] = set()
 
         def recording_schedule():
-            in_flight = {r.request_id for r in scheduler.running if r.num_output_placeholders}
+            in_flight = {r.request_id: r.use_structured_output
+                         for r in scheduler.running if r.num_output_placeholders}
             scheduler_output = schedule()
-            stale.update(in_flight & set(scheduler_output.scheduled_spec_decode_tokens))
+            drafted = in_flight.keys() & scheduler_output.scheduled_spec_decode_tokens.keys()
+            stale.update(drafted)
+            stale_constrained.update(r for r in drafted if in_flight[r])
             return scheduler_output
 
+        # Draft lists whose grammar, at sampling, rejected a draft: they assumed tokens in
+        # flight that did not come.
+        refuted = [0]
+        fill_draft_rows = structured_output._fill_draft_rows
+
+        def recording_fill_draft_rows(req_id, grammar, drafts, bitmask, first):
+            refuted[0] += len(grammar.validate_tokens(drafts)) < len(drafts)
+            fill_draft_rows(req_id, grammar, drafts, bitmask, first)
+
         scheduler.schedule = recording_schedule
-        results = generate_all(llm, RATIOS, _prompts, _params)
-        return results, scheduler, stale
+        with mock.patch.object(structured_output, "_fill_draft_rows",
+                               recording_fill_draft_rows):
+            results = generate_all(llm, RATIOS, _prompts, _params)
+        return results, scheduler, stale, stale_constrained, refuted[0]
     finally:
         llm.shutdown()
 
@@ -114,10 +132,16 @@ def reference():
     ],
 )
 def test_drafts_change_no_output(reference, spec, async_scheduling, executor, condition) -> None:
-    got, scheduler, stale = _run(spec, async_scheduling, executor, condition)
+    got, scheduler, stale, stale_constrained, refuted = _run(
+        spec, async_scheduling, executor, condition)
     assert_same(got, reference, RATIOS)
-    # Async: drafting requests do not wait for their previous step's tokens.
+    # Async: drafting requests, constrained ones too, do not wait for their previous step's
+    # tokens.
     assert bool(stale) == async_scheduling
+    assert bool(stale_constrained) == async_scheduling
+    # Some of those stale constrained drafts turned out wrong for the grammar (the outputs
+    # above stay exact); synchronous drafts never are.
+    assert bool(refuted) == async_scheduling
     assert scheduler.num_accepted_tokens > 0
     assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens  # random rows reject
     if condition == "preemption":

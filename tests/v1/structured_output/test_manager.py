@@ -244,12 +244,19 @@ def test_bitmask_rows_for_drafts_match_fresh_replays(
             fresh.fill_bitmask(expected, 0)
             assert np.array_equal(bitmask[row], expected[0]), (req_id, j)
             row += 1
-    # A draft the grammar rejects is refused, and the grammar is still left as it was.
-    victim = ids[0]
+    # A stale draft the grammar rejects (async drafting assumed tokens that did not come):
+    # the rows up to it are exact, the rows after it allow everything, and the grammar is
+    # still left as it was.
+    victim = next(r for r in ids if drafts.get(r))
     grammar = requests[victim].structured_output_request.grammar
+    good = drafts[victim][:1]
+    grammar.accept_tokens(victim, good)
     bad = next(t for t in range(VOCAB_SIZE) if not grammar.validate_tokens([t]))
-    with pytest.raises(ValueError, match="rejected by its grammar"):
-        manager.grammar_bitmask(requests, [victim], {victim: [bad]})
+    grammar.rollback(1)
+    exact = manager.grammar_bitmask(requests, [victim], {victim: good}).copy()
+    stale = manager.grammar_bitmask(requests, [victim], {victim: good + [bad, good[0]]})
+    assert np.array_equal(stale[:2], exact)
+    assert (stale[2:] == -1).all()
     assert grammar.num_processed_tokens == before[victim]
     for request in requests.values():
         manager.clear(request)

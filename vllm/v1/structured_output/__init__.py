@@ -336,8 +336,9 @@ class StructuredOutputManager:
         a thinking block also allows `<think>`. The array is a view of a preallocated
         buffer that stays intact through the next `max_concurrent_batches` calls (copy it to
         keep it longer). Every grammar is left as it was (drafts are accepted, then rolled
-        back). Raises ValueError for an unknown request, one without a ready grammar, drafts
-        the grammar rejects, or more rows than max_num_seqs x (1 + num_speculative_tokens).
+        back); rows after a draft the grammar rejects allow every token (_fill_draft_rows).
+        Raises ValueError for an unknown request, one without a ready grammar, or more rows
+        than max_num_seqs x (1 + num_speculative_tokens).
         """
         drafts = drafts or {}
         num_rows = len(req_ids) + sum(len(drafts.get(r, ())) for r in req_ids)
@@ -427,17 +428,20 @@ def _fill_draft_rows(
     first: int,
 ) -> None:
     """Fills rows first+1 .. first+len(drafts): the masks after each draft in turn, by
-    accepting the drafts and rolling them back. Raises ValueError if the grammar rejects one
-    (the scheduler truncates drafts at the first rejected token, so this is a bug)."""
+    accepting the drafts and rolling them back.
+
+    Drafts proposed one step stale (async scheduling) assumed tokens that may not have
+    come, so the grammar may reject one. Rows from the first rejected draft on allow every
+    token: the target's sample at the row before it is masked correctly and cannot equal the
+    rejected draft, so verification stops there and never reads them."""
+    valid = grammar.validate_tokens(drafts)
     accepted = 0
     try:
-        for j, token in enumerate(drafts, start=1):
+        for j, token in enumerate(valid, start=1):
             if not grammar.accept_tokens(req_id, [token]):
-                raise ValueError(
-                    f"grammar_bitmask: draft token {token} of request {req_id!r} is rejected "
-                    "by its grammar"
-                )
+                break  # validate_tokens said it would: a backend bug, logged there
             accepted += 1
             grammar.fill_bitmask(bitmask, first + j)
     finally:
         grammar.rollback(accepted)
+    bitmask[first + accepted + 1 : first + len(drafts) + 1] = -1

@@ -60,10 +60,6 @@ class AsyncScheduler(Scheduler):
 
     def _waits_for_sampling(self, request: Request) -> bool:
         if self._may_draft(request):
-            if request.use_structured_output:
-                # Its grammar cuts its drafts and knows only confirmed tokens: it drafts
-                # when all are confirmed (else it would never draft, running every step).
-                return request.num_output_placeholders > 0
             if request.num_output_placeholders > 1 + len(request.spec_token_ids):
                 # Two steps in flight at most: the runner places a step after the tokens
                 # its previous verification kept, but a third step would be scheduled
@@ -83,15 +79,11 @@ class AsyncScheduler(Scheduler):
         request.num_output_placeholders -= count
         assert request.num_output_placeholders >= 0, request.request_id
 
-    def _assumed_in_flight(self, request: Request) -> list[int] | None:
-        # A request that is scheduled now has at most one step in flight, and a constrained
-        # one none (_waits_for_sampling).
-        if request.num_output_placeholders == 0:
-            return []
-        drafts = request.spec_token_ids
-        if drafts and not request.kept_all_drafts:
-            # The drafts in flight were proposed assuming the previous verification kept
-            # all of its own, which it did not: they will be rejected, and so would drafts
-            # built on them.
-            return None
-        return drafts
+    def _assumed_in_flight(self, request: Request) -> list[int]:
+        # A request that is scheduled now has at most one step in flight (_waits_for_sampling).
+        # If the newest known verification rejected a draft, the drafts in flight assumed it
+        # had not: they follow a context that did not happen, so the step is assumed to keep
+        # none of them (only its first row's sample).
+        if request.num_output_placeholders and request.kept_all_drafts:
+            return request.spec_token_ids
+        return []

@@ -22,6 +22,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.proposer import Proposer
 from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -376,10 +377,11 @@ class Scheduler:
         )
 
     def _propose_all(self) -> dict[str, list[int]]:
-        """Drafts for the running requests that decode next with every token confirmed, by
-        request id, each cut where the request would stop anyway (max_tokens,
-        max_model_len) and at the first token its grammar rejects. The step's budget is
-        applied by the caller.
+        """Drafts for the running requests that decode next, by request id, each cut where
+        the request would stop anyway (max_tokens, max_model_len) and at the first token its
+        grammar rejects. The step's budget is applied by the caller. Under async scheduling a
+        request with a step in flight drafts as if that step keeps all its drafts
+        (_assumed_in_flight), its grammar included.
 
         A constrained request first drafts what its grammar forces (jump-forward); the
         proposer continues after those."""
@@ -388,6 +390,8 @@ class Scheduler:
         contexts: dict[str, tuple[list[int], int, int]] = {}
         forced: dict[str, list[int]] = {}
         guessed: set[str] = set()
+        # Constrained requests: the tokens their in-flight step is assumed to feed.
+        in_flight: dict[str, list[int]] = {}
         for request in self.running:
             if (
                 self._num_new_tokens(request) != 1
@@ -396,8 +400,6 @@ class Scheduler:
             ):
                 continue
             assumed = self._assumed_in_flight(request)
-            if assumed is None:
-                continue
             # Tokens still in flight count as produced (all drafts kept: an upper bound).
             pending = request.num_output_placeholders
             limit = min(self.max_model_len - request.num_tokens - pending - 1,
@@ -418,22 +420,30 @@ class Scheduler:
             structured_req = request.structured_output_request
             if structured_req is not None:
                 assert structured_req.grammar is not None
-                head = forced[request.request_id] = structured_req.grammar.jump_forward_tokens()[
-                    :limit]
+                head = _forced_after(request.request_id, structured_req.grammar, assumed)
+                if head is None:
+                    # The drafts in flight follow a guess the grammar now refutes: the
+                    # verification will reject them, and drafts built on them with them.
+                    continue
+                head = forced[request.request_id] = head[:limit]
                 tokens = tokens + head if head else tokens
                 limit -= len(head)
+                in_flight[request.request_id] = assumed
             contexts[request.request_id] = (tokens, request.num_tokens, limit)
         proposed = self.proposer.propose_batch(
             {req_id: c for req_id, c in contexts.items() if c[2] > 0})
         drafts: dict[str, list[int]] = {}
         for req_id in contexts:
             tokens = forced.get(req_id, []) + proposed.get(req_id, [])
-            if req_id in guessed:
-                tokens = tokens[1:]
             structured_req = self.requests[req_id].structured_output_request
             if tokens and structured_req is not None:
+                # Checked after the tokens in flight, the guess included: a constrained
+                # request drafts as its grammar would stand if they are all kept.
                 assert structured_req.grammar is not None
-                tokens = structured_req.grammar.validate_tokens(tokens)
+                assumed = in_flight[req_id]
+                tokens = structured_req.grammar.validate_tokens(assumed + tokens)[len(assumed):]
+            if req_id in guessed:
+                tokens = tokens[1:]
             if tokens:
                 drafts[req_id] = tokens
         return drafts
@@ -459,12 +469,11 @@ class Scheduler:
         in a step whose sample_tokens has not been issued (AsyncScheduler)."""
         return False
 
-    def _assumed_in_flight(self, request: Request) -> list[int] | None:
+    def _assumed_in_flight(self, request: Request) -> list[int]:
         """For a drafting request scheduled now (not one that _waits_for_sampling): the tokens
-        its in-flight step is assumed to feed before the one it samples last (its drafts, all
-        kept); [] with nothing in flight; None when it should not draft now. The synchronous
-        scheduler has nothing in flight."""
-        return [] if request.num_output_placeholders == 0 else None
+        its in-flight step is assumed to feed before the one it samples last (its drafts,
+        all kept); [] with nothing in flight, as always in the synchronous scheduler."""
+        return []
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         scheduled = {}
@@ -689,3 +698,19 @@ class Scheduler:
             ),
             timestamp=time.time(),
         )
+
+
+def _forced_after(
+    req_id: str, grammar: StructuredOutputGrammar, assumed: list[int]
+) -> list[int] | None:
+    """The tokens `grammar` forces (jump-forward) once `assumed` is accepted too; None if it
+    rejects `assumed`. The grammar is left as it was."""
+    if len(grammar.validate_tokens(assumed)) < len(assumed):
+        return None
+    if not assumed:
+        return grammar.jump_forward_tokens()
+    grammar.accept_tokens(req_id, assumed)
+    try:
+        return grammar.jump_forward_tokens()
+    finally:
+        grammar.rollback(len(assumed))
