@@ -17,16 +17,17 @@ def test_longest_suffix_wins_and_its_latest_occurrence() -> None:
     assert p.propose([9, 1, 2, 7, 1, 2, 8, 9, 1, 2]) == [7, 1, 2]
     # Only a 1-gram matches: its latest earlier occurrence with three tokens after it.
     assert p.propose([5, 6, 1, 5, 7, 8, 9, 5]) == [7, 8, 9]
-    # No occurrence has a full continuation: the earliest, whose continuation is longest.
+    # The latest occurrence lacks a full continuation: an earlier one has it.
     assert p.propose([5, 6, 5, 7, 5]) == [6, 5, 7]
 
 
 def test_a_run_of_one_token_drafts_in_full() -> None:
     p = NgramProposer(min_n=1, max_n=4, num_tokens=3)
     assert p.propose([9] * 8) == [9, 9, 9]
-    # The longest suffix wins even where a shorter one would draft more.
-    assert p.propose([9] * 6) == [9, 9]
-    assert p.propose([9] * 3) == [9]
+    # No occurrence of the longest suffix is followed by three tokens: the latest one is
+    # continued with the run's period (1).
+    assert p.propose([9] * 6) == [9, 9, 9]
+    assert p.propose([9] * 3) == [9, 9, 9]
 
 
 def test_no_match_short_input_and_limits() -> None:
@@ -35,8 +36,9 @@ def test_no_match_short_input_and_limits() -> None:
     assert p.propose([1, 2]) == []
     assert p.propose([1, 2, 3, 1, 2], max_tokens=1) == [3]
     assert p.propose([1, 2, 3, 1, 2], max_tokens=0) == []
-    # A draft never reaches past the tokens that exist.
-    assert p.propose([1, 2, 1, 2]) == [1, 2]
+    # Past the tokens that exist, the copy repeats with the match's period (2 here).
+    assert p.propose([1, 2, 1, 2]) == [1, 2, 1, 2, 1]
+    assert p.propose([3, 1, 2, 4, 1, 2]) == [4, 1, 2, 4, 1]
 
 
 @pytest.mark.parametrize("args", [(0, 2, 1), (3, 2, 1), (1, 2, 0)])
@@ -47,16 +49,21 @@ def test_bad_settings_are_refused(args: tuple[int, int, int]) -> None:
 
 def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The rule in plain Python: the longest suffix (max_n down to min_n) that occurs
-    earlier; the k tokens after its latest occurrence with k tokens after it, else after its
-    earliest."""
+    earlier; the k tokens after its latest occurrence with k tokens after it, else the
+    tokens after its latest occurrence, extended by copying each drafted token from `period`
+    places back."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
         starts = [s for s in range(length - n) if tokens[s : s + n] == suffix]
         if starts:
             full = [s for s in starts if s + n + k <= length]
-            start = (full[-1] if full else starts[0]) + n
-            return tokens[start : start + k]
+            start = (full[-1] if full else starts[-1]) + n
+            extended = list(tokens)
+            for i in range(k):
+                if start + i >= len(extended):
+                    extended.append(extended[start + i - (length - start)])
+            return extended[start : start + k]
     return []
 
 
@@ -90,4 +97,4 @@ def test_batched_lookups_follow_growing_confirmed_tokens() -> None:
         assert got == ({"a": want} if want else {}), step
     p.release("a")
     # After release the id starts over with other tokens.
-    assert p.propose_batch({"a": ([5, 6, 5], 3, 3)}) == {"a": [6, 5]}
+    assert p.propose_batch({"a": ([5, 7, 5], 3, 3)}) == {"a": [7, 5, 7]}

@@ -37,7 +37,8 @@ class NgramProposer:
 
     The longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that also
     occurs earlier is looked up; the tokens that followed its latest earlier occurrence with
-    a full continuation (else its earliest) are the draft. Repetitive text (code edits,
+    a full continuation are the draft. Without one, its latest occurrence is continued
+    periodically past the end (a run of one token drafts that token). Repetitive text (code edits,
     extraction, JSON keys) drafts well; free prose rarely matches and costs only the lookup.
     Each request's confirmed tokens are kept as an array until `release`.
     """
@@ -102,10 +103,15 @@ class NgramProposer:
         for n in range(max_n, self.min_n - 1, -1):
             hits = ends[matched >= n]
             if len(hits):
-                # The latest occurrence followed by k tokens, else the earliest (the longest
-                # continuation): in a run of one repeated token, the latest occurrence is
-                # followed by a single token.
+                # The latest occurrence followed by k tokens. Else the latest one, whose
+                # continuation runs into the end: the text repeats with period
+                # `length - start` there (a run of one token has period 1), so the copy goes
+                # on over the tokens it drafted, as an overlapping LZ77 copy does.
                 full = hits[hits + 1 + k <= length]
-                start = int(full[-1] if len(full) else hits[0]) + 1
-                return tokens[start : start + k].tolist()
+                start = int(full[-1] if len(full) else hits[-1]) + 1
+                draft = tokens[start : start + k].tolist()
+                period = length - start
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - period])
+                return draft
         return []

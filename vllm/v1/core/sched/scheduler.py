@@ -409,6 +409,14 @@ class Scheduler:
                 limit = min(limit, max_tokens - request.num_output_tokens - pending - 1)
             if limit <= 0:
                 continue
+            structured_req = request.structured_output_request
+            head: list[int] = []
+            if structured_req is not None:
+                assert structured_req.grammar is not None
+                # In-flight drafts past one the grammar now refutes will be rejected.
+                assumed, head = _grammar_after(
+                    request.request_id, structured_req.grammar, assumed)
+                in_flight[request.request_id] = assumed
             tokens = request.all_token_ids
             if pending:
                 # One step stale: the in-flight step's drafts are assumed kept, and the
@@ -417,18 +425,10 @@ class Scheduler:
                 tokens = tokens + assumed
                 guessed.add(request.request_id)
                 limit += 1
-            structured_req = request.structured_output_request
-            if structured_req is not None:
-                assert structured_req.grammar is not None
-                head = _forced_after(request.request_id, structured_req.grammar, assumed)
-                if head is None:
-                    # The drafts in flight follow a guess the grammar now refutes: the
-                    # verification will reject them, and drafts built on them with them.
-                    continue
+            if head:
                 head = forced[request.request_id] = head[:limit]
-                tokens = tokens + head if head else tokens
+                tokens = tokens + head
                 limit -= len(head)
-                in_flight[request.request_id] = assumed
             contexts[request.request_id] = (tokens, request.num_tokens, limit)
         proposed = self.proposer.propose_batch(
             {req_id: c for req_id, c in contexts.items() if c[2] > 0})
@@ -700,17 +700,16 @@ class Scheduler:
         )
 
 
-def _forced_after(
+def _grammar_after(
     req_id: str, grammar: StructuredOutputGrammar, assumed: list[int]
-) -> list[int] | None:
-    """The tokens `grammar` forces (jump-forward) once `assumed` is accepted too; None if it
-    rejects `assumed`. The grammar is left as it was."""
-    if len(grammar.validate_tokens(assumed)) < len(assumed):
-        return None
+) -> tuple[list[int], list[int]]:
+    """The longest prefix of `assumed` that `grammar` accepts, and the tokens it forces
+    after that prefix (jump-forward). The grammar is left as it was."""
+    assumed = grammar.validate_tokens(assumed)
     if not assumed:
-        return grammar.jump_forward_tokens()
+        return [], grammar.jump_forward_tokens()
     grammar.accept_tokens(req_id, assumed)
     try:
-        return grammar.jump_forward_tokens()
+        return assumed, grammar.jump_forward_tokens()
     finally:
         grammar.rollback(len(assumed))
