@@ -15,8 +15,10 @@ switched off, which is exactly an engine started without `--speculative-config`.
 Requests are greedy with ignore_eos, so every run generates the same number of tokens.
 `stories` are bench_offline's prompts; `repetitive` prompts repeat a record several times,
 the text where prompt lookup pays. Prints median tokens/s with the min-max range, the ratio
-of medians, the draft acceptance rate and the mean accepted length (1 + kept drafts per
-verification).
+of medians, the draft acceptance rate, the mean accepted length (1 + kept drafts per
+verification) and the forward passes of the first run without and with drafts (greedy:
+the same in every run; on a CPU a verified row costs what a decoded one does, on a GPU a
+forward costs about the same whatever its rows, so the forwards say what drafts save there).
 """
 
 from __future__ import annotations
@@ -51,9 +53,24 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
     scheduler.proposer = proposer if drafts else None
     before = (scheduler.num_spec_steps, scheduler.num_draft_tokens,
               scheduler.num_accepted_tokens)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    # Forward passes, counted as the steps scheduled with tokens: a noise-free measure of
+    # what drafts save where a forward costs the same whatever its rows (a GPU).
+    forwards = 0
+    schedule = scheduler.schedule
+
+    def counting_schedule():
+        nonlocal forwards
+        output = schedule()
+        forwards += output.total_num_scheduled_tokens > 0
+        return output
+
+    scheduler.schedule = counting_schedule
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        del scheduler.schedule  # back to the class's method
     steps, drafted, accepted = (
         now - then for now, then in zip(
             (scheduler.num_spec_steps, scheduler.num_draft_tokens,
@@ -61,7 +78,7 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
     )
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"tok_per_s": tokens / elapsed, "steps": steps, "drafted": drafted,
-            "accepted": accepted}
+            "accepted": accepted, "forwards": forwards}
 
 
 def main() -> None:
@@ -84,7 +101,7 @@ def main() -> None:
                 "num_speculative_tokens": args.num_speculative_tokens}
     results: dict[str, dict] = {}
     print(f"{'cell':26s} {'none tok/s (range)':>22s} {'drafts tok/s (range)':>22s} "
-          f"{'ratio':>6s} {'accept':>7s} {'mean len':>8s}", flush=True)
+          f"{'ratio':>6s} {'accept':>7s} {'mean len':>8s} {'forwards':>11s}", flush=True)
     for mode in ("sync", "async"):
         llm = LLM(args.model, async_scheduling=mode == "async",
                   max_num_seqs=max(args.num_prompts, 1), speculative_config=spec)
@@ -115,10 +132,13 @@ def main() -> None:
                         / statistics.median(none),
                         "acceptance_rate": accepted / drafted if drafted else 0.0,
                         "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
+                        "forwards_none": runs[False][0]["forwards"],
+                        "forwards_drafts": runs[True][0]["forwards"],
                     }
+                    forwards = f"{cell['forwards_none']}/{cell['forwards_drafts']}"
                     print(f"{key:26s} {_cell(none):>22s} {_cell(with_drafts):>22s} "
                           f"{cell['ratio_of_medians']:6.2f} {cell['acceptance_rate']:7.2f} "
-                          f"{cell['mean_accepted_length']:8.2f}", flush=True)
+                          f"{cell['mean_accepted_length']:8.2f} {forwards:>11s}", flush=True)
         finally:
             llm.shutdown()
     if args.json:
