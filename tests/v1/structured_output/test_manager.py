@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from vllm.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig, VllmConfig
+from vllm.exceptions import UnsupportedConstraintError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output.backend_auto import AutoBackend
@@ -132,22 +133,66 @@ def test_compile_timeout_fails_only_that_request(
     manager.clear(fast)
 
 
-def test_building_a_backend_is_no_requests_compile_time(backend: Any, demo_dir: Path) -> None:
+class _RefusesFallbackRegex:
+    """A backend that refuses regex "fallback" (sends it to the next backend)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+        if params.regex == "fallback":
+            raise UnsupportedConstraintError("structured_outputs.regex", "not this one")
+        return self.backend.compile_grammar(params)
+
+    def destroy(self) -> None:
+        pass
+
+
+def _poll_all(requests: list[Request], timeout_s: float, deadline_s: float = 30.0) -> None:
+    """Polls every request in turn, as the scheduler does, until none is pending; asserts
+    that none failed."""
+    end = time.monotonic() + deadline_s
+    pending = list(requests)
+    while pending and time.monotonic() < end:
+        for request in list(pending):
+            structured_req = request.structured_output_request
+            if structured_req.poll(timeout_s):
+                pending.remove(request)
+            else:
+                assert not structured_req.failed, structured_req.error
+        time.sleep(0.002)
+    assert not pending, "compiles neither ready nor failed"
+
+
+@pytest.mark.parametrize("slow", ["first", "fallback"])
+def test_building_a_backend_is_no_requests_compile_time(
+    backend: Any, demo_dir: Path, slow: str
+) -> None:
     """The first structured requests of an engine wait while a backend is built (seconds, on
-    a busy machine more than a short time limit): that wait must not fail them."""
+    a busy machine more than a short time limit): that wait must not fail them, nor requests
+    whose own backend is built while a fallback backend is being built."""
     manager = StructuredOutputManager(_config(demo_dir, compile_timeout_s=0.3))
 
     def slow_build() -> Any:
         time.sleep(0.8)
         return backend
 
-    manager._backend = AutoBackend(backend.vocab_size, [("xgrammar", slow_build)])
-    requests = [_request(f"first{i}", choice=["x", str(i)]) for i in range(3)]
+    first = _RefusesFallbackRegex(backend)
+    if slow == "first":
+        factories = [("first", lambda: (time.sleep(0.8), first)[1]), ("next", lambda: backend)]
+    else:
+        factories = [("first", lambda: first), ("next", slow_build)]
+    manager._backend = AutoBackend(backend.vocab_size, factories)
+    requests = []
+    if slow == "fallback":
+        manager._backend.backend_named("first")  # built: only the fallback's build is slow
+        requests.append(_request("fallback", regex="fallback"))
+    requests += [_request(f"plain{i}", choice=["x", str(i)]) for i in range(3)]
     try:
         for request in requests:
             manager.grammar_init(request)
-        for request in requests:
-            assert _wait(request, timeout_s=0.3), request.structured_output_request.error
+            time.sleep(0.05)  # the fallback's build has started before the others compile
+        _poll_all(requests, timeout_s=0.3)
     finally:
         for request in requests:
             manager.clear(request)

@@ -52,8 +52,9 @@ class AutoBackend(StructuredOutputBackend):
     """Compiles each constraint with the first of its backends that accepts it.
 
     `factories` are (name, build) pairs in order of preference; `build` runs on the backend's
-    first use, under a lock. `one_of_as_any_of` must be the backends' own setting: a JSON
-    schema is checked once here with the backend-neutral checks, whose errors are final.
+    first use, under that backend's own lock. `one_of_as_any_of` must be the backends' own
+    setting: a JSON schema is checked once here with the backend-neutral checks, whose
+    errors are final.
     Thread-safe.
     """
 
@@ -70,15 +71,26 @@ class AutoBackend(StructuredOutputBackend):
         self._factories = list(factories)
         self._one_of_as_any_of = one_of_as_any_of
         self._built: dict[str, StructuredOutputBackend] = {}
+        # Guards _built and _owners, held only for lookups: a build holds its backend's
+        # own lock, so compiles with built backends never wait behind it.
         self._lock = threading.Lock()
+        self._build_locks = {name: threading.Lock() for name, _ in self._factories}
         # The backend of each grammar class this object has handed out (for fill_bitmasks).
         self._owners: dict[type, StructuredOutputBackend] = {}
 
     def _backend(self, name: str, build: Callable[[], StructuredOutputBackend]) -> Any:
         with self._lock:
-            if name not in self._built:
-                self._built[name] = build()
-            return self._built[name]
+            backend = self._built.get(name)
+        if backend is not None:
+            return backend
+        with self._build_locks[name]:
+            with self._lock:
+                backend = self._built.get(name)
+            if backend is None:
+                backend = build()
+                with self._lock:
+                    self._built[name] = backend
+            return backend
 
     def backend_named(self, name: str) -> Any:
         """The backend called `name`, built now if it was not yet. KeyError if unknown."""
@@ -113,7 +125,8 @@ class AutoBackend(StructuredOutputBackend):
             )
         refusals: list[tuple[str, UnsupportedConstraintError]] = []
         for name, build in self._factories:
-            fresh = name not in self._built and clock is not None
+            with self._lock:
+                fresh = name not in self._built and clock is not None
             if fresh:
                 clock.pause()
             backend = self._backend(name, build)
@@ -126,7 +139,7 @@ class AutoBackend(StructuredOutputBackend):
                 continue
             # Any other GrammarCompileError is the constraint's own fault: final.
             with self._lock:
-                self._owners.setdefault(type(grammar), self._built[name])
+                self._owners.setdefault(type(grammar), backend)
             if refusals:
                 logger.debug(
                     "structured outputs: a %s constraint went to %s because %s",

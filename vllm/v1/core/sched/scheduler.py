@@ -380,8 +380,9 @@ class Scheduler:
         """Drafts for the running requests that decode next, by request id, each cut where
         the request would stop anyway (max_tokens, max_model_len) and at the first token its
         grammar rejects. The step's budget is applied by the caller. Under async scheduling a
-        request with a step in flight drafts as if that step keeps all its drafts
-        (_assumed_in_flight), its grammar included.
+        request with a step in flight drafts as if that step feeds the tokens
+        _assumed_in_flight gives (for a constrained request, as far as its grammar accepts
+        them) and then samples the proposal's first token, which is dropped.
 
         A constrained request first drafts what its grammar forces (jump-forward); the
         proposer continues after those."""
@@ -472,7 +473,8 @@ class Scheduler:
     def _assumed_in_flight(self, request: Request) -> list[int]:
         """For a drafting request scheduled now (not one that _waits_for_sampling): the tokens
         its in-flight step is assumed to feed before the one it samples last (its drafts,
-        all kept); [] with nothing in flight, as always in the synchronous scheduler."""
+        unless an earlier verification already refuted what they assumed); [] with nothing
+        in flight, as always in the synchronous scheduler."""
         return []
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
@@ -708,8 +710,11 @@ def _grammar_after(
     assumed = grammar.validate_tokens(assumed)
     if not assumed:
         return [], grammar.jump_forward_tokens()
+    before = grammar.num_processed_tokens
     grammar.accept_tokens(req_id, assumed)
     try:
         return assumed, grammar.jump_forward_tokens()
     finally:
-        grammar.rollback(len(assumed))
+        # By what it accepted: never past the confirmed tokens, even if the backend's
+        # accept_tokens stopped short of what validate_tokens promised.
+        grammar.rollback(grammar.num_processed_tokens - before)
