@@ -104,6 +104,17 @@ def test_waiting_for_a_worker_does_not_count(
         assert future.result(RESULT_TIMEOUT_S) >= 0.5
 
 
+def test_building_a_backend_does_not_count(make_pool: Callable[..., CompileCheckPool]) -> None:
+    """A worker's first fallback check builds that backend (llguidance: over a second): the
+    deadline stops meanwhile, and counts on from where it stopped."""
+    pool = make_pool(timeout_s=0.5)
+    assert pool.submit(_params("sleep=0.2;build=1.0;sleep=0.2"), small=True).result(
+        RESULT_TIMEOUT_S) >= 1.4
+    with pytest.raises(CompileAbortedError, match="took longer than 0.5 s"):
+        pool.submit(_params("sleep=0.3;build=0.1;sleep=0.4"), small=True).result(
+            RESULT_TIMEOUT_S)
+
+
 def test_small_checks_do_not_wait_behind_big_ones(
     make_pool: Callable[..., CompileCheckPool],
 ) -> None:

@@ -12,7 +12,8 @@ compiles: it queues checks, hands each to an idle worker, and kills a worker who
 past its deadline.
 
 Scheduling, so that one constraint cannot starve the others:
-- the deadline starts when a worker takes the check: waiting in the queue never counts;
+- the deadline starts when a worker takes the check: waiting in the queue never counts,
+  nor does a worker's building of a backend on its first use (the deadline stops);
 - small constraints are taken before big ones, and big ones never hold every worker;
 - at most `num_workers` checks run at once, but a check running longer than `slow_after_s`
   stops counting against that: the next check gets a fresh worker rather than waiting behind
@@ -29,6 +30,7 @@ import ctypes
 import dataclasses
 import itertools
 import logging
+import math
 import multiprocessing
 import os
 import queue
@@ -47,6 +49,7 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.process import main_module_hidden
 
 if TYPE_CHECKING:
+    from vllm.v1.structured_output.backend_auto import CompileClock
     from vllm.config import StructuredOutputsConfig
 
 __all__ = ["BackendChecker", "CompileCheckPool", "CompileAbortedError", "Checker"]
@@ -86,9 +89,10 @@ class Checker(Protocol):
     def start_worker(self) -> None:
         """Runs once in each worker right after the fork, before its first check."""
 
-    def check(self, params: StructuredOutputsParams) -> None:
+    def check(self, params: StructuredOutputsParams, clock: CompileClock) -> None:
         """Compiles `params`; raises InvalidRequestError (usually GrammarCompileError) naming
-        the field when it is invalid."""
+        the field when it is invalid. `clock.pause()` ... `clock.resume()` brackets a wait that
+        is no constraint's cost (building a backend): the deadline stops meanwhile."""
 
 
 @dataclasses.dataclass
@@ -127,9 +131,9 @@ class BackendChecker:
             cache_limit_bytes=self.cache_limit_bytes,
         )
 
-    def check(self, params: StructuredOutputsParams) -> None:
+    def check(self, params: StructuredOutputsParams, clock: CompileClock) -> None:
         """Compiles `params` and checks its first step. Raises ValueError naming the field."""
-        self._backend.compile_grammar(params)
+        self._backend.compile_choosing(params, clock=clock)
 
 
 class CompileCheckPool:
@@ -353,6 +357,8 @@ class _Worker:
     job: tuple[int, str, bool] | None = None
     started: float = 0.0
     deadline: float = 0.0
+    # While the check's clock is paused: the seconds it had left (deadline is then inf).
+    left_s: float | None = None
 
 
 class _Supervisor:
@@ -428,9 +434,20 @@ class _Supervisor:
             with contextlib.suppress(OSError):
                 self.conn.send(msg)
             return False
+        if msg[0] in ("pause", "resume"):
+            if worker.job is not None and worker.job[0] == msg[1]:
+                now = time.monotonic()
+                if msg[0] == "pause" and worker.left_s is None:
+                    worker.left_s = worker.deadline - now
+                    worker.deadline = math.inf
+                elif msg[0] == "resume" and worker.left_s is not None:
+                    worker.deadline = now + worker.left_s
+                    worker.left_s = None
+            return True
         job_id, status, message, seconds = msg
         if worker.job is not None and worker.job[0] == job_id:
             worker.job = None
+            worker.left_s = None
             self._report(job_id, status, message, seconds)
         return True
 
@@ -534,7 +551,8 @@ class _Supervisor:
     def _wakeup(self, now: float) -> float | None:
         """Seconds until the next deadline, or until a running check turns slow while
         others wait (then a new worker may be started)."""
-        times = [w.deadline for w in self.workers.values() if w.job is not None]
+        times = [w.deadline for w in self.workers.values()
+                 if w.job is not None and w.left_s is None]
         if self.small or self.big:
             times += [w.started + self.slow_after_s for w in self._young(now)]
         return max(0.0, min(times) - now) if times else None
@@ -587,7 +605,7 @@ def _worker_loop(conn: Connection, checker: Checker) -> None:
             return
         start = time.perf_counter()
         try:
-            checker.check(params)
+            checker.check(params, _DeadlineClock(conn, job_id))
             status, message = "ok", None
         except InvalidRequestError as e:
             # Sent as the exception itself (it pickles by its fields), so the owner re-raises
@@ -597,3 +615,17 @@ def _worker_loop(conn: Connection, checker: Checker) -> None:
             status = "error"
             message = f"structured_outputs.{params.kind}: compiling the grammar failed: {e!r}"
         conn.send((job_id, status, message, time.perf_counter() - start))
+
+
+@dataclasses.dataclass
+class _DeadlineClock:
+    """A worker's check clock: tells the supervisor to stop and restart the deadline."""
+
+    conn: Connection
+    job_id: int
+
+    def pause(self) -> None:
+        self.conn.send(("pause", self.job_id))
+
+    def resume(self) -> None:
+        self.conn.send(("resume", self.job_id))
