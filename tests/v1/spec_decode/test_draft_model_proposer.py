@@ -37,14 +37,15 @@ def test_drafts_are_the_draft_models_greedy_tokens_step_after_step(draft_dir) ->
     a2, b2 = a + [99, 98], b + [7]
     again = proposer.propose_batch({"a": (a2, len(a2), 3), "b": (b2, len(b2), 3)})
     assert again == {"a": _greedy(draft_dir, a2, 3), "b": _greedy(draft_dir, b2, 3)}
-    # Many new tokens at once (more than 2k + 1) are computed on their own.
-    a3 = a2 + [5, 6, 7, 8, 9, 10, 11, 12]
+    # Many new tokens at once (more than 3k + 2) are computed on their own.
+    a3 = a2 + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
     assert proposer.propose_batch({"a": (a3, len(a3), 2)}) == {"a": _greedy(draft_dir, a3, 2)}
 
 
 def test_stale_contexts_catch_up_in_one_forward(draft_dir, monkeypatch) -> None:
     """Async scheduling proposes one step stale: since a request's previous proposal come
-    that step's kept tokens (up to k + 1) and the k drafts in flight. Such requests must
+    that step's kept tokens (up to k + 1), the k drafts in flight and, for a constrained
+    request, the tokens its grammar forces after them (up to k + 1). Such requests must
     still catch up together, in one forward, not one forward each."""
     proposer = _proposer(draft_dir, k=3)
     calls: list[int] = []
@@ -58,9 +59,9 @@ def test_stale_contexts_catch_up_in_one_forward(draft_dir, monkeypatch) -> None:
     contexts = {r: [r + j for j in range(1, 9)] for r in range(0, 40, 10)}
     proposer.propose_batch({r: (t, len(t), 4) for r, t in contexts.items()})
     calls.clear()
-    # 4 kept tokens confirmed, then 3 drafts in flight: 7 new tokens each.
-    grown = {r: t + [t[0]] * 4 + [t[1]] * 3 for r, t in contexts.items()}
-    got = proposer.propose_batch({r: (t, len(t) - 3, 4) for r, t in grown.items()})
+    # 4 kept tokens confirmed, then 3 drafts in flight and 4 forced tokens: 11 new each.
+    grown = {r: t + [t[0]] * 4 + [t[1]] * 3 + [t[2]] * 4 for r, t in contexts.items()}
+    got = proposer.propose_batch({r: (t, len(t) - 7, 4) for r, t in grown.items()})
     assert calls == [len(grown)]
     assert got == {r: _greedy(draft_dir, t, 4) for r, t in grown.items()}
 

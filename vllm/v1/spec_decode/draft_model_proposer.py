@@ -61,8 +61,9 @@ class DraftModelProposer:
         # Requests with up to `window` new tokens and that many before them catch up in one
         # forward over their last `window` tokens (recomputing a few cached ones); the rest
         # (first proposals) one by one. A proposal one step stale (async scheduling) sees
-        # the previous step's kept tokens (up to k + 1) and the drafts in flight (up to k).
-        window = 2 * self.num_tokens + 1
+        # the previous step's kept tokens (up to k + 1), the drafts in flight (up to k) and
+        # a constrained request's forced tokens after them (up to k + 1).
+        window = 3 * self.num_tokens + 2
         together: dict[str, int] = {}  # id -> tokens to compute
         for req_id, (tokens, num_confirmed, limit) in contexts.items():
             if limit <= 0 or not tokens or self._row(req_id) is None:
