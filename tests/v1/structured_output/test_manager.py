@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -173,15 +174,16 @@ def test_building_a_backend_is_no_requests_compile_time(
     whose own backend is built while a fallback backend is being built."""
     manager = StructuredOutputManager(_config(demo_dir, compile_timeout_s=0.3))
 
-    def slow_build() -> Any:
-        time.sleep(0.8)
-        return backend
+    def build(result: Any, seconds: float) -> Callable[[], Any]:
+        def built() -> Any:
+            time.sleep(seconds)
+            return result
+
+        return built
 
     first = _RefusesFallbackRegex(backend)
-    if slow == "first":
-        factories = [("first", lambda: (time.sleep(0.8), first)[1]), ("next", lambda: backend)]
-    else:
-        factories = [("first", lambda: first), ("next", slow_build)]
+    first_s, next_s = (0.8, 0.0) if slow == "first" else (0.0, 0.8)
+    factories = [("first", build(first, first_s)), ("next", build(backend, next_s))]
     manager._backend = AutoBackend(backend.vocab_size, factories)
     requests = []
     if slow == "fallback":

@@ -38,8 +38,9 @@ class NgramProposer:
     The longest suffix of `prompt_lookup_max` down to `prompt_lookup_min` tokens that also
     occurs earlier is looked up; the tokens that followed its latest earlier occurrence with
     a full continuation are the draft. Without one, its latest occurrence is continued
-    periodically past the end (a run of one token drafts that token). Repetitive text (code edits,
-    extraction, JSON keys) drafts well; free prose rarely matches and costs only the lookup.
+    periodically past the end (a run of one token drafts that token). Repetitive text (code
+    edits, extraction, JSON keys) drafts well; free prose rarely matches and costs only the
+    lookup.
     Each request's confirmed tokens are kept as an array until `release`.
     """
 

@@ -78,19 +78,32 @@ class AutoBackend(StructuredOutputBackend):
         # The backend of each grammar class this object has handed out (for fill_bitmasks).
         self._owners: dict[type, StructuredOutputBackend] = {}
 
-    def _backend(self, name: str, build: Callable[[], StructuredOutputBackend]) -> Any:
+    def _backend(
+        self,
+        name: str,
+        build: Callable[[], StructuredOutputBackend],
+        clock: CompileClock | None = None,
+    ) -> Any:
+        """The backend `name`, built now if it was not yet; `clock` is paused while this
+        call waits for it to be built (here or by another thread)."""
         with self._lock:
             backend = self._built.get(name)
         if backend is not None:
             return backend
-        with self._build_locks[name]:
-            with self._lock:
-                backend = self._built.get(name)
-            if backend is None:
-                backend = build()
+        if clock is not None:
+            clock.pause()
+        try:
+            with self._build_locks[name]:
                 with self._lock:
-                    self._built[name] = backend
-            return backend
+                    backend = self._built.get(name)
+                if backend is None:
+                    backend = build()
+                    with self._lock:
+                        self._built[name] = backend
+                return backend
+        finally:
+            if clock is not None:
+                clock.resume()
 
     def backend_named(self, name: str) -> Any:
         """The backend called `name`, built now if it was not yet. KeyError if unknown."""
@@ -125,13 +138,7 @@ class AutoBackend(StructuredOutputBackend):
             )
         refusals: list[tuple[str, UnsupportedConstraintError]] = []
         for name, build in self._factories:
-            with self._lock:
-                fresh = name not in self._built and clock is not None
-            if fresh:
-                clock.pause()
-            backend = self._backend(name, build)
-            if fresh:
-                clock.resume()
+            backend = self._backend(name, build, clock)
             try:
                 grammar = backend.compile_grammar(params)
             except UnsupportedConstraintError as e:
