@@ -87,6 +87,55 @@ def test_penalties_count_tokens_still_on_the_device_without_waiting(monkeypatch)
         assert a.logprobs == b.logprobs
 
 
+def _mixed_outputs(async_scheduling: bool, **kwargs) -> tuple[list, object]:
+    prompts, _ = _workload()
+    # Greedy rows keep most drafts, seeded random ones fewer: drafts are kept and rejected,
+    # and seeds read output positions that count kept drafts.
+    params = [SamplingParams(max_tokens=20, ignore_eos=True,
+                             **({"temperature": 1.0, "top_k": 2, "seed": i} if i % 2 else {"temperature": 0}))
+              for i in range(len(prompts))]
+    llm = LLM("demo-tiny", max_model_len=128, max_num_seqs=16,
+              async_scheduling=async_scheduling, **kwargs)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], llm.llm_engine.engine_core.scheduler
+    finally:
+        llm.shutdown()
+
+
+def test_the_forward_after_a_verification_does_not_wait_for_its_kept_count(monkeypatch) -> None:
+    """With no host copy ever landing on its own, a request verified with drafts must start
+    its next forward right after the tokens it kept without waiting for the copy that says
+    how many (positions, KV slots and lengths placed on the device); tokens equal the sync
+    engine's without drafts."""
+    want, _ = _mixed_outputs(False)
+    monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: False)
+    runner_cls = gpu_model_runner.GPUModelRunner
+    execute, settle = runner_cls.execute_model, runner_cls._settle
+    inside = [False]
+    waits_in_forward: list[bool] = []
+
+    def execute_spy(self, scheduler_output):
+        inside[0] = True
+        try:
+            return execute(self, scheduler_output)
+        finally:
+            inside[0] = False
+
+    def settle_spy(self, block: bool) -> None:
+        if inside[0]:
+            waits_in_forward.append(block)
+        settle(self, block)
+
+    monkeypatch.setattr(runner_cls, "execute_model", execute_spy)
+    monkeypatch.setattr(runner_cls, "_settle", settle_spy)
+    got, scheduler = _mixed_outputs(
+        True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    assert waits_in_forward and not any(waits_in_forward), "a forward waited for a copy"
+    assert got == want
+
+
 # ---------------------------------------------------------------------- unsampled steps FIFO
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,6 +47,10 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """One attention implementation; a model holds one instance per attention layer."""
+
+    # Whether forward reads `query_start_loc_cpu`/`seq_lens_cpu`: a runner that corrects the
+    # device lengths after staging (docs/architecture.md §11) must then copy them back.
+    reads_host_lengths: ClassVar[bool] = True
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         self.num_heads = num_heads

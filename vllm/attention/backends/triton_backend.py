@@ -21,6 +21,8 @@ class TritonAttentionBackend(AttentionBackend):
     Raises ValueError on inconsistent head counts or a bad num_splits.
     """
 
+    reads_host_lengths = False
+
     def __init__(
         self,
         num_heads: int,

@@ -8,10 +8,11 @@ keeps them first in, first out, and each sample_tokens call samples the oldest.
 
 Sampled ids stay on the device: the next step's input for a request whose newest token is not
 on the host yet is copied from `last_token` on the device, so building a step never waits for
-the previous one (this is what makes async scheduling possible). The one exception is a
-request verified with drafts: its next step starts after the tokens it kept, whose count this
-waits for on CUDA (`_place_after_kept`). A step must not feed a request whose previous step is
-executed but not sampled yet: the scheduler never schedules one (AsyncScheduler).
+the previous one (this is what makes async scheduling possible). Likewise a request verified
+with drafts starts its next step after the tokens it kept, placed on the device from the
+verification's kept count (`_place_after_kept`). A step must not feed a request whose
+previous step is executed but not sampled yet: the scheduler never schedules one
+(AsyncScheduler).
 
 With pipeline stages (docs/architecture.md §10) each rank runs its stage's layers: a stage
 other than the first receives the hidden states and residual of the previous one, a stage
@@ -76,6 +77,9 @@ class _Step:
     drafts: list[list[int]]
     # [sum(1 + len(d) for d in drafts), vocab] float32: a row per verified position.
     logits: torch.Tensor | None
+    # Steps with drafts: [len(drafts)] int64 on the device, the position of each sampling
+    # request's last input before its drafts (where its newest kept token goes from).
+    draft_bases: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> list[int]:
@@ -93,8 +97,11 @@ class _SampledTokens:
         token_ids: torch.Tensor,
         logprobs: LogprobsTensors | None,
         copy_stream,
+        drafts: list[list[int]],
     ) -> None:
         self.req_ids = req_ids
+        # The states verified with drafts: how many tokens they kept is on the device only.
+        self.verified = {id(state) for state, d in zip(states, drafts) if d}
         # The first new id of each request on the device (penalties read them before the
         # host copy; requests with penalties never draft, so they have only that one).
         self.device_token_ids = token_ids[:, 0]
@@ -193,6 +200,9 @@ class GPUModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Newest sampled token per batch row, kept on the device (see module docstring).
         self.last_token = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=self.device)
+        # Per batch row verified with drafts: the position of its newest kept token, where
+        # its next forward starts (`_place_after_kept`).
+        self.next_start = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=self.device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(mc.seed)
         self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
@@ -297,6 +307,7 @@ class GPUModelRunner:
         if moved is not None:
             src, dst = moved
             self.last_token[dst] = self.last_token[src]
+            self.next_start[dst] = self.next_start[src]
 
     def _settle(self, block: bool) -> None:
         """Moves sampled token values that reached the host into the request states."""
@@ -332,7 +343,7 @@ class GPUModelRunner:
         rows_np = np.asarray(rows, dtype=np.int32)
         num_sched = np.asarray([scheduled[r] for r in req_ids], dtype=np.int32)
         starts = batch.num_computed_tokens[rows_np]
-        self._place_after_kept(rows, starts)
+        verified = self._take_verified(rows)
         num_reqs, num_tokens = len(rows), int(num_sched.sum())
         graph_size = None
         if self.graphs is not None and num_tokens == num_reqs:
@@ -381,6 +392,8 @@ class GPUModelRunner:
                 "block_table": block_table,
             }
         )
+        if verified:
+            self._place_after_kept(dev, verified, rows_np, cu, num_sched, seq_lens)
         input_ids = dev["input_ids"]
         # Device-side feedback: tokens not on the host yet come from the previous samples.
         unknown = np.nonzero(~known)[0]
@@ -426,7 +439,7 @@ class GPUModelRunner:
         sampled = set(scheduler_output.sampled_req_ids)
         pick = [i for i, r in enumerate(req_ids) if r in sampled]
         step_drafts = [drafts[i] if drafts is not None else [] for i in pick]
-        logits = None
+        logits = draft_bases = None
         if pick and self.last_stage:
             # The last position of each sampling request, and the ones of its drafts before it.
             ends = cu[1:][pick]
@@ -438,6 +451,9 @@ class GPUModelRunner:
             )
             logits = self.model.compute_logits(hidden[self.buffers.to_device(idx)])
             logits = logits[:num_rows]
+            if num_rows > len(pick):
+                # Read from the device: this forward's own positions may have been placed there.
+                draft_bases = dev["positions"][self.buffers.to_device(ends - counts)]
         self._steps.append(
             _Step(
                 req_ids=req_ids,
@@ -445,39 +461,63 @@ class GPUModelRunner:
                 sampled_states=[batch.states[rows[i]] for i in pick],
                 drafts=step_drafts,
                 logits=logits,
+                draft_bases=draft_bases,
             )
         )
         self._settle(block=False)
         return None
 
-    def _place_after_kept(self, rows: list[int], starts: np.ndarray) -> None:
-        """Moves the start of each request verified with drafts since its last forward to
-        just after the tokens it kept (in place in `starts`, one entry per row of `rows`).
+    def _take_verified(self, rows: list[int]) -> list[int]:
+        """Indices into `rows` of the requests verified with drafts since their last forward;
+        clears their marks (this forward places them)."""
+        if not self.speculative:
+            return []
+        states = self.input_batch.states
+        verified = [i for i, row in enumerate(rows) if states[row].verified_drafts]
+        for i in verified:
+            states[rows[i]].verified_drafts = False
+        return verified
+
+    def _place_after_kept(
+        self,
+        dev: dict[str, torch.Tensor],
+        verified: list[int],
+        rows: np.ndarray,
+        cu: np.ndarray,
+        num_sched: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> None:
+        """Moves the inputs of the requests `verified` (indices into this step's requests, whose
+        batch rows are `rows`) to start just after the tokens they kept: positions, KV slots
+        and sequence lengths in the staged device tensors `dev`.
 
         Under async scheduling such a request may be scheduled before the scheduler learns
         how many drafts it kept; its computed-token count then assumes all were (an upper
-        bound, so its blocks suffice). The kept count is known here once the verification's
-        sampled ids reach the host: at once on the CPU; on CUDA this waits for that copy
-        (docs/architecture.md §11).
+        bound, so its blocks suffice, and its first input, unknown to the host at that
+        position, comes from `last_token`). The kept count is on the device as soon as the
+        verification is sampled, so no step waits for its host copy (docs/architecture.md
+        §11). On the CPU the staged tensors are the host arrays, which change with them; off
+        the CPU, an attention backend that reads host lengths waits for the corrected ones.
         """
-        if not self.speculative:
-            return
-        batch = self.input_batch
-        verified = [i for i, row in enumerate(rows) if batch.states[row].verified_drafts]
-        if not verified:
-            return
-        self._settle(block=True)
-        for i in verified:
-            row = rows[i]
-            batch.states[row].verified_drafts = False
-            # A verified request decodes: its newest token is its first input.
-            start = int(batch.num_known_tokens[row]) - 1
-            if start > starts[i]:
-                raise RuntimeError(
-                    f"request {batch.req_ids[row]}: scheduled from token {starts[i]}, but "
-                    f"it holds {start + 1} tokens"
-                )
-            starts[i] = start
+        to_device = self.buffers.to_device
+        reqs = np.asarray(verified, dtype=np.int64)
+        counts = num_sched[reqs].astype(np.int64)
+        firsts = cu[reqs].astype(np.int64)
+        # Token j of verified request k sits at flat index firsts[k] + j.
+        owner = np.repeat(np.arange(len(reqs)), counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        tokens = to_device(firsts[owner] + offsets)
+        start = self.next_start[to_device(rows[reqs].astype(np.int64))]
+        positions = start[to_device(owner)] + to_device(offsets)
+        dev["positions"][tokens] = positions
+        blocks = dev["block_table"][to_device(reqs[owner]), positions // self.block_size]
+        dev["slot_mapping"][tokens] = (
+            blocks.to(torch.int64) * self.block_size + positions % self.block_size
+        )
+        lengths = (start + to_device(counts)).to(dev["seq_lens"].dtype)
+        dev["seq_lens"][to_device(reqs)] = lengths
+        if self.model.attn_backend_cls.reads_host_lengths and not self.buffers.on_cpu:
+            seq_lens[reqs] = lengths.cpu().numpy()
 
     def _capture_graphs(self) -> None:
         """Captures decode graphs over the persistent input buffers (CUDA only)."""
@@ -546,6 +586,7 @@ class GPUModelRunner:
             return out if step.req_ids else EMPTY_MODEL_RUNNER_OUTPUT
         logits = step.logits
         num_rows = step.num_rows
+        self._settle_verified(step.sampled_states)
         first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
         if grammar_output is not None:
             from vllm.v1.structured_output.utils import apply_grammar_bitmask
@@ -574,16 +615,32 @@ class GPUModelRunner:
             state.num_output_tokens += 1
             state.verified_drafts |= bool(drafts)
         sampled = _SampledTokens(
-            step.sampled_req_ids, states, positions, token_ids, logprobs, self.copy_stream
+            step.sampled_req_ids, states, positions, token_ids, logprobs, self.copy_stream,
+            step.drafts,
         )
         if not self.pipelined:
-            self._feed_back(step, last)
+            newest = None
+            if step.draft_bases is not None:
+                newest = step.draft_bases + (token_ids != NO_TOKEN).sum(dim=1)
+            self._feed_back(step, last, newest)
             self._unsettled.append(sampled)
         output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled)
         return output if self.async_scheduling else output.get_output()
 
-    def _feed_back(self, step: _Step, token_ids: torch.Tensor) -> None:
-        """Writes a step's sampled ids into `last_token` at the requests' current rows.
+    def _settle_verified(self, states: list[CachedRequestState]) -> None:
+        """Waits for the host copy of any earlier verification of `states`: a request's
+        output position (seeds, `min_tokens`, where its tokens land) counts the drafts it
+        kept. On CUDA the forward is queued by then, so the device does not idle."""
+        ids = {id(state) for state in states}
+        if any(sampled.verified & ids for sampled in self._unsettled):
+            self._settle(block=True)
+
+    def _feed_back(
+        self, step: _Step, token_ids: torch.Tensor, newest: torch.Tensor | None = None
+    ) -> None:
+        """Writes a step's sampled ids into `last_token` at the requests' current rows, and
+        `newest` (the position of each request's newest kept token, after a verification
+        with drafts) into `next_start`.
 
         Rows are looked up now, not at execute time: a newer step executed in between may
         have moved a row (the last row fills a hole) or dropped a request that finished or
@@ -601,10 +658,13 @@ class GPUModelRunner:
         if not rows:
             return
         if len(keep) < len(step.sampled_req_ids):
-            token_ids = token_ids[self.buffers.to_device(np.asarray(keep, dtype=np.int64))]
-        self.last_token.index_copy_(
-            0, self.buffers.to_device(np.asarray(rows, dtype=np.int64)), token_ids
-        )
+            kept = self.buffers.to_device(np.asarray(keep, dtype=np.int64))
+            token_ids = token_ids[kept]
+            newest = newest[kept] if newest is not None else None
+        rows_dev = self.buffers.to_device(np.asarray(rows, dtype=np.int64))
+        self.last_token.index_copy_(0, rows_dev, token_ids)
+        if newest is not None:
+            self.next_start.index_copy_(0, rows_dev, newest)
 
     def _pending_output_ids(self, states: list[CachedRequestState]) -> torch.Tensor | None:
         """[len(states), P] int64 on the device, padded with vocab_size: per state, the
