@@ -64,15 +64,15 @@ def main() -> int:
                     results[label][batch] = measure(llm, batch, args.output_len)
                     print(f"{label:12s} batch {batch:4d}: {results[label][batch]:10.1f} tok/s",
                           flush=True)
+                    if args.json:  # after every batch: a run stopped by a time limit keeps it
+                        args.json.parent.mkdir(parents=True, exist_ok=True)
+                        args.json.write_text(json.dumps(results, indent=2))
             finally:
                 llm.shutdown()
     print("\nbatch   cuda-graphs tok/s   eager tok/s   graphs/eager")
     for batch in batches:
         g, e = results["cuda-graphs"][batch], results["eager"][batch]
         print(f"{batch:5d}   {g:17.1f}   {e:11.1f}   {g / e:12.2f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
     return 0
 
 

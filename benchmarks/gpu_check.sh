@@ -1,34 +1,75 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine without network access (e.g. one H200):
 #
-#   benchmarks/gpu_check.sh [RESULT_DIR]        (run from anywhere; default results/gpu-check-<time>)
+#   benchmarks/gpu_check.sh [--quick | --full] [RESULT_DIR]
+#       (run from anywhere; default RESULT_DIR results/gpu-check-<time>)
+#
+# --quick (the default) is sized to finish in under 9 minutes on one H200, installs included:
+# every step has a time cap and the caps add up to 7.5 minutes (tests 110 s, decode 110 s,
+# sweep 230 s; a capped step keeps what it measured so far). --full runs the long versions
+# (upstream's sweep load shape: an hour or more).
 #
 # 1. installs the wheels in ./.whl into /tmp/site (make them beforehand on a machine with network
 #    access, e.g. `pip download`/`pip wheel` of the project's dependencies into ./.whl)
 #    and puts /tmp/site and the repository on PYTHONPATH (no `pip install -e .` needed);
-# 2. builds the optional native library (csrc/) in place when cmake and a C++ compiler exist;
-# 3. runs the CUDA tests, benchmarks/bench_attention.py and benchmarks/bench_decode.py (decode
-#    tok/s at batch 1, 64, 256 with and without CUDA graphs);
+# 2. --full only: builds the optional native library (csrc/) in place when cmake and a C++
+#    compiler exist (the engine uses numpy fallbacks without it);
+# 3. runs the CUDA tests (attention kernels, HF equivalence, the runner with lagging
+#    device-to-host copies; --full adds the async = sync and speculative-decoding oracles),
+#    benchmarks/bench_attention.py (--full) and benchmarks/bench_decode.py (decode tok/s at
+#    batch 1, 64, 256 with and without CUDA graphs; --quick decodes 64 tokens, --full 128);
 # 4. runs the GPU preset of benchmarks/structured_sweep.py (Qwen3-1.7B config, dummy weights,
-#    4000 prompts, rate 200, max concurrency 800, output length 128).
+#    rate 200, output length 128): --quick 400 prompts, plain and 100% JSON, sync/uni vs
+#    async/uni vs async/mp, once; --full 4000 prompts, ratios 0/0.2/0.8/1.0, 3 repeats;
+# 5. prints one table of every step and its numbers (benchmarks/gpu_check_table.py).
 # Logs, the sweep's JSON/PNG and the table (table.md) go into RESULT_DIR; summary.txt lists
-# every step with its exit status and duration. The exit status is that of the first failed step.
+# every step with its exit status and duration, steps.tsv the same for the table. The exit
+# status is that of the first failed step.
 #
 # Knobs (environment): PYTHON (python3), SITE_DIR (/tmp/site), SKIP_NATIVE, SKIP_TESTS,
-# SKIP_BENCH_ATTENTION, SKIP_BENCH_DECODE, SKIP_SWEEP (set to 1 to skip), TEST_TIMEOUT (s, 1200),
-# SWEEP_NUM_PROMPTS (preset's 4000), SWEEP_CONFIGS (sync/uni,async/uni,async/mp),
-# SWEEP_RATIOS (0,0.2,0.8,1.0), SWEEP_TIMEOUT (s, 3600), SWEEP_PRESET (gpu); ALLOW_CPU=1 lets
-# the script go on without CUDA (to try its mechanics on a CPU with SWEEP_PRESET=cpu-overhead).
+# SKIP_BENCH_ATTENTION, SKIP_BENCH_DECODE, SKIP_SWEEP (set to 1 to skip), TEST_TIMEOUT (s),
+# DECODE_TIMEOUT (s), SWEEP_NUM_PROMPTS, SWEEP_CONFIGS (sync/uni,async/uni,async/mp),
+# SWEEP_RATIOS, SWEEP_REPEATS, SWEEP_TIMEOUT (s), SWEEP_PRESET (gpu); ALLOW_CPU=1 lets the
+# script go on without CUDA (to try its mechanics on a CPU with SWEEP_PRESET=cpu-overhead).
 set -uo pipefail
+
+MODE=quick
+RESULT_ARG=
+for arg in "$@"; do
+  case $arg in
+    --quick) MODE=quick ;;
+    --full) MODE=full ;;
+    -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+    -*) echo "gpu_check.sh: unknown option $arg (use --quick or --full)" >&2; exit 2 ;;
+    *) RESULT_ARG=$arg ;;
+  esac
+done
+# Per-mode defaults; every one can be overridden from the environment (see the knobs above).
+if [ "$MODE" = quick ]; then
+  : "${SKIP_NATIVE:=1}" "${SKIP_BENCH_ATTENTION:=1}" "${TEST_TIMEOUT:=110}"
+  : "${DECODE_TIMEOUT:=110}" "${DECODE_OUTPUT_LEN:=64}"
+  : "${SWEEP_NUM_PROMPTS:=400}" "${SWEEP_RATIOS:=0,1.0}" "${SWEEP_REPEATS:=1}"
+  : "${SWEEP_TIMEOUT:=230}"
+  TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
+              tests/v1/worker/test_gpu_model_runner.py)
+else
+  : "${TEST_TIMEOUT:=1200}" "${DECODE_TIMEOUT:=900}" "${DECODE_OUTPUT_LEN:=128}"
+  : "${SWEEP_RATIOS:=0,0.2,0.8,1.0}" "${SWEEP_REPEATS:=3}" "${SWEEP_TIMEOUT:=3600}"
+  TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
+              tests/v1/worker/test_gpu_model_runner.py
+              tests/v1/engine/test_async_sync_equivalence.py
+              tests/v1/engine/test_spec_decode_equivalence.py)
+fi
 
 cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
-RESULT_DIR=${1:-results/gpu-check-$(date +%Y%m%d-%H%M%S)}
+RESULT_DIR=${RESULT_ARG:-results/gpu-check-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$RESULT_DIR" && RESULT_DIR=$(cd "$RESULT_DIR" && pwd) || exit 1
 SUMMARY=$RESULT_DIR/summary.txt
 PY=${PYTHON:-python3}
 STATUS=0
 : > "$SUMMARY"
+: > "$RESULT_DIR/steps.tsv"
 
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$SUMMARY"; }
 
@@ -40,6 +81,7 @@ step() {
   "$@" > "$RESULT_DIR/$name.log" 2>&1
   rc=$?
   log "== $name: exit $rc after $((SECONDS - start)) s (log: $name.log)"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >> "$RESULT_DIR/steps.tsv"
   tail -n 15 "$RESULT_DIR/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
   if [ "$rc" -ne 0 ] && [ "$STATUS" -eq 0 ]; then STATUS=$rc; fi
   return "$rc"
@@ -47,6 +89,7 @@ step() {
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
+log "mode: $MODE"
 
 # 1. Dependencies from local wheels.
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -103,33 +146,32 @@ if [ "${SKIP_NATIVE:-0}" != 1 ]; then
   fi
 fi
 
-# 3. CUDA tests and the attention micro-benchmark.
+# 3. CUDA tests and the micro-benchmarks.
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  step cuda_tests timeout "${TEST_TIMEOUT:-1200}" "$PY" -m pytest -x -q -p no:cacheprovider \
-    tests/attention tests/entrypoints/test_llm_hf_equivalence.py \
-    tests/v1/engine/test_async_sync_equivalence.py
+  step cuda_tests timeout "$TEST_TIMEOUT" "$PY" -m pytest -x -q -p no:cacheprovider \
+    "${TEST_PATHS[@]}"
 fi
 if [ "${SKIP_BENCH_ATTENTION:-0}" != 1 ]; then
   step bench_attention timeout 600 "$PY" benchmarks/bench_attention.py
 fi
 # Decode throughput, Qwen3-1.7B config with dummy weights, batch 1/64/256, graphs vs eager.
 if [ "${SKIP_BENCH_DECODE:-0}" != 1 ]; then
-  step bench_decode timeout 900 "$PY" benchmarks/bench_decode.py --json "$RESULT_DIR/decode.json"
+  step bench_decode timeout "$DECODE_TIMEOUT" "$PY" benchmarks/bench_decode.py \
+    --output-len "$DECODE_OUTPUT_LEN" --json "$RESULT_DIR/decode.json"
 fi
 
-# 4. The GPU preset sweep.
+# 4. The structured-output sweep.
 if [ "${SKIP_SWEEP:-0}" != 1 ]; then
-  args=(--preset "${SWEEP_PRESET:-gpu}" --result-dir "$RESULT_DIR/sweep")
+  args=(--preset "${SWEEP_PRESET:-gpu}" --result-dir "$RESULT_DIR/sweep"
+        --ratios "$SWEEP_RATIOS" --repeats "$SWEEP_REPEATS")
   [ -n "${SWEEP_NUM_PROMPTS:-}" ] && args+=(--num-prompts "$SWEEP_NUM_PROMPTS")
   [ -n "${SWEEP_CONFIGS:-}" ] && args+=(--configs "$SWEEP_CONFIGS")
-  [ -n "${SWEEP_RATIOS:-}" ] && args+=(--ratios "$SWEEP_RATIOS")
-  step sweep timeout "${SWEEP_TIMEOUT:-3600}" "$PY" benchmarks/structured_sweep.py "${args[@]}"
-  if [ -f "$RESULT_DIR/sweep/sweep.md" ]; then
-    cp "$RESULT_DIR/sweep/sweep.md" "$RESULT_DIR/table.md"
-    log "table:"
-    tee -a "$SUMMARY" < "$RESULT_DIR/table.md"
-  fi
+  step sweep timeout "$SWEEP_TIMEOUT" "$PY" benchmarks/structured_sweep.py "${args[@]}"
 fi
 
+# 5. One table of everything.
+"$PY" benchmarks/gpu_check_table.py "$RESULT_DIR" > "$RESULT_DIR/table.md"
+log "table:"
+tee -a "$SUMMARY" < "$RESULT_DIR/table.md"
 log "done: exit $STATUS; results in $RESULT_DIR"
 exit "$STATUS"

@@ -437,8 +437,9 @@ def run_sweep(
             except RuntimeError as e:
                 result.errors[config] = str(e)
                 log(f"[{config}] FAILED: {e}")
-    result.settings["loadavg_end"] = os.getloadavg()
-    (result_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+            # After every configuration: a sweep stopped by a time limit keeps what it measured.
+            result.settings["loadavg_end"] = os.getloadavg()
+            (result_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     write_chart(result, result_dir / "sweep.png")
     return result
 
