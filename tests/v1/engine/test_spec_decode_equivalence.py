@@ -7,7 +7,7 @@ position). The workload mixes greedy and seeded requests, requests that never dr
 proposer runs sync and async on the uni executor, async on mp (the sync mp transport is the
 async one's), with forced preemption, and async with chunked prefill (the scheduler tests
 cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
-and async on mp with forced preemption. Every structured output must pass the grammar
+async on uni with chunked prefill, and async on mp with forced preemption. Every structured output must pass the grammar
 oracle, and drafts must have been kept; under async scheduling some, of constrained requests
 too, must have been drafted while the request's previous step was still in flight.
 """
@@ -128,6 +128,7 @@ def reference():
         ("ngram", True, "uni", "preemption"),
         ("ngram", True, "uni", "chunked"),
         ("draft", False, "uni", "plain"),
+        ("draft", True, "uni", "chunked"),
         ("draft", True, "mp", "preemption"),
     ],
 )
