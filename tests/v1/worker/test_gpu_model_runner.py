@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+import torch
 
 from vllm import LLM, SamplingParams
 from vllm.v1.worker import gpu_model_runner
@@ -103,12 +105,36 @@ def _mixed_outputs(async_scheduling: bool, **kwargs) -> tuple[list, object]:
         llm.shutdown()
 
 
-def test_the_forward_after_a_verification_does_not_wait_for_its_kept_count(monkeypatch) -> None:
+def _stage_copies(monkeypatch) -> None:
+    """Staging as on CUDA: the staged tensors are copies, so the host arrays keep the
+    scheduler's counts and a backend that reads host lengths must be given the placed ones."""
+    from vllm.v1.worker import input_buffers
+
+    init = input_buffers.InputBuffers.__init__
+
+    def copying_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.on_cpu = False
+
+    monkeypatch.setattr(input_buffers.InputBuffers, "__init__", copying_init)
+    monkeypatch.setattr(input_buffers.InputBuffers, "stage", lambda self, arrays: {
+        name: torch.from_numpy(array.copy()) for name, array in arrays.items()})
+    monkeypatch.setattr(input_buffers.InputBuffers, "to_device", lambda self, array: (
+        torch.from_numpy(np.ascontiguousarray(array).copy())))
+
+
+@pytest.mark.parametrize("staging", ["host arrays", "copies"])
+def test_the_forward_after_a_verification_does_not_wait_for_its_kept_count(
+    monkeypatch, staging: str
+) -> None:
     """With no host copy ever landing on its own, a request verified with drafts must start
     its next forward right after the tokens it kept without waiting for the copy that says
     how many (positions, KV slots and lengths placed on the device); tokens equal the sync
-    engine's without drafts."""
+    engine's without drafts, whether staged tensors share the host arrays (CPU) or are
+    copies of them (CUDA)."""
     want, _ = _mixed_outputs(False)
+    if staging == "copies":
+        _stage_copies(monkeypatch)
     monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: False)
     runner_cls = gpu_model_runner.GPUModelRunner
     execute, settle = runner_cls.execute_model, runner_cls._settle

@@ -508,6 +508,15 @@ class GPUModelRunner:
         offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         tokens = to_device(firsts[owner] + offsets)
         start = self.next_start[to_device(rows[reqs].astype(np.int64))]
+        if self.buffers.on_cpu:
+            # The scheduler's start is an upper bound; beyond it the blocks may not be ours.
+            # (Checked where it costs no device sync.)
+            scheduled = seq_lens[reqs] - counts
+            if (start.numpy() > scheduled).any():
+                raise RuntimeError(
+                    f"requests {[int(r) for r in rows[reqs]]}: kept tokens end at "
+                    f"{start.tolist()}, past the scheduled starts {scheduled.tolist()}"
+                )
         positions = start[to_device(owner)] + to_device(offsets)
         dev["positions"][tokens] = positions
         blocks = dev["block_table"][to_device(reqs[owner]), positions // self.block_size]
