@@ -21,8 +21,9 @@ def _workload():
     return prompts, params
 
 
-def _run(async_scheduling: bool, **kwargs):
-    prompts, params = _workload()
+def _run(async_scheduling: bool, params: list[SamplingParams] | None = None, **kwargs):
+    prompts, seeded = _workload()
+    params = params or seeded
     llm = LLM("demo-tiny", max_model_len=128, max_num_seqs=16,
               async_scheduling=async_scheduling, **kwargs)
     try:
@@ -90,19 +91,13 @@ def test_penalties_count_tokens_still_on_the_device_without_waiting(monkeypatch)
 
 
 def _mixed_outputs(async_scheduling: bool, **kwargs) -> tuple[list, object]:
-    prompts, _ = _workload()
     # Greedy rows keep most drafts, seeded random ones fewer: drafts are kept and rejected,
     # and seeds read output positions that count kept drafts.
     params = [SamplingParams(max_tokens=20, ignore_eos=True,
-                             **({"temperature": 1.0, "top_k": 2, "seed": i} if i % 2 else {"temperature": 0}))
-              for i in range(len(prompts))]
-    llm = LLM("demo-tiny", max_model_len=128, max_num_seqs=16,
-              async_scheduling=async_scheduling, **kwargs)
-    try:
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], llm.llm_engine.engine_core.scheduler
-    finally:
-        llm.shutdown()
+                             **({"temperature": 1.0, "top_k": 2, "seed": i} if i % 2
+                                else {"temperature": 0}))
+              for i in range(len(_workload()[0]))]
+    return _run(async_scheduling, params, **kwargs)
 
 
 def _stage_copies(monkeypatch) -> None:
