@@ -501,12 +501,14 @@ class GPUModelRunner:
         """
         to_device = self.buffers.to_device
         reqs = np.asarray(verified, dtype=np.int64)
-        counts = num_sched[reqs].astype(np.int64)
-        firsts = cu[reqs].astype(np.int64)
-        # Token j of verified request k sits at flat index firsts[k] + j.
-        owner = np.repeat(np.arange(len(reqs)), counts)
-        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        tokens = to_device(firsts[owner] + offsets)
+        counts, firsts = num_sched[reqs], cu[reqs]
+        # Token j of verified request k sits at flat index firsts[k] + j (its k in `owner`).
+        owner = np.empty(int(counts.sum()), dtype=np.int32)
+        flat = np.empty(len(owner), dtype=np.int64)
+        ops.prepare_positions(firsts, counts, owner, flat)
+        owner = owner.astype(np.int64)
+        offsets = flat - firsts[owner]
+        tokens = to_device(flat)
         start = self.next_start[to_device(rows[reqs].astype(np.int64))]
         if self.buffers.on_cpu:
             # The scheduler's start is an upper bound; beyond it the blocks may not be ours.
