@@ -28,9 +28,10 @@
 #
 # Knobs (environment): PYTHON (python3), SITE_DIR (/tmp/site), SKIP_NATIVE, SKIP_TESTS,
 # SKIP_BENCH_ATTENTION, SKIP_BENCH_DECODE, SKIP_SWEEP (set to 1 to skip), TEST_TIMEOUT (s),
-# DECODE_TIMEOUT (s), SWEEP_NUM_PROMPTS, SWEEP_CONFIGS (sync/uni,async/uni,async/mp),
-# SWEEP_RATIOS, SWEEP_REPEATS, SWEEP_TIMEOUT (s), SWEEP_PRESET (gpu); ALLOW_CPU=1 lets the
-# script go on without CUDA (to try its mechanics on a CPU with SWEEP_PRESET=cpu-overhead).
+# DECODE_TIMEOUT (s), DECODE_OUTPUT_LEN, SWEEP_NUM_PROMPTS, SWEEP_CONFIGS
+# (sync/uni,async/uni,async/mp), SWEEP_RATIOS, SWEEP_REPEATS, SWEEP_TIMEOUT (s), SWEEP_PRESET
+# (gpu); ALLOW_CPU=1 lets the script go on without CUDA (to try its mechanics on a CPU with
+# SWEEP_PRESET=cpu-overhead).
 set -uo pipefail
 
 MODE=quick
@@ -45,20 +46,18 @@ for arg in "$@"; do
   esac
 done
 # Per-mode defaults; every one can be overridden from the environment (see the knobs above).
+TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
+            tests/v1/worker/test_gpu_model_runner.py)
 if [ "$MODE" = quick ]; then
   : "${SKIP_NATIVE:=1}" "${SKIP_BENCH_ATTENTION:=1}" "${TEST_TIMEOUT:=110}"
   : "${DECODE_TIMEOUT:=110}" "${DECODE_OUTPUT_LEN:=64}"
   : "${SWEEP_NUM_PROMPTS:=400}" "${SWEEP_RATIOS:=0,1.0}" "${SWEEP_REPEATS:=1}"
   : "${SWEEP_TIMEOUT:=230}"
-  TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
-              tests/v1/worker/test_gpu_model_runner.py)
 else
   : "${TEST_TIMEOUT:=1200}" "${DECODE_TIMEOUT:=900}" "${DECODE_OUTPUT_LEN:=128}"
   : "${SWEEP_RATIOS:=0,0.2,0.8,1.0}" "${SWEEP_REPEATS:=3}" "${SWEEP_TIMEOUT:=3600}"
-  TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
-              tests/v1/worker/test_gpu_model_runner.py
-              tests/v1/engine/test_async_sync_equivalence.py
-              tests/v1/engine/test_spec_decode_equivalence.py)
+  TEST_PATHS+=(tests/v1/engine/test_async_sync_equivalence.py
+               tests/v1/engine/test_spec_decode_equivalence.py)
 fi
 
 cd "$(dirname "$0")/.." || exit 1
