@@ -4,32 +4,32 @@
 #   benchmarks/gpu_check.sh [--quick | --full] [RESULT_DIR]
 #       (run from anywhere; default RESULT_DIR results/gpu-check-<time>)
 #
-# --quick (the default) is sized to finish in under 9 minutes on one H200, installs included:
-# every step has a time cap and the caps add up to 7.5 minutes (tests 110 s, decode 110 s,
-# sweep 230 s; a capped step keeps what it measured so far). --full runs the long versions
+# --quick (the default) is sized to finish in about 7 minutes on one H200, installs included:
+# every step has a time cap and the caps add up to 7 minutes (tests 150 s, decode 75 s,
+# sweep 200 s; a capped step keeps what it measured so far). --full runs the long versions
 # (upstream's sweep load shape: an hour or more).
 #
-# 1. installs the wheels in ./.whl into /tmp/site (make them beforehand on a machine with network
+# 1. installs the wheels in ./.whl (or $WHEEL_DIR) into /tmp/site (make them beforehand on a machine with network
 #    access, e.g. `pip download`/`pip wheel` of the project's dependencies into ./.whl)
 #    and puts /tmp/site and the repository on PYTHONPATH (no `pip install -e .` needed);
 # 2. --full only: builds the optional native library (csrc/) in place when cmake and a C++
 #    compiler exist (the engine uses numpy fallbacks without it);
-# 3. runs the CUDA tests (attention kernels, HF equivalence, the runner with lagging
-#    device-to-host copies; --full adds the async = sync and speculative-decoding oracles),
+# 3. runs the CUDA tests (attention kernels, HF equivalence, graphs, the device bitmask, the
+#    runner with lagging device-to-host copies, async = sync; --full adds speculative decoding),
 #    benchmarks/bench_attention.py (--full) and benchmarks/bench_decode.py (decode tok/s at
 #    batch 1, 64, 256 with and without CUDA graphs; --quick decodes 64 tokens, --full 128);
 # 4. runs the GPU preset of benchmarks/structured_sweep.py (Qwen3-1.7B config, dummy weights,
-#    rate 200, output length 128): --quick 400 prompts, plain and 100% JSON, sync/uni vs
-#    async/uni vs async/mp, once; --full 4000 prompts, ratios 0/0.2/0.8/1.0, 3 repeats;
+#    rate 200, output length 128): ratios 0/0.2/0.8/1.0 JSON, sync and async, uni and mp;
+#    --quick 400 prompts once, --full 4000 prompts, 3 repeats;
 # 5. prints one table of every step and its numbers (benchmarks/gpu_check_table.py).
 # Logs, the sweep's JSON/PNG and the table (table.md) go into RESULT_DIR; summary.txt lists
 # every step with its exit status and duration, steps.tsv the same for the table. The exit
 # status is that of the first failed step.
 #
-# Knobs (environment): PYTHON (python3), SITE_DIR (/tmp/site), SKIP_NATIVE, SKIP_TESTS,
+# Knobs (environment): PYTHON (python3), WHEEL_DIR (.whl), SITE_DIR (/tmp/site), SKIP_NATIVE, SKIP_TESTS,
 # SKIP_BENCH_ATTENTION, SKIP_BENCH_DECODE, SKIP_SWEEP (set to 1 to skip), TEST_TIMEOUT (s),
 # DECODE_TIMEOUT (s), DECODE_OUTPUT_LEN, SWEEP_NUM_PROMPTS, SWEEP_CONFIGS
-# (sync/uni,async/uni,async/mp), SWEEP_RATIOS, SWEEP_REPEATS, SWEEP_TIMEOUT (s), SWEEP_PRESET
+# (sync/uni,async/uni,sync/mp,async/mp), SWEEP_RATIOS, SWEEP_REPEATS, SWEEP_TIMEOUT (s), SWEEP_PRESET
 # (gpu); ALLOW_CPU=1 lets the script go on without CUDA (to try its mechanics on a CPU with
 # SWEEP_PRESET=cpu-overhead).
 set -uo pipefail
@@ -46,18 +46,22 @@ for arg in "$@"; do
   esac
 done
 # Per-mode defaults; every one can be overridden from the environment (see the knobs above).
+# Every test that has a CUDA variant or exercises a CUDA-only path: Triton attention compiled
+# for real, graph capture, the device-side bitmask, the sampler's device ops, the runner's
+# lagging copies, and async = sync (uni and mp) on the GPU.
 TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
-            tests/v1/worker/test_gpu_model_runner.py)
+            tests/v1/worker/test_gpu_model_runner.py tests/v1/worker/test_cuda_graph.py
+            tests/v1/structured_output/test_utils.py tests/v1/sample/ops/test_race.py
+            tests/v1/engine/test_async_sync_equivalence.py)
 if [ "$MODE" = quick ]; then
-  : "${SKIP_NATIVE:=1}" "${SKIP_BENCH_ATTENTION:=1}" "${TEST_TIMEOUT:=110}"
-  : "${DECODE_TIMEOUT:=110}" "${DECODE_OUTPUT_LEN:=64}"
-  : "${SWEEP_NUM_PROMPTS:=400}" "${SWEEP_RATIOS:=0,1.0}" "${SWEEP_REPEATS:=1}"
-  : "${SWEEP_TIMEOUT:=230}"
+  : "${SKIP_NATIVE:=1}" "${SKIP_BENCH_ATTENTION:=1}" "${TEST_TIMEOUT:=150}"
+  : "${DECODE_TIMEOUT:=75}" "${DECODE_OUTPUT_LEN:=64}"
+  : "${SWEEP_NUM_PROMPTS:=400}" "${SWEEP_RATIOS:=0,0.2,0.8,1.0}" "${SWEEP_REPEATS:=1}"
+  : "${SWEEP_TIMEOUT:=200}"
 else
   : "${TEST_TIMEOUT:=1200}" "${DECODE_TIMEOUT:=900}" "${DECODE_OUTPUT_LEN:=128}"
   : "${SWEEP_RATIOS:=0,0.2,0.8,1.0}" "${SWEEP_REPEATS:=3}" "${SWEEP_TIMEOUT:=3600}"
-  TEST_PATHS+=(tests/v1/engine/test_async_sync_equivalence.py
-               tests/v1/engine/test_spec_decode_equivalence.py)
+  TEST_PATHS+=(tests/v1/engine/test_spec_decode_equivalence.py)
 fi
 
 cd "$(dirname "$0")/.." || exit 1
@@ -91,13 +95,14 @@ export PYTHONUNBUFFERED=1
 log "mode: $MODE"
 
 # 1. Dependencies from local wheels.
-if compgen -G ".whl/*.whl" > /dev/null; then
+WHEELS=${WHEEL_DIR:-.whl}
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
   SITE=${SITE_DIR:-/tmp/site}
   step install_wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-    --upgrade --target "$SITE" .whl/*.whl
+    --upgrade --target "$SITE" "$WHEELS"/*.whl
   export PYTHONPATH=$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}
 else
-  log "no .whl/*.whl here: using the packages already installed"
+  log "no $WHEELS/*.whl here: using the packages already installed"
   export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 fi
 log "PYTHONPATH=$PYTHONPATH"
@@ -147,7 +152,7 @@ fi
 
 # 3. CUDA tests and the micro-benchmarks.
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  step cuda_tests timeout "$TEST_TIMEOUT" "$PY" -m pytest -x -q -p no:cacheprovider \
+  step cuda_tests timeout "$TEST_TIMEOUT" "$PY" -m pytest -q -p no:cacheprovider -rfE --timeout 100 \
     "${TEST_PATHS[@]}"
 fi
 if [ "${SKIP_BENCH_ATTENTION:-0}" != 1 ]; then

@@ -1,4 +1,4 @@
-"""Sweep {sync/uni, async/uni, async/mp} × structured-output ratios {0, 0.2, 0.8, 1.0}.
+"""Sweep {sync, async} × {uni, mp} × structured-output ratios {0, 0.2, 0.8, 1.0}.
 
 Starts `vllm serve` once per configuration and round (--repeats rounds, interleaved), runs
 benchmark_serving_structured_output.py at each ratio (same prompts), stops the server, then

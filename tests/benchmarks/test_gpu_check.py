@@ -103,8 +103,9 @@ def test_a_sweep_stopped_midway_keeps_the_configurations_it_ran(
 def test_quick_mode_runs_its_steps_and_prints_the_table_on_a_cpu(tmp_path: Path) -> None:
     """The script's mechanics without CUDA: mode, step bookkeeping and the final table
     (the heavy steps are skipped; the environment check still runs)."""
+    # No wheels: a developer's .whl (made for the GPU machine's Python) must not matter here.
     env = dict(os.environ, PYTHON=sys.executable, ALLOW_CPU="1", SKIP_TESTS="1",
-               SKIP_BENCH_DECODE="1", SKIP_SWEEP="1")
+               SKIP_BENCH_DECODE="1", SKIP_SWEEP="1", WHEEL_DIR=str(tmp_path / "no-wheels"))
     result_dir = tmp_path / "out"
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(result_dir)],
                           env=env, capture_output=True, text=True, timeout=300)
@@ -117,3 +118,35 @@ def test_quick_mode_runs_its_steps_and_prints_the_table_on_a_cpu(tmp_path: Path)
     bad = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--fast"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--fast" in bad.stderr
+
+
+def test_a_capped_sweep_keeps_the_cells_of_the_configuration_it_was_measuring(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """A time cap kills the sweep mid-configuration (the GPU run lost async/mp's first two
+    ratios this way): every measured cell must already be in sweep.json."""
+    from vllm.benchmarks import structured_output
+
+    class Stopped(BaseException):
+        """What a time limit's signal does to the sweep: nothing after it runs."""
+
+    record = {"completed": 4, "request_throughput": 7.0, "output_throughput": 900.0,
+              "total_output_tokens": 512, "correctness": {"correct_rate": None}, "failed": 0}
+    runs = iter([record, record, Stopped])  # warm-up, ratio 0.0, then the cap
+
+    def run(args, tokenizer, quiet=False):
+        item = next(runs)
+        if item is Stopped:
+            raise Stopped
+        return item
+
+    monkeypatch.setattr(structured_output, "run", run)
+    monkeypatch.setattr(sweep.Server, "start", lambda self, timeout_s: None)
+    monkeypatch.setattr(sweep.Server, "stop", lambda self: 0)
+    monkeypatch.setattr(sweep, "prepare_model", lambda preset, workdir: ServedModel("m", "m", "t"))
+    monkeypatch.setattr(serve, "load_tokenizer", lambda name: None)
+    with pytest.raises(Stopped):
+        sweep.run_sweep(PRESETS["cpu-overhead"], tmp_path, ["async/mp"], [0.0, 1.0],
+                        repeats=1, log=lambda line: None)
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert set(saved["cells"]["async/mp"]) == {"0.0"}

@@ -84,8 +84,11 @@ def test_serve_commands() -> None:
     assert sync[sync.index("--port") + 1] == "1234" and sync[-2:] == ["--max-num-seqs", "8"]
     mp = sweep.serve_command(model, "async/mp", 1, [])
     assert "--async-scheduling" in mp and mp[mp.index("--distributed-executor-backend") + 1] == "mp"
+    sync_mp = sweep.serve_command(model, "sync/mp", 1, [])
+    assert "--async-scheduling" not in sync_mp
+    assert sync_mp[sync_mp.index("--distributed-executor-backend") + 1] == "mp"
     with pytest.raises(ValueError, match="config"):
-        sweep.serve_command(model, "sync/mp", 1)
+        sweep.serve_command(model, "async/ray", 1)
 
 
 def test_bench_argv_parses_with_the_benchmark_flags() -> None:

@@ -1,6 +1,6 @@
 """The async × structured-output sweep behind benchmarks/structured_sweep.py.
 
-For each engine configuration (sync/uni, async/uni, async/mp) it starts `vllm serve`, runs the
+For each engine configuration (sync/uni, async/uni, sync/mp, async/mp) it starts `vllm serve`, runs the
 structured-output benchmark at each structured-output ratio with the same prompts, stops the
 server, and reports request throughput per (configuration, ratio) plus the two headline
 ratios: async/uni ÷ sync/uni at ratio 0, and ratio 1 ÷ ratio 0 for the best configuration.
@@ -35,6 +35,7 @@ from typing import Any
 CONFIGS: dict[str, tuple[bool, str]] = {
     "sync/uni": (False, "uni"),
     "async/uni": (True, "uni"),
+    "sync/mp": (False, "mp"),
     "async/mp": (True, "mp"),
 }
 RATIOS = (0.0, 0.2, 0.8, 1.0)
@@ -437,11 +438,16 @@ def run_sweep(
             except RuntimeError as e:
                 result.errors[config] = str(e)
                 log(f"[{config}] FAILED: {e}")
-            # After every configuration: a sweep stopped by a time limit keeps what it measured.
-            result.settings["loadavg_end"] = os.getloadavg()
-            (result_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+            save_result(result, result_dir)
     write_chart(result, result_dir / "sweep.png")
     return result
+
+
+def save_result(result: SweepResult, result_dir: Path) -> None:
+    """Writes result_dir/sweep.json (called after every cell, so that a sweep stopped by a
+    time limit keeps everything it measured)."""
+    result.settings["loadavg_end"] = os.getloadavg()
+    (result_dir / "sweep.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
 
 
 def _run_config(
@@ -490,6 +496,7 @@ def _run_config(
             record = structured_output.run(parser.parse_args(argv), tokenizer, quiet=True)
             cell = cell_from_record(record)
             result.add(config, ratio_label(ratio), cell)
+            save_result(result, result_dir)
             log(
                 f"[{config} r{round_}] ratio {ratio_label(ratio)}: "
                 f"{cell.request_throughput:.2f} req/s, "

@@ -20,6 +20,37 @@ _GiB = 1 << 30
 _DEFAULT_CPU_KV_BYTES = 2 * _GiB
 
 
+def kv_cache_blocks(
+    block_bytes: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    *,
+    kv_cache_memory: int | None,
+    gpu_memory_utilization: float,
+    free: int | None,
+    total: int | None,
+) -> int:
+    """The number of KV blocks to allocate (possibly under one sequence; the caller checks).
+
+    `free`/`total` are the device's memory in bytes (None on CPU). --kv-cache-memory, when
+    given, is the cache's size on every device. Otherwise the cache never grows past what
+    max_num_seqs sequences of max_model_len tokens can fill: on a GPU it takes the smaller of
+    that and the memory left under --gpu-memory-utilization (less a headroom for activations
+    and the sampler's vocabulary-sized temporaries); on CPU the smaller of that and 2 GiB.
+    """
+    wanted = max_num_seqs * max_model_len * block_bytes // block_size
+    if kv_cache_memory is not None:
+        budget = kv_cache_memory
+    elif total is None or free is None:
+        budget = min(_DEFAULT_CPU_KV_BYTES, wanted)
+    else:
+        # What others hold (weights, other engines, other processes) counts against the
+        # fraction: two engines that each take all they are allowed would not both start.
+        budget = min(wanted, int(total * gpu_memory_utilization) - (total - free) - _GiB)
+    return max(int(budget // block_bytes), 0)
+
+
 class Worker:
     """Loads the model, sizes and allocates the KV cache, and runs steps."""
 
@@ -60,16 +91,19 @@ class Worker:
         block_bytes = self.model_runner.kv_cache_block_bytes()
         if cache.num_gpu_blocks_override is not None:
             num_blocks = cache.num_gpu_blocks_override
-        elif self.model_runner.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            # Keep headroom for activations and the sampler's vocabulary-sized temporaries.
-            budget = total * cache.gpu_memory_utilization - (total - free) - _GiB
-            num_blocks = int(budget // block_bytes)
         else:
+            free = total = None
+            if self.model_runner.device.type == "cuda":
+                # Blocks an engine closed earlier in this process left in the caching
+                # allocator are free for this one.
+                torch.cuda.empty_cache()
+                free, total = torch.cuda.mem_get_info()
             sched = self.config.scheduler_config
-            wanted = sched.max_num_seqs * sched.max_model_len * block_bytes // cache.block_size
-            budget = cache.kv_cache_memory or min(_DEFAULT_CPU_KV_BYTES, wanted)
-            num_blocks = int(budget // block_bytes)
+            num_blocks = kv_cache_blocks(
+                block_bytes, cache.block_size, sched.max_num_seqs, sched.max_model_len,
+                kv_cache_memory=cache.kv_cache_memory,
+                gpu_memory_utilization=cache.gpu_memory_utilization, free=free, total=total,
+            )
         max_len = self.config.model_config.max_model_len
         if num_blocks * cache.block_size < max_len:
             raise ValueError(
