@@ -17,6 +17,10 @@ MAX_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 64
 MAX_STOP_LENGTH = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = 128
+# OpenAI's range for a logit bias; ±100 bans or forces a token.
+LOGIT_BIAS_LIMIT = 100.0
 
 # How the engine stores every numeric field (its runner keeps them in int32, int64 and
 # float32 columns): the one table both SamplingParams and the engine core's admission check
@@ -67,6 +71,35 @@ def check_numeric_fields(params: Any) -> None:
             or not math.isfinite(value)
         ):
             raise InvalidRequestError(name, f"must be a finite float32 number, got {value!r}")
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Raises InvalidRequestError naming the field when logit_bias, allowed_token_ids or
+    bad_words_token_ids holds a token id outside [0, vocab_size)."""
+    groups = {
+        "logit_bias": list(params.logit_bias or ()),
+        "allowed_token_ids": params.allowed_token_ids or [],
+        "bad_words": [t for seq in params.bad_words_token_ids or () for t in seq],
+    }
+    for name, ids in groups.items():
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                name, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def _int_keys(bias: Any) -> Any:
+    """logit_bias with decimal-string keys ("50256", as JSON sends them) made ints; anything
+    else is left for validation to name."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias", "must be an object of token id -> bias")
+    out = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().isdigit():
+            key = int(key)
+        out[key] = value
+    return out
 
 
 def _is_unicode(text: str) -> bool:
@@ -187,6 +220,16 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> bias added to its logit before sampling, in [-100, 100] (keys may be given
+    # as decimal strings, as OpenAI's JSON does).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words that must never appear in the output (matched as token sequences).
+    bad_words: list[str] | None = None
+    # Filled by the engine from the tokenizer (bad_words as token sequences, each as written
+    # and with a leading space); crosses the engine-core boundary with the rest.
+    bad_words_token_ids: list[list[int]] | None = None
     # Filled by the engine from the model, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -199,6 +242,10 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _int_keys(self.logit_bias)
+        if self.bad_words is not None and isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._verify()
 
     def _verify(self) -> None:
@@ -255,6 +302,57 @@ class SamplingParams:
             )
         if any(not _is_int(t, 0, 2**31 - 1) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative int32 integers")
+        self._verify_token_edits(bad)
+
+    def _verify_token_edits(self, bad) -> None:
+        """Checks logit_bias, allowed_token_ids and bad_words (vocabulary bounds are checked
+        by the engine, which knows the vocabulary)."""
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            for token, value in self.logit_bias.items():
+                if not _is_int(token, 0, 2**31 - 1):
+                    raise bad("logit_bias", f"keys must be token ids, got {token!r}")
+                if (
+                    not isinstance(value, (int, float, np.integer, np.floating))
+                    or isinstance(value, bool)
+                    or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT
+                ):
+                    raise bad(
+                        "logit_bias",
+                        f"values must be numbers in [-100, 100], got {value!r} for token {token}",
+                    )
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids:
+                raise bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if any(not _is_int(t, 0, 2**31 - 1) for t in ids):
+                raise bad("allowed_token_ids", "must be non-negative int32 integers")
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, list) or len(words) > MAX_BAD_WORDS:
+                raise bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} strings")
+            for w in words:
+                if not isinstance(w, str) or not w.strip():
+                    raise bad("bad_words", "must be non-empty strings")
+                if len(w) > MAX_STOP_LENGTH or not _is_unicode(w):
+                    raise bad(
+                        "bad_words",
+                        f"each word is valid Unicode of at most {MAX_STOP_LENGTH} characters",
+                    )
+        if self.bad_words_token_ids is not None:
+            seqs = self.bad_words_token_ids
+            if not isinstance(seqs, list) or any(
+                not isinstance(q, list) or not q or any(not _is_int(t, 0, 2**31 - 1) for t in q)
+                for q in seqs
+            ):
+                raise bad("bad_words_token_ids", "must be non-empty lists of token ids")
+
+    @property
+    def has_history_bans(self) -> bool:
+        """True when a bad word spans several tokens: whether its last token is banned
+        depends on the tokens sampled before it."""
+        return any(len(q) > 1 for q in self.bad_words_token_ids or ())
 
     @property
     def greedy(self) -> bool:

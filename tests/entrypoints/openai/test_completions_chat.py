@@ -207,3 +207,31 @@ def test_sampling_knobs_accepted(client):
     topk1 = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0,
                                       seed=2, extra_body={"top_k": 1})
     assert topk1.choices[0].text == greedy.choices[0].text
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client):
+    """OpenAI's logit_bias (string keys) forces or bans tokens; allowed_token_ids and
+    bad_words (upstream's extensions) travel in extra_body."""
+    forced = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, temperature=1.0, seed=1,
+        logit_bias={"9707": 100}, logprobs=True, extra_body={"ignore_eos": True})
+    assert [t.token for t in forced.choices[0].logprobs.content] == ["Hello"] * 4
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                      extra_body={"return_tokens_as_token_ids": True},
+                                      logprobs=0)
+    first = int(plain.choices[0].logprobs.tokens[0].split(":")[1])
+    banned = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={str(first): -100},
+        logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    assert banned.choices[0].logprobs.tokens[0] != f"token_id:{first}"
+    allowed = [9707, 1879, 11]
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=2, logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True,
+                    "ignore_eos": True})
+    assert {int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens} <= set(allowed)
+    word = plain.choices[0].text.split()[0] if plain.choices[0].text.split() else None
+    if word:
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                         temperature=0, extra_body={"bad_words": [word]})
+        assert word not in out.choices[0].text

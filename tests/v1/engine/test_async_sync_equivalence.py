@@ -1,7 +1,8 @@
 """Oracle: async scheduling gives exactly what synchronous scheduling gives.
 
 For 20 prompts with greedy and seeded sampling, penalties and logprobs on some requests, and
-0, 50 or 100 % structured requests, async × {uni, mp} × {plain, forced preemption} plus
+0, 50 or 100 % structured requests, logit_bias, bad_words and allowed_token_ids on some
+requests, async × {uni, mp} × {plain, forced preemption} plus
 async/uni with chunked prefill, and sync/mp, must produce the same tokens as sync/uni/plain, with logprobs within
 LOGPROB_TOLERANCE. Each special condition is asserted to have happened.
 """
@@ -48,6 +49,10 @@ CONSTRAINTS = [
 ]
 
 
+# Words the tiny demo model writes when left alone (so their bans change outputs).
+BAD_WORDS = ["KeeperKeeper", "zeta zeta", "eta eta", "gamma gamma", "alpha beta"]
+
+
 def _prompts() -> list[str]:
     rng = random.Random(0)
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -70,6 +75,15 @@ def _params(ratio: float) -> list[SamplingParams]:
             kwargs.update(logprobs=3)
         if i < num_structured:
             kwargs.update(structured_outputs=CONSTRAINTS[i % len(CONSTRAINTS)])
+        # Token edits, structured or not: a bias, bad words (one banned only after the
+        # token before it, which needs the newest tokens, still on the device under async)
+        # and, on unconstrained rows, an allowed set.
+        if i % 5 == 3:
+            kwargs.update(logit_bias={i * 7 + 11: 4.0, 77233: -100})
+        if i % 6 == 1:
+            kwargs.update(bad_words=BAD_WORDS)
+        if i % 7 == 5 and i >= num_structured:
+            kwargs.update(allowed_token_ids=list(range(200, 1200, 3)))
         out.append(SamplingParams(**kwargs))
     return out
 

@@ -75,6 +75,14 @@ BAD_REQUESTS: dict[str, tuple[EngineCoreRequest, str]] = {
     ),
     "token_out_of_vocab": (_request("token_out_of_vocab", prompt=[1, VOCAB_SIZE]), "prompt"),
     "token_negative": (_request("token_negative", prompt=[-1, 5]), "prompt"),
+    # Ids the sampler would index the logits with: one outside the vocabulary fails the step.
+    "bias_out_of_vocab": (_request("bias_out_of_vocab", logit_bias={VOCAB_SIZE: 1.0}),
+                          "logit_bias"),
+    "allowed_out_of_vocab": (_request("allowed_out_of_vocab", allowed_token_ids=[VOCAB_SIZE]),
+                             "allowed_token_ids"),
+    "bad_word_out_of_vocab": (
+        _request("bad_word_out_of_vocab", bad_words_token_ids=[[5, VOCAB_SIZE + 3]]), "bad_words"
+    ),
     "prompt_empty": (_request("prompt_empty", prompt=[]), "prompt"),
     "prompt_too_long": (_request("prompt_too_long", prompt=[5] * MAX_MODEL_LEN), "prompt"),
 }
@@ -314,10 +322,8 @@ def test_offline_engine_reports_the_error_and_keeps_serving() -> None:
     try:
         engine = llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        # The engine request is rebuilt from these params, so the overflow goes in here.
-        bad_params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        bad_params.top_k = 2**31
-        engine.add_processed_request(None, _request("bad"), bad_params)
+        # The engine request carries its own parameters: the overflow goes in there.
+        engine.add_processed_request(None, _request("bad", top_k=2**31), params)
         engine.add_processed_request(None, _request("good"), params)
         finished = {}
         for _ in range(200):

@@ -90,6 +90,34 @@ def test_penalties_count_tokens_still_on_the_device_without_waiting(monkeypatch)
         assert a.logprobs == b.logprobs
 
 
+def test_bad_words_read_tokens_still_on_the_device_without_waiting(monkeypatch) -> None:
+    """A bad word of two tokens is banned only right after its first token; with no host copy
+    ever landing on its own, that token is read on the device, never waited for; tokens
+    equal the sync engine's (and the ban changed them)."""
+    prompts, _ = _workload()
+    # The tiny demo model repeats the prompt's last word: ban each word right after itself.
+    words = sorted({w for p in prompts for w in p.split()})
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, bad_words=[f"{w} {w}" for w in words],
+                             **({"temperature": 1.0, "seed": i} if i % 2 else {"temperature": 0}))
+              for i in range(len(prompts))]
+    want, _ = _run(False, params)
+    free, _ = _run(False, [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)]
+                   * len(prompts))
+    assert any(a != b for a, b in zip(want[::2], free[::2]))
+    monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: False)
+    settle = gpu_model_runner.GPUModelRunner._settle
+    blocking: list[bool] = []
+
+    def spy(self, block: bool) -> None:
+        blocking.append(block)
+        settle(self, block)
+
+    monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "_settle", spy)
+    got, _ = _run(True, params)
+    assert blocking and not any(blocking), "a step waited for a device-to-host copy"
+    assert got == want
+
+
 def _mixed_outputs(async_scheduling: bool, **kwargs) -> tuple[list, object]:
     # Greedy rows keep most drafts, seeded random ones fewer: drafts are kept and rejected,
     # and seeds read output positions that count kept drafts.

@@ -148,6 +148,10 @@ class SamplingRequestFields(OpenAIBaseModel):
     guided_whitespace_pattern: str | None = None
     # Logprob tokens as "token_id:<id>" instead of their text (exact, for checking).
     return_tokens_as_token_ids: bool = False
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words that must never appear in the output.
+    bad_words: list[str] | None = None
 
 
 # ---------------------------------------------------------------------------- completions

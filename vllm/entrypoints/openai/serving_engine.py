@@ -306,8 +306,6 @@ class OpenAIServing:
             raise InvalidRequestError("stream_options", "only allowed when stream is true")
         if request.guided_whitespace_pattern is not None:
             raise InvalidRequestError("guided_whitespace_pattern", "is not supported")
-        if getattr(request, "logit_bias", None):
-            raise InvalidRequestError("logit_bias", "is not supported")
         return SamplingParams(
             n=request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -330,6 +328,9 @@ class OpenAIServing:
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
             structured_outputs=structured_outputs or structured_outputs_params(request),
+            logit_bias=getattr(request, "logit_bias", None) or None,
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
         )
 
     # ------------------------------------------------------------------ running

@@ -11,7 +11,7 @@ import msgspec
 
 from vllm.config import VllmConfig
 from vllm.exceptions import InvalidRequestError
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, check_token_ids
 from vllm.v1.engine import EngineCoreRequest
 
 
@@ -107,12 +107,30 @@ class InputProcessor:
             )
         if params.structured_outputs is not None:
             self.structured_output_manager.validate(params.structured_outputs)
+        if params.bad_words:
+            params = dataclasses.replace(
+                params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words)
+            )
+        check_token_ids(params, self.vocab_size)
         return text, EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=msgspec.to_builtins(params_to_dict(params)),
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
         )
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word as token sequences: as written and, when it does not start with a space,
+    with one (the form it takes after another word), without duplicates."""
+    seqs: list[list[int]] = []
+    for word in words:
+        forms = [word] if word.startswith(" ") else [word, " " + word]
+        for form in forms:
+            ids = tokenizer.encode(form, add_special_tokens=False)
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs
 
 
 def params_to_dict(params: SamplingParams) -> dict[str, Any]:
@@ -133,15 +151,16 @@ def child_requests(
 ) -> Iterator[EngineCoreRequest]:
     """The engine-core request of each of a request's samples, one per id in `child_ids`.
 
-    With several samples and a seed, sample i gets seed + i.
+    Each carries the core request's parameters (with what the processor filled in, such as
+    the bad words' token ids). With several samples and a seed, sample i gets seed + i.
     """
     for i, child_id in enumerate(child_ids):
-        child_params = params
+        child_params = core_request.sampling_params
         if len(child_ids) > 1 and params.seed is not None:
             # Distinct seeds, or all n samples would be the same sequence.
             # Wrapped into int64 so that seed + i never overflows the engine's seed column.
             child_seed = (params.seed + i + 2**63) % 2**64 - 2**63
-            child_params = dataclasses.replace(params, seed=child_seed)
+            child_params = {**child_params, "seed": child_seed}
         yield msgspec.structs.replace(
-            core_request, request_id=child_id, sampling_params=params_to_dict(child_params)
+            core_request, request_id=child_id, sampling_params=child_params
         )

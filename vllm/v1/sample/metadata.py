@@ -49,6 +49,16 @@ class SamplingMetadata:
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
     # None = no logprobs this step; k >= 0 = the sampled token's logprob plus the top k.
     max_num_logprobs: int | None = None
+    # Row -> the only token ids it may sample (allowed_token_ids).
+    allowed_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Row -> (token ids, biases) added to its logits (logit_bias).
+    logit_bias: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # Row -> bad words as token sequences: a one-token word is always banned, a longer one's
+    # last token where the row's newest output tokens equal the rest.
+    bad_words: dict[int, list[list[int]]] = field(default_factory=dict)
+    # [N, W] int64 on the logits' device: each row's newest W output tokens, right-aligned,
+    # -1 before its first; None when no bad word spans several tokens.
+    recent_output_token_ids: torch.Tensor | None = None
 
     @classmethod
     def plain(

@@ -1,7 +1,8 @@
 """The token sampler: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs.
 
-Order per row: min_tokens ban -> penalties -> greedy rows take the argmax -> random rows:
-temperature -> top-k -> top-p -> min-p -> exponential race (see ops/race.py).
+Order per row: allowed_token_ids -> bad words -> logit_bias -> min_tokens ban -> penalties ->
+greedy rows take the argmax -> random rows: temperature -> top-k -> top-p -> min-p ->
+exponential race (see ops/race.py).
 
 Rows are processed in chunks: on a CPU a few rows at a time so the vocabulary-sized
 temporaries stay in cache (large fresh tensors cost page faults and memory bandwidth), on
@@ -23,6 +24,7 @@ from torch import nn
 from vllm.v1.sample.metadata import GREEDY_TEMPERATURE, SamplingMetadata
 from vllm.v1.sample.ops.penalties import apply_penalties, ban_tokens, pad_token_lists
 from vllm.v1.sample.ops.race import race_blocks, race_candidates, seeded_key
+from vllm.v1.sample.ops.token_edits import add_bias, ban_completions, keep_only
 from vllm.v1.sample.ops.topk_topp import (
     candidates,
     min_p_threshold,
@@ -136,7 +138,8 @@ class Sampler(nn.Module):
         lo: int,
         hi: int,
     ) -> torch.Tensor:
-        """The chunk's logits after the min_tokens ban and penalties (a copy if edited)."""
+        """The chunk's logits after the token edits, the min_tokens ban and penalties (a copy
+        if edited)."""
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         for row in range(lo, hi) if bans else ():
@@ -144,13 +147,24 @@ class Sampler(nn.Module):
             if ids:
                 ban_rows += [row - lo] * len(ids)
                 ban_ids += ids
+        allowed = _chunk(md.allowed_token_ids, lo, hi)
+        bias = _chunk(md.logit_bias, lo, hi)
+        words = _chunk(md.bad_words, lo, hi)
+        for row, seqs in words.items():
+            single = [q[0] for q in seqs if len(q) == 1]
+            ban_rows += [row] * len(single)
+            ban_ids += single
         penalize = not md.no_penalties and any(
             t is not None
             for t in (md.presence_penalties, md.frequency_penalties, md.repetition_penalties)
         )
-        if not ban_rows and not penalize:
+        if not ban_rows and not penalize and not allowed and not bias and not words:
             return raw
         x = raw.clone()
+        keep_only(x, allowed)
+        if words and md.recent_output_token_ids is not None:
+            ban_completions(x, words, md.recent_output_token_ids[lo:hi])
+        add_bias(x, bias)
         ban_tokens(x, ban_rows, ban_ids)
         if not penalize:
             return x
@@ -313,6 +327,13 @@ def _logprobs(
         vals, ids = torch.topk(lp, k, dim=1)
         out.token_ids[lo:hi, 1:] = ids
         out.logprobs[lo:hi, 1:] = vals
+
+
+def _chunk(per_row: dict, lo: int, hi: int) -> dict:
+    """The entries of a row-keyed dict for rows [lo, hi), keyed by row - lo."""
+    if not per_row:
+        return {}
+    return {row - lo: v for row, v in per_row.items() if lo <= row < hi}
 
 
 def _maybe_any(mask: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
-from vllm.sampling_params import SamplingParams, check_numeric_fields
+from vllm.sampling_params import SamplingParams, check_numeric_fields, check_token_ids
 
 # How the runner stores the sampling parameters it puts in columns (see
 # GPUModelRunner._sampling_metadata); the bounds every value is checked against at admission
@@ -62,6 +62,9 @@ def check_request_inputs(
         ids = getattr(params, name)
         if any(not _is_int(t) or not _INT64_MIN <= t <= _INT64_MAX for t in ids):
             raise InvalidRequestError(name, "must be integers in the int64 range")
+    # The sampler indexes the logits with these: one id outside the vocabulary would fail
+    # the whole step.
+    check_token_ids(params, vocab_size)
 
 
 @dataclass

@@ -677,10 +677,12 @@ class GPUModelRunner:
         if newest is not None:
             self.next_start.index_copy_(0, rows_dev, newest)
 
-    def _pending_output_ids(self, states: list[CachedRequestState]) -> torch.Tensor | None:
-        """[len(states), P] int64 on the device, padded with vocab_size: per state, the
-        tokens it sampled in steps whose host copy has not been settled into
-        `output_token_ids` yet (async scheduling). None when there are none."""
+    def _unsettled_tokens(
+        self, states: list[CachedRequestState]
+    ) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """The device tensors of the steps whose host copy has not been settled into
+        `output_token_ids` yet (async scheduling), and per state the indices of its tokens in
+        their concatenation, oldest first."""
         self._settle(block=False)
         row_of = {id(state): i for i, state in enumerate(states)}
         picks: list[list[int]] = [[] for _ in states]
@@ -694,14 +696,43 @@ class GPUModelRunner:
                     picks[i].append(offset + j)
             parts.append(sampled.device_token_ids.reshape(-1).to(torch.int64))
             offset += len(sampled.states)
+        return parts, picks
+
+    def _pending_output_ids(self, states: list[CachedRequestState]) -> torch.Tensor | None:
+        """[len(states), P] int64 on the device, padded with vocab_size: per state, the
+        tokens it sampled in steps whose host copy has not been settled yet. None when there
+        are none."""
+        parts, picks = self._unsettled_tokens(states)
         width = max((len(p) for p in picks), default=0)
         if width == 0:
             return None
+        offset = sum(part.numel() for part in parts)
         # The last element is the padding id, gathered wherever a row has fewer tokens.
         parts.append(torch.full((1,), self.vocab_size, dtype=torch.int64, device=self.device))
         index = np.full((len(states), width), offset, dtype=np.int64)
         for i, p in enumerate(picks):
             index[i, : len(p)] = p
+        return torch.cat(parts)[self.buffers.to_device(index)]
+
+    def _recent_output_ids(self, states: list[CachedRequestState], width: int) -> torch.Tensor:
+        """[len(states), width] int64 on the device: each state's newest `width` output
+        tokens, right-aligned, -1 before its first. Tokens still on the device are gathered
+        there (never a wait)."""
+        parts, picks = self._unsettled_tokens(states)
+        offset = sum(part.numel() for part in parts)
+        host: list[int] = []
+        index = np.full((len(states), width), -1, dtype=np.int64)
+        for i, state in enumerate(states):
+            tail = state.output_token_ids[-width:]
+            base = offset + len(host)
+            host += tail
+            seq = [base + k for k in range(len(tail))] + picks[i]
+            seq = seq[-width:]
+            if seq:
+                index[i, width - len(seq):] = seq
+        pad = len(host) + offset
+        index[index < 0] = pad
+        parts.append(self.buffers.to_device(np.asarray(host + [-1], dtype=np.int64)))
         return torch.cat(parts)[self.buffers.to_device(index)]
 
     def _sampling_metadata(
@@ -743,6 +774,11 @@ class GPUModelRunner:
             if position < p.min_tokens and p.all_stop_token_ids
         }
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        recent = None
+        bad_words = {i: p.bad_words_token_ids for i, p in enumerate(params) if p.bad_words_token_ids}
+        if any(p.has_history_bans for p in params):
+            width = max(len(q) for seqs in bad_words.values() for q in seqs) - 1
+            recent = self._recent_output_ids(states, width)
         return SamplingMetadata(
             temperature=None if all_greedy else column("temperature"),
             all_greedy=all_greedy,
@@ -762,4 +798,14 @@ class GPUModelRunner:
             pending_output_token_ids=pending_ids,
             min_tokens=min_tokens,
             max_num_logprobs=max(logprobs) if logprobs else None,
+            allowed_token_ids={
+                i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids
+            },
+            logit_bias={
+                i: (list(p.logit_bias), [float(v) for v in p.logit_bias.values()])
+                for i, p in enumerate(params)
+                if p.logit_bias
+            },
+            bad_words=bad_words,
+            recent_output_token_ids=recent,
         )

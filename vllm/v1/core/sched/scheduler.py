@@ -366,6 +366,8 @@ class Scheduler:
         if (
             params.logprobs is not None
             or params.has_penalties
+            # A bad word's ban at a drafted position would depend on the drafts before it.
+            or params.has_history_bans
             or request.num_output_tokens < params.min_tokens
         ):
             return False
