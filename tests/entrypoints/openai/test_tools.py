@@ -75,6 +75,54 @@ def test_required_schema_accepts_exactly_calls_of_the_tools(parallel) -> None:
             jsonschema.validate(value, schema)
 
 
+# What pydantic writes for nested models: definitions under $defs, referenced from the root.
+ORDER = {
+    "$defs": {
+        "Item": {"type": "object", "properties": {"sku": {"type": "string"},
+                                                   "qty": {"type": "integer", "minimum": 1}},
+                 "required": ["sku", "qty"], "additionalProperties": False},
+    },
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "minItems": 1}},
+    "required": ["items"],
+    "additionalProperties": False,
+}
+# Another tool with a definition of the same name: the two must not collide.
+REFUND = {
+    "definitions": {"Item": {"type": "object", "properties": {"id": {"type": "integer"}},
+                             "required": ["id"], "additionalProperties": False}},
+    "type": "object",
+    "properties": {"item": {"$ref": "#/definitions/Item"}},
+    "required": ["item"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_tools_with_definitions_keep_their_references(tool_choice) -> None:
+    """Nested models' definitions must still resolve once the tools' schemas are combined
+    (a `$ref` into `$defs` was a 400: "Cannot find field '$defs'")."""
+    tools = [{"type": "function", "function": {"name": "order", "parameters": ORDER}},
+             {"type": "function", "function": {"name": "refund", "parameters": REFUND}}]
+    choice = (tool_choice if tool_choice == "required"
+              else {"type": "function", "function": {"name": "order"}})
+    key, schema = plan(tools=tools, tool_choice=choice).constraint()
+    order = {"items": [{"sku": "a", "qty": 2}]}
+    if tool_choice == "required":
+        good = [{"name": "order", "arguments": order}, {"name": "refund", "arguments": {"item": {"id": 3}}}]
+        bad = [[{"name": "order", "arguments": {"items": [{"sku": "a", "qty": 0}]}}],
+               [{"name": "refund", "arguments": {"item": {"sku": "a", "qty": 2}}}]]
+    else:
+        good, bad = order, [{"items": [{"sku": "a"}]}]
+    jsonschema.validate(good, schema)
+    for value in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value, schema)
+    import xgrammar as xgr
+
+    xgr.Grammar.from_json_schema(json.dumps(schema))  # compiles: every reference resolves
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [

@@ -160,6 +160,8 @@ class OpenAIServingChat(OpenAIServing):
             calls: list[ToolCall] = []
             if plan is not None:
                 content, calls = parse_reply(plan, content)
+                if content is None and plan.mode in ("required", "named"):
+                    content = ""  # what upstream answers beside a forced call
             choices.append(
                 ChatChoice(
                     index=c.index,

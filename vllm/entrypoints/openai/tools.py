@@ -74,19 +74,23 @@ class ToolPlan:
             assert self.named is not None
             return "json", self.functions[self.named]
         if self.mode == "required":
-            branches = [
-                {
+            branches = []
+            defs: dict[str, Any] = {}
+            for i, (name, params) in enumerate(self.functions.items()):
+                params, own_defs = _hoist_definitions(params, f"f{i}_")
+                defs.update(own_defs)
+                branches.append({
                     "type": "object",
                     "properties": {"name": {"const": name}, "arguments": params},
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
-                }
-                for name, params in self.functions.items()
-            ]
+                })
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": (
                 branches[0] if len(branches) == 1 else {"anyOf": branches})}
             if not self.parallel:
                 schema["maxItems"] = 1
+            if defs:
+                schema["$defs"] = defs
             return "json", schema
         if self.mode == "auto" and self.strict:
             tags = [
@@ -105,6 +109,48 @@ class ToolPlan:
                 "stop_after_first": not self.parallel,
             }}
         return None
+
+
+def _hoist_definitions(params: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
+    """A tool's parameters schema ready to nest inside another schema: its `$defs` and
+    `definitions` come out (renamed `prefix` + name, so two tools' same-named definitions do
+    not collide) to be placed at the new root, and every local `$ref` is rewritten to match.
+    A `$ref` to anything else in the tool's own schema ("#", "#/properties/...") points at a
+    copy of that schema kept among the definitions."""
+    if not isinstance(params, dict):
+        return params, {}
+    root_name = f"{prefix}root"
+    uses_root = False
+
+    def rewrite(ref: str) -> str:
+        nonlocal uses_root
+        for section in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(section):
+                return "#/$defs/" + prefix + ref[len(section):]
+        if ref == "#" or ref.startswith("#/"):
+            uses_root = True
+            return f"#/$defs/{root_name}" + ref[1:]
+        return ref  # not local: left as the user wrote it
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: rewrite(v) if k == "$ref" and isinstance(v, str) else walk(v)
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    body = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    defs: dict[str, Any] = {}
+    for section in ("definitions", "$defs"):
+        for name, value in (params.get(section) or {}).items():
+            defs[prefix + name] = walk(value)
+    body = walk(body)
+    if not defs and not uses_root:
+        return params, {}
+    if uses_root:
+        defs[root_name] = body
+    return body, defs
 
 
 def plan_tools(
