@@ -56,6 +56,9 @@ def fused_experts(
     out = torch.zeros_like(hidden)
     if num_tokens == 0:
         return out
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        # The per-expert token counts below are read on the host, which a graph cannot hold.
+        raise RuntimeError("the torch MoE path cannot be captured in a CUDA graph")
     flat_ids = topk_ids.reshape(-1)
     # One stable sort groups the token-expert pairs by expert; pair p belongs to token
     # p // top_k, since flat_ids lists each token's top_k choices together.

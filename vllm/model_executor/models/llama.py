@@ -276,6 +276,8 @@ class LlamaForCausalLM(nn.Module):
     # (module-name fragment, checkpoint-name fragment) pairs for families whose checkpoint
     # names a module differently from this class (Mixtral's MoE block).
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # Whether a decode step can be captured in a CUDA graph (no host syncs in forward).
+    supports_cuda_graphs: bool = True
 
     def attention_biases(self, config: Any) -> tuple[bool, bool]:
         """Whether the qkv and output projections have a bias."""

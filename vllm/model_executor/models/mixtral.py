@@ -16,6 +16,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
     ``experts.N.w1`` (gate), ``w3`` (up) and ``w2`` (down).
     """
 
+    # The torch MoE path reads the per-expert token counts on the host (see fused_moe.py).
+    supports_cuda_graphs = False
+
     checkpoint_renames = ((".mlp.", ".block_sparse_moe."),)
 
     def _make_mlp(self, index: int) -> nn.Module | None:

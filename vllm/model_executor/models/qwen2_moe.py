@@ -15,6 +15,9 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     """Qwen2-MoE causal LM: routed experts (renormalised when ``norm_topk_prob``) plus a
     shared expert of ``shared_expert_intermediate_size``; dense layers as in Qwen3-MoE."""
 
+    # The torch MoE path reads the per-expert token counts on the host (see fused_moe.py).
+    supports_cuda_graphs = False
+
     def attention_biases(self, config: Any) -> tuple[bool, bool]:
         """q/k/v biased unless ``qkv_bias`` is false; never an output-projection bias."""
         return bool(getattr(config, "qkv_bias", True)), False

@@ -13,6 +13,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE causal LM: top-k routed experts (weights renormalised when
     ``norm_topk_prob``), no shared expert."""
 
+    # The torch MoE path reads the per-expert token counts on the host (see fused_moe.py).
+    supports_cuda_graphs = False
+
     def _make_mlp(self, index: int) -> nn.Module | None:
         """A SparseMoeBlock on sparse layers; None (the dense MLP) elsewhere."""
         config = self.config
