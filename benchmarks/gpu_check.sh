@@ -52,6 +52,7 @@ done
 # CUDA (decoded eagerly: they opt out of graph capture).
 TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
             tests/model_executor/models/test_moe_models.py
+            tests/model_executor/layers/test_fused_moe_triton.py
             tests/v1/worker/test_gpu_model_runner.py tests/v1/worker/test_cuda_graph.py
             tests/v1/structured_output/test_utils.py tests/v1/sample/ops/test_race.py
             tests/v1/engine/test_async_sync_equivalence.py)

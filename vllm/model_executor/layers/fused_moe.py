@@ -5,10 +5,13 @@ tensor-parallel ranks.
 Routing picks the ``top_k`` experts of each token from a softmax over the router logits.
 The token-expert pairs are then sorted by expert once per layer, so each expert runs one
 matmul over a contiguous run of the sorted pairs; the weighted results go back to their
-tokens with one index_add. A CUDA grouped-GEMM kernel would replace the per-expert loop.
+tokens with one index_add. VLLM_MOE_BACKEND=triton swaps the expert loop for a Triton
+grouped GEMM (fused_moe_triton.py; opt-in until it has been checked on a GPU).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,16 @@ from vllm.model_executor.model_loader.weight_utils import CheckpointTensor, chec
 ExpertNames = tuple[str, str, str]
 QWEN_EXPERT_NAMES: ExpertNames = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES: ExpertNames = ("w1", "w3", "w2")
+MOE_BACKENDS = ("torch", "triton")
+
+
+def moe_backend() -> str:
+    """The expert-matmul implementation VLLM_MOE_BACKEND names: 'torch' (default) or
+    'triton'. Raises ValueError naming the variable for any other value."""
+    backend = os.environ.get("VLLM_MOE_BACKEND", "torch").strip().lower() or "torch"
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"VLLM_MOE_BACKEND: {backend!r} is not one of {', '.join(MOE_BACKENDS)}")
+    return backend
 
 
 def select_experts(
@@ -116,6 +129,7 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
         self.expert_names = expert_names
+        self.backend = moe_backend()
         self.shard_start, local = shard_range(
             intermediate_size, self.parallel.tp_size, self.parallel.tp_rank
         )
@@ -134,7 +148,13 @@ class FusedMoE(nn.Module):
         Side effect (tp > 1): an all-reduce over the tensor-parallel group.
         """
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        experts = fused_experts
+        if self.backend == "triton":
+            # Imported only when chosen: triton is optional on a CPU-only install.
+            from vllm.model_executor.layers.fused_moe_triton import triton_fused_experts
+
+            experts = triton_fused_experts
+        out = experts(hidden, self.w13_weight, self.w2_weight, weights, ids)
         return self.parallel.all_reduce(out)
 
     def checkpoint_parts(self, param_name: str) -> list[tuple[str, int]]:
@@ -185,5 +205,6 @@ class FusedMoE(nn.Module):
         return (
             f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size} (from {self.shard_start}: "
-            f"{self.local_intermediate}), renormalize={self.renormalize}"
+            f"{self.local_intermediate}), renormalize={self.renormalize}, "
+            f"backend={self.backend}"
         )
