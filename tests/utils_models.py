@@ -26,9 +26,22 @@ LLAMA3_ROPE = {
 }
 
 
+# Mixture-of-experts fields shared by the tiny MoE configs: 8 (Qwen) or 4 (Mixtral)
+# experts of intermediate size 32, two per token.
+TINY_MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+
+
 def hf_config(name: str):
-    """A tiny transformers config for 'qwen3', 'qwen2', 'llama' or 'llama3_rope'."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    """A tiny transformers config for 'qwen3', 'qwen2', 'llama', 'llama3_rope',
+    'qwen3_moe', 'qwen2_moe' or 'mixtral'."""
+    from transformers import (
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if name == "qwen3":
         # head_dim * heads != hidden_size on purpose.
@@ -41,6 +54,21 @@ def hf_config(name: str):
     if name == "llama3_rope":
         return LlamaConfig(**TINY, tie_word_embeddings=True, rope_scaling=dict(LLAMA3_ROPE),
                            architectures=["LlamaForCausalLM"])
+    if name == "qwen3_moe":
+        # Three layers, the middle one dense (mlp_only_layers); renormalised top-k weights.
+        fields = {**TINY, "num_hidden_layers": 3}
+        return Qwen3MoeConfig(**fields, **TINY_MOE, num_experts=8, head_dim=32,
+                              norm_topk_prob=True, mlp_only_layers=[1],
+                              tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"])
+    if name == "qwen2_moe":
+        # decoder_sparse_step 2: layer 0 dense, layer 1 sparse; top-k weights as routed.
+        return Qwen2MoeConfig(**TINY, **TINY_MOE, num_experts=8, decoder_sparse_step=2,
+                              shared_expert_intermediate_size=48, norm_topk_prob=False,
+                              tie_word_embeddings=False, architectures=["Qwen2MoeForCausalLM"])
+    if name == "mixtral":
+        fields = {**TINY, "intermediate_size": 32}
+        return MixtralConfig(**fields, num_local_experts=4, num_experts_per_tok=2,
+                             tie_word_embeddings=False, architectures=["MixtralForCausalLM"])
     raise AssertionError(name)
 
 
@@ -57,7 +85,8 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             elif "embed_tokens" in name:
                 p.copy_(noise)
             else:
-                p.copy_(noise / p.shape[1] ** 0.5)
+                # Fan-in is the last dimension, also of stacked [E, out, in] expert weights.
+                p.copy_(noise / p.shape[-1] ** 0.5)
 
 
 def build_checkpoint(name: str, path: Path, seed: int):

@@ -235,7 +235,7 @@ def test_unsupported_architecture_raises(checkpoints, tmp_path: Path) -> None:
     path = tmp_path / "m"
     shutil.copytree(checkpoints["qwen3"][0], path)
     config = json.loads((path / "config.json").read_text())
-    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    config["architectures"] = ["DeepseekV3ForCausalLM"]
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM"):
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM"):
         get_model(ModelConfig(model=str(path), dtype="float32"))

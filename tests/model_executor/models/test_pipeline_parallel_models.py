@@ -21,6 +21,10 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "llama": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "llama3_rope_tied": ("llama3_rope", {}),
+    # Mixture of experts: renamed checkpoint modules (block_sparse_moe) split by stage.
+    "mixtral": ("mixtral", {}),
+    # A dense middle layer between sparse ones.
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 
 

@@ -31,7 +31,13 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], int]] = {
     "qwen2_tied": ("qwen2", {"vocab_size": 511, "tie_word_embeddings": True}, {}, 1),
     # Dummy weights: shards differ from tp=1, but the ranks must still agree.
     "dummy": ("qwen2", {}, {"load_format": "dummy", "seed": 3}, 1),
+    # Experts' intermediate dimension split over the ranks; a dense layer among sparse ones.
+    "qwen3_moe": ("qwen3_moe", {}, {}, 1),
+    # Routed experts and a shared expert, each all-reduced.
+    "qwen2_moe": ("qwen2_moe", {}, {}, 1),
 }
+# Per-expert intermediate size of the MoE cases (see tests/utils_models.py).
+MOE_INTERMEDIATE = 32
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,7 @@ def tp_results(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 def test_ranks_hold_shards_and_agree_exactly(tag: str, tp_results) -> None:
     arch, overrides, _, kv_heads = CASES[tag]
     vocab = overrides.get("vocab_size", 512)
-    head_dim = 32 if arch == "qwen3" else 16
+    head_dim = 32 if arch in ("qwen3", "qwen3_moe") else 16
     first, *others = tp_results[tag]
     # 4 query heads split 2 + 2; the KV heads split or replicate; ceil(vocab / 2) rows each.
     assert first["num_kv_heads"] == kv_heads
@@ -66,6 +72,9 @@ def test_ranks_hold_shards_and_agree_exactly(tag: str, tp_results) -> None:
     assert first["vocab_rows"] == -(-vocab // TP)
     assert first["logits"].shape[1] == vocab
     assert torch.isfinite(first["logits"]).all()
+    # Each rank holds its half of every expert's gate and up rows.
+    want_w13 = 2 * MOE_INTERMEDIATE // TP if arch.endswith("_moe") else None
+    assert first["w13_rows"] == want_w13
     for other in others:
         assert torch.equal(first["logits"], other["logits"])
 

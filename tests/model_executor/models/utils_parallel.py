@@ -102,6 +102,14 @@ def run_workload(stages: list[nn.Module]) -> torch.Tensor:
     return torch.cat(out)
 
 
+def _w13_rows(model: nn.Module) -> int | None:
+    """Rows of the first MoE layer's stacked gate/up expert weights (None: no experts)."""
+    for name, param in model.named_parameters():
+        if name.endswith("experts.w13_weight"):
+            return int(param.shape[1])
+    return None
+
+
 def tp_worker(rank: int, tp_size: int, init_file: str, jobs: list[tuple[str, str, dict]],
               out_dir: str) -> None:
     """One tensor-parallel rank: joins the gloo group, then for each (tag, checkpoint dir,
@@ -124,6 +132,7 @@ def tp_worker(rank: int, tp_size: int, init_file: str, jobs: list[tuple[str, str
                 "num_kv_heads": model.num_kv_heads,
                 "qkv_rows": model.model.layers[0].self_attn.qkv_proj.weight.shape[0],
                 "vocab_rows": model.lm_head.weight.shape[0],
+                "w13_rows": _w13_rows(model),
             }
             torch.save(result, Path(out_dir) / f"{tag}.{rank}.pt")
     finally:

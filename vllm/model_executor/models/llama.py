@@ -67,12 +67,19 @@ class LlamaMLP(nn.Module):
     """Gated feed-forward block: down(silu(gate(x)) * up(x)), its intermediate dimension
     split among the tensor-parallel ranks."""
 
-    def __init__(self, config: Any, bias: bool, parallel: ParallelContext) -> None:
+    def __init__(
+        self,
+        config: Any,
+        bias: bool,
+        parallel: ParallelContext,
+        intermediate_size: int | None = None,
+    ) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act: {act!r} is not supported (only 'silu')")
-        size = config.intermediate_size
+        # A shared expert or a dense layer of an MoE model has its own size.
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [size, size], bias=bias, parallel=parallel
         )
@@ -148,14 +155,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm transformer block; carries the residual stream separately to fuse its adds."""
+    """Pre-norm transformer block; carries the residual stream separately to fuse its adds.
+
+    ``mlp`` maps [T, hidden] to [T, hidden] (a mixture of experts, say); by default a
+    LlamaMLP.
+    """
 
     def __init__(
-        self, config: Any, attn: LlamaAttention, mlp_bias: bool, parallel: ParallelContext
+        self,
+        config: Any,
+        attn: LlamaAttention,
+        mlp_bias: bool,
+        parallel: ParallelContext,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = attn
-        self.mlp = LlamaMLP(config, mlp_bias, parallel)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, mlp_bias, parallel)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -257,6 +273,11 @@ class LlamaForCausalLM(nn.Module):
 
     # Per-head RMSNorm on queries and keys before RoPE (Qwen3).
     qk_norm: bool = False
+    # (module-name fragment, checkpoint-name fragment) pairs for families whose checkpoint
+    # names a module differently from this class (Mixtral's MoE block).
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # Whether a decode step can be captured in a CUDA graph (no host syncs in forward).
+    supports_cuda_graphs: bool = True
 
     def attention_biases(self, config: Any) -> tuple[bool, bool]:
         """Whether the qkv and output projections have a bias."""
@@ -295,8 +316,13 @@ class LlamaForCausalLM(nn.Module):
             config, self.attn_backend_cls, qkv_bias, o_bias, self.qk_norm, self.parallel
         )
         return LlamaDecoderLayer(
-            config, attn, bool(getattr(config, "mlp_bias", False)), self.parallel
+            config, attn, bool(getattr(config, "mlp_bias", False)), self.parallel,
+            self._make_mlp(index),
         )
+
+    def _make_mlp(self, index: int) -> nn.Module | None:
+        """The feed-forward block of decoder layer ``index``; None: the dense LlamaMLP."""
+        return None
 
     def forward(
         self,
@@ -337,12 +363,28 @@ class LlamaForCausalLM(nn.Module):
         targets: dict[str, tuple[str, str, int | None]] = {}
         for name, _ in self.named_parameters():
             module_name, param_name = name.rsplit(".", 1)
+            parts = getattr(self.get_submodule(module_name), "checkpoint_parts", None)
+            if parts is not None:
+                # A module that stacks many checkpoint tensors (the experts) lists them.
+                for suffix, index in parts(param_name):
+                    ckpt_name = self._checkpoint_name(f"{module_name}.{suffix}")
+                    targets[ckpt_name] = (module_name, param_name, index)
+                continue
             stacked = [(f, c, i) for f, c, i in STACKED_PARAMS if f in name]
             for fused, ckpt, index in stacked:
-                targets[name.replace(fused, ckpt)] = (module_name, param_name, index)
+                targets[self._checkpoint_name(name.replace(fused, ckpt))] = (
+                    module_name, param_name, index
+                )
             if not stacked:
-                targets[aliases.get(name, name)] = (module_name, param_name, None)
+                targets[self._checkpoint_name(aliases.get(name, name))] = (
+                    module_name, param_name, None
+                )
         return targets
+
+    def _checkpoint_name(self, name: str) -> str:
+        for ours, theirs in self.checkpoint_renames:
+            name = name.replace(ours, theirs)
+        return name
 
     def checkpoint_names(self) -> set[str]:
         """Names of the checkpoint tensors this rank needs."""

@@ -7,13 +7,19 @@ from torch import nn
 
 def _classes() -> dict[str, type[nn.Module]]:
     from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.mixtral import MixtralForCausalLM
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
     return {
         "LlamaForCausalLM": LlamaForCausalLM,
+        "MixtralForCausalLM": MixtralForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
+        "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }
 
 

@@ -247,6 +247,7 @@ class GPUModelRunner:
             and not self.config.model_config.enforce_eager
             and self.parallel.layout.world_size == 1
             and self.model.attn_backend_cls.__name__ == "TritonAttentionBackend"
+            and getattr(self.model, "supports_cuda_graphs", True)
         ):
             self._capture_graphs()
 
