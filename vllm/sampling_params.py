@@ -89,6 +89,22 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
+# Backends a request may name; upstream's aliases map to ours.
+BACKEND_NAMES = {"xgrammar": "xgrammar", "guidance": "guidance", "llguidance": "guidance"}
+
+
+def _backend_name(name: Any) -> str | None:
+    """A request's backend name made canonical (None for the server's choice)."""
+    if name is None or name == "auto":
+        return None
+    if name in BACKEND_NAMES:
+        return BACKEND_NAMES[name]
+    raise InvalidRequestError(
+        "structured_outputs.backend",
+        f"{name!r} is not a backend of this engine (xgrammar, guidance or auto)",
+    )
+
+
 def _int_keys(bias: Any) -> Any:
     """logit_bias with decimal-string keys ("50256", as JSON sends them) made ints; anything
     else is left for validation to name."""
@@ -139,6 +155,9 @@ class StructuredOutputsParams:
     # backends; None: the server's `max_whitespace`).
     whitespace_pattern: str | None = None
     max_whitespace: int | None = None
+    # The backend that must enforce this constraint ("xgrammar" or "guidance"; None or
+    # "auto": the server's choice). Upstream's per-request `guided_decoding_backend`.
+    backend: str | None = None
 
     _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -185,6 +204,7 @@ class StructuredOutputsParams:
                     f"structured_outputs.{name}",
                     "must be a non-empty string"
                 )
+        self.backend = _backend_name(self.backend)
 
     @property
     def kind(self) -> str:

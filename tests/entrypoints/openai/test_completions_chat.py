@@ -235,3 +235,15 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client):
         out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
                                          temperature=0, extra_body={"bad_words": [word]})
         assert word not in out.choices[0].text
+
+
+def test_openai_fields_with_nothing_to_do_here_are_accepted(client):
+    """Every field of OpenAI's chat request that cannot change the reply here is accepted
+    (code written for OpenAI's API runs unchanged), and the reply is the plain one."""
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                           temperature=0)
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, metadata={"k": "v"},
+        store=False, service_tier="auto", prompt_cache_key="p", safety_identifier="u1",
+        verbosity="low", reasoning_effort="low", modalities=["text"], user="someone")
+    assert out.choices[0].message.content == plain.choices[0].message.content

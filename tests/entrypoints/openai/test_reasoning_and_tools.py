@@ -200,6 +200,7 @@ def test_forced_tool_calls_validate(servers, mode, choice, sampling) -> None:
                  parallel_tool_calls=False, **sampling)
     c = reply.choices[0]
     assert c.message.reasoning_content == THOUGHT
+    assert c.message.model_extra["reasoning"] == THOUGHT  # the name upstream now uses
     pairs = call_pairs(c.message)
     # As upstream answers a forced call: an empty string, not null.
     assert pairs and c.finish_reason == "tool_calls" and c.message.content == ""

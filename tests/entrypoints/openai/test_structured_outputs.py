@@ -185,10 +185,14 @@ def test_structured_outputs_json_and_structural_tag(client):
         ("guided_grammar", GRAMMAR, lambda t: re.fullmatch(GRAMMAR_REGEX, t) is not None),
     ],
 )
-def test_legacy_guided_fields(client, field, value, check):
+@pytest.mark.parametrize("backend", [None, "xgrammar", "guidance"])
+def test_legacy_guided_fields(client, field, value, check, backend):
+    extra = {field: value}
+    if backend is not None:  # upstream's per-request backend field
+        extra["guided_decoding_backend"] = backend
     out = client.completions.create(
         model=MODEL, prompt="x", max_tokens=120, temperature=1.0, seed=12, n=2,
-        extra_body={field: value},
+        extra_body=extra,
     )
     for c in out.choices:
         assert c.finish_reason == "stop"

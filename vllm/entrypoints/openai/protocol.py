@@ -113,6 +113,7 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     max_whitespace: int | None = None
+    backend: str | None = None
 
 
 class SamplingRequestFields(OpenAIBaseModel):
@@ -146,6 +147,8 @@ class SamplingRequestFields(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # Upstream's per-request backend for the guided_* fields (and any other constraint).
+    guided_decoding_backend: str | None = None
     # Logprob tokens as "token_id:<id>" instead of their text (exact, for checking).
     return_tokens_as_token_ids: bool = False
     # Only these token ids may be sampled.
@@ -288,6 +291,23 @@ class ChatCompletionRequest(SamplingRequestFields):
     # "none", "auto", "required" (checked with the tools) or a named function.
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI fields with nothing to do here (README, "Coming from vLLM"): accepted, ignored.
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # prefix caching is automatic
+    safety_identifier: str | None = None
+    verbosity: str | None = None
+    # Passed to the chat template as `reasoning_effort` (templates that know it use it).
+    reasoning_effort: str | None = None
+    # OpenAI fields that would change the reply and that this engine does not implement: a
+    # 400 naming them when set (modalities only when it asks for more than text).
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 class TopLogprob(ResponseModel):
@@ -318,7 +338,9 @@ class ResponseMessage(ResponseModel):
 
     role: str = "assistant"
     content: str | None = None
-    # The thinking before the answer, with --reasoning-parser (None without one).
+    # The thinking before the answer, with --reasoning-parser (None without one), under
+    # both names upstream has used.
+    reasoning: str | None = None
     reasoning_content: str | None = None
     # {"id", "type": "function", "function": {"name", "arguments"}} per call.
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
@@ -350,6 +372,7 @@ class DeltaMessage(ResponseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     reasoning_content: str | None = None
     # {"index", "id", "type", "function": {"name", "arguments"}}; after the first delta of
     # a call only "index" and new "function.arguments" text.

@@ -69,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
         def prepare() -> tuple[list[Any], SamplingParams]:
             if request.top_logprobs is not None and not request.logprobs:
                 raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
+            refuse_unimplemented(request)
             plan = self.tool_plan(request)
             constraint = None
             if plan is not None and (given := plan.constraint()) is not None:
@@ -117,6 +118,8 @@ class OpenAIServingChat(OpenAIServing):
                 msg["content"] = ""
             messages.append(msg)
         kwargs = dict(request.chat_template_kwargs or {})
+        if request.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         if request.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in request.tools]
         if request.continue_final_message:
@@ -166,7 +169,8 @@ class OpenAIServingChat(OpenAIServing):
                 ChatChoice(
                     index=c.index,
                     message=ResponseMessage(
-                        role="assistant", content=content, reasoning_content=reasoning,
+                        role="assistant", content=content, reasoning=reasoning,
+                        reasoning_content=reasoning,
                         tool_calls=[call.as_dict() for call in calls],
                     ),
                     logprobs=self._logprobs(c, request) if request.logprobs else None,
@@ -239,7 +243,8 @@ class OpenAIServingChat(OpenAIServing):
                 choices.append(
                     ChatStreamChoice(
                         index=c.index,
-                        delta=DeltaMessage(content=content, reasoning_content=reasoning,
+                        delta=DeltaMessage(content=content, reasoning=reasoning,
+                                           reasoning_content=reasoning,
                                            tool_calls=calls or None),
                         logprobs=self._logprobs(c, request) if request.logprobs else None,
                         finish_reason=_finish_reason(c.finish_reason, has_calls),
@@ -275,6 +280,22 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         return ChatLogProbs(content=content)
+
+
+def refuse_unimplemented(request: ChatCompletionRequest) -> None:
+    """Raises InvalidRequestError naming an OpenAI field that would change the reply and that
+    this engine does not implement."""
+    if request.modalities is not None and set(request.modalities) - {"text"}:
+        raise InvalidRequestError("modalities", "only [\"text\"] is supported")
+    for name, why in (
+        ("audio", "audio output is not supported"),
+        ("prediction", "predicted outputs are not supported"),
+        ("web_search_options", "web search is not supported"),
+        ("functions", "is deprecated by OpenAI and not supported: use tools"),
+        ("function_call", "is deprecated by OpenAI and not supported: use tool_choice"),
+    ):
+        if getattr(request, name) is not None:
+            raise InvalidRequestError(name, why)
 
 
 def _finish_reason(reason: str | None, has_calls: bool) -> str | None:

@@ -510,7 +510,7 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
         data = structured_outputs.model_dump(by_alias=True)
         for key in (
             "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
-            "max_whitespace",
+            "max_whitespace", "backend",
         ):
             options[key] = data.pop(key)
         for key, value in data.items():
@@ -538,6 +538,12 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
             f"only one output constraint may be given, got {names}"
         )
     _, key, value = found[0]
+    if request.guided_decoding_backend is not None:
+        if options.get("backend") not in (None, request.guided_decoding_backend):
+            raise InvalidRequestError(
+                "guided_decoding_backend", "conflicts with structured_outputs.backend"
+            )
+        options["backend"] = request.guided_decoding_backend
     return StructuredOutputsParams(**{key: value}, **options)
 
 

@@ -136,8 +136,17 @@ class AutoBackend(StructuredOutputBackend):
                 disable_additional_properties=params.disable_additional_properties,
                 one_of_as_any_of=self._one_of_as_any_of,
             )
+        factories = self._factories
+        if params.backend is not None:
+            factories = [(n, b) for n, b in factories if n == params.backend]
+            if not factories:
+                raise UnsupportedConstraintError(
+                    "structured_outputs.backend",
+                    f"{params.backend!r} is not enabled on this server (it uses "
+                    f"{', '.join(n for n, _ in self._factories)})",
+                )
         refusals: list[tuple[str, UnsupportedConstraintError]] = []
-        for name, build in self._factories:
+        for name, build in factories:
             backend = self._backend(name, build, clock)
             try:
                 grammar = backend.compile_grammar(params)

@@ -178,7 +178,7 @@ def constraint_key(params: StructuredOutputsParams) -> str:
         text = str(value)
     options = json.dumps([
         params.disable_any_whitespace, params.disable_additional_properties,
-        params.whitespace_pattern, params.max_whitespace,
+        params.whitespace_pattern, params.max_whitespace, params.backend,
     ])
     head = f"{kind}\0{options}\0"
     return hashlib.sha256((head + text).encode("utf-8", "surrogatepass")).hexdigest()
