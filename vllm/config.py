@@ -494,6 +494,13 @@ class VllmConfig:
             return max(2, stages)
         return stages
 
+    def scheduling_mode(self) -> str:
+        """One line for the startup log saying which scheduling mode runs and how to switch."""
+        if self.scheduler_config.async_scheduling:
+            return ("async scheduling: on (step N+1 is scheduled while step N runs; "
+                    "--no-async-scheduling turns it off)")
+        return "async scheduling: off (synchronous steps; --async-scheduling turns it on)"
+
     @property
     def num_speculative_tokens(self) -> int:
         """Most drafted tokens per request and step (0 without speculative decoding)."""

@@ -68,7 +68,12 @@ class EngineArgs:
         metadata=_help("Most sequences one request may generate (n, times the prompts of a "
                        "batched completion); more is a 400."),
     )
-    async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass."))
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=_help("Overlap scheduling with the forward pass (on by default, as in vLLM: "
+                       "every executor here supports it; None means the default). "
+                       "--no-async-scheduling runs the synchronous step."),
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata=_help("Ranks that split every layer (tensor parallelism): one process per "
@@ -142,7 +147,7 @@ class EngineArgs:
                 continue  # positional in `vllm serve`, --model elsewhere
             flag = "--" + f.name.replace("_", "-")
             kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help")}
-            if f.type in ("bool",):
+            if f.type in ("bool", "bool | None"):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = f.metadata.get("type") or _scalar_type(f.type)
@@ -205,13 +210,24 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=model_config.max_model_len,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=resolve_async_scheduling(self.async_scheduling),
                 max_n=self.max_n,
             ),
             parallel_config=parallel_config,
             structured_outputs_config=StructuredOutputsConfig(**structured_options),
             speculative_config=speculative_config,
         )
+
+
+def resolve_async_scheduling(value: bool | None) -> bool:
+    """The scheduling mode for an `async_scheduling` option: None (not given) turns async
+    scheduling on, since every executor and model here supports it; a bool is taken as is.
+    Raises ValueError naming the option for anything else."""
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError(f"async_scheduling: must be true, false or None, got {value!r}")
+    return value
 
 
 def _options(flag: str, options: object, config_cls: type) -> dict[str, Any]:
