@@ -35,12 +35,10 @@ def _snapshot(repo: Path, commit: str, source: Path, names: tuple[str, ...],
     return snap
 
 
-@pytest.fixture(scope="module")
-def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A hub cache with org/tiny (main: the demo-tiny checkpoint; tag v2: the same with
-    max_position_embeddings 512) and org/tok (a tokenizer only)."""
+def build_hub_cache(cache: Path) -> Path:
+    """Lays out a hub cache in `cache` with org/tiny (main: the demo-tiny checkpoint; tag v2:
+    the same with max_position_embeddings 512) and org/tok (a tokenizer only); returns it."""
     demo = build_demo_model("demo-tiny")
-    cache = tmp_path_factory.mktemp("hub")
     tiny = cache / "models--org--tiny"
     (tiny / "refs").mkdir(parents=True)
     (tiny / "refs" / "main").write_text(MAIN)
@@ -54,6 +52,11 @@ def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (tok / "refs" / "main").write_text(MAIN)
     _snapshot(tok, MAIN, demo, TOKENIZER_FILES)
     return cache
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hub_cache(tmp_path_factory.mktemp("hub"))
 
 
 @pytest.fixture
