@@ -162,3 +162,24 @@ def test_serve_missing_id_is_one_line_error(
     err = capsys.readouterr().err
     assert err.startswith("error: model: 'org/missing'") and "Traceback" not in err
     assert str(offline) in err
+
+
+def test_get_tokenizer_by_demo_name_directory_and_hub_id(offline: Path) -> None:
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    demo = build_demo_model("demo-tiny")
+    by_id = get_tokenizer("org/tok", tokenizer_mode="auto", trust_remote_code=True,
+                          revision="main")
+    by_name = get_tokenizer("demo-tiny", tokenizer_mode="hf")
+    by_dir = get_tokenizer(demo, tokenizer_mode="slow", use_fast=True)
+    text = "Hello, world!"
+    assert by_id.encode(text) == by_name.encode(text) == by_dir.encode(text) == [9707, 11, 1879, 0]
+    assert by_id.name_or_path == str(offline / "models--org--tok" / "snapshots" / MAIN)
+    for kwargs, message in (
+        ({"tokenizer_mode": "mistral"}, "tokenizer_mode: 'mistral'"),
+        ({"use_fast": False}, "use_fast=False"),
+        ({"padding_side": "left"}, r"unsupported keyword argument\(s\) \['padding_side'\]"),
+        ({"revision": "v9"}, "tokenizer: 'org/tok' at revision 'v9'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            get_tokenizer("org/tok", **kwargs)
