@@ -22,7 +22,7 @@ class LLM:
     """An engine in this process. `LLM()` with no model runs the built-in demo model.
 
     `model` is a directory, a demo model name or a hub id `ORG/NAME`. Keyword arguments are
-    EngineArgs fields (max_model_len, max_num_seqs, async_scheduling — on by default —,
+    EngineArgs fields (max_model_len, max_num_seqs, async_scheduling (on by default),
     revision, tokenizer_mode, structured_outputs_config as a dict or StructuredOutputsConfig,
     ...).
     Raises ValueError for invalid options or an unusable model directory.
