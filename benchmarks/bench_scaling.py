@@ -69,8 +69,11 @@ def run(model: str, batches: list[int], lengths: list[int], output_len: int) -> 
     vocab = bare.head.shape[0] - 1024  # stay below Qwen's added tokens and the padding
     records = []
     for length in lengths:
+        # Synchronous steps: the engine's own cost per step is what this measures, and async
+        # scheduling would hide part of it behind the forward pass.
         llm = LLM(model, max_model_len=length + output_len + 16, max_num_seqs=max(batches),
-                  max_num_batched_tokens=max(8192, length * 2), enable_prefix_caching=False)
+                  max_num_batched_tokens=max(8192, length * 2), enable_prefix_caching=False,
+                  async_scheduling=False)
         try:
             for batch in batches:
                 prompts = _prompts(batch, length, vocab, seed=batch * 7919 + length)

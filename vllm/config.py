@@ -27,6 +27,13 @@ _DTYPES = {
 }
 
 
+# Accepted values of --load-format ("hf" reads the Hugging Face safetensors checkpoint, as
+# "auto" and "safetensors" do), --tokenizer-mode and --config-format.
+LOAD_FORMATS = ("auto", "hf", "safetensors", "dummy")
+TOKENIZER_MODES = ("auto", "hf", "slow")
+CONFIG_FORMATS = ("auto", "hf")
+
+
 def default_device() -> torch.device:
     """The device the engine runs on: CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,6 +52,15 @@ class ModelConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"
     served_model_name: str | None = None
+    # Hub ids: the branch, tag or commit of the model and of a separate tokenizer, and the
+    # hub cache to use instead of HF_HUB_CACHE / HF_HOME.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    # auto, hf or slow: all load the fast tokenizer, the only kind this engine runs.
+    tokenizer_mode: str = "auto"
+    # auto or hf: config.json is the only config format read here.
+    config_format: str = "auto"
     # Resolved in __post_init__.
     model_dir: Path = field(init=False)
     hf_config: Any = field(init=False, repr=False)
@@ -53,17 +69,36 @@ class ModelConfig:
     eos_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+        from vllm.transformers_utils.hub import resolve_model_path
 
-        self.model_dir = resolve_model_dir(self.model)
-        if not self.model_dir.is_dir():
-            raise ValueError(f"model: directory {self.model!r} does not exist")
+        # Checked before anything is downloaded.
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"--load-format: {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}"
+            )
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(
+                f"--tokenizer-mode: {self.tokenizer_mode!r} is not supported here; use one of "
+                f"{', '.join(TOKENIZER_MODES)} (all load the fast Hugging Face tokenizer)"
+            )
+        if self.config_format not in CONFIG_FORMATS:
+            raise ValueError(
+                f"--config-format: {self.config_format!r} is not supported here; use one of "
+                f"{', '.join(CONFIG_FORMATS)} (config.json)"
+            )
+        if self.tokenizer_mode == "slow":
+            logger.warning("--tokenizer-mode slow: this engine runs only fast tokenizers; "
+                           "loading the fast one")
+        # One directory feeds the config, the tokenizer (unless given apart) and the loader.
+        self.model_dir = resolve_model_path(
+            self.model, field="model", revision=self.revision,
+            download_dir=self.download_dir, weights=self.load_format != "dummy")
         if self.tokenizer is None:
             self.tokenizer = str(self.model_dir)
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(
-                f"--load-format: {self.load_format!r} is not one of auto, safetensors, dummy"
-            )
+        else:
+            self.tokenizer = str(resolve_model_path(
+                self.tokenizer, field="tokenizer", revision=self.tokenizer_revision,
+                download_dir=self.download_dir, weights=False))
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"--attention-backend: {self.attention_backend!r} is not one of auto, torch, triton"
@@ -493,6 +528,13 @@ class VllmConfig:
         if self.scheduler_config.async_scheduling:
             return max(2, stages)
         return stages
+
+    def scheduling_mode(self) -> str:
+        """One line for the startup log saying which scheduling mode runs and how to switch."""
+        if self.scheduler_config.async_scheduling:
+            return ("async scheduling: on (step N+1 is scheduled while step N runs; "
+                    "--no-async-scheduling turns it off)")
+        return "async scheduling: off (synchronous steps; --async-scheduling turns it on)"
 
     @property
     def num_speculative_tokens(self) -> int:

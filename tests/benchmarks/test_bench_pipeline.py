@@ -123,7 +123,9 @@ def test_serve_commands() -> None:
     assert flag(pp2, "--distributed-executor-backend") == "mp"
     assert flag(pp2, "--port") == "4321" and pp2[-2:] == ["--max-num-seqs", "8"]
     pp1 = bp.config_serve_command(model, "pp1", 1)
+    # Async scheduling is the engine's default: the sync baseline must switch it off.
     assert "-pp" not in pp1 and "--async-scheduling" not in pp1
+    assert "--no-async-scheduling" in pp1
     assert flag(pp1, "--distributed-executor-backend") == "uni"
     pp1_async = bp.config_serve_command(model, "pp1/async", 1)
     assert "-pp" not in pp1_async and "--async-scheduling" in pp1_async
@@ -169,3 +171,4 @@ def test_check_args() -> None:
         with pytest.raises(ValueError, match=message):
             bp.check_args(bp.parse_args(argv))
     assert bp.main(["--configs", "nope"]) == 2
+

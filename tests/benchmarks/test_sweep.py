@@ -79,13 +79,13 @@ def test_serve_commands() -> None:
     model = ServedModel("/m", "name", "/m")
     sync = sweep.serve_command(model, "sync/uni", 1234, ["--max-num-seqs", "8"])
     assert sync[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m"]
-    assert "--async-scheduling" not in sync
+    assert "--async-scheduling" not in sync and "--no-async-scheduling" in sync
     assert sync[sync.index("--distributed-executor-backend") + 1] == "uni"
     assert sync[sync.index("--port") + 1] == "1234" and sync[-2:] == ["--max-num-seqs", "8"]
     mp = sweep.serve_command(model, "async/mp", 1, [])
-    assert "--async-scheduling" in mp and mp[mp.index("--distributed-executor-backend") + 1] == "mp"
+    assert "--async-scheduling" in mp and "--no-async-scheduling" not in mp and mp[mp.index("--distributed-executor-backend") + 1] == "mp"
     sync_mp = sweep.serve_command(model, "sync/mp", 1, [])
-    assert "--async-scheduling" not in sync_mp
+    assert "--async-scheduling" not in sync_mp and "--no-async-scheduling" in sync_mp
     assert sync_mp[sync_mp.index("--distributed-executor-backend") + 1] == "mp"
     with pytest.raises(ValueError, match="config"):
         sweep.serve_command(model, "async/ray", 1)

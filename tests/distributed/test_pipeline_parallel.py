@@ -43,7 +43,8 @@ pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 @pytest.fixture(scope="module")
 def reference(one_thread_per_rank) -> dict[float, list]:
-    llm = LLM("demo-tiny", max_model_len=128, max_num_seqs=16, enable_prefix_caching=False)
+    llm = LLM("demo-tiny", max_model_len=128, max_num_seqs=16, enable_prefix_caching=False,
+              async_scheduling=False)
     try:
         return generate_all(llm)
     finally:

@@ -281,3 +281,27 @@ def test_speculative_decoding_refuses_pipeline_stages() -> None:
                                          "--pipeline-parallel-size"):
         EngineArgs(model=MODEL, pipeline_parallel_size=2,
                    speculative_config={"method": "ngram"}).create_engine_config()
+
+
+def _async_mode(engine_args: EngineArgs) -> bool:
+    return engine_args.create_engine_config().scheduler_config.async_scheduling
+
+
+def test_async_scheduling_is_on_by_default_and_can_be_turned_off() -> None:
+    # As in upstream vLLM: on unless switched off, on the CLI and in LLM(...) kwargs alike.
+    assert _async_mode(serve_args()) is True
+    assert _async_mode(serve_args("--async-scheduling")) is True
+    assert _async_mode(serve_args("--no-async-scheduling")) is False
+    assert _async_mode(serve_args("--no_async_scheduling")) is False
+    assert _async_mode(EngineArgs(model=MODEL)) is True
+    assert _async_mode(EngineArgs(model=MODEL, async_scheduling=None)) is True
+    assert _async_mode(EngineArgs(model=MODEL, async_scheduling=False)) is False
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineArgs(model=MODEL, async_scheduling="yes").create_engine_config()  # type: ignore[arg-type]
+
+
+def test_scheduling_mode_is_described_for_the_startup_log() -> None:
+    on = EngineArgs(model=MODEL).create_engine_config().scheduling_mode()
+    off = EngineArgs(model=MODEL, async_scheduling=False).create_engine_config().scheduling_mode()
+    assert on.startswith("async scheduling: on") and "--no-async-scheduling" in on
+    assert off.startswith("async scheduling: off")

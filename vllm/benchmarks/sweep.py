@@ -270,8 +270,9 @@ def serve_command(
         "--distributed-executor-backend", backend,
         "--disable-log-requests", "--uvicorn-log-level", "warning",
     ]
-    if async_sched:
-        cmd.append("--async-scheduling")
+    # Both modes are spelled out: the engine's default (async) must not decide what a
+    # "sync/..." configuration measures.
+    cmd.append("--async-scheduling" if async_sched else "--no-async-scheduling")
     return cmd + list(serve_args)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,8 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.reasoning import PARSERS
+
+logger = logging.getLogger(__name__)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -35,6 +38,11 @@ def parse_bytes(value: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[unit if unit != "B" else ""])
 
 
+# The start of the help of a flag accepted for upstream compatibility that changes nothing.
+NO_EFFECT = "(no effect here: "
+DEFAULT_MAX_NUM_SEQS = 256
+
+
 def _help(text: str, **kw: Any) -> dict[str, Any]:
     return {"help": text, **kw}
 
@@ -44,13 +52,35 @@ class EngineArgs:
     """Every engine option; each field is a CLI flag named after it (`--max-model-len`)."""
 
     model: str | None = field(
-        default=None, metadata=_help("Model directory, or 'demo' / 'demo-tiny' (default: demo).")
+        default=None,
+        metadata=_help("Model directory, 'demo' / 'demo-tiny' (default: demo), or a Hugging "
+                       "Face hub id ORG/NAME (from the hub cache, downloaded unless "
+                       "HF_HUB_OFFLINE=1; HF_HOME, HF_HUB_CACHE and HF_TOKEN apply)."),
     )
-    tokenizer: str | None = field(default=None, metadata=_help("Tokenizer directory."))
+    tokenizer: str | None = field(
+        default=None,
+        metadata=_help("Tokenizer directory or hub id (default: the model's)."))
+    revision: str | None = field(
+        default=None, metadata=_help("Branch, tag or commit of a hub model (default: main)."))
+    tokenizer_revision: str | None = field(
+        default=None, metadata=_help("Branch, tag or commit of a hub --tokenizer."))
+    download_dir: str | None = field(
+        default=None,
+        metadata=_help("Hub cache directory for hub ids (default: $HF_HUB_CACHE, else "
+                       "$HF_HOME/hub, else ~/.cache/huggingface/hub)."))
+    tokenizer_mode: str = field(
+        default="auto",
+        metadata=_help("auto, hf or slow: all load the fast Hugging Face tokenizer (slow is "
+                       "accepted with a warning: only fast tokenizers run here)."))
+    config_format: str = field(
+        default="auto", metadata=_help("auto or hf: the model's config.json."))
     dtype: str = field(default="auto", metadata=_help("auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16."))
     seed: int = field(default=0, metadata=_help("Seed for dummy weights and unseeded sampling."))
     max_model_len: int | None = field(default=None, metadata=_help("Longest prompt + output."))
-    load_format: str = field(default="auto", metadata=_help("auto, safetensors or dummy (random weights)."))
+    load_format: str = field(
+        default="auto",
+        metadata=_help("auto, hf or safetensors (the checkpoint's *.safetensors), or dummy "
+                       "(random weights; a hub id then fetches no weights)."))
     enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
     attention_backend: str = field(default="auto", metadata=_help("auto, torch or triton."))
     served_model_name: str | None = field(default=None, metadata=_help("Model name in the API."))
@@ -61,14 +91,27 @@ class EngineArgs:
     )
     gpu_memory_utilization: float = field(default=0.9, metadata=_help("GPU memory fraction (CUDA)."))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help("Force the number of KV blocks."))
-    max_num_seqs: int = field(default=256, metadata=_help("Most requests in one step."))
+    max_num_seqs: int | None = field(
+        default=None,
+        metadata=_help(f"Most requests in one step (default {DEFAULT_MAX_NUM_SEQS}, lowered to "
+                       "--max-num-batched-tokens when that is smaller)."))
     max_num_batched_tokens: int | None = field(default=None, metadata=_help("Token budget of one step."))
+    enable_chunked_prefill: bool | None = field(
+        default=None,
+        metadata=_help("Split long prompts across steps within --max-num-batched-tokens: "
+                       "always on here (--no-enable-chunked-prefill is accepted with a "
+                       "warning and has no effect)."))
     max_n: int = field(
         default=128,
         metadata=_help("Most sequences one request may generate (n, times the prompts of a "
                        "batched completion); more is a 400."),
     )
-    async_scheduling: bool = field(default=False, metadata=_help("Overlap scheduling with the forward pass."))
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=_help("Overlap scheduling with the forward pass (on by default, as in vLLM: "
+                       "every executor here supports it; None means the default). "
+                       "--no-async-scheduling runs the synchronous step."),
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata=_help("Ranks that split every layer (tensor parallelism): one process per "
@@ -99,6 +142,14 @@ class EngineArgs:
                        "parallel group shares a node when it fits) or spread (one rank per "
                        "node where the cluster has the nodes).", choices=("pack", "spread")),
     )
+    disable_log_stats: bool = field(
+        default=False,
+        metadata=_help(NO_EFFECT + "this engine logs no periodic stats; /metrics is "
+                       "unaffected)."))
+    swap_space: float | None = field(
+        default=None,
+        metadata=_help(NO_EFFECT + "preempted requests are recomputed, never swapped to "
+                       "CPU memory)."))
     trust_remote_code: bool = field(
         default=False,
         metadata=_help("Accepted for compatibility with vLLM and ignored: this engine runs only "
@@ -110,7 +161,7 @@ class EngineArgs:
                        "and structured outputs constrain only the answer after </think>.",
                        choices=tuple(sorted(PARSERS))),
     )
-    structured_outputs_config: dict[str, Any] = field(
+    structured_outputs_config: dict[str, Any] | StructuredOutputsConfig = field(
         default_factory=dict,
         metadata=_help("JSON, e.g. '{\"backend\": \"xgrammar\"}'; or dotted flags "
                        "--structured-outputs-config.backend xgrammar. Options: backend, "
@@ -142,7 +193,7 @@ class EngineArgs:
                 continue  # positional in `vllm serve`, --model elsewhere
             flag = "--" + f.name.replace("_", "-")
             kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": f.metadata.get("help")}
-            if f.type in ("bool",):
+            if f.type in ("bool", "bool | None"):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = f.metadata.get("type") or _scalar_type(f.type)
@@ -158,7 +209,10 @@ class EngineArgs:
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
     def create_engine_config(self) -> VllmConfig:
-        """Validates the options and returns the VllmConfig. Raises ValueError naming the flag."""
+        """Validates the options and returns the VllmConfig. Raises ValueError naming the flag.
+
+        Logs one warning per upstream flag given that has no effect here."""
+        self._warn_no_effect()
         # First, so a malformed layout fails before the model is looked at.
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -174,15 +228,22 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=self.max_model_len,
             load_format=self.load_format,
+            revision=self.revision,
+            tokenizer_revision=self.tokenizer_revision,
+            download_dir=self.download_dir,
+            tokenizer_mode=self.tokenizer_mode,
+            config_format=self.config_format,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             served_model_name=self.served_model_name,
         )
         structured_options = _options(
-            "--structured-outputs-config", self.structured_outputs_config or {},
+            "--structured-outputs-config", _as_options(self.structured_outputs_config),
             StructuredOutputsConfig)
         if self.reasoning_parser is not None:
-            given = structured_options.setdefault("reasoning_parser", self.reasoning_parser)
+            # None (a StructuredOutputsConfig's default) is "not given".
+            given = structured_options.get("reasoning_parser") or self.reasoning_parser
+            structured_options["reasoning_parser"] = given
             if given != self.reasoning_parser:
                 raise ValueError(
                     f"--reasoning-parser {self.reasoning_parser} and "
@@ -202,16 +263,59 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
             ),
             scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=self._max_num_seqs(),
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=model_config.max_model_len,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=resolve_async_scheduling(self.async_scheduling),
                 max_n=self.max_n,
             ),
             parallel_config=parallel_config,
             structured_outputs_config=StructuredOutputsConfig(**structured_options),
             speculative_config=speculative_config,
         )
+
+    def _max_num_seqs(self) -> int:
+        """--max-num-seqs, or its default lowered to a smaller --max-num-batched-tokens (as
+        upstream does: every running decode needs one token of the step's budget)."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens >= 1:
+            return min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
+        return DEFAULT_MAX_NUM_SEQS
+
+    def _warn_no_effect(self) -> None:
+        """One warning per upstream option given that changes nothing here."""
+        if self.enable_chunked_prefill is False:
+            logger.warning("enable_chunked_prefill=False has no effect: this engine always "
+                           "splits prompts longer than --max-num-batched-tokens across steps")
+        if self.disable_log_stats:
+            logger.warning("disable_log_stats has no effect: this engine logs no periodic "
+                           "stats")
+        if self.swap_space is not None:
+            logger.warning("swap_space has no effect: preempted requests are recomputed, "
+                           "never swapped to CPU memory")
+
+
+def resolve_async_scheduling(value: bool | None) -> bool:
+    """The scheduling mode for an `async_scheduling` option: None (not given) turns async
+    scheduling on, since every executor and model here supports it; a bool is taken as is.
+    Raises ValueError naming the option for anything else."""
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise ValueError(f"async_scheduling: must be true, false or None, got {value!r}")
+    return value
+
+
+def _as_options(value: object) -> object:
+    """structured_outputs_config as a dict: a StructuredOutputsConfig (as upstream's
+    `LLM(structured_outputs_config=StructuredOutputsConfig(...))` passes it) gives its
+    fields; a dict or None is taken as is (anything else is refused by `_options`)."""
+    if value is None:
+        return {}
+    if isinstance(value, StructuredOutputsConfig):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return value
 
 
 def _options(flag: str, options: object, config_cls: type) -> dict[str, Any]:

@@ -21,7 +21,10 @@ Prompt = str | list[int] | dict[str, Any]
 class LLM:
     """An engine in this process. `LLM()` with no model runs the built-in demo model.
 
-    Keyword arguments are EngineArgs fields (max_model_len, max_num_seqs, async_scheduling, ...).
+    `model` is a directory, a demo model name or a hub id `ORG/NAME`. Keyword arguments are
+    EngineArgs fields (max_model_len, max_num_seqs, async_scheduling (on by default),
+    revision, tokenizer_mode, structured_outputs_config as a dict or StructuredOutputsConfig,
+    ...).
     Raises ValueError for invalid options or an unusable model directory.
     """
 
@@ -34,7 +37,8 @@ class LLM:
         self.llm_engine: LLMEngine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Any:
+        """The engine's Hugging Face (fast) tokenizer, as upstream's `LLM.get_tokenizer()`."""
         return self.llm_engine.tokenizer
 
     def generate(

@@ -1,12 +1,16 @@
-"""Loading a Hugging Face tokenizer from a local model directory, with no network."""
+"""Loading a Hugging Face tokenizer from a local model directory, a demo model name or a
+hub id (network only to download a hub id that is not cached)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
 
 # tokenizer_config.json keys that describe how to load, not what to configure.
 _LOADING_KEYS = (
@@ -18,7 +22,49 @@ _LOADING_KEYS = (
 )
 
 
-def get_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+def get_tokenizer(
+    tokenizer_name: str | Path,
+    *args: Any,
+    tokenizer_mode: str = "auto",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    **kwargs: Any,
+) -> PreTrainedTokenizerFast:
+    """Load the fast tokenizer named `tokenizer_name`: a local directory, a demo model name,
+    or a hub id `ORG/NAME` at `revision` (from the hub cache, downloaded unless
+    HF_HUB_OFFLINE=1; see vllm/transformers_utils/hub.py).
+
+    Called as upstream vLLM's `get_tokenizer`: `tokenizer_mode` is auto, hf or slow (all load
+    the fast tokenizer; slow with a warning), `trust_remote_code` is accepted and ignored (no
+    code shipped with a model runs here), `cache_dir` is `download_dir`, and `use_fast=True`
+    is accepted. Raises ValueError naming the argument for anything else, or when no usable
+    tokenizer is found.
+    """
+    from vllm.config import TOKENIZER_MODES
+    from vllm.transformers_utils.hub import resolve_model_path
+
+    if args:
+        raise ValueError(f"get_tokenizer: unexpected positional arguments {args!r}; pass "
+                         "options by keyword")
+    download_dir = download_dir or kwargs.pop("cache_dir", None)
+    if kwargs.pop("use_fast", True) is not True:
+        raise ValueError("get_tokenizer: use_fast=False is not supported (only fast "
+                         "tokenizers run here)")
+    if kwargs:
+        raise ValueError(f"get_tokenizer: unsupported keyword argument(s) {sorted(kwargs)}")
+    if tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode: {tokenizer_mode!r} is not one of "
+                         f"{', '.join(TOKENIZER_MODES)}")
+    if tokenizer_mode == "slow":
+        logger.warning("tokenizer_mode slow: only fast tokenizers run here; loading the "
+                       "fast one")
+    path = resolve_model_path(str(tokenizer_name), field="tokenizer", revision=revision,
+                              download_dir=download_dir, weights=False)
+    return _load_dir(path)
+
+
+def _load_dir(path: Path) -> PreTrainedTokenizerFast:
     """Load the fast tokenizer of the local model directory `path`.
 
     Uses `tokenizer.json` plus the settings in `tokenizer_config.json` (special tokens,
@@ -28,7 +74,7 @@ def get_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise ValueError(f"tokenizer: directory {str(path)!r} does not exist")
+        raise ValueError(f"tokenizer: directory {str(path)!r} does not exist")  # raced away
     config = _read_config(root)
     tokenizer_file = root / "tokenizer.json"
     if not tokenizer_file.is_file():

@@ -30,7 +30,7 @@ def servers(start_server):
     common = ("demo-think", "--max-model-len", "1024", "--reasoning-parser", "qwen3",
               "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     return {
-        "sync": start_server(*common),
+        "sync": start_server(*common, "--no-async-scheduling"),
         "async": start_server(*common, "--async-scheduling"),
     }
 

@@ -343,3 +343,36 @@ def test_outputs_stay_valid_utf8(
         # Rolling the lead back lifts the restriction.
         grammar.rollback(1)
         assert grammar.utf8_state == 0
+
+
+# ---------------------------------------------------------------- upstream helper
+
+
+@pytest.mark.parametrize("schema, unsupported", [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, False),
+    ('{"type": "string", "maxLength": 3}', False),
+    (True, False),
+    ({"not": {"type": "string"}}, True),
+    ({"type": "string", "pattern": "(?=a)b"}, True),
+    ({"type": "number", "multipleOf": 0.5}, True),
+    ('{"type": "integer", "multipleOf": 0.5}', True),
+    # Unsatisfiable is not unsupported: compiling it raises instead.
+    ({"type": "integer", "minimum": 5, "maximum": 1}, False),
+])
+def test_has_xgrammar_unsupported_json_features(schema, unsupported: bool) -> None:
+    from vllm.v1.structured_output.backend_xgrammar import (
+        has_xgrammar_unsupported_json_features,
+    )
+
+    assert has_xgrammar_unsupported_json_features(schema) is unsupported
+
+
+def test_has_xgrammar_unsupported_json_features_bad_input() -> None:
+    from vllm.v1.structured_output.backend_xgrammar import (
+        has_xgrammar_unsupported_json_features,
+    )
+
+    with pytest.raises(ValueError, match="schema: not valid JSON"):
+        has_xgrammar_unsupported_json_features("{not json")
+    with pytest.raises(ValueError, match="schema: must be a JSON object"):
+        has_xgrammar_unsupported_json_features(["type"])  # type: ignore[arg-type]

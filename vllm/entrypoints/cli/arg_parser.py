@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 def normalize_flag_spellings(argv: Sequence[str]) -> list[str]:
@@ -69,6 +69,15 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
 
     Subcommand parsers made by `add_subparsers().add_parser` are of this class too.
     """
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
+        """As argparse; a long flag defined with underscores (`--a_b`) is registered as
+        `--a-b`, the spelling every command line is normalized to, so both spellings work."""
+        names = tuple(
+            n.replace("_", "-") if isinstance(n, str) and n.startswith("--") else n
+            for n in names
+        )
+        return super().add_argument(*names, **kwargs)
 
     def parse_known_args(  # type: ignore[override]
         self,

@@ -61,7 +61,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from vllm.entrypoints.openai.tools import TOOL_CALL_PARSERS
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="Model directory, or 'demo' / 'demo-tiny' (default: demo).")
+                        help="Model directory, 'demo' / 'demo-tiny' (default: demo), or a "
+                        "hub id ORG/NAME (see --model).")
     parser.add_argument("--model", dest="model", default=None,
                         help="Same as the positional MODEL.")
     parser.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
@@ -84,8 +85,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                         help="How the model writes tool calls (hermes: Qwen's "
                         "<tool_call>{...}</tool_call>); needed by --enable-auto-tool-choice.")
+    for flag, why in NO_EFFECT_SERVE_FLAGS.items():
+        parser.add_argument(flag, action="store_true",
+                            help=f"(no effect here: {why}).")
     EngineArgs.add_cli_args(parser)
     return parser
+
+
+# Upstream `vllm serve` flags accepted so that its command lines run here unchanged; each
+# changes nothing, for the reason given (shown in --help, and logged once when given).
+NO_EFFECT_SERVE_FLAGS = {
+    "--disable-frontend-multiprocessing":
+        "the API server always runs in this process, the engine core in its own",
+    "--enable-prompt-tokens-details":
+        "usage reports no prompt_tokens_details (cached-token counts) here",
+    "--log-error-stack":
+        "request errors are returned and logged as one-line messages",
+}
+
+
+def warn_no_effect_flags(args: argparse.Namespace) -> list[str]:
+    """Logs one warning per no-effect serve flag that was given; returns those flags."""
+    given = [f for f in NO_EFFECT_SERVE_FLAGS
+             if getattr(args, f[2:].replace("-", "_"), False)]
+    for flag in given:
+        logging.getLogger(__name__).warning(
+            "%s has no effect here: %s", flag, NO_EFFECT_SERVE_FLAGS[flag])
+    return given
 
 
 def cmd_init() -> list[CLISubcommand]:
@@ -131,6 +157,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
+    warn_no_effect_flags(args)
     # SIGTERM shuts down like Ctrl-C: engine process stopped, nothing left behind.
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:

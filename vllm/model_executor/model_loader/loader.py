@@ -34,7 +34,7 @@ def get_model(model_config: ModelConfig, parallel: ParallelContext | None = None
     in its dtype.
 
     ``parallel`` places the rank in the tensor x pipeline layout (None: a single rank, the
-    whole model). load_format "auto"/"safetensors" reads the checkpoint in model_dir, only
+    whole model). load_format "auto"/"hf"/"safetensors" reads the checkpoint in model_dir, only
     the slices this rank keeps; "dummy" fills seeded random weights from model_config.seed
     (see fill_dummy_weights). Raises ValueError for an unsupported architecture, a missing,
     unknown or misshapen checkpoint tensor, a model that does not split into the layout,
@@ -49,10 +49,11 @@ def get_model(model_config: ModelConfig, parallel: ParallelContext | None = None
     if model_config.load_format == "dummy":
         aliases = model.weight_aliases() if hasattr(model, "weight_aliases") else {}
         fill_dummy_weights(model, model_config.seed, aliases=aliases)
-    elif model_config.load_format in ("auto", "safetensors"):
+    elif model_config.load_format in ("auto", "hf", "safetensors"):
         model.load_weights(iterate_safetensors(model_config.model_dir))
     else:
         raise ValueError(
-            f"load_format: {model_config.load_format!r} is not one of auto, safetensors, dummy"
+            f"load_format: {model_config.load_format!r} is not one of auto, hf, safetensors, "
+            "dummy"
         )
     return model.eval()

@@ -151,6 +151,7 @@ class AsyncLLM:
         self.model_config = vllm_config.model_config
         self.log_requests = log_requests
         self.metrics = metrics
+        logger.info("%s", vllm_config.scheduling_mode())
         self.tokenizer = get_tokenizer(self.model_config.tokenizer)
         # Its own manager: compile checks run here, before the engine ever sees a request, in
         # worker processes (started on the first structured request) that are killed when a

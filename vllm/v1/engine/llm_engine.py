@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -15,6 +16,9 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
+
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -32,6 +36,7 @@ class LLMEngine:
         # For an engine built directly; a no-op after LLM did it (before importing torch).
         thread_policy.configure_process()
         self.vllm_config = vllm_config
+        logger.info("%s", vllm_config.scheduling_mode())
         self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
         self.engine_core = EngineCore(vllm_config, tokenizer=self.tokenizer)
         self.processor = InputProcessor(

@@ -93,6 +93,32 @@ _LOG_PREFIX = re.compile(r"\[[0-9:]+\] \S+?:\d+: ")
 _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false: ")
 
 
+def has_xgrammar_unsupported_json_features(schema: dict[str, Any] | str | bool) -> bool:
+    """Whether the JSON schema uses a feature xgrammar cannot enforce exactly (the keywords
+    listed in this module's docstring, an overlapping `oneOf`, an unsafe `pattern`): True
+    means a request with it goes to llguidance under the `auto` backend, or is refused by
+    the `xgrammar` backend.
+
+    `schema` is a dict, a boolean schema or its JSON text. A schema no value can satisfy
+    uses no unsupported feature (False; compiling it raises). Raises ValueError naming
+    `schema` when it is not JSON or not a schema.
+    """
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"schema: not valid JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"schema: must be a JSON object or boolean, got {type(schema).__name__}")
+    try:
+        check_xgrammar_support(normalize_json_schema(schema))
+    except UnsupportedConstraintError:
+        return True
+    except GrammarCompileError:
+        return False  # unsatisfiable, not unsupported
+    return False
+
+
 def choice_to_ebnf(choices: Sequence[str]) -> str:
     """Returns an EBNF grammar whose language is exactly the strings in `choices`."""
     # JSON string escapes (\", \\, \n, \uXXXX) are valid EBNF string-literal escapes.
