@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from vllm.exceptions import ErrorKind
+from vllm.logprobs import SampleLogprobs
 
 
 class OutputKind(enum.Enum):
@@ -28,8 +29,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # Per token: {token id: logprob} for the sampled token and the top-k alternatives.
-    logprobs: list[dict[int, float]] | None = None
+    # Per token: {token id: Logprob} for the sampled token and the top-k alternatives.
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # Set when finish_reason is "error": the message, and whose fault it was (callers

@@ -35,7 +35,7 @@ def assert_identical(got: dict[float, list], want: dict[float, list], tol: float
                 continue
             for la, lb in zip(a.logprobs, b.logprobs, strict=True):
                 assert la.keys() == lb.keys(), (ratio, i)
-                assert max(abs(la[k] - lb[k]) for k in lb) <= tol, (ratio, i)
+                assert max(abs(la[k].logprob - lb[k].logprob) for k in lb) <= tol, (ratio, i)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")

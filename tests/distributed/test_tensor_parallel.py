@@ -36,7 +36,7 @@ def assert_agree(got: list, want: list, min_fraction: float = 0.9) -> None:
             if ta != tb:
                 break
             for token in la.keys() & lb.keys():
-                assert abs(la[token] - lb[token]) < 1e-4, (token, la[token], lb[token])
+                assert abs(la[token].logprob - lb[token].logprob) < 1e-4, (token, la[token], lb[token])
     assert same >= min_fraction * len(want), f"only {same} of {len(want)} outputs agree"
 
 

@@ -116,12 +116,20 @@ def test_logprobs(llm) -> None:
                                                        logprobs=3, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == 4
+    tokenizer = llm.get_tokenizer()
     for token, lp in zip(out.token_ids, out.logprobs):
         assert token in lp
-        assert lp[token] == max(lp.values())  # greedy picks the most likely token
-        assert len(lp) >= 3 and all(v <= 0 for v in lp.values())
+        # Greedy picks the most likely token: rank 1, the highest logprob.
+        assert lp[token].logprob == max(v.logprob for v in lp.values())
+        assert lp[token].rank == 1
+        assert len(lp) >= 3 and all(v.logprob <= 0 for v in lp.values())
+        # The top-k alternatives are ranked 1..k in order of their logprobs.
+        others = sorted((v for t, v in lp.items() if t != token), key=lambda v: v.rank)
+        assert [v.rank for v in others] == list(range(2, 2 + len(others)))
+        assert all(a.logprob >= b.logprob for a, b in zip(others, others[1:]))
+        assert all(v.decoded_token == tokenizer.decode([t]) for t, v in lp.items())
     assert out.cumulative_logprob == pytest.approx(
-        sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs))
+        sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs))
     )
 
 

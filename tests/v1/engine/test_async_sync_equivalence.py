@@ -169,7 +169,8 @@ def assert_same(got, want, ratios: tuple[float, ...] = RATIOS) -> None:
             if b.logprobs is not None:
                 for la, lb in zip(a.logprobs, b.logprobs):
                     assert la.keys() == lb.keys(), (ratio, i)
-                    assert max(abs(la[k] - lb[k]) for k in lb) < LOGPROB_TOLERANCE, (ratio, i)
+                    worst = max(abs(la[k].logprob - lb[k].logprob) for k in lb)
+                    assert worst < LOGPROB_TOLERANCE, (ratio, i)
 
 
 @pytest.mark.slow

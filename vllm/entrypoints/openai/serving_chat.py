@@ -26,6 +26,7 @@ from vllm.entrypoints.openai.serving_engine import (
     finite,
     merge_streams,
     sse,
+    token_logprob,
     structured_outputs_params,
     usage_info,
 )
@@ -274,12 +275,17 @@ class OpenAIServingChat(OpenAIServing):
             content.append(
                 TokenLogprob(
                     token=token,
-                    logprob=finite(entry.get(token_id, float("-inf"))),
+                    logprob=finite(_or_masked(token_logprob(entry, token_id))),
                     bytes=list(token.encode("utf-8")),
                     top_logprobs=top,
                 )
             )
         return ChatLogProbs(content=content)
+
+
+def _or_masked(logprob: float | None) -> float:
+    """A sampled token missing from its position's logprobs can only have been masked."""
+    return float("-inf") if logprob is None else logprob
 
 
 def refuse_unimplemented(request: ChatCompletionRequest) -> None:

@@ -21,6 +21,7 @@ from vllm.entrypoints.openai.serving_engine import (
     finite,
     merge_streams,
     sse,
+    token_logprob,
     usage_info,
 )
 from vllm.exceptions import InvalidRequestError
@@ -185,7 +186,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for token_id, entry in zip(c.token_ids, c.logprobs or []):
             token = self.token_text(token_id, as_ids)
             result.tokens.append(token)
-            result.token_logprobs.append(finite(entry.get(token_id)))
+            result.token_logprobs.append(finite(token_logprob(entry, token_id)))
             result.text_offset.append(offset)
             offset += len(token)
             top = self.top_logprobs(entry, k)

@@ -17,6 +17,7 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from vllm.logprobs import Logprob
 from vllm.entrypoints.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     ErrorInfo,
@@ -434,11 +435,18 @@ class OpenAIServing:
                 self._token_text[token_id] = text
         return text
 
-    def top_logprobs(self, entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    def top_logprobs(self, entry: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
         """The k most likely tokens of one position, most likely first (logprobs finite)."""
         if k <= 0:
             return []
-        return [(t, finite(lp)) for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:k]]
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+        return [(t, finite(lp.logprob)) for t, lp in ranked]
+
+
+def token_logprob(entry: dict[int, Logprob], token_id: int) -> float | None:
+    """The logprob of `token_id` at one position (None when it is not listed)."""
+    found = entry.get(token_id)
+    return None if found is None else found.logprob
 
 
 def finite(logprob: float | None) -> float | None:

@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 import msgspec
 
 from vllm.exceptions import ErrorKind
+from vllm.logprobs import Logprob, SampleLogprobs
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.detokenizer import IncrementalDetokenizer, find_stop_string
 from vllm.v1.engine import EngineCoreOutput
+
+
+_TOKEN_TEXT_CACHE = 65536
 
 
 @dataclass
@@ -24,7 +28,7 @@ class _SeqState:
     # final-only request) and no stop string has to be looked for in it.
     text_at_finish: bool = False
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
     text: str = ""
     finish_reason: str | None = None
@@ -113,6 +117,8 @@ class OutputProcessor:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # Token id -> text, for Logprob.decoded_token (bounded: cleared when full).
+        self._texts: dict[int, str] = {}
         self._requests: dict[str, _RequestState] = {}
         # child id -> (parent id, seq index)
         self._children: dict[str, tuple[str, int]] = {}
@@ -230,12 +236,34 @@ class OutputProcessor:
             out = msgspec.structs.replace(out, new_token_ids=[tail])
         return self._update_one(seq, out)
 
+    def _position(
+        self, ids: list[int], lps: list[float], rank: int | None, detokenize: bool
+    ) -> dict[int, Logprob]:
+        """One position's Logprobs: ids[0] is the sampled token (its rank from the sampler),
+        ids[1:] the top-k, most likely first (ranks 1..k)."""
+        named = detokenize and self.tokenizer is not None
+        entries: dict[int, Logprob] = {}
+        for i, (token, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            entries[token] = Logprob(lp, i, self._token_text(token) if named else None)
+        sampled = ids[0]
+        entries[sampled] = Logprob(lps[0], rank, self._token_text(sampled) if named else None)
+        return entries
+
+    def _token_text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            if len(self._texts) >= _TOKEN_TEXT_CACHE:
+                self._texts.clear()
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
+
     def _update_one(self, seq: _SeqState, out: EngineCoreOutput) -> bool:
         params = seq.params
         seq.token_ids.extend(out.new_token_ids)
         if seq.logprobs is not None and out.new_logprobs is not None:
-            for ids, lps in zip(out.new_logprobs_token_ids or [], out.new_logprobs):
-                seq.logprobs.append(dict(zip(ids, lps)))
+            ranks = out.new_logprobs_ranks or [None] * len(out.new_logprobs)
+            for ids, lps, rank in zip(out.new_logprobs_token_ids or [], out.new_logprobs, ranks):
+                seq.logprobs.append(self._position(ids, lps, rank, params.detokenize))
                 seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + lps[0]
         if seq.text_at_finish:
             if out.finished and seq.detokenizer is not None:
