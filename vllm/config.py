@@ -386,6 +386,12 @@ class StructuredOutputsConfig:
     # Deepest nesting of objects and arrays in a JSON constraint (a schema nested 64 levels
     # deep is about 128). Compile time grows quickly with depth.
     max_json_depth: int = 128
+    # Grammar fast-forward: the tokens a constrained request's grammar forces next (a JSON
+    # key, `": "`, a closing brace) enter the next forward pass together, verified like
+    # drafts, so outputs are exactly those without it. Implies speculative decoding with
+    # method "grammar" unless --speculative-config is given (whose drafts already start with
+    # the forced tokens).
+    fast_forward: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "xgrammar", "guidance"):
@@ -452,6 +458,8 @@ class SpeculativeConfig:
 
     # "ngram": prompt lookup over the request's own tokens (prompt and output).
     # "draft_model": greedy decoding with `model`, a smaller model with the same vocabulary.
+    # "grammar": only what a constrained request's grammar forces next (grammar
+    # fast-forward); unconstrained requests never draft.
     method: str = "ngram"
     # Most drafted tokens per request and step.
     num_speculative_tokens: int = 3
@@ -462,10 +470,10 @@ class SpeculativeConfig:
     model: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
+        if self.method not in ("ngram", "draft_model", "grammar"):
             raise ValueError(
                 f"--speculative-config.method: {self.method!r} is not supported; use 'ngram' "
-                "(prompt lookup) or 'draft_model'"
+                "(prompt lookup), 'draft_model' or 'grammar' (forced tokens only)"
             )
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError(
@@ -493,6 +501,9 @@ class SpeculativeConfig:
 # Verification costs one forward row per draft whether it is kept or not; beyond a handful
 # of tokens a lookup draft is rarely kept whole.
 MAX_SPECULATIVE_TOKENS = 16
+# Most forced tokens one fast-forward step appends: a JSON key with its quotes and colon is
+# a few tokens; longer forced runs continue in the next step.
+FAST_FORWARD_TOKENS = 8
 
 
 @dataclass

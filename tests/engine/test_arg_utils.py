@@ -260,6 +260,17 @@ def test_speculative_config_flag_builds_the_config() -> None:
     assert EngineArgs(model=MODEL).create_engine_config().num_speculative_tokens == 0
 
 
+def test_fast_forward_flag_drafts_forced_tokens_only() -> None:
+    config = serve_args("--structured-outputs-config.fast_forward", "true").create_engine_config()
+    spec = config.speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("grammar", 8)
+    # An explicit speculative config wins: its drafts already start with the forced tokens.
+    both = serve_args("--structured-outputs-config.fast_forward", "true", "--speculative-config",
+                      '{"method": "ngram"}').create_engine_config()
+    assert both.speculative_config.method == "ngram"
+    assert EngineArgs(model=MODEL).create_engine_config().speculative_config is None
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"method": "eagle"}, r"--speculative-config.method: 'eagle' is not supported"),
     ({"method": "draft_model"}, r"--speculative-config.model: required with method"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.config import (
+    FAST_FORWARD_TOKENS,
     CacheConfig,
     ModelConfig,
     ParallelConfig,
@@ -253,6 +254,9 @@ class EngineArgs:
         if self.speculative_config is not None:
             speculative_config = SpeculativeConfig(**_options(
                 "--speculative-config", self.speculative_config, SpeculativeConfig))
+        elif structured_options.get("fast_forward"):
+            speculative_config = SpeculativeConfig(
+                method="grammar", num_speculative_tokens=FAST_FORWARD_TOKENS)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(

@@ -35,6 +35,8 @@ SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
     # The target drafting for itself: greedy drafts are kept, random ones mostly not.
     "draft": {"method": "draft_model", "model": "demo-tiny", "num_speculative_tokens": 3},
+    # Grammar fast-forward: only what a constrained request's grammar forces is drafted.
+    "grammar": {"method": "grammar", "num_speculative_tokens": 8},
 }
 
 
@@ -145,5 +147,22 @@ def test_drafts_change_no_output(reference, spec, async_scheduling, executor, co
     assert bool(refuted) == async_scheduling
     assert scheduler.num_accepted_tokens > 0
     assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens  # random rows reject
+    if condition == "preemption":
+        assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "async_scheduling, executor, condition",
+    [(False, "uni", "plain"), (True, "uni", "plain"), (True, "mp", "preemption")],
+)
+def test_fast_forward_changes_no_output(reference, async_scheduling, executor, condition) -> None:
+    """Grammar fast-forward drafts only forced tokens, for constrained requests only, and the
+    outputs are exactly those without it."""
+    got, scheduler, stale, stale_constrained, _ = _run(
+        "grammar", async_scheduling, executor, condition)
+    assert_same(got, reference, RATIOS)
+    assert scheduler.num_accepted_tokens > 0
+    assert stale == stale_constrained  # unconstrained requests never draft
     if condition == "preemption":
         assert scheduler.num_preemptions > 0

@@ -33,6 +33,8 @@ def build_proposer(config: VllmConfig) -> Proposer | None:
     spec = config.speculative_config
     if spec is None:
         return None
+    if spec.method == "grammar":
+        return ForcedTokensOnly(spec.num_speculative_tokens)
     if spec.method == "ngram":
         from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
@@ -47,3 +49,20 @@ def build_proposer(config: VllmConfig) -> Proposer | None:
         resolve_model_dir(spec.model), spec.num_speculative_tokens,
         config.scheduler_config.max_num_seqs, mc.max_model_len, mc.vocab_size, mc.device,
         mc.torch_dtype)
+
+
+class ForcedTokensOnly:
+    """Proposes nothing itself: the scheduler drafts what each constrained request's grammar
+    forces (grammar fast-forward), and unconstrained requests do not draft."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+    def propose_batch(
+        self, contexts: dict[str, tuple[list[int], int, int]]
+    ) -> dict[str, list[int]]:
+        """No drafts beyond the forced tokens the scheduler adds."""
+        return {}
+
+    def release(self, req_id: str) -> None:
+        """Nothing is kept per request."""

@@ -20,7 +20,7 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.spec_decode.proposer import Proposer
+from vllm.v1.spec_decode.proposer import ForcedTokensOnly, Proposer
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
@@ -395,9 +395,11 @@ class Scheduler:
         guessed: set[str] = set()
         # Constrained requests: the tokens their in-flight step is assumed to feed.
         in_flight: dict[str, list[int]] = {}
+        forced_only = isinstance(self.proposer, ForcedTokensOnly)
         for request in self.running:
             if (
                 self._num_new_tokens(request) != 1
+                or (forced_only and request.structured_output_request is None)
                 or not self._may_draft(request)
                 or self._waits_for_sampling(request)  # not scheduled now: drafts are wasted
             ):
