@@ -319,19 +319,17 @@ def test_later_calls_wait_for_a_slow_rank(two_workers: MultiprocExecutor) -> Non
 @pytest.mark.timeout(60)
 def test_killed_worker_fails_fast(two_workers: MultiprocExecutor, shm_before: set[str]) -> None:
     children = _child_pids()
-    pending = two_workers.collective_rpc(_sleep_on_rank, (1, 30.0), non_block=True)
+    # Rank 1 sleeps far past this test's timeout: waiting for it anywhere fails the test.
+    pending = two_workers.collective_rpc(_sleep_on_rank, (1, 600.0), non_block=True)
     os.kill(two_workers.worker_pids[0], signal.SIGKILL)
-    start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 0 \(pid \d+\) died.*SIGKILL"):
         pending.result(timeout=10)
     with pytest.raises(RuntimeError, match="worker rank 0"):
         two_workers.collective_rpc(_echo, (1,))
     with pytest.raises(RuntimeError, match="SIGKILL"):
         two_workers.check_health()
-    assert time.monotonic() - start < 5
-    # Shutdown stops the surviving rank (busy for 30 s) without waiting for it.
+    # Shutdown stops the surviving rank (still busy) without waiting for it.
     two_workers.shutdown()
-    assert time.monotonic() - start < 15
     _assert_nothing_left(two_workers, children, shm_before)
 
 
