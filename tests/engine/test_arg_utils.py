@@ -260,6 +260,19 @@ def test_speculative_config_flag_builds_the_config() -> None:
     assert EngineArgs(model=MODEL).create_engine_config().num_speculative_tokens == 0
 
 
+@pytest.mark.parametrize("legacy, want", [
+    ({"model": "[ngram]", "num_speculative_tokens": 5, "ngram_prompt_lookup_max": 3},
+     ("ngram", None, 5, 3)),
+    ({"model": "ngram", "ngram_prompt_lookup_min": 2, "ngram_prompt_lookup_max": 2},
+     ("ngram", None, 3, 2)),
+    ({"model": "demo-tiny", "num_speculative_tokens": 2}, ("draft_model", "demo-tiny", 2, 4)),
+])
+def test_upstreams_older_speculative_spellings(legacy: dict, want: tuple) -> None:
+    spec = EngineArgs(model=MODEL, speculative_config=legacy).create_engine_config()\
+        .speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens, spec.prompt_lookup_max) == want
+
+
 def test_fast_forward_flag_drafts_forced_tokens_only() -> None:
     config = serve_args("--structured-outputs-config.fast_forward", "true").create_engine_config()
     spec = config.speculative_config

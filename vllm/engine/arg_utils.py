@@ -253,7 +253,8 @@ class EngineArgs:
         speculative_config = None
         if self.speculative_config is not None:
             speculative_config = SpeculativeConfig(**_options(
-                "--speculative-config", self.speculative_config, SpeculativeConfig))
+                "--speculative-config", _modern_speculative(self.speculative_config),
+                SpeculativeConfig))
         elif structured_options.get("fast_forward"):
             speculative_config = SpeculativeConfig(
                 method="grammar", num_speculative_tokens=FAST_FORWARD_TOKENS)
@@ -320,6 +321,24 @@ def _as_options(value: object) -> object:
     if isinstance(value, StructuredOutputsConfig):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     return value
+
+
+def _modern_speculative(options: object) -> object:
+    """Upstream's older spellings of --speculative-config in today's: `"model": "[ngram]"`
+    (or "ngram") for method ngram, `ngram_prompt_lookup_{min,max}`, and a draft `model`
+    without a method."""
+    if not isinstance(options, dict):
+        return options
+    out = dict(options)
+    if out.get("model") in ("[ngram]", "ngram"):
+        del out["model"]
+        out.setdefault("method", "ngram")
+    for old in ("ngram_prompt_lookup_min", "ngram_prompt_lookup_max"):
+        if old in out:
+            out.setdefault(old.removeprefix("ngram_"), out.pop(old))
+    if out.get("model") is not None and "method" not in out:
+        out["method"] = "draft_model"
+    return out
 
 
 def _options(flag: str, options: object, config_cls: type) -> dict[str, Any]:
