@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from vllm.exceptions import ErrorKind
-from vllm.logprobs import SampleLogprobs
+from vllm.logprobs import Logprob, SampleLogprobs
 
 
 class OutputKind(enum.Enum):
@@ -52,3 +52,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # With prompt_logprobs: None for the first prompt token (nothing predicts it), then per
+    # prompt token {token id: Logprob} for it and the top-k alternatives.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -304,8 +304,10 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None:
-            raise bad("prompt_logprobs", "is not supported")
+        if self.prompt_logprobs is not None and not _is_int(self.prompt_logprobs, 0, MAX_LOGPROBS):
+            raise bad(
+                "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if len(self.stop) > MAX_STOP_SEQUENCES:
             raise bad("stop", f"at most {MAX_STOP_SEQUENCES} sequences, got {len(self.stop)}")
         for s in self.stop:

@@ -136,3 +136,34 @@ def test_triton_backend_matches_hf(checkpoints, tokenizer_dir) -> None:
     _check_against_hf(hf, prompts, outputs, captured)
     _assert_pool_full(llm)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_equal_hf_log_softmax(checkpoints, tokenizer_dir, async_scheduling) -> None:
+    """prompt_logprobs: each prompt token's logprob and rank under the tokens before it, and
+    the top-k, equal transformers' log-softmax; with chunked prefill (16 tokens a step), a
+    prefix-cache hit that must not skip the scores, and a batch mixing requests without."""
+    path, hf = checkpoints["qwen3"]
+    llm = _engine(path, tokenizer_dir, block_size=4, max_num_batched_tokens=16,
+                  async_scheduling=async_scheduling)
+    prompts = _prompts(seed=3)
+    llm.generate(prompts, GREEDY, use_tqdm=False)  # fills the prefix cache
+    params = [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3 if i % 2 else 0)
+              for i in range(len(prompts))]
+    params[0] = GREEDY
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs[0].prompt_logprobs is None
+    for prompt, p, out in list(zip(prompts, params, outputs))[1:]:
+        with torch.inference_mode():
+            want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for j in range(1, len(prompt)):
+            entry, token = got[j], prompt[j]
+            row = want[j - 1]
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = torch.topk(row, p.prompt_logprobs).indices.tolist()
+            assert set(top) <= set(entry) and len(entry) <= p.prompt_logprobs + 1
+    _assert_pool_full(llm)
+    llm.shutdown()

@@ -25,6 +25,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # Logprobs per request index, or None when no request asked for them.
     logprobs: LogprobsLists | None = None
+    # Request id -> (first prompt position, LogprobsLists of the prompt tokens that follow
+    # it): the part of its prompt this step computed, for requests with prompt_logprobs.
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
 
 
 class AsyncModelRunnerOutput(ABC):

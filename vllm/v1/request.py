@@ -77,6 +77,10 @@ class Request:
         # token when resumed, new tokens under pipeline parallelism: SchedulerOutput).
         self.num_tokens_sent = 0
         self.num_preemptions = 0
+        # prompt_logprobs: prompt position -> (ids, logprobs, rank) as computed so far, sent
+        # with the first output (a recompute after preemption overwrites, never duplicates).
+        self.prompt_logprobs: dict[int, tuple[list[int], list[float], int]] = {}
+        self.prompt_logprobs_sent = False
         # Prompt tokens served from the prefix cache at first admission.
         self.num_cached_tokens = 0
         # Why a stopped request stopped: the stop token id or stop string, if any.

@@ -247,3 +247,33 @@ def test_openai_fields_with_nothing_to_do_here_are_accepted(client):
         store=False, service_tier="auto", prompt_cache_key="p", safety_identifier="u1",
         verbosity="low", reasoning_effort="low", modalities=["text"], user="someone")
     assert out.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_prompt_logprobs_and_echo_scores(client):
+    """prompt_logprobs (upstream's field) scores every prompt token after the first; echo
+    with logprobs returns the same scores in the legacy lists, streamed or not."""
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 1})
+    scores = out.choices[0].model_extra["prompt_logprobs"]
+    assert scores[0] is None and len(scores) > 3
+    assert all(1 <= len(entry) <= 2 for entry in scores[1:])
+    assert all(v["rank"] >= 1 and v["logprob"] <= 0 for e in scores[1:] for v in e.values())
+    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                     echo=True, logprobs=1)
+    lp = echo.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(scores) + 2
+    tokens = [int(t) for t in ({k for e in scores[1:] for k in e})]
+    assert tokens  # prompt scores name real token ids
+    for j, entry in enumerate(scores[1:], start=1):
+        best = max(entry.values(), key=lambda v: v["logprob"])
+        assert lp.token_logprobs[j] <= 0
+        assert max(lp.top_logprobs[j].values()) == pytest.approx(best["logprob"], abs=1e-5)
+    assert echo.choices[0].text.startswith(PROMPT)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                         temperature=0, echo=True, logprobs=1, stream=True)
+    tokens_streamed = [t for chunk in streamed for c in chunk.choices if c.logprobs
+                       for t in c.logprobs.tokens]
+    assert tokens_streamed == lp.tokens
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None

@@ -2,7 +2,7 @@
 
 For 20 prompts with greedy and seeded sampling, penalties and logprobs on some requests, and
 0, 50 or 100 % structured requests, logit_bias, bad_words and allowed_token_ids on some
-requests, async × {uni, mp} × {plain, forced preemption} plus
+requests (and prompt_logprobs in a second batch), async × {uni, mp} × {plain, forced preemption} plus
 async/uni with chunked prefill, and sync/mp, must produce the same tokens as sync/uni/plain, with logprobs within
 LOGPROB_TOLERANCE. Each special condition is asserted to have happened.
 """
@@ -147,15 +147,38 @@ def _run(async_scheduling: bool, executor: str, condition: str):
         stats = {
             "preemptions": core.scheduler.num_preemptions,
             "deferred": any(deferred),
+            "prompt_logprobs": _prompt_logprobs(llm),
         }
         return results, stats
     finally:
         llm.shutdown()
 
 
+def _prompt_logprobs(llm: LLM) -> list:
+    """prompt_logprobs of the workload's prompts (every other one structured), by request."""
+    params = [SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2,
+                             structured_outputs=CONSTRAINTS[0] if i % 2 else None)
+              for i in range(NUM_PROMPTS)]
+    return [o.prompt_logprobs for o in llm.generate(_prompts(), params, use_tqdm=False)]
+
+
+def assert_same_prompt_logprobs(got: list, want: list) -> None:
+    """The same scored tokens at every prompt position, logprobs within LOGPROB_TOLERANCE."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert len(a) == len(b) and a[0] is None and b[0] is None, i
+        for la, lb in zip(a[1:], b[1:]):
+            assert la.keys() == lb.keys(), i
+            assert max(abs(la[k].logprob - lb[k].logprob) for k in lb) < LOGPROB_TOLERANCE, i
+
+
 @pytest.fixture(scope="module")
-def reference():
-    return _run(False, "uni", "plain")[0]
+def reference_run():
+    return _run(False, "uni", "plain")
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[0]
 
 
 def assert_same(got, want, ratios: tuple[float, ...] = RATIOS) -> None:
@@ -185,9 +208,10 @@ def assert_same(got, want, ratios: tuple[float, ...] = RATIOS) -> None:
         if (c[0] and c[1:] != ("mp", "chunked")) or c == (False, "mp", "plain")
     ],
 )
-def test_matches_sync_uniproc(reference, async_scheduling, executor, condition) -> None:
+def test_matches_sync_uniproc(reference_run, async_scheduling, executor, condition) -> None:
     got, stats = _run(async_scheduling, executor, condition)
-    assert_same(got, reference)
+    assert_same(got, reference_run[0])
+    assert_same_prompt_logprobs(stats["prompt_logprobs"], reference_run[1]["prompt_logprobs"])
     if condition == "preemption":
         assert stats["preemptions"] > 0
     if async_scheduling:

@@ -151,6 +151,8 @@ class SamplingRequestFields(OpenAIBaseModel):
     guided_decoding_backend: str | None = None
     # Logprob tokens as "token_id:<id>" instead of their text (exact, for checking).
     return_tokens_as_token_ids: bool = False
+    # Scores of the prompt's tokens: each one's logprob (and the top-k) under those before it.
+    prompt_logprobs: int | None = None
     # Only these token ids may be sampled.
     allowed_token_ids: list[int] | None = None
     # Words that must never appear in the output.
@@ -189,6 +191,9 @@ class CompletionChoice(ResponseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With prompt_logprobs: None, then per prompt token {token id: {logprob, rank,
+    # decoded_token}} (upstream's shape).
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class PromptTokensDetails(ResponseModel):
@@ -365,6 +370,8 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # With prompt_logprobs (see CompletionChoice.prompt_logprobs).
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class DeltaMessage(ResponseModel):

@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.serving_engine import (
     finish_error,
     finite,
     merge_streams,
+    prompt_logprobs_json,
     sse,
     token_logprob,
     structured_outputs_params,
@@ -185,6 +186,8 @@ class OpenAIServingChat(OpenAIServing):
             model=model,
             choices=choices,
             usage=usage_info(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
+            prompt_logprobs=(prompt_logprobs_json(final.prompt_logprobs)
+                             if request.prompt_logprobs is not None else None),
         )
 
     async def _stream(

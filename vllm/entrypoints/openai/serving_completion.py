@@ -20,6 +20,7 @@ from vllm.entrypoints.openai.serving_engine import (
     finish_error,
     finite,
     merge_streams,
+    prompt_logprobs_json,
     sse,
     token_logprob,
     usage_info,
@@ -85,6 +86,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = self._logprobs(c, request, len(prompt_text))
+                    if request.echo:
+                        logprobs = self._with_prompt(final, request, logprobs)
                 choices.append(
                     CompletionChoice(
                         index=p * request.n + c.index,
@@ -92,6 +95,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=(prompt_logprobs_json(final.prompt_logprobs)
+                                         if request.prompt_logprobs is not None else None),
                     )
                 )
         choices.sort(key=lambda c: c.index)
@@ -131,7 +136,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 index = p * n + c.index
                 num_generated += len(c.token_ids)
                 text = c.text
-                if request.echo and index not in echoed:
+                first_echo = request.echo and index not in echoed
+                if first_echo:
                     echoed.add(index)
                     text = self._prompt_text(out) + text
                     offsets[index] = len(text) - len(c.text)
@@ -141,6 +147,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     offsets[index] = offsets.get(index, 0) + sum(
                         len(t) for t in logprobs.tokens
                     )
+                    if first_echo:  # the echoed prompt's scores come with its text
+                        logprobs = self._with_prompt(out, request, logprobs)
                 if not text and not c.token_ids and c.finish_reason is None:
                     continue
                 choices.append(
@@ -175,6 +183,34 @@ class OpenAIServingCompletion(OpenAIServing):
         if out.prompt is not None:
             return out.prompt
         return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def _with_prompt(
+        self, final: RequestOutput, request: CompletionRequest, generated: CompletionLogProbs
+    ) -> CompletionLogProbs:
+        """`generated` preceded by the echoed prompt's tokens and their scores (the first
+        token has none, as nothing predicts it)."""
+        k = request.logprobs or 0
+        as_ids = request.return_tokens_as_token_ids
+        out = CompletionLogProbs()
+        offset = 0
+        scores = final.prompt_logprobs or [None] * len(final.prompt_token_ids)
+        for token_id, entry in zip(final.prompt_token_ids, scores):
+            token = self.token_text(token_id, as_ids)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(finite(token_logprob(entry, token_id)))
+            top = self.top_logprobs(entry, k)
+            out.top_logprobs.append({self.token_text(t, as_ids): lp for t, lp in top})
+        out.tokens += generated.tokens
+        out.token_logprobs += generated.token_logprobs
+        out.top_logprobs += generated.top_logprobs
+        out.text_offset += generated.text_offset
+        return out
 
     def _logprobs(
         self, c: CompletionOutput, request: CompletionRequest, start_offset: int

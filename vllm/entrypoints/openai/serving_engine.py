@@ -307,6 +307,9 @@ class OpenAIServing:
             raise InvalidRequestError("stream_options", "only allowed when stream is true")
         if request.guided_whitespace_pattern is not None:
             raise InvalidRequestError("guided_whitespace_pattern", "is not supported")
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and getattr(request, "echo", False) and logprobs is not None:
+            prompt_logprobs = logprobs  # echo scores the prompt it echoes
         return SamplingParams(
             n=request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
@@ -332,6 +335,7 @@ class OpenAIServing:
             logit_bias=getattr(request, "logit_bias", None) or None,
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ running
@@ -441,6 +445,22 @@ class OpenAIServing:
             return []
         ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
         return [(t, finite(lp.logprob)) for t, lp in ranked]
+
+
+def prompt_logprobs_json(
+    scores: list[dict[int, Logprob] | None] | None,
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """RequestOutput.prompt_logprobs in upstream's JSON shape (finite logprobs)."""
+    if scores is None:
+        return None
+    return [
+        None if entry is None else {
+            str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                     "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in scores
+    ]
 
 
 def token_logprob(entry: dict[int, Logprob], token_id: int) -> float | None:

@@ -36,6 +36,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # With finish_reason "error": whose fault it was, decided where the error was found
     # (the server maps it to an HTTP status; the message is for people only).
     error_kind: ErrorKind | None = None
+    # With prompt_logprobs, on the first output: per prompt token after the first,
+    # ([the token, top-k...] ids, their logprobs, the token's rank).
+    prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
 
     @property
     def finished(self) -> bool:

@@ -101,6 +101,7 @@ class _RequestState:
     seqs: list[_SeqState]
     num_cached_tokens: int = 0
     kind: OutputKind = OutputKind.CUMULATIVE
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -190,6 +191,12 @@ class OutputProcessor:
                 continue
             if out.num_cached_tokens:
                 state.num_cached_tokens = out.num_cached_tokens
+            if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+                # With n > 1 every sample brings the same prompt scores: the first is kept.
+                state.prompt_logprobs = [None] + [
+                    self._position(ids, values, rank, seq.params.detokenize)
+                    for ids, values, rank in out.prompt_logprobs
+                ]
             if self._update_seq(seq, out):
                 to_abort.append(out.request_id)
             if seq.finish_reason is not None:
@@ -216,6 +223,7 @@ class OutputProcessor:
                     outputs=completions,
                     finished=finished,
                     num_cached_tokens=state.num_cached_tokens,
+                    prompt_logprobs=state.prompt_logprobs,
                 )
             )
         return results, to_abort

@@ -80,6 +80,8 @@ class _Step:
     # Steps with drafts: [len(drafts)] int64 on the device, the position of each sampling
     # request's last input before its drafts (where its newest kept token goes from).
     draft_bases: torch.Tensor | None = None
+    # Requests with prompt_logprobs: the part of the prompt this step computed.
+    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
 
     @property
     def num_rows(self) -> list[int]:
@@ -148,10 +150,17 @@ class _SampledTokens:
 
 
 class _AsyncOutput(AsyncModelRunnerOutput):
-    def __init__(self, req_ids: list[str], sampled_req_ids: list[str], sampled: _SampledTokens):
+    def __init__(
+        self,
+        req_ids: list[str],
+        sampled_req_ids: list[str],
+        sampled: _SampledTokens,
+        prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None,
+    ):
         self._req_ids = req_ids
         self._sampled_req_ids = sampled_req_ids
         self._sampled = sampled
+        self._prompt_logprobs = prompt_logprobs
 
     def get_output(self) -> ModelRunnerOutput:
         tokens = dict(zip(self._sampled_req_ids, self._sampled.token_lists()))
@@ -169,6 +178,7 @@ class _AsyncOutput(AsyncModelRunnerOutput):
             req_ids=self._req_ids,
             sampled_token_ids=[tokens.get(r, []) for r in self._req_ids],
             logprobs=lp,
+            prompt_logprobs=self._prompt_logprobs,
         )
 
 
@@ -455,6 +465,9 @@ class GPUModelRunner:
             if num_rows > len(pick):
                 # Read from the device: this forward's own positions may have been placed there.
                 draft_bases = dev["positions"][self.buffers.to_device(ends - counts)]
+        prompt_lps = None
+        if self.last_stage:
+            prompt_lps = self._prompt_logprobs(hidden, rows, starts, num_sched, cu)
         self._steps.append(
             _Step(
                 req_ids=req_ids,
@@ -463,6 +476,7 @@ class GPUModelRunner:
                 drafts=step_drafts,
                 logits=logits,
                 draft_bases=draft_bases,
+                prompt_logprobs=prompt_lps,
             )
         )
         self._settle(block=False)
@@ -573,6 +587,41 @@ class GPUModelRunner:
             self.graphs = graphs
         logger.info("captured CUDA graphs for decode batch sizes %s", sorted(graphs.graphs))
 
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        rows: list[int],
+        starts: np.ndarray,
+        num_sched: np.ndarray,
+        cu: np.ndarray,
+    ) -> dict[str, tuple[int, LogprobsLists]] | None:
+        """For each request of this step with prompt_logprobs: the logprob, rank and top-k of
+        every prompt token its computed positions predict. Reads them back to the host (a
+        wait on non-CPU devices, paid only by steps that hold such requests)."""
+        batch = self.input_batch
+        out: dict[str, tuple[int, LogprobsLists]] = {}
+        for i, row in enumerate(rows):
+            state = batch.states[row]
+            k = state.sampling_params.prompt_logprobs
+            prompt = state.prompt_token_ids
+            first, end = int(starts[i]), int(starts[i]) + int(num_sched[i])
+            last = min(end, len(prompt) - 1)  # position p predicts prompt[p + 1]
+            if k is None or first >= last:
+                continue
+            idx = self.buffers.to_device(np.arange(cu[i], cu[i] + last - first, dtype=np.int64))
+            logits = self.model.compute_logits(hidden[idx]).float()
+            lp = torch.log_softmax(logits, dim=1)
+            target = self.buffers.to_device(np.asarray(prompt[first + 1 : last + 1], np.int64))
+            chosen = lp.gather(1, target[:, None])
+            ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+            ids, values = target[:, None], chosen
+            if k > 0:
+                top_values, top_ids = torch.topk(lp, k, dim=1)
+                ids, values = torch.cat([ids, top_ids], 1), torch.cat([values, top_values], 1)
+            out[batch.req_ids[row]] = (first + 1, LogprobsLists(
+                ids.tolist(), values.tolist(), ranks))
+        return out or None
+
     # ------------------------------------------------------------------ sampling
 
     @torch.inference_mode()
@@ -594,6 +643,7 @@ class GPUModelRunner:
             out = ModelRunnerOutput(
                 req_ids=step.req_ids,
                 sampled_token_ids=[[] for _ in step.req_ids],
+                prompt_logprobs=step.prompt_logprobs,
             )
             return out if step.req_ids else EMPTY_MODEL_RUNNER_OUTPUT
         logits = step.logits
@@ -636,7 +686,7 @@ class GPUModelRunner:
                 newest = step.draft_bases + (token_ids != NO_TOKEN).sum(dim=1)
             self._feed_back(step, last, newest)
             self._unsettled.append(sampled)
-        output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled)
+        output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled, step.prompt_logprobs)
         return output if self.async_scheduling else output.get_output()
 
     def _settle_verified(self, states: list[CachedRequestState]) -> None:

@@ -265,6 +265,11 @@ class Scheduler:
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(
                     request.request_id, request.all_token_ids
                 )
+                if request.sampling_params.prompt_logprobs is not None and not (
+                    request.prompt_logprobs_sent
+                ):
+                    # Its prompt's logits are needed: a prefix-cache hit would skip them.
+                    hit_blocks, num_hit = [], 0
                 num_new = min(request.num_tokens - num_hit, budget)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks
@@ -355,6 +360,18 @@ class Scheduler:
         self._unsent_preempted_ids = set()
         self._update_after_schedule(output)
         return output
+
+    def _keep_prompt_logprobs(self, request: Request | None, req_id: str, part) -> None:
+        """Stores one step's prompt logprobs on the request, by prompt position."""
+        if request is None or self.requests.get(req_id) is not request:
+            return  # finished or aborted meanwhile
+        if request.prompt_logprobs_sent:
+            return  # a recompute after preemption: already reported
+        first, lists = part
+        for j, (ids, values, rank) in enumerate(
+            zip(lists.token_ids, lists.logprobs, lists.ranks)
+        ):
+            request.prompt_logprobs[first + j] = (ids, values, rank)
 
     def _may_draft(self, request: Request) -> bool:
         """True when drafts for `request` can be verified exactly: its sampling at each
@@ -568,8 +585,11 @@ class Scheduler:
         self._pending_outputs = []
         logprobs = model_runner_output.logprobs
         scheduled = self._step_requests.pop(scheduler_output.step_id, {})
+        prompt_lps = model_runner_output.prompt_logprobs or {}
         for idx, req_id in enumerate(model_runner_output.req_ids):
             token_ids = model_runner_output.sampled_token_ids[idx]
+            if req_id in prompt_lps:
+                self._keep_prompt_logprobs(scheduled.get(req_id), req_id, prompt_lps[req_id])
             if not token_ids:
                 continue
             request = scheduled.get(req_id)
@@ -591,6 +611,15 @@ class Scheduler:
                 error_kind=request.error_kind,
                 num_cached_tokens=request.num_cached_tokens,
             )
+            if (
+                request.sampling_params.prompt_logprobs is not None
+                and not request.prompt_logprobs_sent
+            ):
+                # Sent even when empty (a one-token prompt): the first output says "done".
+                out.prompt_logprobs = [request.prompt_logprobs[p]
+                                       for p in sorted(request.prompt_logprobs)]
+                request.prompt_logprobs_sent = True
+                request.prompt_logprobs = {}
             if logprobs is not None and request.sampling_params.logprobs is not None and new_ids:
                 # One sampled token per step, so one logprobs row.
                 out.new_logprobs_token_ids = [logprobs.token_ids[idx]]
