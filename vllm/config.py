@@ -525,12 +525,6 @@ class VllmConfig:
 
     def _verify_lora(self) -> None:
         """Raises ValueError for a setup LoRA adapters do not run under."""
-        if self.parallel_config.world_size > 1:
-            # The adapter weights are not sharded across ranks yet.
-            raise ValueError(
-                "--enable-lora: not supported with tensor or pipeline parallelism yet "
-                f"({self.parallel_config.describe()}); use a single rank"
-            )
         archs = list(getattr(self.model_config.hf_config, "architectures", None) or [])
         if not any(a in LORA_ARCHITECTURES for a in archs):
             raise ValueError(

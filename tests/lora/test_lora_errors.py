@@ -113,9 +113,14 @@ def test_engine_args_and_config() -> None:
                    max_cpu_loras=1).create_engine_config()
     with pytest.raises(ValueError, match="--max-loras"):
         EngineArgs(model="demo-tiny", enable_lora=True, max_loras=0).create_engine_config()
-    with pytest.raises(ValueError, match="--enable-lora.*tensor or pipeline"):
-        EngineArgs(model="demo-tiny", enable_lora=True,
-                   tensor_parallel_size=2).create_engine_config()
+
+
+def test_architectures_without_adapters_are_refused(tmp_path) -> None:
+    from tests.utils_models import hf_config
+
+    hf_config("qwen3_moe").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="--enable-lora: architecture.*Qwen3MoeForCausalLM"):
+        EngineArgs(model=str(tmp_path), enable_lora=True).create_engine_config()
 
 
 def test_lora_request_crosses_as_typed_data() -> None:

@@ -5,9 +5,16 @@ Each wrapped layer holds, per slot s, ``A[s]`` [parts * max_rank, in] and ``B[s]
 p's A fills rows ``p*R:p*R+r`` of ``A[s]`` and its B the columns ``p*R:p*R+r`` of ``B[s]``,
 restricted to the part's rows of the fused output, so ``(x A[s]^T) B[s]^T`` gives every
 part its own delta in one pair of matmuls. Unused rows and columns stay zero.
+
+Under tensor parallelism a layer keeps the shard of the adapter that matches its own: a
+column-parallel layer the rows of B of its output slice (A whole), a row-parallel layer the
+columns of A of its input slice (B whole), whose partial ``x A^T`` is summed over the
+group before B, as the base layer sums its partial outputs.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -61,9 +68,18 @@ class LoRALinear(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        out_shards: list[tuple[int, int]] | None = None,
+        in_shard: tuple[int, int] | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
+        """``out_shards[p]``: (start, length) of part p's full output rows this rank holds
+        (column-parallel); ``in_shard``: (start, length) of the full input columns it holds
+        and ``reduce`` the sum over its group (row-parallel). None: the whole layer."""
         super().__init__()
         self.base = base
+        self.out_shards = out_shards
+        self.in_shard = in_shard
+        self.reduce = reduce
         self.batch = batch
         self.max_rank = max_rank
         self.part_sizes = list(part_sizes)
@@ -87,7 +103,12 @@ class LoRALinear(nn.Module):
         self.lora_b[slot].zero_()
 
     def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Writes one part's A [r, in] and scaled B [part_size, r] into a slot."""
+        """Writes one part's full A [r, in] and scaled B [part_size, r] into a slot (this
+        rank's shard of them)."""
+        if self.in_shard is not None:
+            a = a.narrow(1, *self.in_shard)
+        if self.out_shards is not None:
+            b = b.narrow(0, *self.out_shards[part])
         rank = a.shape[0]
         lo = part * self.max_rank
         off, size = self.part_offsets[part], self.part_sizes[part]
@@ -100,7 +121,10 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         for slot, rows, n in self.batch.groups:
             xs = x.index_select(0, rows)
-            delta = F.linear(F.linear(xs, self.lora_a[slot]), self.lora_b[slot])
+            shrunk = F.linear(xs, self.lora_a[slot])
+            if self.reduce is not None:
+                shrunk = self.reduce(shrunk)  # partial over this rank's input columns
+            delta = F.linear(shrunk, self.lora_b[slot])
             y.index_add_(0, rows[:n], delta[:n])
         return y
 

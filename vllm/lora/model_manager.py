@@ -16,6 +16,7 @@ from torch import nn
 
 from vllm.config import LoRAConfig
 from vllm.lora.layers import LoRABatch, LoRALinear
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.lora.peft_adapter import LoRAAdapter, load_adapter
 from vllm.lora.request import LoRARequest
 
@@ -28,8 +29,22 @@ _FUSED: dict[str, tuple[str, ...]] = {
 }
 
 
-def _in_features(layer: nn.Module) -> int:
-    return int(layer.weight.shape[1])
+def _lora_layer(base: nn.Module, batch: LoRABatch, config: LoRAConfig, dtype: torch.dtype,
+                device: torch.device) -> LoRALinear:
+    """A LoRALinear over `base` holding this rank's shard of each adapter."""
+    kw: dict = {}
+    if isinstance(base, MergedColumnParallelLinear):
+        sizes = list(base.output_sizes)
+        kw["out_shards"] = list(base.shards)
+    elif isinstance(base, RowParallelLinear):
+        sizes = [base.output_size]
+        kw["in_shard"] = (base.input_start, int(base.weight.shape[1]))
+        if base.parallel.tp_size > 1:
+            kw["reduce"] = base.parallel.all_reduce
+    else:
+        raise TypeError(f"LoRA cannot wrap a {type(base).__name__}")
+    return LoRALinear(base, int(base.weight.shape[1]), sizes, batch, config.max_loras,
+                      config.max_lora_rank, dtype, device, **kw)
 
 
 class LoRAModelManager:
@@ -57,6 +72,7 @@ class LoRAModelManager:
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()
 
     def _wrap(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Replaces this stage's projections with LoRA layers."""
         cfg = self.config
         for index in self.model.model.stage:
             block = self.model.model.layers[index]
@@ -65,11 +81,7 @@ class LoRAModelManager:
                     base = getattr(owner, attr, None)
                     if base is None:
                         continue
-                    sizes = list(getattr(base, "output_sizes", [base.weight.shape[0]]))
-                    layer = LoRALinear(
-                        base, _in_features(base), sizes, self.batch, cfg.max_loras,
-                        cfg.max_lora_rank, dtype, device,
-                    )
+                    layer = _lora_layer(base, self.batch, cfg, dtype, device)
                     setattr(owner, attr, layer)
                     for part, name in enumerate(parts):
                         self.targets[(index, name)] = (layer, part)
@@ -94,7 +106,7 @@ class LoRAModelManager:
         for key, (a, b) in adapter.weights.items():
             target = self.targets.get(key)
             if target is None:
-                raise ValueError(f"LoRA target {key} is not a layer of this model")
+                continue  # a layer of another pipeline stage (the front end checked names)
             layer, part = target
             layer.set_part(slot, part, a, b)
 
