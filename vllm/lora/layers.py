@@ -26,8 +26,10 @@ class LoRABatch:
     """The token rows of one forward pass grouped by slot; shared by every LoRA layer of a
     model and set once per forward by the runner (no layer regroups)."""
 
-    def __init__(self, device: torch.device, min_rows: int) -> None:
-        self.device = device
+    def __init__(self, to_device: Callable[[np.ndarray], torch.Tensor], min_rows: int) -> None:
+        """`to_device` copies a host array to the model's device without blocking the host
+        (the runner's InputBuffers.to_device: a step must not wait for the one before)."""
+        self.to_device = to_device
         # Gathered groups are padded to this many rows, so that a row's result does not
         # depend on how many rows share its adapter in this batch (CPU GEMMs on very few
         # rows round differently; see the runner's _CPU_MIN_ROWS).
@@ -38,12 +40,25 @@ class LoRABatch:
     def set_token_slots(self, token_slots: np.ndarray) -> None:
         """Groups the rows by slot: ``token_slots[i]`` is row i's slot, -1 for the base model
         (and for padding rows), which no LoRA layer touches."""
-        groups: list[tuple[int, torch.Tensor, int]] = []
-        for slot in np.unique(token_slots[token_slots >= 0]).tolist():
+        slots = np.unique(token_slots[token_slots >= 0]).tolist()
+        if not slots:
+            self.groups = []
+            return
+        parts: list[np.ndarray] = []
+        counts: list[int] = []
+        for slot in slots:
             rows = np.nonzero(token_slots == slot)[0]
             padded = np.full(max(len(rows), self.min_rows), rows[0], dtype=np.int64)
             padded[: len(rows)] = rows
-            groups.append((int(slot), torch.from_numpy(padded).to(self.device), len(rows)))
+            parts.append(padded)
+            counts.append(len(rows))
+        # One host-to-device copy per forward; each group is a view of it.
+        flat = self.to_device(np.concatenate(parts))
+        groups: list[tuple[int, torch.Tensor, int]] = []
+        start = 0
+        for slot, padded, n in zip(slots, parts, counts):
+            groups.append((int(slot), flat[start : start + len(padded)], n))
+            start += len(padded)
         self.groups = groups
 
     def clear(self) -> None:

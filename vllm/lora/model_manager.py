@@ -8,7 +8,7 @@ from disk again. The scheduler guarantees at most `max_loras` distinct adapters 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -57,11 +57,14 @@ class LoRAModelManager:
         device: torch.device,
         dtype: torch.dtype,
         min_rows: int,
+        to_device: Callable[[np.ndarray], torch.Tensor],
     ) -> None:
+        """Wraps `model`'s projections (on `device`, in `dtype`); `min_rows` and
+        `to_device` as in LoRABatch."""
         self.model = model
         self.config = lora_config
         self.hf_config = model.config
-        self.batch = LoRABatch(device, min_rows)
+        self.batch = LoRABatch(to_device, min_rows)
         # (layer index, projection) -> (its LoRA layer, part index in it).
         self.targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
         self._wrap(device, dtype)

@@ -235,7 +235,8 @@ class GPUModelRunner:
             from vllm.lora.model_manager import LoRAModelManager
 
             self.lora = LoRAModelManager(
-                self.model, self.config.lora_config, self.device, self.dtype, self.min_rows
+                self.model, self.config.lora_config, self.device, self.dtype, self.min_rows,
+                self.buffers.to_device,
             )
 
     def kv_cache_block_bytes(self) -> int:
