@@ -1,5 +1,6 @@
-"""Oracle: with adapters, async scheduling (and workers in their own processes) give exactly
-what synchronous scheduling in one process gives, structured-output requests included."""
+"""Oracle: with adapters, async scheduling (also with workers in their own processes, and
+with n-gram drafts) gives exactly what synchronous scheduling in one process gives,
+structured-output requests included."""
 
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ def _run(model_dir, loras, **kwargs):
     llm = LLM(model=model_dir, max_model_len=256, enable_lora=True, max_loras=2, **kwargs)
     prompts, params, chosen = _requests(loras)
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
+    if "speculative_config" in kwargs:
+        # The drafting condition happened (else the comparison proves nothing about it).
+        assert llm.llm_engine.engine_core.scheduler.num_draft_tokens > 0
     llm.shutdown()
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
             for o in outs]
@@ -88,7 +92,10 @@ def test_adapters_change_outputs(demo_adapters, sync_uni) -> None:
 @pytest.mark.parametrize("kwargs", [
     dict(async_scheduling=True),
     dict(async_scheduling=True, distributed_executor_backend="mp"),
-], ids=["async-uni", "async-mp"])
+    # Drafts are verified by the adapted model: outputs are unchanged.
+    dict(async_scheduling=True, speculative_config={"method": "ngram",
+                                                    "num_speculative_tokens": 3}),
+], ids=["async-uni", "async-mp", "async-ngram"])
 def test_async_equals_sync(demo_adapters, sync_uni, kwargs) -> None:
     model_dir, loras = demo_adapters
     assert _run(model_dir, loras, **kwargs) == sync_uni
