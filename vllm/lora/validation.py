@@ -3,6 +3,7 @@ reaches the engine core (whose runner would otherwise fail the whole step)."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from vllm.config import VllmConfig
@@ -21,6 +22,8 @@ class LoRAValidator:
         self.lora_config = vllm_config.lora_config
         self.hf_config = vllm_config.model_config.hf_config
         self._checked: OrderedDict[LoRARequest, None] = OrderedDict()
+        # The server checks requests in worker threads.
+        self._lock = threading.Lock()
 
     def check(self, request: LoRARequest) -> None:
         """Raises InvalidRequestError when LoRA is off, the request is malformed, or the
@@ -41,14 +44,18 @@ class LoRAValidator:
             )
         if not request.lora_path:
             raise InvalidRequestError("lora_request", "lora_path must name a directory")
-        if request in self._checked:
-            self._checked.move_to_end(request)
-            return
+        with self._lock:
+            if request in self._checked:
+                self._checked.move_to_end(request)
+                return
+        # Outside the lock: reading an adapter takes a while.
         load_adapter(request.lora_path, self.hf_config, self.lora_config.max_lora_rank)
-        self._checked[request] = None
-        while len(self._checked) > _MAX_REMEMBERED:
-            self._checked.popitem(last=False)
+        with self._lock:
+            self._checked[request] = None
+            while len(self._checked) > _MAX_REMEMBERED:
+                self._checked.popitem(last=False)
 
     def forget(self, request: LoRARequest) -> None:
         """Drops a remembered check (the adapter's files may change after an unload)."""
-        self._checked.pop(request, None)
+        with self._lock:
+            self._checked.pop(request, None)

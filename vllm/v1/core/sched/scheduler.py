@@ -254,7 +254,9 @@ class Scheduler:
         skipped: list[Request] = []
         # Adapters of the running requests: at most max_loras, so every step fits the
         # runner's slots; a request with another adapter waits until one leaves.
-        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        adapters = {
+            r.lora_request.lora_int_id for r in self.running if r.lora_request is not None
+        }
         if not preempted:
             while (
                 self.waiting
