@@ -498,6 +498,41 @@ class SpeculativeConfig:
             )
 
 
+@dataclass
+class LoRAConfig:
+    """LoRA adapters (CLI: `--enable-lora --max-loras --max-lora-rank --max-cpu-loras`).
+
+    `max_loras` adapters can run in one step (each holds a slot of stacked weights in every
+    targeted layer); `max_cpu_loras` loaded adapters are kept on the host, least recently
+    used evicted first; every adapter's rank must be at most `max_lora_rank`.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    # None: max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if name == "max_cpu_loras" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}: must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                f"({self.max_loras})"
+            )
+
+
+# Architectures whose linear layers take adapters (dense Llama-family decoders).
+LORA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
 # Verification costs one forward row per draft whether it is kept or not; beyond a handful
 # of tokens a lookup draft is rarely kept whole.
 MAX_SPECULATIVE_TOKENS = 16
@@ -518,9 +553,13 @@ class VllmConfig:
         default_factory=StructuredOutputsConfig
     )
     speculative_config: SpeculativeConfig | None = None
+    # None: LoRA adapters are off (--enable-lora turns them on).
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        if self.lora_config is not None:
+            self._verify_lora()
         if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
             raise ValueError(
                 "--speculative-config: not supported with --pipeline-parallel-size above 1 "
@@ -529,6 +568,15 @@ class VllmConfig:
         # The layout is checked in full before any process starts.
         self.parallel_config.verify_with_model_config(self.model_config)
         self.parallel_config.verify_devices(self.model_config.device)
+
+    def _verify_lora(self) -> None:
+        """Raises ValueError for a setup LoRA adapters do not run under."""
+        archs = list(getattr(self.model_config.hf_config, "architectures", None) or [])
+        if not any(a in LORA_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"--enable-lora: architecture {archs} takes no adapters; supported: "
+                f"{', '.join(LORA_ARCHITECTURES)}"
+            )
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 from vllm.config import (
     FAST_FORWARD_TOKENS,
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -184,6 +185,18 @@ class EngineArgs:
                        "forward pass (outputs are unchanged).",
                        type=json.loads),
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata=_help("Serve LoRA adapters (PEFT directories) on top of the model: each "
+                       "request may name one."),
+    )
+    max_loras: int = field(default=1, metadata=_help("With --enable-lora: most distinct adapters in one step."))
+    max_lora_rank: int = field(default=16, metadata=_help("With --enable-lora: the highest adapter rank accepted."))
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata=_help("With --enable-lora: loaded adapters kept on the host (default: "
+                       "--max-loras)."),
+    )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -277,6 +290,11 @@ class EngineArgs:
             parallel_config=parallel_config,
             structured_outputs_config=StructuredOutputsConfig(**structured_options),
             speculative_config=speculative_config,
+            lora_config=LoRAConfig(
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.max_cpu_loras,
+            ) if self.enable_lora else None,
         )
 
     def _max_num_seqs(self) -> int:

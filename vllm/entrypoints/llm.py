@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from vllm import thread_policy
+from vllm.lora.request import LoRARequest
 from vllm.outputs import OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -46,8 +47,12 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions for the prompts, in prompt order.
+
+        `lora_request` runs every prompt with one adapter, or each with its own (a list,
+        one per prompt; None entries use the base model); it needs `enable_lora=True`.
 
         Every prompt is validated before any is queued: a ValueError leaves the engine as it was.
         That includes each structured-output constraint, compiled here (blocking) within
@@ -71,29 +76,43 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params_list)} for {len(prompts)} prompts"
                 )
-        return self._run(prompts, params_list, use_tqdm)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, loras)
 
     def chat(
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Generates replies to one conversation or a list of conversations."""
+        """Generates replies to one conversation or a list of conversations (with an
+        adapter, or one per conversation, as in `generate`)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         processor = self.llm_engine.processor
         prompts = [processor.apply_chat_template(c, **template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(
-        self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool
+        self,
+        prompts: list[Prompt],
+        params_list: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Validate everything first so a bad prompt queues nothing.
         processed = [
-            engine.processor.process(str(next(self._counter)), prompt, params)
-            for prompt, params in zip(prompts, params_list)
+            engine.processor.process(
+                str(next(self._counter)), prompt, params, lora_request=lora
+            )
+            for prompt, params, lora in zip(prompts, params_list, loras)
         ]
         ids = [core.request_id for _, core in processed]
         try:

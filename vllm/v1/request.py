@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from vllm.exceptions import ErrorKind
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -51,8 +52,11 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        # The adapter the request runs with (None: the base model).
+        self.lora_request = lora_request
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()

@@ -388,3 +388,26 @@ def test_randomized_against_simulated_kv_contents(make: Callable[..., KVCacheMan
     assert mgr.prefix_cache_stats.hits >= expected_hits
     for req_id in list(tokens):
         mgr.free(req_id)
+
+
+def test_cache_salt_separates_hash_chains(make: Callable[..., KVCacheManager]) -> None:
+    """Requests with different salts (LoRA adapters) never share blocks; the same salt does,
+    and no salt (the base model) is a chain of its own."""
+    mgr = make(num_blocks=12)
+    prompt = list(range(9))  # two full blocks and one token
+
+    def admit(req_id: str, salt: int | None) -> tuple[list[int], int]:
+        hit_ids, num_hit = mgr.get_computed_blocks(req_id, prompt, salt)
+        assert mgr.allocate_slots(req_id, num_hit, len(prompt) - num_hit, prompt, hit_ids)
+        return mgr.get_block_ids(req_id), num_hit
+
+    ids_a, hit = admit("a", 1)
+    assert hit == 0
+    ids_b, hit = admit("b", 2)
+    assert hit == 0 and set(ids_b).isdisjoint(ids_a)
+    ids_base, hit = admit("base", None)
+    assert hit == 0 and set(ids_base).isdisjoint(ids_a + ids_b)
+    ids_a2, hit = admit("a2", 1)
+    assert hit == 2 * BS and ids_a2[:2] == ids_a[:2]
+    for req_id in ("a", "b", "base", "a2"):
+        mgr.free(req_id)

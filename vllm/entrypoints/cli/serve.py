@@ -15,6 +15,7 @@ from vllm.entrypoints.cli.types import CLISubcommand
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.entrypoints.openai.api_server import ServerOptions
+    from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 
 # The help texts of `vllm serve` and of `python -m vllm.entrypoints.openai.api_server`.
@@ -88,6 +89,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for flag, why in NO_EFFECT_SERVE_FLAGS.items():
         parser.add_argument(flag, action="store_true",
                             help=f"(no effect here: {why}).")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="MODULE",
+                        help="LoRA adapters served as models of their own (needs "
+                        "--enable-lora): name=path, or JSON {\"name\": ..., \"path\": ..., "
+                        "\"base_model_name\": ...}; a request picks one by its `model`.")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -138,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args.model = args.model_tag or args.model
     try:
         config = engine_args.create_engine_config()
+        models = _serving_models(config, args.lora_modules or [])
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -161,16 +167,40 @@ def run_serve(args: argparse.Namespace) -> int:
     # SIGTERM shuts down like Ctrl-C: engine process stopped, nothing left behind.
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:
-        return _serve(args, config, sock, options)
+        return _serve(args, config, models, sock, options)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _serving_models(config: VllmConfig, lora_modules: list[str]) -> OpenAIServingModels:
+    """The served names: the model's, and each --lora-modules adapter (checked now, so a
+    bad one stops the server before it starts). Raises ValueError naming the flag."""
+    from vllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
+    from vllm.lora.validation import LoRAValidator
+
+    model_config = config.model_config
+    validator = LoRAValidator(config) if config.lora_config is not None else None
+    models = OpenAIServingModels([model_config.served_model_name], str(model_config.model_dir),
+                                 model_config.max_model_len, validator)
+    if lora_modules and validator is None:
+        raise ValueError("--lora-modules: needs --enable-lora")
+    for text in lora_modules:
+        module = parse_lora_module(text)
+        try:
+            models.load_lora_adapter(module.name, module.path, module.base_model_name)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {module.name}: {e}") from None
+    return models
+
+
 def _serve(
-    args: argparse.Namespace, config: VllmConfig, sock: socket.socket, options: ServerOptions
+    args: argparse.Namespace,
+    config: VllmConfig,
+    models: OpenAIServingModels,
+    sock: socket.socket,
+    options: ServerOptions,
 ) -> int:
     from vllm.entrypoints.openai.api_server import run_server
-    from vllm.entrypoints.openai.serving_models import OpenAIServingModels
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.metrics.prometheus import PrometheusMetrics
 
@@ -193,7 +223,6 @@ def _serve(
         f"engine core pid {', '.join(map(str, engine.engine_core.pids))})",
         flush=True,
     )
-    models = OpenAIServingModels([name], str(model_config.model_dir), model_config.max_model_len)
     try:
         run_server(engine, models, metrics, sock, options)
     except KeyboardInterrupt:

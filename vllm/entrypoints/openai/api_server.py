@@ -27,7 +27,12 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import error_response, json_response, parse_request
+from vllm.entrypoints.openai.serving_engine import (
+    error_response,
+    exception_error,
+    json_response,
+    parse_request,
+)
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
@@ -142,6 +147,9 @@ def build_app(
         """The served models."""
         return json_response(models.show_available_models())
 
+    if models.lora_validator is not None:
+        add_lora_routes(app, models)
+
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
         """OpenAI completions (streaming with stream=true)."""
@@ -166,6 +174,49 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
+
+
+def add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora)."""
+
+    async def body(raw_request: Request) -> dict | Response:
+        try:
+            data = await raw_request.json()
+        except ValueError:
+            return error_response("the body must be a JSON object", 400)
+        if not isinstance(data, dict) or not isinstance(data.get("lora_name"), str):
+            return error_response("lora_name: required (a string)", 400, param="lora_name")
+        return data
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw_request: Request) -> Response:
+        """Serves the PEFT adapter at `lora_path` as model `lora_name`; 400 when the name is
+        taken or the adapter is unfit."""
+        data = await body(raw_request)
+        if isinstance(data, Response):
+            return data
+        path = data.get("lora_path")
+        if not isinstance(path, str) or not path:
+            return error_response("lora_path: required (a string)", 400, param="lora_path")
+        try:
+            # Reads the adapter's files: off the event loop.
+            await asyncio.to_thread(
+                models.load_lora_adapter, data["lora_name"], path, data.get("base_model_name")
+            )
+        except ValueError as e:
+            return exception_error(e).response()
+        return Response(f"Success: LoRA adapter '{data['lora_name']}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw_request: Request) -> Response:
+        """Stops serving adapter `lora_name`; 404 when no adapter has that name."""
+        data = await body(raw_request)
+        if isinstance(data, Response):
+            return data
+        if models.unload_lora_adapter(data["lora_name"]) is None:
+            return error_response(f"The LoRA adapter `{data['lora_name']}` does not exist.",
+                                  404, param="lora_name")
+        return Response(f"Success: LoRA adapter '{data['lora_name']}' removed successfully.")
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:

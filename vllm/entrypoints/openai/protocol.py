@@ -61,6 +61,8 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "vllm"
     root: str | None = None
+    # The base model of a LoRA adapter (None for a base model).
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -30,6 +30,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import NO_CONSTRAINT_MESSAGE, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
@@ -363,7 +364,8 @@ class OpenAIServing:
             request_id = request.request_id or random_id(self.id_prefix)
             # A non-streaming request reads only its final output: none is built before.
             kind = OutputKind.DELTA if request.stream else OutputKind.FINAL_ONLY
-            streams = await self.add_requests(request_id, prompts, params, kind)
+            lora = self.models.lora_request(model)
+            streams = await self.add_requests(request_id, prompts, params, kind, lora)
         except (ValueError, EngineDeadError) as e:
             return exception_error(e).response()
         created = int(time.time())
@@ -410,15 +412,23 @@ class OpenAIServing:
         raise NotImplementedError
 
     async def add_requests(
-        self, request_id: str, prompts: list[Any], params: SamplingParams, kind: OutputKind
+        self,
+        request_id: str,
+        prompts: list[Any],
+        params: SamplingParams,
+        kind: OutputKind,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """Admits one engine request per prompt. On any error, aborts the ones admitted and
-        re-raises (ValueError: bad input; EngineDeadError: no engine)."""
+        """Admits one engine request per prompt (with the adapter of `lora_request`, if
+        any). On any error, aborts the ones admitted and re-raises (ValueError: bad input;
+        EngineDeadError: no engine)."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, prompt, params, kind))
+                streams.append(
+                    await self.engine.add_request(rid, prompt, params, kind, lora_request)
+                )
         except BaseException:
             for s in streams:
                 s.abort()

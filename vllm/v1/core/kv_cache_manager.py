@@ -36,6 +36,9 @@ class _RequestBlocks:
     hashes: list[int] = field(default_factory=list)
     # The first num_cached blocks went through cache registration already.
     num_cached: int = 0
+    # Parent hash of the first block (None: the common root). Requests that must never
+    # share blocks with each other (different LoRA adapters) get different salts.
+    salt: int | None = None
 
 
 class KVCacheManager:
@@ -75,8 +78,8 @@ class KVCacheManager:
         s = self._stats
         return PrefixCacheStats(requests=s.requests, queries=s.queries, hits=s.hits)
 
-    def get_computed_blocks(self, request_id: str,
-                            token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
+                            cache_salt: int | None = None) -> tuple[list[int], int]:
         """Find the longest cached prefix of full blocks of `token_ids`.
 
         Returns (block ids, number of tokens they hold). At least one token of `token_ids` is
@@ -84,6 +87,9 @@ class KVCacheManager:
         the ids to `allocate_slots` right away, before other allocations can evict them.
         Side effects: counts the lookup in the stats and memoizes the request's block hashes
         (released by `free(request_id)`). Returns ([], 0) when caching is off.
+        `cache_salt` starts the request's hash chain (its blocks are shared only with
+        requests of the same salt; None is the base model's); it must be the same every
+        time the request is looked up.
         """
         if not self.enable_caching:
             return [], 0
@@ -92,11 +98,11 @@ class KVCacheManager:
         max_blocks = max(0, (num_tokens - 1) // bs)
         state = self._reqs.get(request_id)
         if state is None:
-            state = self._reqs[request_id] = _RequestBlocks()
+            state = self._reqs[request_id] = _RequestBlocks(salt=cache_salt)
         hashes = state.hashes
         cached = self.pool.cached
         ids: list[int] = []
-        parent = None
+        parent = state.salt
         for i in range(max_blocks):
             if i < len(hashes):
                 block_hash = hashes[i]
@@ -240,7 +246,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = state.hashes
         for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else state.salt
             hashes.append(hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs]))
         blocks = state.blocks
         cache_block = self.pool.cache_block

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from vllm.exceptions import ErrorKind
+from vllm.lora.request import LoRARequest
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -15,6 +16,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # SamplingParams as a plain dict (the core rebuilds the dataclass).
     sampling_params: dict
     arrival_time: float
+    # The adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -12,6 +12,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import EngineDeadError, InvalidRequestError
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
@@ -230,8 +231,10 @@ class AsyncLLM:
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validates, tokenizes and admits a request; returns the stream of its outputs.
+        """Validates, tokenizes and admits a request (run with `lora_request`'s adapter, if
+        any); returns the stream of its outputs.
 
         Raises ValueError (bad prompt, parameters or constraint; too long for the context;
         duplicate request id) before anything reaches the engine, and EngineDeadError when the
@@ -244,7 +247,7 @@ class AsyncLLM:
             await self._check_compiles(params.structured_outputs)
         # Tokenizing a long prompt takes a while: never on the event loop.
         text, core_request = await asyncio.to_thread(
-            self.processor.process, request_id, prompt, params, arrival
+            self.processor.process, request_id, prompt, params, arrival, lora_request
         )
         num_prompt = len(core_request.prompt_token_ids)
         max_len = self.model_config.max_model_len

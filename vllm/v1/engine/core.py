@@ -84,7 +84,8 @@ class EngineCore:
             if isinstance(request, EngineCoreRequest):
                 params = SamplingParams(**request.sampling_params)
                 request = Request(
-                    request.request_id, request.prompt_token_ids, params, request.arrival_time
+                    request.request_id, request.prompt_token_ids, params, request.arrival_time,
+                    request.lora_request,
                 )
             request.sampling_params.update_from_model(self.eos_token_ids)
             check_request_inputs(

@@ -11,6 +11,8 @@ import msgspec
 
 from vllm.config import VllmConfig
 from vllm.exceptions import InvalidRequestError
+from vllm.lora.request import LoRARequest
+from vllm.lora.validation import LoRAValidator
 from vllm.sampling_params import SamplingParams, check_token_ids
 from vllm.v1.engine import EngineCoreRequest
 
@@ -29,6 +31,7 @@ class InputProcessor:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.vocab_size = vllm_config.model_config.vocab_size
         self.max_n = vllm_config.scheduler_config.max_n
+        self.lora_validator = LoRAValidator(vllm_config)
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """Raises ValueError when `num_prompts` prompts times `n` samples exceed --max-n."""
@@ -84,11 +87,15 @@ class InputProcessor:
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Validates one request and returns (prompt text, engine request).
 
-        Raises ValueError for an empty or too-long prompt and invalid structured outputs.
+        Raises ValueError for an empty or too-long prompt, invalid structured outputs, and
+        a LoRA adapter that is not enabled, unreadable or unfit for the model.
         """
+        if lora_request is not None:
+            self.lora_validator.check(lora_request)
         self.check_num_sequences(1, params.n)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
@@ -117,6 +124,7 @@ class InputProcessor:
             prompt_token_ids=token_ids,
             sampling_params=msgspec.to_builtins(params_to_dict(params)),
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            lora_request=lora_request,
         )
 
 

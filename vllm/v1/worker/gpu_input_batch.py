@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams, check_numeric_fields, check_token_ids
 
 # How the runner stores the sampling parameters it puts in columns (see
@@ -84,6 +85,8 @@ class CachedRequestState:
     # Set by a verification with drafts, until the request's next forward: the scheduler
     # may have scheduled that forward assuming every draft was kept.
     verified_drafts: bool = False
+    # The adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
     @property
     def num_known_tokens(self) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -54,6 +55,9 @@ from vllm.v1.worker.gpu_input_batch import (
     InputBatch,
 )
 from vllm.v1.worker.input_buffers import InputBuffers
+
+if TYPE_CHECKING:
+    from vllm.lora.model_manager import LoRAModelManager
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +231,8 @@ class GPUModelRunner:
             self.device,
         )
         self.graphs: DecodeGraphs | None = None
+        # LoRA slots of the model's layers (None: LoRA is off).
+        self.lora: LoRAModelManager | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -235,6 +241,13 @@ class GPUModelRunner:
         from vllm.model_executor.model_loader.loader import get_model
 
         self.model = get_model(self.config.model_config, self.parallel)
+        if self.config.lora_config is not None:
+            from vllm.lora.model_manager import LoRAModelManager
+
+            self.lora = LoRAModelManager(
+                self.model, self.config.lora_config, self.device, self.dtype, self.min_rows,
+                self.buffers.to_device,
+            )
 
     def kv_cache_block_bytes(self) -> int:
         """Bytes one KV block takes across all layers."""
@@ -258,6 +271,8 @@ class GPUModelRunner:
             and self.parallel.layout.world_size == 1
             and self.model.attn_backend_cls.__name__ == "TritonAttentionBackend"
             and getattr(self.model, "supports_cuda_graphs", True)
+            # Each step's adapter rows are host-built index lists a graph cannot replay.
+            and self.lora is None
         ):
             self._capture_graphs()
 
@@ -287,6 +302,7 @@ class GPUModelRunner:
                 sampling_params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                lora_request=new.lora_request,
             )
             self.requests[new.req_id] = state
             batch.add(state)
@@ -419,6 +435,8 @@ class GPUModelRunner:
             dst = self.buffers.to_device(unknown.astype(np.int64))
             input_ids[dst] = self.last_token[src]
         assert self.model is not None
+        if self.lora is not None:
+            self._set_lora_rows(rows, num_sched, padded_tokens)
         intermediate = None
         if not self.first_stage:
             # One message per step: (hidden, residual) stacked.
@@ -481,6 +499,16 @@ class GPUModelRunner:
         )
         self._settle(block=False)
         return None
+
+    def _set_lora_rows(self, rows: list[int], num_sched: np.ndarray, num_padded: int) -> None:
+        """Puts this step's adapters into LoRA slots and gives each token row its slot
+        (padding rows and base-model requests: -1)."""
+        assert self.lora is not None
+        states = self.input_batch.states
+        slots = self.lora.activate([states[r].lora_request for r in rows])
+        token_slots = np.full(num_padded, -1, dtype=np.int64)
+        token_slots[: int(num_sched.sum())] = np.repeat(slots, num_sched)
+        self.lora.set_token_slots(token_slots)
 
     def _take_verified(self, rows: list[int]) -> list[int]:
         """Indices into `rows` of the requests verified with drafts since their last forward;

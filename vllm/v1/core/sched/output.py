@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
 
@@ -23,6 +24,8 @@ class NewRequestData:
     block_ids: list[int]
     # Tokens already in the KV cache (prefix-cache hit) before this step.
     num_computed_tokens: int
+    # The adapter the request runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

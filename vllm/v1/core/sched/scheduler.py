@@ -50,6 +50,9 @@ class Scheduler:
         self.max_num_seqs = sched.max_num_seqs
         self.max_num_batched_tokens = sched.max_num_batched_tokens
         self.max_model_len = sched.max_model_len
+        lora_config = vllm_config.lora_config
+        # Most distinct LoRA adapters among the running requests (0: LoRA is off).
+        self.max_loras = lora_config.max_loras if lora_config is not None else 0
         # Pipeline stages: batches in flight at once hold different requests (see schedule).
         self.pipeline_stages = vllm_config.parallel_config.pipeline_parallel_size
         self.compile_timeout_s = vllm_config.structured_outputs_config.compile_timeout_s
@@ -249,6 +252,11 @@ class Scheduler:
             i += 1
 
         skipped: list[Request] = []
+        # Adapters of the running requests: at most max_loras, so every step fits the
+        # runner's slots; a request with another adapter waits until one leaves.
+        adapters = {
+            r.lora_request.lora_int_id for r in self.running if r.lora_request is not None
+        }
         if not preempted:
             while (
                 self.waiting
@@ -262,8 +270,17 @@ class Scheduler:
                     if not request.is_finished():
                         skipped.append(self.waiting.popleft())
                     continue
+                lora = request.lora_request
+                if (
+                    lora is not None
+                    and lora.lora_int_id not in adapters
+                    and len(adapters) >= self.max_loras
+                ):
+                    skipped.append(self.waiting.popleft())
+                    continue
                 hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(
-                    request.request_id, request.all_token_ids
+                    request.request_id, request.all_token_ids,
+                    lora.cache_salt if lora is not None else None,
                 )
                 if request.sampling_params.prompt_logprobs is not None and not (
                     request.prompt_logprobs_sent
@@ -300,9 +317,12 @@ class Scheduler:
                             sampling_params=request.sampling_params,
                             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                             num_computed_tokens=num_hit,
+                            lora_request=request.lora_request,
                         )
                     )
                 request.status = RequestStatus.RUNNING
+                if lora is not None:
+                    adapters.add(lora.lora_int_id)
                 self.running.append(request)
                 scheduled_running.append(request)
                 num_scheduled[request.request_id] = num_new
