@@ -1,0 +1,186 @@
+"""The engine's own host cost per step, by phase, with a forward pass that costs nothing.
+
+    .venv/bin/python benchmarks/bench_step_overhead.py [--model demo] \
+        [--batch-sizes 1,8,64,256] [--output-len 32] [--json RESULT.json]
+
+The model's forward is replaced by one that returns zeros (the LM head still runs, on the
+real vocabulary, and is reported apart), so what remains per step is the engine: scheduling,
+input preparation, the sampler, the grammar bitmask, output processing and detokenization.
+Each cell (batch x 0 / 100 % JSON x sync / async) runs once on the uni executor; phases are
+timed by wrapping the engine's methods (wall time inside the calls; under async they may
+overlap, and `update` includes waiting for the step's result). A second table runs the real model at
+each batch under async and prints the fraction of the wall time the forward pass was busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vllm import LLM, SamplingParams, StructuredOutputsParams
+from vllm.transformers_utils import detokenizer
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"]}
+PHASES = ("schedule", "prepare", "lm_head", "sample", "bitmask", "update", "output", "detok")
+
+
+class Timers:
+    """Seconds spent in each wrapped call, by phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj: Any, name: str, phase: str) -> None:
+        """Replaces obj.name by a timed call of the original (side effect: patches obj)."""
+        original: Callable = getattr(obj, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+
+def _null_forward(hidden_size: int, dtype: torch.dtype):
+    def forward(input_ids, positions, kv_caches, metadata, intermediate=None):
+        return torch.zeros(input_ids.shape[0], hidden_size, dtype=dtype, device=input_ids.device)
+    return forward
+
+
+def instrument(llm: LLM, null_model: bool) -> tuple[Timers, dict[str, int]]:
+    """Timers on the engine's phases, and a counter of forward passes."""
+    timers, counts = Timers(), {"steps": 0}
+    engine = llm.llm_engine
+    core = engine.engine_core
+    runner = core.model_executor.worker.model_runner
+    model = runner.model
+    if null_model:
+        model.forward = _null_forward(model.hidden_size, runner.dtype)
+    timers.wrap(core.scheduler, "schedule", "schedule")
+    timers.wrap(core.scheduler, "update_from_output", "update")
+    timers.wrap(core.structured_output_manager, "grammar_bitmask", "bitmask")
+    timers.wrap(model, "compute_logits", "lm_head")
+    timers.wrap(model, "forward", "forward")
+    timers.wrap(runner.sampler, "forward", "sample")
+    timers.wrap(engine.output_processor, "process_outputs", "output")
+    execute = runner.execute_model
+
+    def counted(scheduler_output):
+        if scheduler_output.total_num_scheduled_tokens:
+            counts["steps"] += 1
+        start = time.perf_counter()
+        try:
+            return execute(scheduler_output)
+        finally:
+            timers.seconds["execute"] += time.perf_counter() - start
+
+    runner.execute_model = counted
+    return timers, counts
+
+
+def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, output_len: int,
+             structured: bool, null_model: bool) -> dict[str, float]:
+    """Per-step milliseconds of every phase, and the forward's share of the wall time."""
+    timers.seconds.clear()
+    counts["steps"] = 0
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if structured else None
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=not structured,
+                            structured_outputs=so)
+    prompts = [[100 + i, 200, 300, 400] for i in range(batch)]
+    detok_seconds = [0.0]
+    update = detokenizer.IncrementalDetokenizer.update
+
+    def timed_update(self, new_token_ids):
+        start = time.perf_counter()
+        try:
+            return update(self, new_token_ids)
+        finally:
+            detok_seconds[0] += time.perf_counter() - start
+
+    detokenizer.IncrementalDetokenizer.update = timed_update
+    try:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+    finally:
+        detokenizer.IncrementalDetokenizer.update = update
+    s = timers.seconds
+    steps = max(counts["steps"], 1)
+    s["detok"] = detok_seconds[0]
+    s["output"] -= s["detok"]  # detokenization happens inside output processing
+    s["prepare"] = s["execute"] - s["forward"] - (s["lm_head"] if not null_model else 0.0)
+    if null_model:
+        s["prepare"] -= s["lm_head"]
+    row = {phase: 1000 * s[phase] / steps for phase in PHASES}
+    row["host_total"] = sum(row[p] for p in PHASES if p != "lm_head")
+    row["wall_per_step"] = 1000 * wall / steps
+    row["forward_busy"] = s["forward"] / wall if wall else 0.0
+    row["steps"] = steps
+    return row
+
+
+def _engine(model: str, async_scheduling: bool, max_num_seqs: int, output_len: int) -> LLM:
+    """An engine warmed up on plain and JSON requests (the grammar compiled before timing)."""
+    llm = LLM(model, async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
+              max_model_len=256)
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    llm.generate(["warm up"] * 2, [SamplingParams(max_tokens=output_len),
+                                   SamplingParams(max_tokens=output_len, structured_outputs=so)],
+                 use_tqdm=False)
+    return llm
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--batch-sizes", default="1,8,64,256")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    results: dict[str, Any] = {"null": {}, "real": {}}
+    print(f"Host milliseconds per step (null forward; LM head apart), output {args.output_len}")
+    print("| mode | JSON | batch | " + " | ".join(PHASES) + " | host total | wall/step |")
+    print("|---" * (len(PHASES) + 5) + "|")
+    for async_scheduling in (False, True):
+        mode = "async" if async_scheduling else "sync"
+        llm = _engine(args.model, async_scheduling, max(batches), args.output_len)
+        timers, counts = instrument(llm, null_model=True)
+        for structured in (False, True):
+            for batch in batches:
+                row = run_cell(llm, timers, counts, batch, args.output_len, structured, True)
+                results["null"][f"{mode}/{int(structured) * 100}/{batch}"] = row
+                cells = " | ".join(f"{row[p]:.2f}" for p in PHASES)
+                print(f"| {mode} | {int(structured) * 100}% | {batch} | {cells} | "
+                      f"{row['host_total']:.2f} | {row['wall_per_step']:.2f} |")
+        llm.shutdown()
+    print("\nReal model, async: the forward pass's share of the wall time")
+    print("| batch | forward busy | wall ms/step |")
+    print("|---|---|---|")
+    llm = _engine(args.model, True, max(batches), args.output_len)
+    timers, counts = instrument(llm, null_model=False)
+    for batch in batches:
+        row = run_cell(llm, timers, counts, batch, args.output_len, False, False)
+        results["real"][str(batch)] = row
+        print(f"| {batch} | {row['forward_busy']:.0%} | {row['wall_per_step']:.2f} |")
+    llm.shutdown()
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
