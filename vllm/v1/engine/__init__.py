@@ -36,6 +36,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # With finish_reason "error": whose fault it was, decided where the error was found
     # (the server maps it to an HTTP status; the message is for people only).
     error_kind: ErrorKind | None = None
+    # time.monotonic() in the engine-core process when the request was first scheduled, set on
+    # its first output only (for the queue and prefill time histograms; CLOCK_MONOTONIC is
+    # system-wide, so the API server on the same host can compare it with its own clock).
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:
