@@ -107,3 +107,130 @@ def test_tokenize_an_unknown_model_is_a_404(server) -> None:
     reply = post(server, "/tokenize", {"model": "nope", "prompt": "x"})
     assert reply.status_code == 404
     assert reply.json()["error"]["param"] == "model"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "word": {"type": "string", "maxLength": 8}},
+    "required": ["answer", "word"],
+    "additionalProperties": False,
+}
+
+
+def test_responses_json_schema_validates_and_reasoning_is_an_item(server) -> None:
+    import jsonschema
+
+    client = server.client()
+    for seed in (1, 2, 3):
+        response = client.responses.create(
+            model=MODEL,
+            instructions="Answer in JSON.",
+            input=[{"role": "user", "content": "Give a digit and a word."}],
+            max_output_tokens=300,
+            temperature=1.0,
+            extra_body={"seed": seed},
+            text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA,
+                             "strict": True}},
+        )
+        assert response.object == "response"
+        assert response.status == "completed", response
+        kinds = [item.type for item in response.output]
+        assert kinds == ["reasoning", "message"]
+        assert "OK" in response.output[0].content[0].text
+        jsonschema.validate(__import__("json").loads(response.output_text), SCHEMA)
+        assert response.usage.output_tokens > response.usage.output_tokens_details.reasoning_tokens > 0
+        assert response.text.format.type == "json_schema"
+
+
+def test_responses_text_input_and_max_output_tokens(server) -> None:
+    response = server.client().responses.create(model=MODEL, input="Hi", max_output_tokens=3,
+                                                temperature=0)
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3
+
+
+def test_responses_json_object(server) -> None:
+    import json
+
+    response = server.client().responses.create(
+        model=MODEL, input="JSON please", max_output_tokens=400, temperature=0,
+        text={"format": {"type": "json_object"}},
+    )
+    if response.status == "completed":
+        assert isinstance(json.loads(response.output_text), dict)
+
+
+def test_responses_forced_function_call(server) -> None:
+    import json
+
+    import jsonschema
+
+    params = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}},
+              "required": ["city"], "additionalProperties": False}
+    response = server.client().responses.create(
+        model=MODEL, input="Weather?", max_output_tokens=300, temperature=0,
+        tools=[{"type": "function", "name": "weather", "parameters": params, "strict": True}],
+        tool_choice={"type": "function", "name": "weather"},
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "weather"
+    jsonschema.validate(json.loads(calls[0].arguments), params)
+    # The call goes back as input with its output, and the model answers again.
+    follow = server.client().responses.create(
+        model=MODEL, max_output_tokens=5, temperature=0,
+        input=[{"role": "user", "content": "Weather?"},
+               {"type": "function_call", "call_id": calls[0].call_id, "name": "weather",
+                "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": "sunny"}],
+    )
+    assert follow.output
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}},
+     "text.format.schema"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                        "schema": {"type": "bogus"}}}}, "text.format.schema"),
+    ({"input": "x", "max_output_tokens": -1}, "max_output_tokens"),
+    ({"input": [{"type": "image", "url": "u"}]}, "input[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+     "input[0].content[0]"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]},
+     "tools[0].parameters"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "temperature": "hot"}, "temperature"),
+    ({}, "input"),
+])
+def test_bad_responses_input_is_a_400_naming_the_field(server, body, param) -> None:
+    reply = post(server, "/v1/responses", {"model": MODEL, **body})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param, reply.text
+
+
+def test_responses_stream_events_add_up_to_the_response(server) -> None:
+    import json
+
+    import jsonschema
+
+    stream = server.client().responses.create(
+        model=MODEL, input="Give a digit and a word.", max_output_tokens=300, temperature=1.0,
+        extra_body={"seed": 4}, stream=True,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    final = events[-1].response
+    assert final.output_text == text
+    assert "OK" in thinking and final.output[0].content[0].text == thinking
+    jsonschema.validate(json.loads(text), SCHEMA)
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning", "message"]

@@ -29,7 +29,9 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import error_response, json_response, parse_request
+from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.serving_tokenization import (
     OpenAIServingTokenization,
     tokenize_request_class,
@@ -110,6 +112,7 @@ def build_app(
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, tool_call_parser)
     tokenization = OpenAIServingTokenization(chat, models)
+    responses = OpenAIServingResponses(engine, models, tool_call_parser)
     # Every message renders to at least one token, so more than the context cannot fit.
     max_messages = engine.model_config.max_model_len
 
@@ -161,6 +164,11 @@ def build_app(
     async def create_chat_completion(raw_request: Request) -> Response:
         """OpenAI chat completions (streaming with stream=true)."""
         return await handle(raw_request, ChatCompletionRequest, chat.create_chat_completion)
+
+    @app.post("/v1/responses")
+    async def create_response(raw_request: Request) -> Response:
+        """OpenAI Responses (streaming with stream=true)."""
+        return await handle(raw_request, ResponsesRequest, responses.create_response)
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
