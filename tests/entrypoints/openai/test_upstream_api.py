@@ -234,3 +234,28 @@ def test_responses_stream_events_add_up_to_the_response(server) -> None:
     jsonschema.validate(json.loads(text), SCHEMA)
     done = [e.item.type for e in events if e.type == "response.output_item.done"]
     assert done == ["reasoning", "message"]
+
+
+def test_responses_auto_tool_choice_streams_a_function_call_item(server) -> None:
+    import json
+
+    import jsonschema
+
+    params = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    stream = server.client().responses.create(
+        model=MODEL, input="Call it.", max_output_tokens=300, temperature=0, stream=True,
+        tools=[{"type": "function", "name": "pick", "parameters": params, "strict": True}],
+        parallel_tool_calls=False,  # the reply ends after its first (strict) call
+    )
+    events = list(stream)
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    calls = [item for item in final.output if item.type == "function_call"]
+    # demo-think writes <tool_call> right after its thinking: a strict call follows.
+    assert len(calls) == 1 and calls[0].name == "pick"
+    jsonschema.validate(json.loads(calls[0].arguments), params)
+    args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == [calls[0].arguments]
+    assert final.tool_choice == "auto" and final.parallel_tool_calls is False

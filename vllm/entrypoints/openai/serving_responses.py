@@ -11,6 +11,7 @@ the chat path rejects is reported under its Responses name (`text.format`, `inpu
 from __future__ import annotations
 
 import contextvars
+import json
 import re
 import uuid
 from collections.abc import AsyncIterator
@@ -239,18 +240,24 @@ class OpenAIServingResponses(OpenAIServingChat):
         except InvalidRequestError as e:
             return exception_error(e).response()
 
-        def prepare() -> tuple[list[Any], SamplingParams]:
-            try:
-                return self.prepare_chat(chat_request)
-            except InvalidRequestError as e:
-                raise InvalidRequestError(responses_param(e.param), e.message) from None
-
         fmt = request.text.format if request.text is not None else None
-        token = _CONSTRAINT_PARAM.set(
+        constraint_param = (
             "text.format.schema" if fmt is not None and fmt.type == "json_schema" else
             "text.format" if fmt is not None and fmt.type == "json_object" else
             "tools" if request.tools else None
         )
+
+        def prepare() -> tuple[list[Any], SamplingParams]:
+            try:
+                return self.prepare_chat(chat_request)
+            except InvalidRequestError as e:
+                param = responses_param(e.param)
+                if constraint_param is not None and (param or "").startswith(
+                        "structured_outputs"):
+                    param = constraint_param
+                raise type(e)(param, e.message) from None
+
+        token = _CONSTRAINT_PARAM.set(constraint_param)
         try:
             return await self.serve(chat_request, raw_request, prepare)
         finally:
@@ -496,8 +503,6 @@ class OpenAIServingResponses(OpenAIServingChat):
 
 def _dumps(body: dict[str, Any]) -> str:
     """Compact JSON of one event."""
-    import json
-
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
 
