@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.samples import Sample
 
 
 @dataclass
@@ -70,12 +71,12 @@ def get_metrics_snapshot(registry: CollectorRegistry | None = None) -> list[Metr
     return out
 
 
-def _counters(name: str, samples: list) -> list[Metric]:
+def _counters(name: str, samples: list[Sample]) -> list[Metric]:
     """Counter objects of one counter family; a family with a `position` label is one Vector
     per remaining label set."""
     totals = [s for s in samples if s.name.endswith("_total") or s.name == name]
     if totals and all("position" in s.labels for s in totals):
-        grouped: dict[tuple, dict[int, int]] = {}
+        grouped: dict[tuple[tuple[str, str], ...], dict[int, int]] = {}
         for s in totals:
             rest = tuple(sorted((k, v) for k, v in s.labels.items() if k != "position"))
             grouped.setdefault(rest, {})[int(s.labels["position"])] = int(s.value)
@@ -86,9 +87,9 @@ def _counters(name: str, samples: list) -> list[Metric]:
     return [Counter(name, dict(s.labels), int(s.value)) for s in totals]
 
 
-def _histograms(name: str, samples: list) -> list[Metric]:
+def _histograms(name: str, samples: list[Sample]) -> list[Metric]:
     """Histogram objects of one histogram family, one per label set."""
-    grouped: dict[tuple, Histogram] = {}
+    grouped: dict[tuple[tuple[str, str], ...], Histogram] = {}
     for s in samples:
         labels = {k: v for k, v in s.labels.items() if k != "le"}
         key = tuple(sorted(labels.items()))
