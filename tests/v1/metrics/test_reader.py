@@ -47,3 +47,27 @@ def test_get_metrics_counts_this_engines_requests_only(llms) -> None:
     other = by_name(second.get_metrics())
     assert other["vllm:request_prompt_tokens"].count == 0
     assert other["vllm:generation_tokens"].value == 0
+
+
+def test_reader_shapes_from_a_plain_registry() -> None:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PromCounter
+    from prometheus_client import Histogram as PromHistogram
+
+    from vllm.v1.metrics.reader import Vector, get_metrics_snapshot
+
+    reg = CollectorRegistry()
+    per_pos = PromCounter("vllm:accepted_per_pos", "x", ["model_name", "position"], registry=reg)
+    per_pos.labels("m", "0").inc(3)
+    per_pos.labels("m", "2").inc(1)
+    hist = PromHistogram("vllm:h", "x", ["model_name"], buckets=(1, 5), registry=reg)
+    hist.labels("m").observe(2)
+    hist.labels("m").observe(7)
+    PromCounter("other_metric", "x", registry=reg).inc()
+    metrics = by_name(get_metrics_snapshot(reg))
+    assert set(metrics) == {"vllm:accepted_per_pos", "vllm:h"}
+    vector = metrics["vllm:accepted_per_pos"]
+    assert isinstance(vector, Vector) and vector.values == [3, 0, 1]
+    assert vector.labels == {"model_name": "m"}
+    h = metrics["vllm:h"]
+    assert (h.count, h.sum, h.buckets) == (2, 9.0, {"1.0": 0, "5.0": 1, "+Inf": 2})
