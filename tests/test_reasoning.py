@@ -1,4 +1,4 @@
-"""Tests for vllm/reasoning.py: the reasoning state of a reply, in token ids and in text."""
+"""Tests for vllm/reasoning/: the reasoning state of a reply, in token ids and in text."""
 
 from __future__ import annotations
 

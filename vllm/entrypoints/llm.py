@@ -15,6 +15,7 @@ from vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.metrics.reader import Metric
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -41,6 +42,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The engine's Hugging Face (fast) tokenizer, as upstream's `LLM.get_tokenizer()`."""
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """This engine's metrics as upstream's `vllm.v1.metrics.reader` objects (Counter,
+        Gauge, Histogram, Vector), read from this engine's own stats: token counters, the
+        request latency and token histograms, and the engine core's gauges and counters."""
+        return self.llm_engine.get_metrics()
 
     def generate(
         self,

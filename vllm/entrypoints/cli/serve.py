@@ -207,7 +207,7 @@ def _serve(
     model_config = config.model_config
     name = model_config.served_model_name
     try:
-        metrics = PrometheusMetrics(name)
+        metrics = PrometheusMetrics(name, model_config.max_model_len)
         engine = AsyncLLM(config, log_requests=not args.disable_log_requests, metrics=metrics)
     except (ValueError, RuntimeError) as e:
         sock.close()

@@ -9,7 +9,7 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -23,6 +23,7 @@ from vllm.entrypoints.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIBaseModel,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -33,13 +34,22 @@ from vllm.entrypoints.openai.serving_engine import (
     json_response,
     parse_request,
 )
+from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from vllm.entrypoints.openai.serving_tokenization import (
+    OpenAIServingTokenization,
+    tokenize_request_class,
+)
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=OpenAIBaseModel)
+
+# Paths that need the API key: the OpenAI routes and upstream's tokenizer routes.
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 # Seconds uvicorn waits for open responses after Ctrl-C before closing them.
 GRACEFUL_SHUTDOWN_S = 5
@@ -61,14 +71,15 @@ class ServerOptions:
 
 
 class APIKeyMiddleware:
-    """Rejects every /v1 request without `Authorization: Bearer <api key>` (401)."""
+    """Rejects every /v1, /tokenize and /detokenize request without
+    `Authorization: Bearer <api key>` (401)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             given = b""
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":
@@ -105,12 +116,14 @@ def build_app(
     app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__, lifespan=lifespan)
     completion = OpenAIServingCompletion(engine, models)
     chat = OpenAIServingChat(engine, models, tool_call_parser)
+    tokenization = OpenAIServingTokenization(chat, models)
+    responses = OpenAIServingResponses(engine, models, tool_call_parser)
     # Every message renders to at least one token, so more than the context cannot fit.
     max_messages = engine.model_config.max_model_len
 
     async def handle(
         raw_request: Request,
-        model_cls: type[T],
+        model_cls: type[T] | Callable[[dict[str, Any]], type[T]],
         handler: Callable[[T, Request], Awaitable[Response]],
     ) -> Response:
         """`handler`'s response to the parsed body, or the 400/413 of one that does not parse."""
@@ -159,6 +172,21 @@ def build_app(
     async def create_chat_completion(raw_request: Request) -> Response:
         """OpenAI chat completions (streaming with stream=true)."""
         return await handle(raw_request, ChatCompletionRequest, chat.create_chat_completion)
+
+    @app.post("/v1/responses")
+    async def create_response(raw_request: Request) -> Response:
+        """OpenAI Responses (streaming with stream=true)."""
+        return await handle(raw_request, ResponsesRequest, responses.create_response)
+
+    @app.post("/tokenize")
+    async def tokenize(raw_request: Request) -> Response:
+        """Token ids of a prompt, or of chat messages rendered by the chat template."""
+        return await handle(raw_request, tokenize_request_class, tokenization.tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize(raw_request: Request) -> Response:
+        """The text of a list of token ids."""
+        return await handle(raw_request, DetokenizeRequest, tokenization.detokenize)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:

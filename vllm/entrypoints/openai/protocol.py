@@ -412,3 +412,51 @@ class ChatCompletionStreamResponse(ResponseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------- tokenization
+
+
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    """POST /tokenize with a text prompt (upstream vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    """POST /tokenize with chat messages, rendered by the chat template first."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # The chat template writes any special tokens itself, so none are added by default.
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(ResponseModel):
+    """The body of a /tokenize answer."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    """The body of a /detokenize answer."""
+
+    prompt: str

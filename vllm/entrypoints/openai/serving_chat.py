@@ -67,29 +67,30 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         """The HTTP response of one chat request (errors in OpenAI's shape)."""
+        return await self.serve(request, raw_request, lambda: self.prepare_chat(request))
 
-        def prepare() -> tuple[list[Any], SamplingParams]:
-            if request.top_logprobs is not None and not request.logprobs:
-                raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
-            refuse_unimplemented(request)
-            plan = self.tool_plan(request)
-            constraint = None
-            if plan is not None and (given := plan.constraint()) is not None:
-                if structured_outputs_params(request) is not None:
-                    raise InvalidRequestError(
-                        "tool_choice",
-                        f"{request.tool_choice or 'auto'!r} with strict or forced tools "
-                        "cannot be combined with response_format or structured_outputs",
-                    )
-                constraint = StructuredOutputsParams(**{given[0]: given[1]})
-            prompt = self.render(request)
-            max_tokens = request.max_completion_tokens
-            if max_tokens is None:
-                max_tokens = request.max_tokens
-            logprobs = (request.top_logprobs or 0) if request.logprobs else None
-            return [prompt], self.sampling_params(request, max_tokens, logprobs, constraint)
-
-        return await self.serve(request, raw_request, prepare)
+    def prepare_chat(self, request: ChatCompletionRequest) -> tuple[list[Any], SamplingParams]:
+        """The prompt (the rendered conversation) and sampling parameters of a chat request,
+        its tool plan's constraint included. Raises InvalidRequestError naming the field."""
+        if request.top_logprobs is not None and not request.logprobs:
+            raise InvalidRequestError("top_logprobs", "requires logprobs to be true")
+        refuse_unimplemented(request)
+        plan = self.tool_plan(request)
+        constraint = None
+        if plan is not None and (given := plan.constraint()) is not None:
+            if structured_outputs_params(request) is not None:
+                raise InvalidRequestError(
+                    "tool_choice",
+                    f"{request.tool_choice or 'auto'!r} with strict or forced tools "
+                    "cannot be combined with response_format or structured_outputs",
+                )
+            constraint = StructuredOutputsParams(**{given[0]: given[1]})
+        prompt = self.render(request)
+        max_tokens = request.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return [prompt], self.sampling_params(request, max_tokens, logprobs, constraint)
 
     def tool_plan(self, request: ChatCompletionRequest) -> ToolPlan | None:
         """What the request does with its tools (None without tools), made on the first call

@@ -219,13 +219,14 @@ def decode_json_body(body: bytes) -> Any:
 
 async def parse_request(
     raw_request: Request,
-    model_cls: type[T],
+    model_cls: type[T] | Callable[[dict[str, Any]], type[T]],
     max_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_messages: int | None = None,
 ) -> T | JSONResponse:
     """Reads and validates a JSON body; returns the model, a 400 for a malformed body or
     invalid fields (or more than `max_messages` chat messages), or a 413 for a body over
-    `max_bytes`."""
+    `max_bytes`. `model_cls` is the request model, or a function choosing it from the
+    decoded body (for an endpoint with two request shapes)."""
     try:
         body = await read_body(raw_request, max_bytes)
     except BodyTooLarge:
@@ -246,6 +247,8 @@ async def parse_request(
             f"messages: {len(messages)} messages cannot fit in this model's context of "
             f"{max_messages} tokens", 400, param="messages"
         )
+    if not isinstance(model_cls, type):
+        model_cls = model_cls(data)
     try:
         return model_cls.model_validate(data)
     except pydantic.ValidationError as e:

@@ -42,6 +42,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # With prompt_logprobs, on the first output: per prompt token after the first,
     # ([the token, top-k...] ids, their logprobs, the token's rank).
     prompt_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # time.monotonic() in the engine-core process when the request was first scheduled, set on
+    # its first output only (for the queue and prefill time histograms; CLOCK_MONOTONIC is
+    # system-wide, so the API server on the same host can compare it with its own clock).
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

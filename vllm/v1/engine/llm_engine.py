@@ -12,10 +12,13 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
-from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
+from vllm.v1.metrics.prometheus import PrometheusMetrics
+from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
+from vllm.v1.metrics.stats import RequestStateStats
 
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,15 @@ class LLMEngine:
             vllm_config, self.tokenizer, self.engine_core.structured_output_manager
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        model_config = vllm_config.model_config
+        # This engine's own registry: engines in one process never share metric state.
+        self.metrics = PrometheusMetrics(
+            model_config.served_model_name or str(model_config.model), model_config.max_model_len
+        )
+        # Per live request: its timing stats; each engine (child) id -> its request id.
+        self._stats: dict[str, RequestStateStats] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._children: dict[str, list[str]] = {}
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -71,6 +83,12 @@ class LLMEngine:
         child_ids = self.output_processor.add_request(
             request_id, text, core_request.prompt_token_ids, params, output_kind
         )
+        self._stats[request_id] = RequestStateStats(
+            time.monotonic(), len(core_request.prompt_token_ids), num_seqs=params.n
+        )
+        self._children[request_id] = list(child_ids)
+        for child in child_ids:
+            self._child_to_parent[child] = request_id
         for child_request in child_requests(core_request, params, child_ids):
             self.engine_core.add_request(child_request)
 
@@ -78,6 +96,8 @@ class LLMEngine:
         """Aborts requests by their user-facing ids."""
         engine_ids = [cid for rid in request_ids for cid in self.output_processor.abort_request(rid)]
         self.engine_core.abort_requests(engine_ids)
+        for rid in request_ids:
+            self._forget(rid, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -89,10 +109,53 @@ class LLMEngine:
             if not executed:
                 time.sleep(0.001)  # e.g. every request waits for its grammar to compile
             return []
+        self._record_outputs(outputs)
         results, to_abort = self.output_processor.process_outputs(outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)
+        for result in results:
+            if result.finished:
+                reasons = {c.finish_reason for c in result.outputs}
+                reason = next((r for r in ("error", "abort", "length", "stop") if r in reasons),
+                              "stop")
+                self._forget(result.request_id, reason)
         return results
+
+    def _record_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Feeds one step's outputs to the request timing stats and token metrics."""
+        now = time.monotonic()
+        for out in outputs:
+            parent = self._child_to_parent.get(out.request_id)
+            if parent is None:
+                continue
+            stats = self._stats[parent]
+            if out.first_scheduled_time is not None:
+                stats.on_scheduled(out.first_scheduled_time)
+            if not out.new_token_ids:
+                continue
+            previous = stats.last_token_time
+            ttft = stats.on_tokens(len(out.new_token_ids), now)
+            if ttft is not None:
+                self.metrics.record_first_token(ttft, stats.num_prompt_tokens)
+            elif previous is not None:
+                self.metrics.record_inter_token(now - previous)
+            self.metrics.record_generation_tokens(len(out.new_token_ids))
+
+    def _forget(self, request_id: str, finish_reason: str) -> None:
+        """Records a request's end in the metrics and drops its tracking."""
+        stats = self._stats.pop(request_id, None)
+        if stats is None:
+            return
+        for child in self._children.pop(request_id, ()):
+            self._child_to_parent.pop(child, None)
+        self.metrics.record_finished(stats.finish(finish_reason, time.monotonic()))
+
+    def get_metrics(self) -> list[Metric]:
+        """This engine's metrics (the same names as `/metrics`) as reader objects, with the
+        engine core's gauges and counters as of now."""
+        self.metrics.record_engine_stats(self.engine_core.make_stats())
+        self.metrics.set_num_frontend_requests(len(self._stats))
+        return get_metrics_snapshot(self.metrics.registry)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

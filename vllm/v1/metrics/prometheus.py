@@ -23,7 +23,29 @@ _TPOT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 10.0,
 )
+# Upstream's request-phase buckets (seconds), so dashboards built for vLLM read the same.
+_PHASE_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)
 _COMPILE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def token_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (the buckets of token-count histograms)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
 
 
 class _EngineCollector(Collector):
@@ -121,7 +143,7 @@ class _EngineCollector(Collector):
 class PrometheusMetrics:
     """All metrics of one server, in a registry of its own (rendered by `render`)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._engine = _EngineCollector(model_name)
         self.registry.register(self._engine)
@@ -149,6 +171,33 @@ class PrometheusMetrics:
         self._e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to finish of a request.", labels,
             buckets=_LATENCY_BUCKETS, registry=reg,
+        ).labels(model_name)
+        # Upstream vLLM's names, beside ours: one observation per finished request (the
+        # inter-token one per step that gave a request new tokens after its first).
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between a request's successive outputs.",
+            labels, buckets=_ITL_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self._queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first schedule of a request.",
+            labels, buckets=_PHASE_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self._prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "First schedule to first token of a request.",
+            labels, buckets=_PHASE_BUCKETS, registry=reg,
+        ).labels(model_name)
+        self._decode_time = Histogram(
+            "vllm:request_decode_time_seconds", "First token to last token of a request.",
+            labels, buckets=_PHASE_BUCKETS, registry=reg,
+        ).labels(model_name)
+        token_bucket_list = token_buckets(max_model_len)
+        self._request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of a finished request.",
+            labels, buckets=token_bucket_list, registry=reg,
+        ).labels(model_name)
+        self._request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Tokens a finished request generated.",
+            labels, buckets=token_bucket_list, registry=reg,
         ).labels(model_name)
         self._compile = Histogram(
             "vllm:structured_output_compile_seconds",
@@ -181,12 +230,25 @@ class PrometheusMetrics:
         """Tokens generated in one step for one request."""
         self._generation_tokens.inc(num_tokens)
 
+    def record_inter_token(self, seconds: float) -> None:
+        """The time since the request's previous output, at an output with new tokens."""
+        self._itl.observe(seconds)
+
     def record_finished(self, stats: FinishedRequestStats) -> None:
         """A request ended (including aborts and errors)."""
         self._success.labels(self._model_name, stats.finish_reason).inc()
         self._e2e.observe(stats.e2e_latency)
         if stats.mean_time_per_output_token is not None:
             self._tpot.observe(stats.mean_time_per_output_token)
+        self._request_prompt_tokens.observe(stats.num_prompt_tokens)
+        self._request_generation_tokens.observe(stats.num_generation_tokens)
+        # A phase the request never reached (aborted while queued) is not observed.
+        if stats.queue_time is not None:
+            self._queue_time.observe(stats.queue_time)
+        if stats.prefill_time is not None:
+            self._prefill_time.observe(stats.prefill_time)
+        if stats.decode_time is not None:
+            self._decode_time.observe(stats.decode_time)
 
     def record_compile(self, kind: str, seconds: float) -> None:
         """One structured-output compile check (a cache hit is fast)."""

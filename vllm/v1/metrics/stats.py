@@ -16,6 +16,14 @@ class RequestStateStats:
     # Summed over the request's n sequences.
     num_generation_tokens: int = 0
     num_seqs: int = 1
+    # When the engine core first scheduled the request (same clock; None until known).
+    first_scheduled_time: float | None = None
+
+    def on_scheduled(self, when: float) -> None:
+        """Records the engine's first-scheduled time (the earliest of the n sequences), kept
+        between arrival and now so a skewed clock cannot make a time negative."""
+        if self.first_scheduled_time is None or when < self.first_scheduled_time:
+            self.first_scheduled_time = max(self.arrival_time, when)
 
     def on_tokens(self, num_tokens: int, now: float) -> float | None:
         """Records new tokens; returns the time to first token when these are the first."""
@@ -25,6 +33,10 @@ class RequestStateStats:
         self.last_token_time = now
         if self.first_token_time is None:
             self.first_token_time = now
+            if self.first_scheduled_time is None or self.first_scheduled_time > now:
+                # No engine timestamp (an engine that does not send one): prefill is then
+                # counted from arrival, queue time as zero.
+                self.first_scheduled_time = min(now, self.first_scheduled_time or self.arrival_time)
             return now - self.arrival_time
         return None
 
@@ -41,6 +53,18 @@ class RequestStateStats:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             mean_time_per_output_token=tpot,
+            queue_time=(
+                None if self.first_scheduled_time is None
+                else self.first_scheduled_time - self.arrival_time
+            ),
+            prefill_time=(
+                None if self.first_scheduled_time is None or self.first_token_time is None
+                else self.first_token_time - self.first_scheduled_time
+            ),
+            decode_time=(
+                None if self.first_token_time is None or self.last_token_time is None
+                else self.last_token_time - self.first_token_time
+            ),
         )
 
 
@@ -54,3 +78,8 @@ class FinishedRequestStats:
     num_generation_tokens: int
     # None when fewer than two tokens were generated.
     mean_time_per_output_token: float | None
+    # Arrival to first schedule, first schedule to first token, first to last token; None
+    # when the request ended before that phase began (an abort while waiting).
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None

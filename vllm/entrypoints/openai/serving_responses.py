@@ -1,0 +1,537 @@
+"""POST /v1/responses (OpenAI's Responses API), served through the chat path.
+
+A Responses request is translated into a chat request (input items become messages,
+`instructions` a system message, `text.format` a response_format, flat function tools
+nested ones), so the chat template, the structured-output constraint, the reasoning split
+and the tool plan are the chat endpoint's own; only the answer's shape differs. A field
+the chat path rejects is reported under its Responses name (`text.format`, `input`,
+`max_output_tokens`, `tools[i].parameters`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import PrivateAttr
+
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.protocol_responses import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_engine import (
+    exception_error,
+    finish_error,
+    merge_streams,
+    sse,
+)
+from vllm.entrypoints.openai.tools import ToolCall, ToolCallStream, parse_reply
+from vllm.exceptions import InvalidRequestError
+from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
+from vllm.reasoning import ReasoningStream
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.async_llm import RequestStream
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# Fields the Responses API has that this engine does not implement, and why.
+_REFUSED = (
+    ("previous_response_id", "responses are not stored here: send the whole conversation "
+                             "as input"),
+    ("conversation", "conversations are not stored here: send the whole conversation as input"),
+    ("background", "background responses are not supported"),
+    ("prompt", "stored prompt templates are not supported"),
+    ("max_tool_calls", "is not supported"),
+    ("top_logprobs", "is not supported on /v1/responses"),
+)
+
+
+# The Responses field a structured-output error of the current request is reported under
+# (the constraint is compiled after `prepare`, in add_requests, which sees no request).
+_CONSTRAINT_PARAM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "responses_constraint_param", default=None
+)
+
+
+class ChatForResponses(ChatCompletionRequest):
+    """The chat request a Responses request becomes, carrying the original for the answer."""
+
+    _origin: ResponsesRequest | None = PrivateAttr(default=None)
+
+
+def _item_id(prefix: str) -> str:
+    """A fresh output item id such as `msg_3f2a...`."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of `instructions` and `input`. Raises InvalidRequestError naming the
+    input item (and part) that cannot be a message."""
+    messages: list[dict[str, Any]] = []
+    if request.instructions is not None:
+        messages.append({"role": "system", "content": request.instructions})
+    if isinstance(request.input, str):
+        messages.append({"role": "user", "content": request.input})
+        return messages
+    for i, item in enumerate(request.input):
+        kind = item.get("type", "message")
+        where = f"input[{i}]"
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise InvalidRequestError(
+                    f"{where}.role", f"must be one of {', '.join(_ROLES)}, got {item.get('role')!r}"
+                )
+            content = item.get("content")
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS \
+                            or not isinstance(part.get("text"), str):
+                        raise InvalidRequestError(
+                            f"{where}.content[{j}]",
+                            "only text parts (input_text, output_text) are supported",
+                        )
+                    texts.append(part["text"])
+                content = "".join(texts)
+            elif not isinstance(content, str):
+                raise InvalidRequestError(f"{where}.content", "must be a string or a list of parts")
+            messages.append({"role": role, "content": content})
+        elif kind == "function_call":
+            name, arguments = item.get("name"), item.get("arguments")
+            call_id = item.get("call_id")
+            if not isinstance(name, str) or not isinstance(arguments, str) \
+                    or not isinstance(call_id, str):
+                raise InvalidRequestError(
+                    where, "a function_call item needs string call_id, name and arguments"
+                )
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": name, "arguments": arguments}}
+            # Consecutive calls are one assistant turn, as the model wrote them.
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") \
+                    and not last.get("content"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output, call_id = item.get("output"), item.get("call_id")
+            if not isinstance(output, str) or not isinstance(call_id, str):
+                raise InvalidRequestError(
+                    where, "a function_call_output item needs string call_id and output"
+                )
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            continue  # earlier thinking is not sent back to the model, as chat templates do
+        else:
+            raise InvalidRequestError(
+                f"{where}.type",
+                f"{kind!r} is not supported (message, function_call, function_call_output, "
+                "reasoning)",
+            )
+    if not messages:
+        raise InvalidRequestError("input", "must hold at least one message")
+    return messages
+
+
+def to_chat_request(request: ResponsesRequest) -> ChatForResponses:
+    """The chat request that produces `request`'s answer. Raises InvalidRequestError naming
+    the Responses field that cannot be served."""
+    for name, why in _REFUSED:
+        if getattr(request, name) not in (None, False):
+            raise InvalidRequestError(name, why)
+    chat: dict[str, Any] = {
+        "model": request.model,
+        "messages": _input_messages(request),
+        "max_completion_tokens": request.max_output_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "seed": request.seed,
+        "repetition_penalty": request.repetition_penalty,
+        "stream": request.stream,
+        "request_id": request.request_id or _item_id("resp"),
+        "parallel_tool_calls": request.parallel_tool_calls,
+    }
+    fmt = request.text.format if request.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise InvalidRequestError("text.format.schema", "a JSON schema object is required")
+        chat["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict,
+                            "description": fmt.description},
+        }
+    elif fmt is not None and fmt.type == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    if request.tools:
+        tools = []
+        for i, tool in enumerate(request.tools):
+            if tool.type != "function":
+                raise InvalidRequestError(
+                    f"tools[{i}].type", f"{tool.type!r} tools are not supported (function only)"
+                )
+            if not tool.name:
+                raise InvalidRequestError(f"tools[{i}].name", "is required")
+            function = {"name": tool.name, "description": tool.description,
+                        "parameters": tool.parameters, "strict": tool.strict}
+            tools.append({"type": "function",
+                          "function": {k: v for k, v in function.items() if v is not None}})
+        chat["tools"] = tools
+    choice = request.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise InvalidRequestError(
+                "tool_choice", 'must be "auto", "none", "required" or '
+                '{"type": "function", "name": ...}'
+            )
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    chat["tool_choice"] = choice
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        chat["reasoning_effort"] = request.reasoning.effort
+    try:
+        converted = ChatForResponses.model_validate(
+            {k: v for k, v in chat.items() if v is not None}
+        )
+    except pydantic.ValidationError as e:
+        first = e.errors(include_input=False, include_url=False)[0]
+        loc = ".".join(map(str, first.get("loc", ())))
+        raise InvalidRequestError(responses_param(loc) or "input", first["msg"]) from None
+    converted._origin = request
+    return converted
+
+
+def responses_param(param: str | None) -> str | None:
+    """The Responses name of a chat request's field (`response_format.json_schema` ->
+    `text.format`, `tools[0].function.parameters` -> `tools[0].parameters`)."""
+    if param is None:
+        return None
+    if param.startswith("messages"):
+        return "input"
+    if param.startswith("response_format"):
+        return "text.format"
+    if param in ("max_tokens", "max_completion_tokens"):
+        return "max_output_tokens"
+    if param == "reasoning_effort":
+        return "reasoning.effort"
+    return re.sub(r"^tools\[(\d+)\]\.function", r"tools[\1]", param)
+
+
+class OpenAIServingResponses(OpenAIServingChat):
+    """Runs Responses requests through the chat path and answers with response objects."""
+
+    id_prefix = "resp"
+
+    async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
+        """The HTTP response of one Responses request (errors in OpenAI's shape)."""
+        try:
+            chat_request = to_chat_request(request)
+        except InvalidRequestError as e:
+            return exception_error(e).response()
+
+        fmt = request.text.format if request.text is not None else None
+        constraint_param = (
+            "text.format.schema" if fmt is not None and fmt.type == "json_schema" else
+            "text.format" if fmt is not None and fmt.type == "json_object" else
+            "tools" if request.tools else None
+        )
+
+        def prepare() -> tuple[list[Any], SamplingParams]:
+            try:
+                return self.prepare_chat(chat_request)
+            except InvalidRequestError as e:
+                param = responses_param(e.param)
+                if constraint_param is not None and (param or "").startswith(
+                        "structured_outputs"):
+                    param = constraint_param
+                raise type(e)(param, e.message) from None
+
+        token = _CONSTRAINT_PARAM.set(constraint_param)
+        try:
+            return await self.serve(chat_request, raw_request, prepare)
+        finally:
+            _CONSTRAINT_PARAM.reset(token)
+
+    async def add_requests(
+        self, request_id: str, prompts: list[Any], params: SamplingParams, kind: OutputKind
+    ) -> list[RequestStream]:
+        """The chat path's admission, with a rejected constraint reported under the
+        Responses field that gave it."""
+        try:
+            return await super().add_requests(request_id, prompts, params, kind)
+        except InvalidRequestError as e:
+            where = _CONSTRAINT_PARAM.get()
+            if where is None or not (e.param or "").startswith("structured_outputs"):
+                raise
+            raise type(e)(where, e.message) from None
+
+    # ------------------------------------------------------------------ the answer
+
+    def _base(self, request: ChatForResponses, request_id: str, created: int,
+              model: str) -> ResponseObject:
+        """The response object before its output: the request's settings echoed back."""
+        origin = request._origin
+        assert origin is not None
+        text = {"format": {"type": "text"}}
+        if origin.text is not None and origin.text.format is not None:
+            text = {"format": origin.text.format.model_dump(by_alias=True, exclude_none=True)}
+        return ResponseObject(
+            id=request_id,
+            created_at=created,
+            model=model,
+            status="in_progress",
+            instructions=origin.instructions,
+            max_output_tokens=origin.max_output_tokens,
+            temperature=1.0 if origin.temperature is None else origin.temperature,
+            top_p=1.0 if origin.top_p is None else origin.top_p,
+            parallel_tool_calls=origin.parallel_tool_calls is not False,
+            tool_choice=origin.tool_choice or ("auto" if origin.tools else "none"),
+            tools=[t.model_dump(exclude_none=True) for t in origin.tools or []],
+            text=text,
+            reasoning=(origin.reasoning.model_dump() if origin.reasoning is not None
+                       else None),
+            metadata=origin.metadata,
+            truncation=origin.truncation or "disabled",
+            user=origin.user,
+        )
+
+    def _split(self, final: RequestOutput, c: CompletionOutput,
+               request: ChatForResponses) -> tuple[str | None, str | None, list[ToolCall], int]:
+        """(reasoning, answer text, tool calls, reasoning tokens) of a finished reply."""
+        parser = self.reasoning_parser
+        reasoning, content = None, c.text
+        num_reasoning = 0
+        if parser is not None:
+            state = parser.resolve(parser.initial_state(final.prompt_token_ids), c.token_ids)
+            reasoning, content = parser.split(state, c.text)
+            if reasoning is not None:
+                num_reasoning = len(c.token_ids) - len(parser.extract_content_ids(c.token_ids))
+                if not parser.is_reasoning_end(c.token_ids):
+                    num_reasoning = len(c.token_ids)
+        calls: list[ToolCall] = []
+        plan = self.tool_plan(request)
+        if plan is not None:
+            content, calls = parse_reply(plan, content)
+        return reasoning, content, calls, num_reasoning
+
+    def _response(
+        self,
+        request: ChatForResponses,
+        finals: list[RequestOutput],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> ResponseObject:
+        final = finals[0]
+        c = final.outputs[0]
+        reasoning, content, calls, num_reasoning = self._split(final, c, request)
+        cut = c.finish_reason == "length"
+        item_status = "incomplete" if cut else "completed"
+        output: list[dict[str, Any]] = []
+        if reasoning is not None:
+            output.append(_reasoning_item(_item_id("rs"), reasoning, item_status))
+        if content is not None and (content.strip() or not calls):
+            output.append(_message_item(_item_id("msg"), content, item_status))
+        for call in calls:
+            output.append(_call_item(call, item_status))
+        response = self._base(request, request_id, created, model)
+        response.output = output
+        response.status = "incomplete" if cut else "completed"
+        if cut:
+            response.incomplete_details = {"reason": "max_output_tokens"}
+        response.usage = _usage(final, len(c.token_ids), num_reasoning)
+        return response
+
+    async def _stream(
+        self,
+        request: ChatForResponses,
+        streams: list[RequestStream],
+        request_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[str]:
+        """OpenAI's Responses stream events: created, in_progress, then each output item
+        (added, its deltas, done) as the model writes it, then completed (or incomplete)."""
+        sequence = 0
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal sequence
+            body = {"type": kind, "sequence_number": sequence, **fields}
+            sequence += 1
+            return f"event: {kind}\n" + sse(_dumps(body))
+
+        response = self._base(request, request_id, created, model)
+        yield event("response.created", response=response.model_dump(mode="json"))
+        yield event("response.in_progress", response=response.model_dump(mode="json"))
+        parser = self.reasoning_parser
+        plan = self.tool_plan(request)
+        splitter: ReasoningStream | None = None
+        tools = ToolCallStream(plan) if plan is not None else None
+        output: list[dict[str, Any]] = []
+        # The item being written: ("reasoning" | "message", its id, its text so far).
+        current: list[Any] | None = None
+        text_all = ""
+        token_ids: list[int] = []
+        final_out: RequestOutput | None = None
+        finish_reason: str | None = None
+
+        def close_current() -> list[str]:
+            nonlocal current
+            if current is None:
+                return []
+            kind, item_id, text = current
+            current = None
+            index = len(output)
+            if kind == "reasoning":
+                item = _reasoning_item(item_id, text, "completed")
+                events = [
+                    event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                          content_index=0, text=text),
+                    event("response.content_part.done", item_id=item_id, output_index=index,
+                          content_index=0, part={"type": "reasoning_text", "text": text}),
+                ]
+            else:
+                item = _message_item(item_id, text, "completed")
+                part = item["content"][0]
+                events = [
+                    event("response.output_text.done", item_id=item_id, output_index=index,
+                          content_index=0, text=text, logprobs=[]),
+                    event("response.content_part.done", item_id=item_id, output_index=index,
+                          content_index=0, part=part),
+                ]
+            output.append(item)
+            events.append(event("response.output_item.done", output_index=index, item=item))
+            return events
+
+        def write(kind: str, delta: str) -> list[str]:
+            nonlocal current
+            events: list[str] = []
+            if current is not None and current[0] != kind:
+                events += close_current()
+            if current is None:
+                item_id = _item_id("rs" if kind == "reasoning" else "msg")
+                current = [kind, item_id, ""]
+                index = len(output)
+                if kind == "reasoning":
+                    added = {"type": "reasoning", "id": item_id, "summary": [],
+                             "content": [], "status": "in_progress"}
+                    part = {"type": "reasoning_text", "text": ""}
+                else:
+                    added = {"type": "message", "id": item_id, "role": "assistant",
+                             "content": [], "status": "in_progress"}
+                    part = {"type": "output_text", "text": "", "annotations": [],
+                            "logprobs": []}
+                events.append(event("response.output_item.added", output_index=index,
+                                    item=added))
+                events.append(event("response.content_part.added", item_id=item_id,
+                                    output_index=index, content_index=0, part=part))
+            current[2] += delta
+            name = ("response.reasoning_text.delta" if kind == "reasoning"
+                    else "response.output_text.delta")
+            extra = {} if kind == "reasoning" else {"logprobs": []}
+            events.append(event(name, item_id=current[1], output_index=len(output),
+                                content_index=0, delta=delta, **extra))
+            return events
+
+        async for _, out in merge_streams(streams):
+            final_out = out
+            if (failed := finish_error([out])) is not None:
+                response.status = "failed"
+                response.error = {"code": failed.err_type, "message": failed.message}
+                yield event("response.failed", response=response.model_dump(mode="json"))
+                return
+            for c in out.outputs:
+                text_all += c.text
+                token_ids.extend(c.token_ids)
+                finish_reason = c.finish_reason or finish_reason
+                reasoning, content = None, c.text
+                if parser is not None:
+                    if splitter is None:
+                        splitter = ReasoningStream(parser,
+                                                   parser.initial_state(out.prompt_token_ids))
+                    reasoning, content = splitter.update(c.text, c.token_ids)
+                if reasoning:
+                    for e in write("reasoning", reasoning):
+                        yield e
+                if tools is not None:
+                    content, _ = tools.update(content or "")
+                    if c.finish_reason is not None and (rest := tools.finish()) is not None:
+                        content = (content or "") + rest
+                if content:
+                    for e in write("message", content):
+                        yield e
+        for e in close_current():
+            yield e
+        # Tool calls are whole items: each is announced once the reply is complete.
+        num_reasoning = 0
+        if final_out is not None:
+            whole = CompletionOutput(index=0, text=text_all, token_ids=token_ids,
+                                     finish_reason=finish_reason)
+            _, _, calls, num_reasoning = self._split(final_out, whole, request)
+            for call in calls:
+                item = _call_item(call, "completed")
+                index = len(output)
+                yield event("response.output_item.added", output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"})
+                yield event("response.function_call_arguments.delta", item_id=item["id"],
+                            output_index=index, delta=call.arguments)
+                yield event("response.function_call_arguments.done", item_id=item["id"],
+                            output_index=index, arguments=call.arguments)
+                output.append(item)
+                yield event("response.output_item.done", output_index=index, item=item)
+        response.output = output
+        cut = finish_reason == "length"
+        response.status = "incomplete" if cut else "completed"
+        if cut:
+            response.incomplete_details = {"reason": "max_output_tokens"}
+        if final_out is not None:
+            response.usage = _usage(final_out, len(token_ids), num_reasoning)
+        yield event("response.incomplete" if cut else "response.completed",
+                    response=response.model_dump(mode="json"))
+
+
+def _dumps(body: dict[str, Any]) -> str:
+    """Compact JSON of one event."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning output item holding the thinking as reasoning text."""
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """An assistant message output item with one output_text part."""
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": []}]}
+
+
+def _call_item(call: ToolCall, status: str) -> dict[str, Any]:
+    """A function_call output item (its call_id is what a function_call_output answers)."""
+    return {"type": "function_call", "id": _item_id("fc"), "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": status}
+
+
+def _usage(final: RequestOutput, num_output: int, num_reasoning: int) -> ResponseUsage:
+    """The usage block of a response."""
+    num_input = len(final.prompt_token_ids)
+    return ResponseUsage(
+        input_tokens=num_input,
+        input_tokens_details={"cached_tokens": final.num_cached_tokens},
+        output_tokens=num_output,
+        output_tokens_details={"reasoning_tokens": num_reasoning},
+        total_tokens=num_input + num_output,
+    )
