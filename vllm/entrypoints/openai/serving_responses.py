@@ -39,6 +39,7 @@ from vllm.entrypoints.openai.tools import ToolCall, ToolCallStream, parse_reply
 from vllm.exceptions import InvalidRequestError
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.reasoning import ReasoningStream
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
 
@@ -264,12 +265,17 @@ class OpenAIServingResponses(OpenAIServingChat):
             _CONSTRAINT_PARAM.reset(token)
 
     async def add_requests(
-        self, request_id: str, prompts: list[Any], params: SamplingParams, kind: OutputKind
+        self,
+        request_id: str,
+        prompts: list[Any],
+        params: SamplingParams,
+        kind: OutputKind,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """The chat path's admission, with a rejected constraint reported under the
         Responses field that gave it."""
         try:
-            return await super().add_requests(request_id, prompts, params, kind)
+            return await super().add_requests(request_id, prompts, params, kind, lora_request)
         except InvalidRequestError as e:
             where = _CONSTRAINT_PARAM.get()
             if where is None or not (e.param or "").startswith("structured_outputs"):
