@@ -139,6 +139,11 @@ class EngineCore:
             return self.step()
         return self.batch_queue.step()
 
+    def check_health(self) -> None:
+        """Asks the executor whether every worker still lives; raises (RuntimeError naming
+        the rank) when one does not."""
+        self.model_executor.check_health()
+
     def shutdown(self) -> None:
         """Stops the executor and the grammar compiler threads."""
         self.model_executor.shutdown()

@@ -26,6 +26,7 @@ from vllm.v1.engine.messages import (
     OutputType,
     RequestType,
 )
+from vllm.v1.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,11 @@ NO_PROGRESS_WAIT_MS = 1
 class EngineCoreProc:
     """Runs an EngineCore fed by an input socket; publishes outputs and stats on another.
 
-    Blocks on the input socket (and the parent's sentinel) while it has no work, so an idle
-    engine uses no CPU. Exits its loop on a SHUTDOWN message, SIGTERM, or when the parent
-    process dies.
+    Blocks on the input socket (and the parent's sentinel) while it has no work, waking
+    every `parallel_config.health_check_interval_s` to ask the executor whether its workers
+    live, so an idle engine uses next to no CPU and still reports a dead worker (its loop
+    raises, which reports the engine dead). Exits its loop on a SHUTDOWN message, SIGTERM, or
+    when the parent process dies.
     """
 
     def __init__(
@@ -49,10 +52,13 @@ class EngineCoreProc:
         input_address: str,
         output_address: str,
         parent_sentinel: int | None = None,
+        executor_class: type[Executor] | None = None,
     ) -> None:
+        """Builds the engine (`executor_class`: the one the config names when None) and
+        connects its sockets."""
         # The engine compiles grammars itself, so it needs the tokenizer's vocabulary.
         tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
-        self.engine_core = EngineCore(vllm_config, tokenizer=tokenizer)
+        self.engine_core = EngineCore(vllm_config, executor_class, tokenizer=tokenizer)
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PULL)
         self._input.setsockopt(zmq.RCVHWM, 0)
@@ -77,6 +83,10 @@ class EngineCoreProc:
         self.parent_died = False
         self._last_stats: EngineCoreStats | None = None
         self._last_stats_time = 0.0
+        # A worker that dies while nothing runs fails no call, so nothing would report it
+        # until the next request: the idle loop wakes this often to ask the executor.
+        self._health_interval_s = vllm_config.parallel_config.health_check_interval_s
+        self._next_health_check = time.monotonic() + self._health_interval_s
 
     # ------------------------------------------------------------------ loop
 
@@ -87,7 +97,8 @@ class EngineCoreProc:
             while self._running:
                 if not core.has_work():
                     self._send_stats(force=True)
-                    self._handle_input(timeout_ms=None)
+                    self._handle_input(timeout_ms=self._ms_to_health_check())
+                    self._check_health_if_due()
                     continue
                 self._handle_input(timeout_ms=0)
                 if not self._running or not core.has_work():
@@ -96,11 +107,25 @@ class EngineCoreProc:
                 if outputs:
                     self._send_outputs(outputs)
                 elif not executed:
+                    # Waiting on grammars: no step touches the workers, so check them here.
                     self._handle_input(timeout_ms=NO_PROGRESS_WAIT_MS)
+                    self._check_health_if_due()
                 self._send_stats(force=False)
         except Exception as e:
             self._report_error(e)
             raise
+
+    def _ms_to_health_check(self) -> int:
+        """Milliseconds until the next worker health check is due (0 when overdue)."""
+        return max(0, int((self._next_health_check - time.monotonic()) * 1000) + 1)
+
+    def _check_health_if_due(self) -> None:
+        """Runs the executor's health check once its interval has passed; raises what it
+        raises (a dead worker), which ends the loop and reports the engine dead."""
+        now = time.monotonic()
+        if self._running and now >= self._next_health_check:
+            self._next_health_check = now + self._health_interval_s
+            self.engine_core.check_health()
 
     def _handle_input(self, timeout_ms: int | None) -> None:
         """Waits up to timeout_ms (None: forever) for input, then drains every queued message."""
