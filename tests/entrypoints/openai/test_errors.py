@@ -35,6 +35,9 @@ def http(server):
 def assert_error(response: httpx.Response, status: int, param: str | None = "<any>") -> dict:
     """Checks status and OpenAI's error shape; returns the error object."""
     assert response.status_code == status, response.text
+    # One clean line whatever went wrong: no traceback, no terminal escapes (raw or escaped).
+    for marker in ("Traceback", "\x1b[", "\\u001b", "\\n"):
+        assert marker not in response.text, response.text
     body = response.json()
     assert set(body) == {"error"}, body
     error = body["error"]
@@ -57,6 +60,9 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": [], "max_tokens": 4}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "<any>"),
     (COMPLETIONS, {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    # Echoed input must not smuggle escapes or a fake traceback into the message.
+    (COMPLETIONS, {"model": "\x1b[31mred\x1b[0m\nTraceback (most recent call last):\n  File x",
+                   "prompt": "x"}, 404, "model"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),

@@ -29,6 +29,7 @@ from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import error_response, json_response, parse_request
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.exceptions import clean_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 
@@ -122,7 +123,7 @@ def build_app(
             dead = engine.dead_engines
             if dead:
                 return JSONResponse({"status": "degraded", "dead_engines": {
-                    str(index): reason for index, reason in dead.items()}})
+                    str(index): clean_message(reason) for index, reason in dead.items()}})
             return Response(status_code=200)
         return error_response(f"The engine is not available: {engine.dead_reason}", 503)
 

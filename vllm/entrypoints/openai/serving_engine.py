@@ -28,7 +28,7 @@ from vllm.entrypoints.openai.protocol import (
     random_id,
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
-from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError
+from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError, clean_message
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import NO_CONSTRAINT_MESSAGE, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
@@ -63,7 +63,9 @@ def error_response(
 def error_body(
     message: str, status: int = 400, param: str | None = None, err_type: str | None = None
 ) -> ErrorResponse:
-    """The ErrorResponse model of an error."""
+    """The ErrorResponse model of an error; the message is reduced to one clean line (no
+    traceback, no terminal escape codes), whatever raised it."""
+    message = clean_message(message)
     if err_type is None:
         err_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))

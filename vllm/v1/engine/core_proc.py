@@ -15,7 +15,7 @@ import zmq
 
 from vllm import thread_policy
 from vllm.config import VllmConfig
-from vllm.exceptions import ErrorKind
+from vllm.exceptions import ErrorKind, clean_message
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
@@ -197,7 +197,9 @@ class EngineCoreProc:
         self._output.send_multipart([OutputType.STATS.value, self._encoder.encode(stats)])
 
     def _report_error(self, e: BaseException) -> None:
-        message = f"engine core died: {type(e).__name__}: {e}"
+        # The client shows the reason to HTTP clients and in /health: one clean line there,
+        # the whole traceback (the remote worker's too) in this log.
+        message = clean_message(f"engine core died: {type(e).__name__}: {e}")
         logger.error("%s\n%s", message, traceback.format_exc())
         try:
             payload = self._encoder.encode(EngineCoreError(message=message))
