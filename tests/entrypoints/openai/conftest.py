@@ -151,7 +151,7 @@ class RemoteServer:
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {name{labels}: value}, labels dropped when there is only model_name."""
-        text = httpx.get(self.url("/metrics"), timeout=10).text
+        text = httpx.get(self.url("/metrics"), headers=self.headers(), timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

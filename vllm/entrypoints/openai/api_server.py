@@ -56,15 +56,23 @@ class ServerOptions:
     tool_call_parser: str | None = None
 
 
+# The one route open without the API key: load balancers and orchestrators probe it, and it
+# tells nothing but whether the engine serves.
+OPEN_PATHS = frozenset({"/health"})
+
+
 class APIKeyMiddleware:
-    """Rejects every /v1 request without `Authorization: Bearer <api key>` (401)."""
+    """Rejects every request without `Authorization: Bearer <api key>` (401), on every route
+    but /health: the API, /metrics, /version and unknown paths alike (so a client without the
+    key cannot even learn which routes exist)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        """Passes the request on when its path is open or it carries the key; else a 401."""
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = b""
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":

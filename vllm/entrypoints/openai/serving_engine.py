@@ -308,6 +308,23 @@ class OpenAIServing:
             raise InvalidRequestError("stream_options", "only allowed when stream is true")
         if request.guided_whitespace_pattern is not None:
             raise InvalidRequestError("guided_whitespace_pattern", "is not supported")
+        try:
+            return self._build_sampling_params(request, max_tokens, logprobs, structured_outputs)
+        except InvalidRequestError as e:
+            # A chat request asks for a number of logprobs through top_logprobs (logprobs is
+            # only its on/off switch), so that is the field a range error must name.
+            if e.param == "logprobs" and getattr(request, "top_logprobs", None) is not None:
+                raise InvalidRequestError("top_logprobs", e.message) from None
+            raise
+
+    def _build_sampling_params(
+        self,
+        request: SamplingRequestFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None,
+    ) -> SamplingParams:
+        """SamplingParams from the request's fields (raises what SamplingParams raises)."""
         return SamplingParams(
             n=request.n,
             temperature=1.0 if request.temperature is None else request.temperature,
