@@ -95,7 +95,10 @@ def error_kind_of(e: BaseException) -> ErrorKind:
 # Terminal escape sequences: CSI (colours, cursor moves), OSC (titles, hyperlinks) ended by BEL
 # or ST, and the two-byte escapes; then the 8-bit CSI.
 _ANSI = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]?|\x9b[0-?]*[ -/]*[@-~]"
+    r"\x1b\[[0-?]*[ -/]*[@-~]"
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
+    r"|\x1b[@-Z\\-_]?"
+    r"|\x9b[0-?]*[ -/]*[@-~]"
 )
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 _TRACEBACK_HEADER = "Traceback (most recent call last):"
