@@ -103,3 +103,34 @@ def test_data_parallel_marks_the_engine_degraded_and_routes_around_it(start_serv
     routed = {k: v for k, v in m.items() if k.startswith("vllm:data_parallel_requests_routed")}
     assert sorted(routed.values()) == [0, 3], routed
     assert second in _engine_pids(dp)
+
+
+def _ray_worker_pids(root: int) -> list[int]:
+    """Processes that host a RayWorker actor (Ray retitles them `ray::RayWorker...`) and that
+    belong to this server's process tree."""
+    return [pid for pid in descendants(root) if _cmdline(pid).startswith("ray::RayWorker")]
+
+
+@pytest.mark.timeout(600)
+def test_a_ray_actor_killed_while_idle_turns_health_503(start_server) -> None:
+    pytest.importorskip("ray", reason="the ray extra is part of the test extra")
+    if os.environ.get("RAY_ADDRESS"):
+        pytest.skip("needs the local cluster the server starts itself, not RAY_ADDRESS")
+    server = start_server(MODEL, "--distributed-executor-backend", "ray", "--max-model-len",
+                          "512", "--disable-log-requests")
+    deadline = time.monotonic() + DEADLINE_S
+    while not (actors := _ray_worker_pids(server.proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(actors) == 1, [(p, _cmdline(p)) for p in descendants(server.proc.pid)]
+    os.kill(actors[0], signal.SIGKILL)
+
+    r = _poll_health(server, lambda r: r.status_code != 200)
+    assert r.status_code == 503, "the dead actor was not noticed without traffic"
+    message = r.json()["error"]["message"]
+    assert "RayExecutor: worker rank 0" in message, message
+    _assert_clean(r.text)
+    assert server.metrics()["vllm:engine_dead_total"] == 1
+
+    children = descendants(server.proc.pid)
+    assert server.stop(signal.SIGTERM, timeout_s=60) == 0
+    assert alive_after(children, timeout_s=30) == []
