@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import _cmdline, alive_after, descendants
+from .conftest import cmdline, alive_after, descendants
 
 MODEL = "demo-tiny"
 # Bounds the wait for the server to notice; the check itself runs every couple of seconds.
@@ -23,7 +23,7 @@ def _worker_pids(engine_pid: int) -> list[int]:
     """The mp worker processes under one engine core (spawned children, not helpers such as
     multiprocessing's resource tracker)."""
     return [pid for pid in descendants(engine_pid)
-            if "spawn_main" in _cmdline(pid) and "resource_tracker" not in _cmdline(pid)]
+            if "spawn_main" in cmdline(pid) and "resource_tracker" not in cmdline(pid)]
 
 
 def _engine_pids(server) -> list[int]:
@@ -56,7 +56,7 @@ def server(start_server):
 def test_a_worker_killed_while_idle_turns_health_503(server) -> None:
     assert httpx.get(server.url("/health"), timeout=10).status_code == 200
     workers = _worker_pids(server.engine_pid)
-    assert len(workers) == 1, [(p, _cmdline(p)) for p in descendants(server.engine_pid)]
+    assert len(workers) == 1, [(p, cmdline(p)) for p in descendants(server.engine_pid)]
     os.kill(workers[0], signal.SIGKILL)
 
     r = _poll_health(server, lambda r: r.status_code != 200)
@@ -108,7 +108,7 @@ def test_data_parallel_marks_the_engine_degraded_and_routes_around_it(start_serv
 def _ray_worker_pids(root: int) -> list[int]:
     """Processes that host a RayWorker actor (Ray retitles them `ray::RayWorker...`) and that
     belong to this server's process tree."""
-    return [pid for pid in descendants(root) if _cmdline(pid).startswith("ray::RayWorker")]
+    return [pid for pid in descendants(root) if cmdline(pid).startswith("ray::RayWorker")]
 
 
 @pytest.mark.timeout(600)
@@ -121,7 +121,7 @@ def test_a_ray_actor_killed_while_idle_turns_health_503(start_server) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not (actors := _ray_worker_pids(server.proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(actors) == 1, [(p, _cmdline(p)) for p in descendants(server.proc.pid)]
+    assert len(actors) == 1, [(p, cmdline(p)) for p in descendants(server.proc.pid)]
     os.kill(actors[0], signal.SIGKILL)
 
     r = _poll_health(server, lambda r: r.status_code != 200)

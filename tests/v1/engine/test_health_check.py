@@ -68,8 +68,12 @@ class RunningProc:
         self._input.setsockopt(zmq.LINGER, 0)
         input_address = f"ipc://{self._dir.name}/input"
         self._input.connect(input_address)
-        self.proc = EngineCoreProc(_config(interval_s), input_address, output_address,
-                                   executor_class=self.executor_class)
+        try:
+            self.proc = EngineCoreProc(_config(interval_s), input_address, output_address,
+                                       executor_class=self.executor_class)
+        except BaseException:
+            self._close_sockets()
+            raise
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -97,6 +101,9 @@ class RunningProc:
             self._input.send_multipart([RequestType.SHUTDOWN.value, b""])
         self.thread.join(DEADLINE_S)
         self.proc.shutdown()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         self.output.close(linger=0)
         self._input.close(linger=0)
         self._ctx.term()
@@ -105,13 +112,16 @@ class RunningProc:
 
 @pytest.fixture
 def running() -> Iterator[list[RunningProc]]:
+    """RunningProcs the test starts; each is stopped and freed after it."""
     procs: list[RunningProc] = []
     yield procs
     for proc in procs:
         proc.close()
 
 
-def test_an_idle_engine_reports_a_dead_worker_without_traffic(running) -> None:
+def test_an_idle_engine_reports_a_dead_worker_without_traffic(
+    running: list[RunningProc],
+) -> None:
     proc = RunningProc(interval_s=0.05)
     running.append(proc)
     proc.executor_class.kill.set()
@@ -124,7 +134,7 @@ def test_an_idle_engine_reports_a_dead_worker_without_traffic(running) -> None:
     assert isinstance(proc.error, RuntimeError)
 
 
-def test_the_idle_check_is_periodic_not_a_busy_loop(running) -> None:
+def test_the_idle_check_is_periodic_not_a_busy_loop(running: list[RunningProc]) -> None:
     interval_s = 0.2
     proc = RunningProc(interval_s=interval_s)
     running.append(proc)
