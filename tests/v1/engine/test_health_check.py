@@ -6,6 +6,7 @@ with real mp workers is tests/entrypoints/openai/test_health_check.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import threading
 import time
@@ -29,10 +30,13 @@ DEADLINE_S = 30.0
 
 class DyingExecutor(FakeExecutor):
     """A FakeExecutor whose worker "dies" when `kill` is set: check_health then raises, as
-    MultiprocExecutor's does for a dead rank. Counts the checks."""
+    MultiprocExecutor's does for a dead rank. Counts the checks. Its death sentinel is the
+    read end of a pipe that `fire_sentinel` writes to (as a worker process's sentinel turns
+    readable when it exits)."""
 
     kill: threading.Event
     checks: int
+    pipe: tuple[int, int]
 
     def check_health(self) -> None:
         """Raises RuntimeError once `kill` is set; counts every call."""
@@ -40,10 +44,29 @@ class DyingExecutor(FakeExecutor):
         if type(self).kill.is_set():
             raise RuntimeError("FakeExecutor: worker rank 0 (pid 1) died unexpectedly")
 
+    def death_sentinels(self) -> list[int]:
+        """The pipe's read end."""
+        return [type(self).pipe[0]]
+
+    @classmethod
+    def fire_sentinel(cls) -> None:
+        """Makes the sentinel readable (for good, like a dead process's)."""
+        os.write(cls.pipe[1], b"x")
+
+    def shutdown(self) -> None:
+        """Stops the fake worker thread and closes the pipe."""
+        super().shutdown()
+        for fd in type(self).pipe:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
 
 def _executor_class() -> type[DyingExecutor]:
-    """A fresh DyingExecutor subclass, so each test has its own event and counter."""
-    return type("Dying", (DyingExecutor,), {"kill": threading.Event(), "checks": 0})
+    """A fresh DyingExecutor subclass, so each test has its own event, counter and pipe."""
+    return type("Dying", (DyingExecutor,),
+                {"kill": threading.Event(), "checks": 0, "pipe": os.pipe()})
 
 
 def _config(interval_s: float) -> VllmConfig:
@@ -149,6 +172,34 @@ def test_the_idle_check_is_periodic_not_a_busy_loop(running: list[RunningProc]) 
     # check thousands of times in this span.
     assert checks <= elapsed / interval_s + 2
     assert proc.error is None
+
+
+def test_a_worker_sentinel_wakes_the_idle_engine_at_once(running: list[RunningProc]) -> None:
+    # An hour between periodic checks: only the sentinel can bring the news in time.
+    proc = RunningProc(interval_s=3600.0)
+    running.append(proc)
+    proc.executor_class.kill.set()
+    proc.executor_class.fire_sentinel()
+    error = proc.next_error(DEADLINE_S)
+    assert error is not None, "the worker's sentinel did not wake the idle engine"
+    assert "worker rank 0" in error.message
+
+
+def test_a_sentinel_without_a_death_does_not_spin_the_loop(running: list[RunningProc]) -> None:
+    interval_s = 0.2
+    proc = RunningProc(interval_s=interval_s)
+    running.append(proc)
+    proc.executor_class.fire_sentinel()  # readable for good, yet every worker is alive
+    start = time.monotonic()
+    deadline = start + DEADLINE_S
+    while proc.executor_class.checks < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    checks = proc.executor_class.checks
+    assert checks >= 4 and proc.error is None
+    assert checks <= (time.monotonic() - start) / interval_s + 3
+    # The periodic check still finds a real death afterwards.
+    proc.executor_class.kill.set()
+    assert proc.next_error(DEADLINE_S) is not None
 
 
 def test_the_interval_is_validated() -> None:

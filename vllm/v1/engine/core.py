@@ -144,6 +144,11 @@ class EngineCore:
         the rank) when one does not."""
         self.model_executor.check_health()
 
+    def worker_death_sentinels(self) -> list[int]:
+        """File descriptors that turn readable when a worker dies (see
+        Executor.death_sentinels); possibly empty."""
+        return self.model_executor.death_sentinels()
+
     def shutdown(self) -> None:
         """Stops the executor and the grammar compiler threads."""
         self.model_executor.shutdown()

@@ -40,10 +40,10 @@ class EngineCoreProc:
     """Runs an EngineCore fed by an input socket; publishes outputs and stats on another.
 
     Blocks on the input socket (and the parent's sentinel) while it has no work, waking
-    every `parallel_config.health_check_interval_s` to ask the executor whether its workers
-    live, so an idle engine uses next to no CPU and still reports a dead worker (its loop
-    raises, which reports the engine dead). Exits its loop on a SHUTDOWN message, SIGTERM, or
-    when the parent process dies.
+    every `parallel_config.health_check_interval_s`, or at once when a worker's death
+    sentinel fires (mp), to ask the executor whether its workers live: an idle engine uses
+    next to no CPU and still reports a dead worker (its loop raises, which reports the engine
+    dead). Exits its loop on a SHUTDOWN message, SIGTERM, or when the parent process dies.
     """
 
     def __init__(
@@ -87,6 +87,12 @@ class EngineCoreProc:
         # until the next request: the idle loop wakes this often to ask the executor.
         self._health_interval_s = vllm_config.parallel_config.health_check_interval_s
         self._next_health_check = time.monotonic() + self._health_interval_s
+        # Where the executor offers them (mp: the worker processes' sentinels), a worker's
+        # exit wakes the loop at once, and the check runs then rather than at its interval.
+        self._death_sentinels = set(self.engine_core.worker_death_sentinels())
+        for fd in self._death_sentinels:
+            self._poller.register(fd, zmq.POLLIN)
+        self._worker_exited = False
 
     # ------------------------------------------------------------------ loop
 
@@ -123,13 +129,27 @@ class EngineCoreProc:
         """Runs the executor's health check once its interval has passed; raises what it
         raises (a dead worker), which ends the loop and reports the engine dead."""
         now = time.monotonic()
-        if self._running and now >= self._next_health_check:
-            self._next_health_check = now + self._health_interval_s
-            self.engine_core.check_health()
+        if not self._running or (now < self._next_health_check and not self._worker_exited):
+            return
+        self._next_health_check = now + self._health_interval_s
+        self.engine_core.check_health()
+        if self._worker_exited:
+            # A sentinel fired yet the executor reports every worker alive: stop watching
+            # the sentinels (they stay readable, and would wake the loop without end) and
+            # rely on the periodic check.
+            logger.warning("engine core: a worker sentinel fired but the executor reports "
+                           "its workers healthy; checking every %g s instead",
+                           self._health_interval_s)
+            for fd in self._death_sentinels:
+                self._poller.unregister(fd)
+            self._death_sentinels.clear()
+            self._worker_exited = False
 
     def _handle_input(self, timeout_ms: int | None) -> None:
         """Waits up to timeout_ms (None: forever) for input, then drains every queued message."""
         events = dict(self._poller.poll(timeout_ms))
+        if self._death_sentinels and not self._death_sentinels.isdisjoint(events):
+            self._worker_exited = True
         if self._parent_sentinel is not None and self._parent_sentinel in events:
             logger.warning("engine core: the API server process died; shutting down")
             self.parent_died = True
