@@ -133,7 +133,8 @@ def build_app(
                 return JSONResponse({"status": "degraded", "dead_engines": {
                     str(index): clean_message(reason) for index, reason in dead.items()}})
             return Response(status_code=200)
-        return error_response(f"The engine is not available: {engine.dead_reason}", 503)
+        reason = engine.dead_reason or "the server is shutting down"
+        return error_response(f"The engine is not available: {reason}", 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:
