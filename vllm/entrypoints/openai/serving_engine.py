@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +33,8 @@ from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError, cle
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import NO_CONSTRAINT_MESSAGE, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=OpenAIBaseModel)
 
@@ -485,7 +488,9 @@ def sse(data: str) -> str:
 
 
 async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`chunks`, then `[DONE]`; an engine death while streaming becomes a 503 error event."""
+    """`chunks`, then `[DONE]`; an engine death while streaming becomes a 503 error event,
+    and any other failure an error event of its kind (logged with its traceback), so the
+    client always reads one clean error line and the end of the stream."""
     # Closing this stream (client gone) must close `chunks` at once, so that it aborts
     # its engine requests now rather than when garbage collected.
     async with contextlib.aclosing(chunks):
@@ -493,6 +498,11 @@ async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             async for chunk in chunks:
                 yield chunk
         except EngineDeadError as e:
+            yield exception_error(e).event()
+        except Exception as e:
+            # The response already answered 200: an error event is all that can still tell
+            # the client, and without it the stream would just break off.
+            logger.exception("a streaming response failed")
             yield exception_error(e).event()
     yield "data: [DONE]\n\n"
 
