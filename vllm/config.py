@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,6 +240,9 @@ class ParallelConfig:
     ray_placement: str = "pack"
     # Engine cores behind one API server, each with world_size ranks of its own.
     data_parallel_size: int = 1
+    # Seconds an engine core with nothing to run waits between checks that its workers live
+    # (a dead worker is otherwise found only by the next request).
+    health_check_interval_s: float = 2.0
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -249,6 +253,12 @@ class ParallelConfig:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{flag}: must be a positive integer, got {value!r}")
+        interval = self.health_check_interval_s
+        if (isinstance(interval, bool) or not isinstance(interval, (int, float))
+                or not math.isfinite(interval) or interval <= 0):
+            raise ValueError(
+                f"--health-check-interval: must be a positive number of seconds, got {interval!r}"
+            )
         self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "mp" if self.world_size > 1 else "uni"

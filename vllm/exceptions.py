@@ -9,6 +9,7 @@ process travels back as an `ErrorKind` on the request's last output, next to its
 from __future__ import annotations
 
 import enum
+import re
 
 
 class ErrorKind(str, enum.Enum):
@@ -89,3 +90,47 @@ def error_kind_of(e: BaseException) -> ErrorKind:
     if isinstance(e, InvalidRequestError):
         return e.kind
     return ErrorKind.INTERNAL
+
+
+# Terminal escape sequences: CSI (colours, cursor moves), OSC (titles, hyperlinks) ended by BEL
+# or ST, and the two-byte escapes; then the 8-bit CSI.
+_ANSI = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
+    r"|\x1b[@-Z\\-_]?"
+    r"|\x9b[0-?]*[ -/]*[@-~]"
+)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
+_TRACEBACK_HEADER = "Traceback (most recent call last):"
+# The lines Python prints between the tracebacks of chained exceptions.
+_CHAIN_LINES = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
+
+
+def clean_message(text: str) -> str:
+    """`text` as one clean line for a client to read: terminal escape codes and control
+    characters removed, every traceback reduced to its exception line(s), the lines joined
+    with single spaces. The full text belongs in the log, never in a response."""
+    text = _ANSI.sub("", text)
+    kept: list[str] = []
+    in_traceback = False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if _TRACEBACK_HEADER in stripped:
+            in_traceback = True
+            head = stripped[: stripped.index(_TRACEBACK_HEADER)].strip()
+            if head:
+                kept.append(head)
+            continue
+        if in_traceback:
+            # Frames and source lines are indented (or blank); the first line that is not
+            # is the exception's own "Type: message", which ends the traceback.
+            if not stripped or line[:1].isspace() or stripped.startswith("^"):
+                continue
+            in_traceback = False
+        if stripped in _CHAIN_LINES or not stripped:
+            continue
+        kept.append(stripped)
+    return " ".join(_CONTROL.sub(" ", " ".join(kept)).split())

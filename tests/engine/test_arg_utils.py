@@ -202,6 +202,8 @@ def test_world_size_one_resolves_to_uni_or_mp() -> None:
      r"--distributed-executor-backend uni: .* needs 2 ranks; use mp"),
     ({"distributed_executor_backend": "dask"}, r"--distributed-executor-backend: must be"),
     ({"distributed_executor_backend": "ray", "ray_placement": "x"}, r"--ray-placement: must"),
+    ({"health_check_interval": 0}, r"--health-check-interval: must be a positive number"),
+    ({"health_check_interval": float("nan")}, r"--health-check-interval: must be a positive"),
 ])
 def test_invalid_layouts_name_the_flag(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -144,6 +144,12 @@ class EngineArgs:
                        "parallel group shares a node when it fits) or spread (one rank per "
                        "node where the cluster has the nodes).", choices=("pack", "spread")),
     )
+    health_check_interval: float = field(
+        default=2.0,
+        metadata=_help("Seconds between checks, while an engine core is idle, that its "
+                       "workers are alive; a dead worker turns /health to 503 (or degraded "
+                       "with -dp) within about this long."),
+    )
     disable_log_stats: bool = field(
         default=False,
         metadata=_help(NO_EFFECT + "this engine logs no periodic stats; /metrics is "
@@ -234,6 +240,7 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             ray_placement=self.ray_placement,
             data_parallel_size=self.data_parallel_size,
+            health_check_interval_s=self.health_check_interval,
         )
         model_config = ModelConfig(
             model=self.model or "demo",

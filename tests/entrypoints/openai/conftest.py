@@ -51,11 +51,12 @@ def alive_after(pids: list[int], timeout_s: float = 10.0) -> list[int]:
     while True:
         alive = [p for p in pids if process_alive(p)]
         if not alive or time.monotonic() > deadline:
-            return [(p, _cmdline(p)) for p in alive]
+            return [(p, cmdline(p)) for p in alive]
         time.sleep(0.1)
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
+    """The command line of `pid`, arguments joined by spaces ("" once it is gone)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
@@ -151,7 +152,7 @@ class RemoteServer:
 
     def metrics(self) -> dict[str, float]:
         """/metrics as {name{labels}: value}, labels dropped when there is only model_name."""
-        text = httpx.get(self.url("/metrics"), timeout=10).text
+        text = httpx.get(self.url("/metrics"), headers=self.headers(), timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

@@ -48,10 +48,14 @@ def test_engine_death_fails_fast(server):
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == 503 and "engine" in error["message"]
+    # One clean line: no traceback, no terminal escapes.
+    for marker in ("Traceback", "\x1b[", "\\u001b", "\\n"):
+        assert marker not in events[-2], events[-2]
 
     # Health and new requests fail at once with 5xx in OpenAI's shape.
     r = httpx.get(server.url("/health"), timeout=10)
     assert r.status_code == 503
+    assert "Traceback" not in r.text and "\x1b[" not in r.text and "\\n" not in r.text
     for path, body in [
         ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3}),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],

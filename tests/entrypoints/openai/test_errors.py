@@ -35,6 +35,9 @@ def http(server):
 def assert_error(response: httpx.Response, status: int, param: str | None = "<any>") -> dict:
     """Checks status and OpenAI's error shape; returns the error object."""
     assert response.status_code == status, response.text
+    # One clean line whatever went wrong: no traceback, no terminal escapes (raw or escaped).
+    for marker in ("Traceback", "\x1b[", "\\u001b", "\\n"):
+        assert marker not in response.text, response.text
     body = response.json()
     assert set(body) == {"error"}, body
     error = body["error"]
@@ -57,6 +60,9 @@ BAD_REQUESTS = [
     (CHAT, {"model": MODEL, "messages": [], "max_tokens": 4}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"content": "no role"}]}, 400, "<any>"),
     (COMPLETIONS, {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+    # Echoed input must not smuggle escapes or a fake traceback into the message.
+    (COMPLETIONS, {"model": "\x1b[31mred\x1b[0m\nTraceback (most recent call last):\n  File x",
+                   "prompt": "x"}, 404, "model"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
@@ -131,7 +137,9 @@ BAD_REQUESTS = [
             "structured_outputs": {"regex": "a+", "backend": "lm-format-enforcer"}}, 400,
      "structured_outputs.backend"),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 50}, 400,
-     "logprobs"),
+     "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, 400,
+     "top_logprobs"),
     # Values that overflowed the runner's int32/int64 columns and killed the engine core.
     (COMPLETIONS, {"model": MODEL, "prompt": "hi", "max_tokens": 4, "top_k": 2**31}, 400,
      "top_k"),
@@ -190,10 +198,11 @@ def test_openai_client_raises_typed_errors(server):
 
 @pytest.mark.parametrize(
     "method,path",
-    [("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/nowhere")],
+    [("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT), ("GET", "/v1/nowhere"),
+     ("GET", "/metrics"), ("GET", "/version"), ("GET", "/nowhere")],
 )
 @pytest.mark.parametrize("key", [None, "wrong-key", API_KEY + "x"])
-def test_api_key_required_on_v1(server, method, path, key):
+def test_api_key_required_on_every_route_but_health(server, method, path, key):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": MODEL, "prompt": "x", "messages": MESSAGES, "max_tokens": 2}
     r = httpx.request(method, server.url(path), headers=headers,
@@ -206,8 +215,10 @@ def test_api_key_accepted_and_open_routes(server, http):
     client = openai.OpenAI(base_url=server.url("/v1"), api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
-    for path in ("/health", "/version", "/metrics"):
-        assert httpx.get(server.url(path), timeout=30).status_code == 200
+    # /health is the one route open without the key; the others open with it.
+    assert httpx.get(server.url("/health"), timeout=30).status_code == 200
+    for path in ("/version", "/metrics"):
+        assert http.get(path).status_code == 200
 
 
 def test_unknown_route_and_method(http):

@@ -255,3 +255,63 @@ def test_results_come_by_rank_or_from_the_output_rank() -> None:
     assert not gather.future.done()
     gather.on_done(0, _done(result=None))
     assert gather.future.result(timeout=0) == "out"
+
+
+# ---------------------------------------------------------------------- check_health (no cluster)
+
+
+class _PingingActor:
+    """Stands in for a rank's actor handle: each ping's Future is made by the test."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future
+
+        self.pings: list[Future] = []
+        outer = self
+
+        class _Ping:
+            @staticmethod
+            def remote():
+                future: Future = Future()
+                outer.pings.append(future)
+                return type("Ref", (), {"future": lambda self: future})()
+
+        self.ping = _Ping
+
+
+def _idle_executor(num_ranks: int):
+    from types import SimpleNamespace
+
+    from vllm.v1.executor.ray_executor import RayExecutor
+
+    executor = RayExecutor.__new__(RayExecutor)
+    executor._ray = SimpleNamespace(
+        nodes=lambda: [{"NodeID": "n", "Alive": True}], exceptions=ray.exceptions)
+    executor._lock = threading.Lock()
+    executor._error = None
+    executor._pings = []
+    executor.node_ips = ["10.0.0.1"] * num_ranks
+    executor._node_ids = ["n"] * num_ranks
+    executor._cluster = SimpleNamespace(actors=[_PingingActor() for _ in range(num_ranks)])
+    return executor
+
+
+def test_a_rank_that_dies_between_calls_fails_the_health_check_without_waiting() -> None:
+    executor = _idle_executor(2)
+    actors = executor._cluster.actors
+    executor.check_health()  # sends the first pings
+    assert [len(a.pings) for a in actors] == [1, 1]
+    # Unanswered pings (queued behind calls) are neither news nor sent again.
+    executor.check_health()
+    assert [len(a.pings) for a in actors] == [1, 1]
+    actors[0].pings[0].set_result(123)
+    actors[1].pings[0].set_result(124)
+    executor.check_health()
+    assert [len(a.pings) for a in actors] == [2, 2]
+    actors[1].pings[1].set_exception(ray.exceptions.RayActorError())
+    with pytest.raises(RuntimeError,
+                       match=r"worker rank 1 \(node 10\.0\.0\.1\) died between calls"):
+        executor.check_health()
+    # The executor stays unusable: the next check and every call fail the same way.
+    with pytest.raises(RuntimeError, match=r"worker rank 1"):
+        executor.check_health()

@@ -41,15 +41,13 @@ from vllm.entrypoints.openai.serving_tokenization import (
     OpenAIServingTokenization,
     tokenize_request_class,
 )
+from vllm.exceptions import clean_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=OpenAIBaseModel)
-
-# Paths that need the API key: the OpenAI routes and upstream's tokenizer routes.
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 # Seconds uvicorn waits for open responses after Ctrl-C before closing them.
 GRACEFUL_SHUTDOWN_S = 5
@@ -70,16 +68,23 @@ class ServerOptions:
     tool_call_parser: str | None = None
 
 
+# The one route open without the API key: load balancers and orchestrators probe it, and it
+# tells nothing but whether the engine serves.
+OPEN_PATHS = frozenset({"/health"})
+
+
 class APIKeyMiddleware:
-    """Rejects every /v1, /tokenize and /detokenize request without
-    `Authorization: Bearer <api key>` (401)."""
+    """Rejects every request without `Authorization: Bearer <api key>` (401), on every route
+    but /health: the API, /metrics, /version and unknown paths alike (so a client without the
+    key cannot even learn which routes exist)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+        """Passes the request on when its path is open or it carries the key; else a 401."""
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = b""
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":
@@ -140,9 +145,10 @@ def build_app(
             dead = engine.dead_engines
             if dead:
                 return JSONResponse({"status": "degraded", "dead_engines": {
-                    str(index): reason for index, reason in dead.items()}})
+                    str(index): clean_message(reason) for index, reason in dead.items()}})
             return Response(status_code=200)
-        return error_response(f"The engine is not available: {engine.dead_reason}", 503)
+        reason = engine.dead_reason or "the server is shutting down"
+        return error_response(f"The engine is not available: {reason}", 503)
 
     @app.get("/version")
     async def version() -> JSONResponse:

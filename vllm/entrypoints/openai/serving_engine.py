@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,11 +30,13 @@ from vllm.entrypoints.openai.protocol import (
     random_id,
 )
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
-from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError
+from vllm.exceptions import EngineDeadError, ErrorKind, InvalidRequestError, clean_message
 from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import NO_CONSTRAINT_MESSAGE, SamplingParams, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=OpenAIBaseModel)
 
@@ -65,7 +68,9 @@ def error_response(
 def error_body(
     message: str, status: int = 400, param: str | None = None, err_type: str | None = None
 ) -> ErrorResponse:
-    """The ErrorResponse model of an error."""
+    """The ErrorResponse model of an error; the message is reduced to one clean line (no
+    traceback, no terminal escape codes), whatever raised it."""
+    message = clean_message(message)
     if err_type is None:
         err_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
@@ -311,6 +316,23 @@ class OpenAIServing:
             raise InvalidRequestError("stream_options", "only allowed when stream is true")
         if request.guided_whitespace_pattern is not None:
             raise InvalidRequestError("guided_whitespace_pattern", "is not supported")
+        try:
+            return self._build_sampling_params(request, max_tokens, logprobs, structured_outputs)
+        except InvalidRequestError as e:
+            # A chat request asks for a number of logprobs through top_logprobs (logprobs is
+            # only its on/off switch), so that is the field a range error must name.
+            if e.param == "logprobs" and getattr(request, "top_logprobs", None) is not None:
+                raise InvalidRequestError("top_logprobs", e.message) from None
+            raise
+
+    def _build_sampling_params(
+        self,
+        request: SamplingRequestFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None,
+    ) -> SamplingParams:
+        """SamplingParams from the request's fields (raises what SamplingParams raises)."""
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and getattr(request, "echo", False) and logprobs is not None:
             prompt_logprobs = logprobs  # echo scores the prompt it echoes
@@ -507,7 +529,9 @@ def sse(data: str) -> str:
 
 
 async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`chunks`, then `[DONE]`; an engine death while streaming becomes a 503 error event."""
+    """`chunks`, then `[DONE]`; an engine death while streaming becomes a 503 error event,
+    and any other failure an error event of its kind (logged with its traceback), so the
+    client always reads one clean error line and the end of the stream."""
     # Closing this stream (client gone) must close `chunks` at once, so that it aborts
     # its engine requests now rather than when garbage collected.
     async with contextlib.aclosing(chunks):
@@ -515,6 +539,11 @@ async def sse_events(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
             async for chunk in chunks:
                 yield chunk
         except EngineDeadError as e:
+            yield exception_error(e).event()
+        except Exception as e:
+            # The response already answered 200: an error event is all that can still tell
+            # the client, and without it the stream would just break off.
+            logger.exception("a streaming response failed")
             yield exception_error(e).event()
     yield "data: [DONE]\n\n"
 

@@ -399,12 +399,17 @@ class AsyncLLM:
                 self._forget(result.request_id, finish_reason=reason)
 
     def _on_stats(self, stats: EngineCoreStats) -> None:
+        if self._dead_reason is not None:
+            # A snapshot still queued when the engine died must not bring its gauges back.
+            return
         self.last_stats = stats
         if self.metrics is not None:
             self.metrics.record_engine_stats(stats)
 
     def _on_dead(self, reason: str) -> None:
         self._dead_reason = reason
+        if self.last_stats is not None:
+            self.last_stats = self.last_stats.of_dead_engine()
         if self.metrics is not None:
             self.metrics.record_engine_dead()
         error = EngineDeadError(reason)

@@ -172,6 +172,16 @@ class EngineCore:
         self._stamp(outputs)
         return outputs, executed
 
+    def check_health(self) -> None:
+        """Asks the executor whether every worker still lives; raises (RuntimeError naming
+        the rank) when one does not."""
+        self.model_executor.check_health()
+
+    def worker_death_sentinels(self) -> list[int]:
+        """File descriptors that turn readable when a worker dies (see
+        Executor.death_sentinels); possibly empty."""
+        return self.model_executor.death_sentinels()
+
     def shutdown(self) -> None:
         """Stops the executor and the grammar compiler threads."""
         self.model_executor.shutdown()

@@ -15,7 +15,7 @@ import zmq
 
 from vllm import thread_policy
 from vllm.config import VllmConfig
-from vllm.exceptions import ErrorKind
+from vllm.exceptions import ErrorKind, clean_message
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
@@ -26,6 +26,7 @@ from vllm.v1.engine.messages import (
     OutputType,
     RequestType,
 )
+from vllm.v1.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +39,11 @@ NO_PROGRESS_WAIT_MS = 1
 class EngineCoreProc:
     """Runs an EngineCore fed by an input socket; publishes outputs and stats on another.
 
-    Blocks on the input socket (and the parent's sentinel) while it has no work, so an idle
-    engine uses no CPU. Exits its loop on a SHUTDOWN message, SIGTERM, or when the parent
-    process dies.
+    Blocks on the input socket (and the parent's sentinel) while it has no work, waking
+    every `parallel_config.health_check_interval_s`, or at once when a worker's death
+    sentinel fires (mp), to ask the executor whether its workers live: an idle engine uses
+    next to no CPU and still reports a dead worker (its loop raises, which reports the engine
+    dead). Exits its loop on a SHUTDOWN message, SIGTERM, or when the parent process dies.
     """
 
     def __init__(
@@ -49,10 +52,13 @@ class EngineCoreProc:
         input_address: str,
         output_address: str,
         parent_sentinel: int | None = None,
+        executor_class: type[Executor] | None = None,
     ) -> None:
+        """Builds the engine (`executor_class`: the one the config names when None) and
+        connects its sockets."""
         # The engine compiles grammars itself, so it needs the tokenizer's vocabulary.
         tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
-        self.engine_core = EngineCore(vllm_config, tokenizer=tokenizer)
+        self.engine_core = EngineCore(vllm_config, executor_class, tokenizer=tokenizer)
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PULL)
         self._input.setsockopt(zmq.RCVHWM, 0)
@@ -77,6 +83,16 @@ class EngineCoreProc:
         self.parent_died = False
         self._last_stats: EngineCoreStats | None = None
         self._last_stats_time = 0.0
+        # A worker that dies while nothing runs fails no call, so nothing would report it
+        # until the next request: the idle loop wakes this often to ask the executor.
+        self._health_interval_s = vllm_config.parallel_config.health_check_interval_s
+        self._next_health_check = time.monotonic() + self._health_interval_s
+        # Where the executor offers them (mp: the worker processes' sentinels), a worker's
+        # exit wakes the loop at once, and the check runs then rather than at its interval.
+        self._death_sentinels = set(self.engine_core.worker_death_sentinels())
+        for fd in self._death_sentinels:
+            self._poller.register(fd, zmq.POLLIN)
+        self._worker_exited = False
 
     # ------------------------------------------------------------------ loop
 
@@ -87,7 +103,8 @@ class EngineCoreProc:
             while self._running:
                 if not core.has_work():
                     self._send_stats(force=True)
-                    self._handle_input(timeout_ms=None)
+                    self._handle_input(timeout_ms=self._ms_to_health_check())
+                    self._check_health_if_due()
                     continue
                 self._handle_input(timeout_ms=0)
                 if not self._running or not core.has_work():
@@ -96,15 +113,43 @@ class EngineCoreProc:
                 if outputs:
                     self._send_outputs(outputs)
                 elif not executed:
+                    # Waiting on grammars: no step touches the workers, so check them here.
                     self._handle_input(timeout_ms=NO_PROGRESS_WAIT_MS)
+                    self._check_health_if_due()
                 self._send_stats(force=False)
         except Exception as e:
             self._report_error(e)
             raise
 
+    def _ms_to_health_check(self) -> int:
+        """Milliseconds until the next worker health check is due (0 when overdue)."""
+        return max(0, int((self._next_health_check - time.monotonic()) * 1000) + 1)
+
+    def _check_health_if_due(self) -> None:
+        """Runs the executor's health check once its interval has passed; raises what it
+        raises (a dead worker), which ends the loop and reports the engine dead."""
+        now = time.monotonic()
+        if not self._running or (now < self._next_health_check and not self._worker_exited):
+            return
+        self._next_health_check = now + self._health_interval_s
+        self.engine_core.check_health()
+        if self._worker_exited:
+            # A sentinel fired yet the executor reports every worker alive: stop watching
+            # the sentinels (they stay readable, and would wake the loop without end) and
+            # rely on the periodic check.
+            logger.warning("engine core: a worker sentinel fired but the executor reports "
+                           "its workers healthy; checking every %g s instead",
+                           self._health_interval_s)
+            for fd in self._death_sentinels:
+                self._poller.unregister(fd)
+            self._death_sentinels.clear()
+            self._worker_exited = False
+
     def _handle_input(self, timeout_ms: int | None) -> None:
         """Waits up to timeout_ms (None: forever) for input, then drains every queued message."""
         events = dict(self._poller.poll(timeout_ms))
+        if self._death_sentinels and not self._death_sentinels.isdisjoint(events):
+            self._worker_exited = True
         if self._parent_sentinel is not None and self._parent_sentinel in events:
             logger.warning("engine core: the API server process died; shutting down")
             self.parent_died = True
@@ -172,7 +217,9 @@ class EngineCoreProc:
         self._output.send_multipart([OutputType.STATS.value, self._encoder.encode(stats)])
 
     def _report_error(self, e: BaseException) -> None:
-        message = f"engine core died: {type(e).__name__}: {e}"
+        # The client shows the reason to HTTP clients and in /health: one clean line there,
+        # the whole traceback (the remote worker's too) in this log.
+        message = clean_message(f"engine core died: {type(e).__name__}: {e}")
         logger.error("%s\n%s", message, traceback.format_exc())
         try:
             payload = self._encoder.encode(EngineCoreError(message=message))

@@ -16,8 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import msgspec
-
 from vllm.config import VllmConfig
 from vllm.exceptions import EngineDeadError, ErrorKind
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
@@ -157,10 +155,18 @@ class DataParallelClient:
         self._on_outputs(outputs)
 
     def _stats(self, index: int, stats: EngineCoreStats) -> None:
-        self.engines[index].stats = stats
+        state = self.engines[index]
+        if not state.alive:
+            # A snapshot still queued when the engine died must not bring its gauges back.
+            return
+        state.stats = stats
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        """Hands the sum of every engine's latest snapshot to the stats callback."""
         known = [s.stats for s in self.engines if s.stats is not None]
-        assert self._on_stats is not None
-        self._on_stats(sum_stats(known))
+        if known and self._on_stats is not None:
+            self._on_stats(sum_stats(known))
 
     def _engine_died(self, index: int, reason: str) -> None:
         state = self.engines[index]
@@ -168,8 +174,10 @@ class DataParallelClient:
             return
         state.dead_reason = reason
         if state.stats is not None:
-            # Its counters stay in the sums; it runs and waits for nothing any more.
-            state.stats = msgspec.structs.replace(state.stats, num_running=0, num_waiting=0)
+            # Its counters stay in the sums; its gauges (running, waiting, KV cache) leave
+            # them at once, not at the next live engine's snapshot.
+            state.stats = state.stats.of_dead_engine()
+            self._publish_stats()
         lost = sorted(state.unfinished)
         state.unfinished.clear()
         if any(s.alive for s in self.engines):

@@ -72,6 +72,14 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
             return False
         return msgspec.structs.replace(other, timestamp=self.timestamp) == self
 
+    def of_dead_engine(self) -> EngineCoreStats:
+        """This snapshot once its engine is gone: nothing runs or waits and its KV cache no
+        longer exists (no blocks, no usage); the cumulative counters keep their values."""
+        return msgspec.structs.replace(
+            self, num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=0,
+            num_blocks=0,
+        )
+
 
 class EngineCoreError(msgspec.Struct):
     """Why the engine core stopped serving (its busy loop raised)."""

@@ -79,6 +79,12 @@ class Executor(ABC):
     def check_health(self) -> None:
         """Raises RuntimeError if a worker has died."""
 
+    def death_sentinels(self) -> list[int]:
+        """File descriptors that turn readable when a worker dies, so the engine core can
+        run check_health at once instead of at its next periodic check. Empty (the default)
+        when the executor has none: the periodic check is then all there is."""
+        return []
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stops the workers and frees their resources. Idempotent."""

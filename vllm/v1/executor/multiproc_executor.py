@@ -202,6 +202,14 @@ class _WorkerGroup:
                 sock.send_multipart(frames, copy=True)
         return future
 
+    def sentinels(self) -> list[int]:
+        """The worker processes' sentinels (readable once the process has exited), by rank;
+        empty once the group is closed (their descriptors are gone)."""
+        with self._lock:
+            if self._closed:
+                return []
+        return [proc.sentinel for proc in self._procs]
+
     def check(self) -> None:
         """Raises RuntimeError when a worker has died or the group is closed."""
         with self._lock:
@@ -482,6 +490,10 @@ class MultiprocExecutor(Executor):
     def check_health(self) -> None:
         """Raises RuntimeError naming the worker when one has died."""
         self._group.check()
+
+    def death_sentinels(self) -> list[int]:
+        """The worker processes' sentinels: each turns readable when its worker exits."""
+        return self._group.sentinels()
 
     def shutdown(self) -> None:
         """Stops the workers and removes the sockets; pending calls fail. Idempotent."""

@@ -213,6 +213,8 @@ class RayExecutor(Executor):
         atexit.register(self._finalizer)
         self._lock = threading.Lock()
         self._error: str | None = None
+        # By rank: the Future of the last health-check ping (see check_health).
+        self._pings: list[Future | None] = []
         self.node_ips: list[str] = []
         self._node_ids: list[str] = []
         try:
@@ -344,7 +346,12 @@ class RayExecutor(Executor):
         return future if non_block else future.result()
 
     def check_health(self) -> None:
-        """Raises RuntimeError when a rank has died or a node of this executor is gone."""
+        """Raises RuntimeError when a rank has died or a node of this executor is gone.
+
+        Never waits on an actor: each call looks at the ping the previous call sent to every
+        rank (a rank whose actor died answers it with RayActorError) and sends the next, so a
+        rank that dies on a live node is reported by the second call after its death.
+        """
         with self._lock:
             if self._error is not None:
                 raise RuntimeError(self._error)
@@ -356,6 +363,19 @@ class RayExecutor(Executor):
                 with self._lock:
                     self._error = self._error or message
                 raise RuntimeError(message)
+        actors = self._cluster.actors
+        if len(self._pings) != len(actors):
+            self._pings = [None] * len(actors)
+        for rank, actor in enumerate(actors):
+            ping = self._pings[rank]
+            if ping is not None:
+                if not ping.done():
+                    # Queued behind calls still running: not an answer either way yet.
+                    continue
+                error = ping.exception()
+                if error is not None:
+                    raise self._explain(error, rank, "between calls")
+            self._pings[rank] = actor.ping.remote().future()
 
     def shutdown(self) -> None:
         """Stops the actors and removes the placement group (and the local cluster this

@@ -76,6 +76,14 @@ class _EngineCollector(Collector):
 
         yield gauge("vllm:engine_alive", "1 while the engine-core process serves.",
                     1.0 if self.engine_alive else 0.0)
+        # Engines never come back, so counting the dead ones now is a valid counter.
+        if self.engines is not None:
+            num_dead = sum(1 for state in self.engines() if not state.alive)
+        else:
+            num_dead = 0 if self.engine_alive else 1
+        yield counter("vllm:engine_dead",
+                      "Engine cores that died (a worker died, the process was killed, or a "
+                      "step failed) since startup.", num_dead)
         yield gauge("vllm:num_requests_api_server",
                     "Requests the API server is still tracking (admitted, not yet finished).",
                     self.num_frontend_requests)
@@ -214,8 +222,11 @@ class PrometheusMetrics:
         self._engine.engines = engines
 
     def record_engine_dead(self) -> None:
-        """Marks the engine as gone (vllm:engine_alive 0)."""
+        """Marks the engine as gone (vllm:engine_alive 0, counted in vllm:engine_dead_total)
+        and drops its gauges: nothing runs or waits in it, and its KV cache is gone."""
         self._engine.engine_alive = False
+        if self._engine.stats is not None:
+            self._engine.stats = self._engine.stats.of_dead_engine()
 
     def set_num_frontend_requests(self, num: int) -> None:
         """Sets how many requests the API server is tracking."""

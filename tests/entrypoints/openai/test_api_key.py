@@ -1,0 +1,67 @@
+"""With --api-key, every route of the app needs the key except /health. The routes are read
+from the app itself, so a route added later (an admin route, /tokenize) is covered without
+editing this test. The real server is checked in test_errors.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from vllm.entrypoints.openai.api_server import OPEN_PATHS, build_app
+from vllm.v1.metrics.prometheus import PrometheusMetrics
+
+KEY = "sk-route-key"
+
+
+def _app():
+    # Stands in for AsyncLLM: the routes under test never reach the engine without the key,
+    # and with it only /health, /version, /metrics and /v1/models are called.
+    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=16), tokenizer=None,
+                             is_healthy=True, dead_engines={}, dead_reason=None)
+    models = SimpleNamespace(show_available_models=lambda: SimpleNamespace(
+        model_dump_json=lambda: '{"object": "list", "data": []}'))
+    return build_app(engine, models, PrometheusMetrics("m"), api_key=KEY)
+
+
+def _routes() -> list[tuple[str, str]]:
+    """(method, path) of every route the app serves: its API routes and FastAPI's own
+    (/docs, /openapi.json, ...)."""
+    out = []
+    for route in _app().routes:
+        if isinstance(route, Route):
+            out += [(method, route.path) for method in sorted(route.methods or {"GET"})]
+    return out
+
+
+def test_the_app_has_the_routes_this_test_expects() -> None:
+    paths = {path for _, path in _routes()}
+    assert {"/health", "/metrics", "/version", "/v1/models", "/v1/completions",
+            "/v1/chat/completions", "/openapi.json", "/docs"} <= paths
+
+
+@pytest.mark.parametrize("method,path", _routes() + [("GET", "/nowhere"), ("GET", "/v1/x")])
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": KEY}, {"Authorization": f"bearer {KEY}x"}])
+def test_every_route_but_health_needs_the_key(method: str, path: str, headers) -> None:
+    client = TestClient(_app(), raise_server_exceptions=False)
+    r = client.request(method, path, headers=headers)
+    if path in OPEN_PATHS:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 401, (method, path, r.status_code, r.text)
+        if method != "HEAD":  # a HEAD answer has no body
+            assert r.json()["error"]["code"] == 401
+
+
+@pytest.mark.parametrize("path", ["/health", "/version", "/metrics", "/v1/models"])
+def test_the_key_opens_every_route(path: str) -> None:
+    client = TestClient(_app(), raise_server_exceptions=False)
+    r = client.get(path, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+
+
+def test_only_health_is_open() -> None:
+    assert OPEN_PATHS == frozenset({"/health"})
