@@ -374,18 +374,8 @@ class AsyncLLM:
                 parent = self._child_to_parent.get(out.request_id)
                 if parent is None:
                     continue
-                stats = self._requests[parent].stats
-                if out.first_scheduled_time is not None:
-                    stats.on_scheduled(out.first_scheduled_time)
-                if not out.new_token_ids:
-                    continue
-                previous = stats.last_token_time
-                ttft = stats.on_tokens(len(out.new_token_ids), now)
-                if ttft is not None:
-                    self.metrics.record_first_token(ttft, stats.num_prompt_tokens)
-                elif previous is not None:
-                    self.metrics.record_inter_token(now - previous)
-                self.metrics.record_generation_tokens(len(out.new_token_ids))
+                self.metrics.record_output(self._requests[parent].stats,
+                                           out.first_scheduled_time, len(out.new_token_ids), now)
         results, to_abort = self.output_processor.process_outputs(outputs.outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)

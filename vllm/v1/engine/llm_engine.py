@@ -128,18 +128,8 @@ class LLMEngine:
             parent = self._child_to_parent.get(out.request_id)
             if parent is None:
                 continue
-            stats = self._stats[parent]
-            if out.first_scheduled_time is not None:
-                stats.on_scheduled(out.first_scheduled_time)
-            if not out.new_token_ids:
-                continue
-            previous = stats.last_token_time
-            ttft = stats.on_tokens(len(out.new_token_ids), now)
-            if ttft is not None:
-                self.metrics.record_first_token(ttft, stats.num_prompt_tokens)
-            elif previous is not None:
-                self.metrics.record_inter_token(now - previous)
-            self.metrics.record_generation_tokens(len(out.new_token_ids))
+            self.metrics.record_output(self._stats[parent], out.first_scheduled_time,
+                                       len(out.new_token_ids), now)
 
     def _forget(self, request_id: str, finish_reason: str) -> None:
         """Records a request's end in the metrics and drops its tracking."""

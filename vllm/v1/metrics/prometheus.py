@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from vllm.v1.engine.messages import EngineCoreStats
-from vllm.v1.metrics.stats import FinishedRequestStats
+from vllm.v1.metrics.stats import FinishedRequestStats, RequestStateStats
 
 if TYPE_CHECKING:
     from vllm.v1.engine.data_parallel import EngineState
@@ -231,6 +231,27 @@ class PrometheusMetrics:
     def set_num_frontend_requests(self, num: int) -> None:
         """Sets how many requests the API server is tracking."""
         self._engine.num_frontend_requests = num
+
+    def record_output(
+        self,
+        stats: RequestStateStats,
+        first_scheduled_time: float | None,
+        num_new_tokens: int,
+        now: float,
+    ) -> None:
+        """One engine output of a request: its first-scheduled time if the engine sent it,
+        then its new tokens (TTFT on the first, inter-token latency after)."""
+        if first_scheduled_time is not None:
+            stats.on_scheduled(first_scheduled_time)
+        if not num_new_tokens:
+            return
+        previous = stats.last_token_time
+        ttft = stats.on_tokens(num_new_tokens, now)
+        if ttft is not None:
+            self.record_first_token(ttft, stats.num_prompt_tokens)
+        elif previous is not None:
+            self.record_inter_token(now - previous)
+        self.record_generation_tokens(num_new_tokens)
 
     def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
         """A request's prefill finished: its TTFT and prompt tokens."""
