@@ -19,10 +19,12 @@ KEY = "sk-route-key"
 def _app():
     # Stands in for AsyncLLM: the routes under test never reach the engine without the key,
     # and with it only /health, /version, /metrics and /v1/models are called.
-    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=16), tokenizer=None,
+    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=16, vocab_size=32),
+                             tokenizer=None,
                              is_healthy=True, dead_engines={}, dead_reason=None)
+    # A LoRA validator: the adapter admin routes exist, so the key is checked on them too.
     models = SimpleNamespace(show_available_models=lambda: SimpleNamespace(
-        model_dump_json=lambda: '{"object": "list", "data": []}'))
+        model_dump_json=lambda: '{"object": "list", "data": []}'), lora_validator=object())
     return build_app(engine, models, PrometheusMetrics("m"), api_key=KEY)
 
 
@@ -39,7 +41,9 @@ def _routes() -> list[tuple[str, str]]:
 def test_the_app_has_the_routes_this_test_expects() -> None:
     paths = {path for _, path in _routes()}
     assert {"/health", "/metrics", "/version", "/v1/models", "/v1/completions",
-            "/v1/chat/completions", "/openapi.json", "/docs"} <= paths
+            "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+            "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/openapi.json",
+            "/docs"} <= paths
 
 
 @pytest.mark.parametrize("method,path", _routes() + [("GET", "/nowhere"), ("GET", "/v1/x")])
