@@ -89,7 +89,7 @@ class RemoteServer:
     """
 
     def __init__(self, args: list[str], api_key: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, https: bool = False) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_file = tempfile.NamedTemporaryFile(
@@ -104,7 +104,7 @@ class RemoteServer:
         self.proc = subprocess.Popen(
             cmd, stdout=self.log_file, stderr=subprocess.STDOUT, cwd=REPO, env=full_env
         )
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{'https' if https else 'http'}://127.0.0.1:{self.port}"
         self._wait_healthy()
         self.engine_pid = self._engine_pid()
 
@@ -114,7 +114,8 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                # A test's TLS certificate is self-signed.
+                if httpx.get(self.url("/health"), timeout=2, verify=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -194,8 +195,9 @@ def start_server() -> Iterator[Callable[..., RemoteServer]]:
     """Starts RemoteServers for one test module and stops them (and their engines) after it."""
     servers: list[RemoteServer] = []
 
-    def start(*args: str, api_key: str | None = None, env: dict[str, str] | None = None):
-        server = RemoteServer(list(args), api_key=api_key, env=env)
+    def start(*args: str, api_key: str | None = None, env: dict[str, str] | None = None,
+              https: bool = False):
+        server = RemoteServer(list(args), api_key=api_key, env=env, https=https)
         servers.append(server)
         return server
 

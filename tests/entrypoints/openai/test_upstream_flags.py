@@ -3,7 +3,12 @@ upstream flags that have no effect here, which start the server with one warning
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
+
+import httpx
+import pytest
 
 from tests.transformers_utils.test_hub import build_hub_cache
 
@@ -32,3 +37,35 @@ def test_serve_hub_id_with_upstream_flags(start_server, tmp_path: Path) -> None:
     out = server.client().completions.create(model="org/tiny", prompt="Hi", max_tokens=4,
                                              temperature=0)
     assert out.usage.completion_tokens == 4
+
+
+def test_serve_with_tls_cors_and_a_root_path(start_server, tmp_path: Path) -> None:
+    """--ssl-keyfile/--ssl-certfile serve HTTPS; --allowed-origins answers browsers' CORS
+    preflights (before the API key, which preflights never carry); --root-path is the prefix
+    a proxy serves the API under."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    origin = "https://app.example"
+    server: RemoteServer = start_server(
+        "demo-tiny", "--max-model-len", "256", "--ssl-keyfile", str(key), "--ssl-certfile",
+        str(cert), "--allowed-origins", json.dumps([origin]), "--root-path", "/api",
+        api_key="sk-tls", https=True)
+    with httpx.Client(base_url=server.base_url, verify=str(cert)) as http:
+        out = http.post("/v1/completions", headers=server.headers(),
+                        json={"model": "demo-tiny", "prompt": "Hi", "max_tokens": 2})
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 2
+        pre = http.options("/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == origin
+        other = http.options("/v1/chat/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+        spec = http.get("/openapi.json", headers=server.headers()).json()
+        assert spec["servers"][0]["url"] == "/api"
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(server.url("/health").replace("https", "http"), timeout=5)

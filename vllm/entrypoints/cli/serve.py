@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -51,6 +52,17 @@ class ServeSubcommand(CLISubcommand):
         return run_serve(args)
 
 
+def _json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (argparse reports the ValueError as a usage error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError("must be a JSON list of strings")
+    return value
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the flags of `vllm serve` (server flags, then one per EngineArgs field) to
     `parser`, which `run_serve` can then run; returns it.
@@ -89,6 +101,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for flag, why in NO_EFFECT_SERVE_FLAGS.items():
         parser.add_argument(flag, action="store_true",
                             help=f"(no effect here: {why}).")
+    parser.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS: the key file.")
+    parser.add_argument("--ssl-certfile", default=None,
+                        help="Serve HTTPS: the certificate file (with --ssl-keyfile).")
+    parser.add_argument("--allowed-origins", type=_json_list, default=[],
+                        help='CORS: origins that may call the API from a browser, a JSON list '
+                        '(e.g. \'["https://app.example"]\' or \'["*"]\'; default: none).')
+    parser.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                        help="CORS: allowed methods, a JSON list (default: all).")
+    parser.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                        help="CORS: allowed headers, a JSON list (default: all).")
+    parser.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: allow credentials.")
+    parser.add_argument("--root-path", default="",
+                        help="The path prefix a proxy serves the API under (ASGI root_path).")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="MODULE",
                         help="LoRA adapters served as models of their own (needs "
                         "--enable-lora): name=path, or JSON {\"name\": ..., \"path\": ..., "
@@ -153,7 +179,14 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(
         args.host, args.port, args.api_key, args.uvicorn_log_level, args.max_request_body_bytes,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        root_path=args.root_path,
     )
+    if (options.ssl_keyfile is None) != (options.ssl_certfile is None):
+        print("error: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
+        return 2
     try:
         sock = bind_socket(options.host, options.port)
     except OSError as e:
@@ -218,7 +251,8 @@ def _serve(
         return 0
     host, port = sock.getsockname()[:2]
     print(
-        f"vLLM API server listening on http://{host}:{port} serving model '{name}' "
+        f"vLLM API server listening on {'https' if options.ssl_certfile else 'http'}://"
+        f"{host}:{port}{options.root_path} serving model '{name}' "
         f"({model_config.model_dir}, max_model_len {model_config.max_model_len}, "
         f"engine core pid {', '.join(map(str, engine.engine_core.pids))})",
         flush=True,

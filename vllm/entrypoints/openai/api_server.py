@@ -8,10 +8,11 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import uvicorn
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -66,6 +67,16 @@ class ServerOptions:
     # Reads tool calls out of replies with tool_choice "auto" (--enable-auto-tool-choice
     # --tool-call-parser); None: "auto" is refused.
     tool_call_parser: str | None = None
+    # TLS: serve HTTPS with this key and certificate (both or neither).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    # CORS: origins allowed to call the API from a browser (empty: no CORS headers).
+    allowed_origins: list[str] = field(default_factory=list)
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    # The path prefix a proxy serves the app under (ASGI root_path).
+    root_path: str = ""
 
 
 # The one route open without the API key: load balancers and orchestrators probe it, and it
@@ -84,7 +95,11 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Passes the request on when its path is open or it carries the key; else a 401."""
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]  # behind --root-path, /api/health is /health
+        if scope["type"] == "http" and path not in OPEN_PATHS:
             given = b""
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":
@@ -272,14 +287,21 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
     return sock
 
 
-async def serve_http(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
+async def serve_http(
+    app: FastAPI, sock: socket.socket, log_level: str = "info",
+    options: ServerOptions | None = None,
+) -> None:
     """Serves `app` on `sock` until SIGINT/SIGTERM (uvicorn re-raises the signal after its
-    graceful shutdown)."""
+    graceful shutdown); HTTPS when `options` carries a key and certificate."""
+    options = options or ServerOptions()
     config = uvicorn.Config(
         app,
         log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=5,
+        ssl_keyfile=options.ssl_keyfile,
+        ssl_certfile=options.ssl_certfile,
+        root_path=options.root_path,
     )
     server = uvicorn.Server(config)
     await server.serve(sockets=[sock])
@@ -293,8 +315,14 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
     """
     app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes,
                     options.tool_call_parser)
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=options.allowed_origins,
+            allow_methods=options.allowed_methods, allow_headers=options.allowed_headers,
+            allow_credentials=options.allow_credentials,
+        )
     try:
-        asyncio.run(serve_http(app, sock, options.uvicorn_log_level))
+        asyncio.run(serve_http(app, sock, options.uvicorn_log_level, options))
     finally:
         engine.shutdown()
         sock.close()
