@@ -139,10 +139,16 @@ def test_triton_backend_matches_hf(checkpoints, tokenizer_dir) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_prompt_logprobs_equal_hf_log_softmax(checkpoints, tokenizer_dir, async_scheduling) -> None:
+def test_prompt_logprobs_equal_hf_log_softmax(
+    checkpoints, tokenizer_dir, async_scheduling, monkeypatch
+) -> None:
     """prompt_logprobs: each prompt token's logprob and rank under the tokens before it, and
-    the top-k, equal transformers' log-softmax; with chunked prefill (16 tokens a step), a
-    prefix-cache hit that must not skip the scores, and a batch mixing requests without."""
+    the top-k, equal transformers' log-softmax; with chunked prefill (16 tokens a step), in
+    slices of 3 positions, a prefix-cache hit that must not skip the scores, and a batch
+    mixing requests without."""
+    from vllm.v1.worker import gpu_model_runner
+
+    monkeypatch.setattr(gpu_model_runner, "_PROMPT_LOGPROBS_ELEMENTS", 3 * TINY["vocab_size"])
     path, hf = checkpoints["qwen3"]
     llm = _engine(path, tokenizer_dir, block_size=4, max_num_batched_tokens=16,
                   async_scheduling=async_scheduling)

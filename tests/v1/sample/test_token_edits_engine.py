@@ -91,3 +91,11 @@ def test_out_of_vocabulary_ids_are_refused(llm) -> None:
                       (dict(allowed_token_ids=[10**8]), "allowed_token_ids")):
         with pytest.raises(InvalidRequestError, match=field):
             llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, **kw), use_tqdm=False)
+
+
+def test_allowed_tokens_all_banned_is_refused(llm) -> None:
+    word_id = llm.get_tokenizer().encode("Hello", add_special_tokens=False)
+    assert len(word_id) == 1
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, allowed_token_ids=word_id,
+                                                 bad_words=["Hello"]), use_tqdm=False)

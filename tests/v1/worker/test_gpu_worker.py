@@ -42,3 +42,11 @@ def test_kv_cache_memory_wins_on_every_device() -> None:
 def test_cpu_default_is_two_gib_at_most() -> None:
     assert _blocks() == 64
     assert _blocks(max_num_seqs=1024, max_model_len=4096) == 2 * 1024
+
+
+def test_one_full_length_sequence_always_fits() -> None:
+    # 1000 tokens in blocks of 16 need 63 blocks, not 1000 // 16 = 62 (which held 992 tokens
+    # and made the engine refuse to start).
+    blocks = _blocks(max_num_seqs=1, max_model_len=1000, free=H200, total=H200)
+    assert blocks * 16 >= 1000
+    assert _blocks(max_num_seqs=1, max_model_len=1000) * 16 >= 1000

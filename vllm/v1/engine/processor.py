@@ -118,6 +118,12 @@ class InputProcessor:
             params = dataclasses.replace(
                 params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words)
             )
+            banned = {q[0] for q in params.bad_words_token_ids if len(q) == 1}
+            if params.allowed_token_ids and set(params.allowed_token_ids) <= banned:
+                # Nothing could be sampled: refused here rather than sampled anyway.
+                raise InvalidRequestError(
+                    "allowed_token_ids", "every allowed token is banned by bad_words"
+                )
         check_token_ids(params, self.vocab_size)
         return text, EngineCoreRequest(
             request_id=request_id,

@@ -67,6 +67,10 @@ logger = logging.getLogger(__name__)
 _CPU_MIN_ROWS = 16
 
 
+# Logits elements one slice of prompt_logprobs may hold (each is a few float32 temporaries).
+_PROMPT_LOGPROBS_ELEMENTS = 1 << 25
+
+
 @dataclass
 class _Step:
     """What execute_model leaves for sample_tokens."""
@@ -636,18 +640,25 @@ class GPUModelRunner:
             last = min(end, len(prompt) - 1)  # position p predicts prompt[p + 1]
             if k is None or first >= last:
                 continue
-            idx = self.buffers.to_device(np.arange(cu[i], cu[i] + last - first, dtype=np.int64))
-            logits = self.model.compute_logits(hidden[idx]).float()
-            lp = torch.log_softmax(logits, dim=1)
-            target = self.buffers.to_device(np.asarray(prompt[first + 1 : last + 1], np.int64))
-            chosen = lp.gather(1, target[:, None])
-            ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
-            ids, values = target[:, None], chosen
-            if k > 0:
-                top_values, top_ids = torch.topk(lp, k, dim=1)
-                ids, values = torch.cat([ids, top_ids], 1), torch.cat([values, top_values], 1)
-            out[batch.req_ids[row]] = (first + 1, LogprobsLists(
-                ids.tolist(), values.tolist(), ranks))
+            lists = LogprobsLists([], [], [])
+            # Vocabulary-sized temporaries per position: a long prompt goes in slices.
+            step = max(1, _PROMPT_LOGPROBS_ELEMENTS // self.vocab_size)
+            for lo in range(first, last, step):
+                hi = min(last, lo + step)
+                start = int(cu[i]) + lo - first
+                idx = self.buffers.to_device(np.arange(start, start + hi - lo, dtype=np.int64))
+                lp = torch.log_softmax(self.model.compute_logits(hidden[idx]).float(), dim=1)
+                target = self.buffers.to_device(np.asarray(prompt[lo + 1 : hi + 1], np.int64))
+                chosen = lp.gather(1, target[:, None])
+                lists.ranks += ((lp > chosen).sum(dim=1) + 1).tolist()
+                ids, values = target[:, None], chosen
+                if k > 0:
+                    top_values, top_ids = torch.topk(lp, k, dim=1)
+                    ids = torch.cat([ids, top_ids], 1)
+                    values = torch.cat([values, top_values], 1)
+                lists.token_ids += ids.tolist()
+                lists.logprobs += values.tolist()
+            out[batch.req_ids[row]] = (first + 1, lists)
         return out or None
 
     # ------------------------------------------------------------------ sampling
@@ -802,6 +813,8 @@ class GPUModelRunner:
         host: list[int] = []
         index = np.full((len(states), width), -1, dtype=np.int64)
         for i, state in enumerate(states):
+            if not state.sampling_params.has_history_bans:
+                continue  # its row stays all -1: no prefix to match
             tail = state.output_token_ids[-width:]
             base = offset + len(host)
             host += tail

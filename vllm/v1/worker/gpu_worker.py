@@ -39,7 +39,8 @@ def kv_cache_blocks(
     that and the memory left under --gpu-memory-utilization (less a headroom for activations
     and the sampler's vocabulary-sized temporaries); on CPU the smaller of that and 2 GiB.
     """
-    wanted = max_num_seqs * max_model_len * block_bytes // block_size
+    # Each sequence fills whole blocks: a partly used last block is still a block.
+    wanted = max_num_seqs * -(-max_model_len // block_size) * block_bytes
     if kv_cache_memory is not None:
         budget = kv_cache_memory
     elif total is None or free is None:

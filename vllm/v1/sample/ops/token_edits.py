@@ -14,12 +14,15 @@ def keep_only(logits: torch.Tensor, allowed: dict[int, list[int]]) -> None:
     if not allowed:
         return
     dev = logits.device
-    rows = list(allowed)
-    mask = torch.ones((len(rows), logits.shape[1]), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        mask[i, allowed[row]] = False
+    rows = [row for row, ids in allowed.items() for _ in ids]
+    ids = [t for tokens in allowed.values() for t in tokens]
     r = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-    logits[r] = logits[r].masked_fill_(mask.to(dev, non_blocking=True), float("-inf"))
+    t = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+    # O(allowed ids) host work: keep the allowed values, clear the rows, put them back.
+    kept = logits[r, t]
+    logits[torch.tensor(list(allowed), dtype=torch.int64).to(dev, non_blocking=True)] = float(
+        "-inf")
+    logits[r, t] = kept
 
 
 def add_bias(logits: torch.Tensor, bias: dict[int, tuple[list[int], list[float]]]) -> None:
