@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import EngineConfigError
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient, EngineDeadError
+from vllm.v1.executor.multiproc_executor import ipc_dir_prefix
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.engine.processor import params_to_dict
 
@@ -200,3 +202,29 @@ def test_engine_exits_when_its_parent_dies():
         assert _wait_until(lambda: not os.path.exists(ipc_dir), timeout_s=5)
     finally:
         parent.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_engine_core_leaves_no_worker_socket_directory(tmp_path, monkeypatch) -> None:
+    """Shutdown that has to SIGKILL a stuck engine core (its mp executor never cleans up)
+    still removes the executor's socket directory."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR here and in the child
+    client = EngineCoreClient(_config(distributed_executor_backend="mp"))
+    pid = client.proc.pid
+
+    def made() -> list[Path]:
+        # In $TMPDIR, or in /tmp when $TMPDIR is too long for socket paths.
+        prefix = ipc_dir_prefix(pid)
+        return list(tmp_path.glob(prefix + "*")) + list(Path("/tmp").glob(prefix + "*"))
+
+    assert made(), "the mp executor made no socket directory"
+    os.kill(pid, signal.SIGSTOP)  # stuck: it can neither answer nor clean up
+    try:
+        client.shutdown(timeout_s=1.0)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not made()

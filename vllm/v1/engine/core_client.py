@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import glob
 import logging
 import multiprocessing
 import os
@@ -292,6 +293,7 @@ class EngineCoreClient:
                 self.proc.join(timeout_s)
             _kill_group(self.proc.pid)
             self.proc.join(timeout_s)
+            _remove_worker_dirs(self.proc.pid)
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._sync_ctx.term()
@@ -325,6 +327,17 @@ def _scoped_devices(vllm_config: VllmConfig, engine_index: int) -> Iterator[None
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def _remove_worker_dirs(pid: int) -> None:
+    """Removes the socket directories the engine core `pid`'s executor made (it removes them
+    itself when it exits cleanly, not when it had to be killed)."""
+    from vllm.v1.executor.multiproc_executor import ipc_dir_prefix
+
+    prefix = ipc_dir_prefix(pid)
+    for base in {tempfile.gettempdir(), "/tmp"}:
+        for path in glob.glob(os.path.join(glob.escape(base), glob.escape(prefix) + "*")):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _kill_group(pgid: int) -> None:

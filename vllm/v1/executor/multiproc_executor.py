@@ -51,13 +51,20 @@ _REAP_TIMEOUT_S = 1.0
 _TERMINATE_TIMEOUT_S = 2.0
 
 
+def ipc_dir_prefix(pid: int) -> str:
+    """The name prefix of the socket directories made by executors in process `pid` (the
+    engine core's parent removes them if it has to kill that process)."""
+    return f"vllm-mp-{pid}-"
+
+
 def _make_ipc_dir() -> str:
     """A fresh private directory for the socket files. Falls back to /tmp when $TMPDIR is too
     long for a unix socket path (about 107 bytes)."""
-    path = tempfile.mkdtemp(prefix="vllm-mp-")
+    prefix = ipc_dir_prefix(os.getpid())
+    path = tempfile.mkdtemp(prefix=prefix)
     if len(path) > 80:
         os.rmdir(path)
-        path = tempfile.mkdtemp(prefix="vllm-mp-", dir="/tmp")
+        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     return path
 
 
