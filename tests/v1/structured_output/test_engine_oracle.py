@@ -8,6 +8,7 @@ are rejected before the engine sees them, and a slow compile ends only its own r
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -133,11 +134,24 @@ def test_slow_compile_ends_only_its_request(llm) -> None:
     original_compile = manager._compile
     slow_regex = "slow-[0-9]+"
 
+    # The engine's compile of the slow constraint (the second; the first is the front end's
+    # check) cannot finish before the test releases it, after the request ended: its
+    # deadline fires first however slow the machine is.
+    release, finished = threading.Event(), threading.Event()
+    calls = [0]
+
     def compile_slowly(structured_req, *args):
-        if structured_req.params.regex == slow_regex:
-            structured_req.mark_started()
-            time.sleep(1.0)
-        return original_compile(structured_req, *args)
+        if structured_req.params.regex != slow_regex:
+            return original_compile(structured_req, *args)
+        calls[0] += 1
+        if calls[0] == 1:
+            return original_compile(structured_req, *args)
+        structured_req.mark_started()
+        release.wait(60)
+        try:
+            return original_compile(structured_req, *args)
+        finally:
+            finished.set()
 
     manager._compile = compile_slowly
     scheduler = llm.llm_engine.engine_core.scheduler
@@ -151,6 +165,7 @@ def test_slow_compile_ends_only_its_request(llm) -> None:
         plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         outs = llm.generate(["a", "b", "c"], [slow, fast, plain], use_tqdm=False)
     finally:
+        release.set()
         manager._compile = original_compile
         scheduler.compile_timeout_s = timeout
     assert outs[0].outputs[0].finish_reason == "error"
@@ -158,4 +173,4 @@ def test_slow_compile_ends_only_its_request(llm) -> None:
     assert outs[1].outputs[0].finish_reason in ("stop", "length")
     assert outs[1].outputs[0].text.startswith("fast-")
     assert len(outs[2].outputs[0].token_ids) == 8
-    time.sleep(1.0)  # let the abandoned compile finish before the leak check
+    assert finished.wait(60)  # the abandoned compile ends before the leak check
