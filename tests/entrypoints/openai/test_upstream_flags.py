@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -69,3 +70,35 @@ def test_serve_with_tls_cors_and_a_root_path(start_server, tmp_path: Path) -> No
         assert spec["servers"][0]["url"] == "/api"
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url("/health").replace("https", "http"), timeout=5)
+
+
+def test_overload_sheds_new_requests_and_keeps_serving(start_server) -> None:
+    """--max-waiting-requests 0 with one sequence at a time: while one long request runs,
+    a second generation request gets a 503 with Retry-After at once (tokenize still
+    answers); once the first is gone (its client left) the server serves again."""
+    server: RemoteServer = start_server("demo", "--max-model-len", "4096",
+                                        "--max-num-seqs", "1", "--max-waiting-requests", "0")
+    long_body = {"model": "demo", "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True,
+                 "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json=long_body) as long_run:
+            assert long_run.status_code == 200
+            deadline = time.monotonic() + 60
+            while 'num_requests_running{model_name="demo"} 1.0' not in http.get(
+                    "/metrics").text:
+                assert time.monotonic() < deadline, "the long request never ran"
+                time.sleep(0.05)
+            shed = http.post("/v1/chat/completions", json={
+                "model": "demo", "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 2})
+            tokenized = http.post("/tokenize", json={"model": "demo", "prompt": "x"})
+        # Leaving the stream disconnected its client: the long request is aborted.
+        assert shed.status_code == 503 and shed.headers["retry-after"] == "1", shed.text
+        assert "--max-waiting-requests" in shed.json()["error"]["message"]
+        assert tokenized.status_code == 200
+        deadline = time.monotonic() + 60
+        while (ok := http.post("/v1/completions", json={
+                "model": "demo", "prompt": "Hi", "max_tokens": 2})).status_code == 503:
+            assert time.monotonic() < deadline, "the aborted request was never released"
+            time.sleep(0.1)
+        assert ok.status_code == 200

@@ -101,6 +101,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for flag, why in NO_EFFECT_SERVE_FLAGS.items():
         parser.add_argument(flag, action="store_true",
                             help=f"(no effect here: {why}).")
+    parser.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
+                        help="Overload bound: with N requests already waiting beyond what the "
+                        "engine runs at once (--max-num-seqs per engine), new completion, "
+                        "chat and responses requests get a 503 with Retry-After at once "
+                        "instead of queuing (default: no bound).")
     parser.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS: the key file.")
     parser.add_argument("--ssl-certfile", default=None,
                         help="Serve HTTPS: the certificate file (with --ssl-keyfile).")
@@ -182,8 +187,11 @@ def run_serve(args: argparse.Namespace) -> int:
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-        root_path=args.root_path,
+        root_path=args.root_path, max_waiting_requests=args.max_waiting_requests,
     )
+    if options.max_waiting_requests is not None and options.max_waiting_requests < 0:
+        print("error: --max-waiting-requests: must be at least 0", file=sys.stderr)
+        return 2
     if (options.ssl_keyfile is None) != (options.ssl_certfile is None):
         print("error: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
         return 2

@@ -77,6 +77,9 @@ class ServerOptions:
     allow_credentials: bool = False
     # The path prefix a proxy serves the app under (ASGI root_path).
     root_path: str = ""
+    # Overload: a new generation request gets a 503 with Retry-After when this many
+    # admitted requests already wait beyond what the engines run at once (None: no bound).
+    max_waiting_requests: int | None = None
 
 
 # The one route open without the API key: load balancers and orchestrators probe it, and it
@@ -122,6 +125,7 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     tool_call_parser: str | None = None,
+    max_waiting_requests: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine`. The app's lifespan shuts the engine down at exit."""
 
@@ -140,13 +144,34 @@ def build_app(
     responses = OpenAIServingResponses(engine, models, tool_call_parser)
     # Every message renders to at least one token, so more than the context cannot fit.
     max_messages = engine.model_config.max_model_len
+    def overloaded() -> Response | None:
+        """A 503 with Retry-After when the waiting requests reach --max-waiting-requests."""
+        if max_waiting_requests is None:
+            return None
+        config = engine.vllm_config
+        # Requests the engines run at once; admitted ones beyond it wait in their queues.
+        capacity = (config.scheduler_config.max_num_seqs
+                    * config.parallel_config.data_parallel_size)
+        waiting = engine.num_unfinished_requests - capacity
+        if waiting < max_waiting_requests:
+            return None
+        response = error_response(
+            f"The server is overloaded: {waiting} requests are waiting "
+            f"(--max-waiting-requests {max_waiting_requests}); retry later", 503)
+        response.headers["Retry-After"] = "1"
+        return response
 
     async def handle(
         raw_request: Request,
         model_cls: type[T] | Callable[[dict[str, Any]], type[T]],
         handler: Callable[[T, Request], Awaitable[Response]],
+        generates: bool = True,
     ) -> Response:
-        """`handler`'s response to the parsed body, or the 400/413 of one that does not parse."""
+        """`handler`'s response to the parsed body, or the 400/413 of one that does not parse
+        (or, for a request that generates, the 503 of an overloaded server, before the body is
+        read)."""
+        if generates and (shed := overloaded()) is not None:
+            return shed
         request = await parse_request(raw_request, model_cls, max_body_bytes, max_messages)
         if isinstance(request, Response):
             return request
@@ -202,12 +227,14 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
         """Token ids of a prompt, or of chat messages rendered by the chat template."""
-        return await handle(raw_request, tokenize_request_class, tokenization.tokenize)
+        return await handle(raw_request, tokenize_request_class, tokenization.tokenize,
+                            generates=False)
 
     @app.post("/detokenize")
     async def detokenize(raw_request: Request) -> Response:
         """The text of a list of token ids."""
-        return await handle(raw_request, DetokenizeRequest, tokenization.detokenize)
+        return await handle(raw_request, DetokenizeRequest, tokenization.detokenize,
+                            generates=False)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -314,7 +341,7 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
     KeyboardInterrupt (Ctrl-C, or SIGTERM as the CLI maps it) propagates after the cleanup.
     """
     app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes,
-                    options.tool_call_parser)
+                    options.tool_call_parser, options.max_waiting_requests)
     if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=options.allowed_origins,
