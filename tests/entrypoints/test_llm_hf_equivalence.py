@@ -157,7 +157,11 @@ def test_prompt_logprobs_equal_hf_log_softmax(
     params = [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3 if i % 2 else 0)
               for i in range(len(prompts))]
     params[0] = GREEDY
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    hits_before = kv.prefix_cache_stats.hits
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    # Only the request without prompt_logprobs may use (and count) its prefix-cache hits.
+    assert kv.prefix_cache_stats.hits - hits_before <= len(prompts[0])
     assert outputs[0].prompt_logprobs is None
     for prompt, p, out in list(zip(prompts, params, outputs))[1:]:
         with torch.inference_mode():

@@ -278,15 +278,17 @@ class Scheduler:
                 ):
                     skipped.append(self.waiting.popleft())
                     continue
-                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(
-                    request.request_id, request.all_token_ids,
-                    lora.cache_salt if lora is not None else None,
-                )
                 if request.sampling_params.prompt_logprobs is not None and not (
                     request.prompt_logprobs_sent
                 ):
-                    # Its prompt's logits are needed: a prefix-cache hit would skip them.
+                    # Its prompt's logits are needed: a prefix-cache hit would skip them (and
+                    # is not looked up, so the hit statistics count only hits that are used).
                     hit_blocks, num_hit = [], 0
+                else:
+                    hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(
+                        request.request_id, request.all_token_ids,
+                        lora.cache_salt if lora is not None else None,
+                    )
                 num_new = min(request.num_tokens - num_hit, budget)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks
