@@ -100,3 +100,21 @@ def build_checkpoint(name: str, path: Path, seed: int):
     hf.eval()
     hf.save_pretrained(path)
     return hf
+
+
+def capture_logits(llm) -> dict[str, list[torch.Tensor]]:
+    """Records, per engine request id, the logits row of every sampled token of `llm` (an
+    in-process LLM). Side effect: wraps its model runner's sample_tokens."""
+    runner = llm.llm_engine.engine_core.model_executor.worker.model_runner
+    captured: dict[str, list[torch.Tensor]] = {}
+    original = runner.sample_tokens
+
+    def sample_tokens(grammar_output):
+        step = runner._steps[0] if runner._steps else None  # the oldest unsampled step
+        if step is not None and step.logits is not None:
+            for i, req_id in enumerate(step.sampled_req_ids):
+                captured.setdefault(req_id, []).append(step.logits[i].float().cpu())
+        return original(grammar_output)
+
+    runner.sample_tokens = sample_tokens
+    return captured

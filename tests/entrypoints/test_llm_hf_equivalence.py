@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.utils_models import TINY, build_checkpoint
+from tests.utils_models import TINY, build_checkpoint, capture_logits
 from vllm import LLM, SamplingParams
 from vllm.model_executor.model_loader.demo_model import build_demo_model
 
@@ -37,23 +37,6 @@ def tokenizer_dir():
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in PROMPT_LENS]
-
-
-def _capture_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    """Records, per engine request id, the logits row of every sampled token."""
-    runner = llm.llm_engine.engine_core.model_executor.worker.model_runner
-    captured: dict[str, list[torch.Tensor]] = {}
-    original = runner.sample_tokens
-
-    def sample_tokens(grammar_output):
-        step = runner._steps[0] if runner._steps else None  # the oldest unsampled step
-        if step is not None and step.logits is not None:
-            for i, req_id in enumerate(step.sampled_req_ids):
-                captured.setdefault(req_id, []).append(step.logits[i].float().cpu())
-        return original(grammar_output)
-
-    runner.sample_tokens = sample_tokens
-    return captured
 
 
 def _check_against_hf(hf, prompts, outputs, captured) -> None:
@@ -85,7 +68,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 def test_plain_and_prefix_cache_hit(arch, checkpoints, tokenizer_dir) -> None:
     path, hf = checkpoints[arch]
     llm = _engine(path, tokenizer_dir, block_size=4)
-    captured = _capture_logits(llm)
+    captured = capture_logits(llm)
     prompts = _prompts(seed=1)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     _check_against_hf(hf, prompts, outputs, captured)
@@ -113,7 +96,7 @@ def test_chunked_prefill_and_preemption(arch, checkpoints, tokenizer_dir) -> Non
         path, tokenizer_dir, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
         num_gpu_blocks_override=14, enable_prefix_caching=False, max_model_len=48,
     )
-    captured = _capture_logits(llm)
+    captured = capture_logits(llm)
     prompts = _prompts(seed=2)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert max(PROMPT_LENS) > 16
@@ -130,7 +113,7 @@ def test_triton_backend_matches_hf(checkpoints, tokenizer_dir) -> None:
                   max_num_batched_tokens=16, max_num_seqs=4)
     model = llm.llm_engine.engine_core.model_executor.worker.model_runner.model
     assert model.attn_backend_cls.__name__ == "TritonAttentionBackend"
-    captured = _capture_logits(llm)
+    captured = capture_logits(llm)
     prompts = _prompts(seed=3)[:3]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     _check_against_hf(hf, prompts, outputs, captured)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.lora.utils import ALL_TARGETS, build_adapter
-from tests.utils_models import TINY, build_checkpoint
+from tests.utils_models import TINY, build_checkpoint, capture_logits
 from vllm import LLM, SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader.demo_model import build_demo_model
@@ -65,23 +65,6 @@ def _runner(llm: LLM):
     return llm.llm_engine.engine_core.model_executor.worker.model_runner
 
 
-def _capture_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    """Records, per engine request id, the logits row of every sampled token."""
-    runner = _runner(llm)
-    captured: dict[str, list[torch.Tensor]] = {}
-    original = runner.sample_tokens
-
-    def sample_tokens(grammar_output):
-        step = runner._steps[0] if runner._steps else None
-        if step is not None and step.logits is not None:
-            for i, req_id in enumerate(step.sampled_req_ids):
-                captured.setdefault(req_id, []).append(step.logits[i].float().cpu())
-        return original(grammar_output)
-
-    runner.sample_tokens = sample_tokens
-    return captured
-
-
 def _check_against(hf, prompt, out, captured) -> None:
     tokens = out.outputs[0].token_ids
     assert len(tokens) == MAX_TOKENS
@@ -119,7 +102,7 @@ def alone(qwen3, engine) -> dict[tuple[str | None, int], list[int]]:
 
 def test_each_adapter_matches_merged_peft_model(qwen3, engine) -> None:
     _, hf, adapters = qwen3
-    captured = _capture_logits(engine)
+    captured = capture_logits(engine)
     prompts = _prompts(2)
     base_out = engine.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, out in zip(prompts, base_out):
@@ -208,7 +191,7 @@ def test_llama_subset_adapter_matches_merged(tmp_path, tokenizer_dir) -> None:
     merged = build_adapter(hf, tmp_path / "adapter", seed=6, targets=["k_proj", "o_proj",
                                                                        "up_proj"], r=3)
     llm = _engine(tmp_path / "model", tokenizer_dir, max_lora_rank=8)
-    captured = _capture_logits(llm)
+    captured = capture_logits(llm)
     lora = LoRARequest("llama-adapter", 7, str(tmp_path / "adapter"))
     prompts = _prompts(3)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora)

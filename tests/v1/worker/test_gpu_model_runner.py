@@ -70,10 +70,9 @@ def _penalized_outputs(async_scheduling: bool) -> list:
         llm.shutdown()
 
 
-def test_penalties_count_tokens_still_on_the_device_without_waiting(monkeypatch) -> None:
-    """With no host copy ever landing on its own, penalties must count the in-flight tokens
-    from the device and never wait for a copy; tokens and logprobs equal the sync engine's."""
-    want = _penalized_outputs(False)
+def _copies_never_land(monkeypatch) -> list[bool]:
+    """Makes no device-to-host copy count as landed on its own (as on a busy GPU); returns
+    the `block` argument of every settle the runner makes from then on."""
     monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: False)
     settle = gpu_model_runner.GPUModelRunner._settle
     blocking: list[bool] = []
@@ -83,6 +82,14 @@ def test_penalties_count_tokens_still_on_the_device_without_waiting(monkeypatch)
         settle(self, block)
 
     monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "_settle", spy)
+    return blocking
+
+
+def test_penalties_count_tokens_still_on_the_device_without_waiting(monkeypatch) -> None:
+    """With no host copy ever landing on its own, penalties must count the in-flight tokens
+    from the device and never wait for a copy; tokens and logprobs equal the sync engine's."""
+    want = _penalized_outputs(False)
+    blocking = _copies_never_land(monkeypatch)
     got = _penalized_outputs(True)
     assert blocking and not any(blocking), "a step waited for a device-to-host copy"
     for a, b in zip(got, want, strict=True):
@@ -104,15 +111,7 @@ def test_bad_words_read_tokens_still_on_the_device_without_waiting(monkeypatch) 
     free, _ = _run(False, [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)]
                    * len(prompts))
     assert any(a != b for a, b in zip(want[::2], free[::2]))
-    monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: False)
-    settle = gpu_model_runner.GPUModelRunner._settle
-    blocking: list[bool] = []
-
-    def spy(self, block: bool) -> None:
-        blocking.append(block)
-        settle(self, block)
-
-    monkeypatch.setattr(gpu_model_runner.GPUModelRunner, "_settle", spy)
+    blocking = _copies_never_land(monkeypatch)
     got, _ = _run(True, params)
     assert blocking and not any(blocking), "a step waited for a device-to-host copy"
     assert got == want
