@@ -18,12 +18,11 @@ from safetensors.torch import load_file, save_file
 from tests.entrypoints.test_llm_hf_equivalence import (
     GREEDY,
     _assert_pool_full,
-    _capture_logits,
     _check_against_hf,
     _engine,
     _prompts,
 )
-from tests.utils_models import build_checkpoint
+from tests.utils_models import build_checkpoint, capture_logits
 from vllm.config import ModelConfig
 from vllm.model_executor.layers.fused_moe import FusedMoE
 from vllm.model_executor.model_loader.loader import get_model
@@ -60,7 +59,7 @@ def test_engine_matches_hf(arch: str, checkpoints, tokenizer_dir: str) -> None:
     # 16 tokens per step splits the longer prompts into chunks, so decode and prefill
     # tokens of different requests share MoE layers.
     llm = _engine(path, tokenizer_dir, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
-    captured = _capture_logits(llm)
+    captured = capture_logits(llm)
     prompts = _prompts(seed=4)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     _check_against_hf(hf, prompts, outputs, captured)
@@ -127,7 +126,7 @@ def test_triton_backend_matches_hf(checkpoints, tokenizer_dir: str,
     llm = _engine(path, tokenizer_dir, block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
     model = llm.llm_engine.engine_core.model_executor.worker.model_runner.model
     assert model.model.layers[0].mlp.experts.backend == "triton"
-    captured = _capture_logits(llm)
+    captured = capture_logits(llm)
     prompts = _prompts(seed=5)[:3]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     _check_against_hf(hf, prompts, outputs, captured)
