@@ -49,11 +49,6 @@ class LoRAAdapter:
     rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def num_bytes(self) -> int:
-        """Host memory the tensors take."""
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
 
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(in, out) features of each targetable projection of a dense Llama-family config."""

@@ -41,7 +41,6 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(context)
         self._prefix_text = context_text
-        self._num_context = len(context)
         self._chunks: list[str] = []
         self._text = ""
         self._num_output_tokens = 0

@@ -51,7 +51,7 @@ def test_modes_and_their_constraints() -> None:
     assert not fmt["stop_after_first"]
     assert plan(parallel_tool_calls=False).constraint()[1]["format"]["stop_after_first"]
     non_strict = plan(tools=[{"type": "function", "function": {"name": "f"}}])
-    assert non_strict.constraint() is None and not non_strict.constrained
+    assert non_strict.constraint() is None
 
 
 @pytest.mark.parametrize("parallel", [None, False])

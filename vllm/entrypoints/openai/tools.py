@@ -63,11 +63,6 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
 
-    @property
-    def constrained(self) -> bool:
-        """True when the plan brings its own output constraint."""
-        return self.mode in ("required", "named") or (self.mode == "auto" and bool(self.strict))
-
     def constraint(self) -> tuple[str, Any] | None:
         """(StructuredOutputsParams field, value) of the plan's constraint, or None."""
         if self.mode == "named":

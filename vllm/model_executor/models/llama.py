@@ -386,10 +386,6 @@ class LlamaForCausalLM(nn.Module):
             name = name.replace(ours, theirs)
         return name
 
-    def checkpoint_names(self) -> set[str]:
-        """Names of the checkpoint tensors this rank needs."""
-        return set(self._checkpoint_targets())
-
     def _held_elsewhere(self, name: str) -> bool:
         """Whether a checkpoint tensor this rank lacks belongs to another pipeline stage."""
         match = _LAYER_TENSOR.match(name)

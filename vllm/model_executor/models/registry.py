@@ -23,11 +23,6 @@ def _classes() -> dict[str, type[nn.Module]]:
     }
 
 
-def supported_architectures() -> list[str]:
-    """Architecture names get_model_class accepts."""
-    return sorted(_classes())
-
-
 def get_model_class(architectures: list[str]) -> type[nn.Module]:
     """Returns the class for the first supported name in a config's ``architectures``.
 
