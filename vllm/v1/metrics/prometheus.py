@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -61,50 +61,55 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """The current values (called by the registry on every scrape)."""
-        labels = ["model_name"]
-        values = [self.model_name]
+        yield from self._server_metrics()
+        if self.stats is not None:
+            yield from self._engine_metrics(self.stats)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(values, value)
-            return g
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], value)
+        return g
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(values, value)
-            return c
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([self.model_name], value)
+        return c
 
-        yield gauge("vllm:engine_alive", "1 while the engine-core process serves.",
-                    1.0 if self.engine_alive else 0.0)
+    def _server_metrics(self) -> Iterator[Metric]:
+        """What the API server knows without an engine snapshot: liveness and routing."""
+        yield self._gauge("vllm:engine_alive", "1 while the engine-core process serves.",
+                          1.0 if self.engine_alive else 0.0)
         # Engines never come back, so counting the dead ones now is a valid counter.
         if self.engines is not None:
             num_dead = sum(1 for state in self.engines() if not state.alive)
         else:
             num_dead = 0 if self.engine_alive else 1
-        yield counter("vllm:engine_dead",
-                      "Engine cores that died (a worker died, the process was killed, or a "
-                      "step failed) since startup.", num_dead)
-        yield gauge("vllm:num_requests_api_server",
-                    "Requests the API server is still tracking (admitted, not yet finished).",
-                    self.num_frontend_requests)
-        if self.engines is not None:
-            routed = CounterMetricFamily(
-                "vllm:data_parallel_requests_routed",
-                "Requests the API server sent to each data-parallel engine core.",
-                labels=labels + ["engine"],
-            )
-            alive = GaugeMetricFamily(
-                "vllm:data_parallel_engine_alive", "1 while the data-parallel engine serves.",
-                labels=labels + ["engine"],
-            )
-            for state in self.engines():
-                routed.add_metric(values + [str(state.index)], state.num_routed)
-                alive.add_metric(values + [str(state.index)], 1.0 if state.alive else 0.0)
-            yield routed
-            yield alive
-        s = self.stats
-        if s is None:
+        yield self._counter("vllm:engine_dead",
+                            "Engine cores that died (a worker died, the process was killed, "
+                            "or a step failed) since startup.", num_dead)
+        yield self._gauge("vllm:num_requests_api_server",
+                          "Requests the API server is still tracking (admitted, not yet "
+                          "finished).", self.num_frontend_requests)
+        if self.engines is None:
             return
+        labels = ["model_name", "engine"]
+        routed = CounterMetricFamily(
+            "vllm:data_parallel_requests_routed",
+            "Requests the API server sent to each data-parallel engine core.", labels=labels,
+        )
+        alive = GaugeMetricFamily(
+            "vllm:data_parallel_engine_alive", "1 while the data-parallel engine serves.",
+            labels=labels,
+        )
+        for state in self.engines():
+            routed.add_metric([self.model_name, str(state.index)], state.num_routed)
+            alive.add_metric([self.model_name, str(state.index)], 1.0 if state.alive else 0.0)
+        yield routed
+        yield alive
+
+    def _engine_metrics(self, s: EngineCoreStats) -> Iterator[Metric]:
+        """The engine core's latest snapshot: queues, KV cache, prefix cache, drafts."""
+        gauge, counter = self._gauge, self._counter
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
                     s.num_waiting)
@@ -141,10 +146,10 @@ class _EngineCollector(Collector):
             "vllm:structured_output_backend",
             "Structured-output constraints compiled in the engine, by backend and reason "
             "(fallback: an earlier backend could not enforce the constraint exactly).",
-            labels=labels + ["backend", "reason"],
+            labels=["model_name", "backend", "reason"],
         )
         for backend, reason, count in s.grammar_backends:
-            choices.add_metric(values + [backend, reason], count)
+            choices.add_metric([self.model_name, backend, reason], count)
         yield choices
 
 
@@ -168,45 +173,48 @@ class PrometheusMetrics:
             labels + ["finished_reason"], registry=reg,
         )
         self._model_name = model_name
-        self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self._tpot = Histogram(
+
+        def histogram(name: str, doc: str, buckets) -> Any:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self._ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self._tpot = histogram(
             "vllm:time_per_output_token_seconds", "Mean time per output token of a request.",
-            labels, buckets=_TPOT_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to finish of a request.", labels,
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        ).labels(model_name)
+            _TPOT_BUCKETS,
+        )
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish of a request.",
+            _LATENCY_BUCKETS,
+        )
         # Upstream vLLM's names, beside ours: one observation per finished request (the
         # inter-token one per step that gave a request new tokens after its first).
-        self._itl = Histogram(
+        self._itl = histogram(
             "vllm:inter_token_latency_seconds", "Time between a request's successive outputs.",
-            labels, buckets=_ITL_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self._queue_time = Histogram(
+            _ITL_BUCKETS,
+        )
+        self._queue_time = histogram(
             "vllm:request_queue_time_seconds", "Arrival to first schedule of a request.",
-            labels, buckets=_PHASE_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self._prefill_time = Histogram(
+            _PHASE_BUCKETS,
+        )
+        self._prefill_time = histogram(
             "vllm:request_prefill_time_seconds", "First schedule to first token of a request.",
-            labels, buckets=_PHASE_BUCKETS, registry=reg,
-        ).labels(model_name)
-        self._decode_time = Histogram(
+            _PHASE_BUCKETS,
+        )
+        self._decode_time = histogram(
             "vllm:request_decode_time_seconds", "First token to last token of a request.",
-            labels, buckets=_PHASE_BUCKETS, registry=reg,
-        ).labels(model_name)
+            _PHASE_BUCKETS,
+        )
         token_bucket_list = token_buckets(max_model_len)
-        self._request_prompt_tokens = Histogram(
+        self._request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens of a finished request.",
-            labels, buckets=token_bucket_list, registry=reg,
-        ).labels(model_name)
-        self._request_generation_tokens = Histogram(
+            token_bucket_list,
+        )
+        self._request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Tokens a finished request generated.",
-            labels, buckets=token_bucket_list, registry=reg,
-        ).labels(model_name)
+            token_bucket_list,
+        )
         self._compile = Histogram(
             "vllm:structured_output_compile_seconds",
             "Compile time of structured-output constraints checked before admission.",
