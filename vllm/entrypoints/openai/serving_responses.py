@@ -369,93 +369,24 @@ class OpenAIServingResponses(OpenAIServingChat):
     ) -> AsyncIterator[str]:
         """OpenAI's Responses stream events: created, in_progress, then each output item
         (added, its deltas, done) as the model writes it, then completed (or incomplete)."""
-        sequence = 0
-
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal sequence
-            body = {"type": kind, "sequence_number": sequence, **fields}
-            sequence += 1
-            return f"event: {kind}\n" + sse(_dumps(body))
-
+        events = _ResponseEvents()
         response = self._base(request, request_id, created, model)
-        yield event("response.created", response=response.model_dump(mode="json"))
-        yield event("response.in_progress", response=response.model_dump(mode="json"))
+        yield events.emit("response.created", response=response.model_dump(mode="json"))
+        yield events.emit("response.in_progress", response=response.model_dump(mode="json"))
         parser = self.reasoning_parser
         plan = self.tool_plan(request)
         splitter: ReasoningStream | None = None
         tools = ToolCallStream(plan) if plan is not None else None
-        output: list[dict[str, Any]] = []
-        # The item being written: ("reasoning" | "message", its id, its text so far).
-        current: list[Any] | None = None
         text_all = ""
         token_ids: list[int] = []
         final_out: RequestOutput | None = None
         finish_reason: str | None = None
-
-        def close_current() -> list[str]:
-            nonlocal current
-            if current is None:
-                return []
-            kind, item_id, text = current
-            current = None
-            index = len(output)
-            if kind == "reasoning":
-                item = _reasoning_item(item_id, text, "completed")
-                events = [
-                    event("response.reasoning_text.done", item_id=item_id, output_index=index,
-                          content_index=0, text=text),
-                    event("response.content_part.done", item_id=item_id, output_index=index,
-                          content_index=0, part={"type": "reasoning_text", "text": text}),
-                ]
-            else:
-                item = _message_item(item_id, text, "completed")
-                part = item["content"][0]
-                events = [
-                    event("response.output_text.done", item_id=item_id, output_index=index,
-                          content_index=0, text=text, logprobs=[]),
-                    event("response.content_part.done", item_id=item_id, output_index=index,
-                          content_index=0, part=part),
-                ]
-            output.append(item)
-            events.append(event("response.output_item.done", output_index=index, item=item))
-            return events
-
-        def write(kind: str, delta: str) -> list[str]:
-            nonlocal current
-            events: list[str] = []
-            if current is not None and current[0] != kind:
-                events += close_current()
-            if current is None:
-                item_id = _item_id("rs" if kind == "reasoning" else "msg")
-                current = [kind, item_id, ""]
-                index = len(output)
-                if kind == "reasoning":
-                    added = {"type": "reasoning", "id": item_id, "summary": [],
-                             "content": [], "status": "in_progress"}
-                    part = {"type": "reasoning_text", "text": ""}
-                else:
-                    added = {"type": "message", "id": item_id, "role": "assistant",
-                             "content": [], "status": "in_progress"}
-                    part = {"type": "output_text", "text": "", "annotations": [],
-                            "logprobs": []}
-                events.append(event("response.output_item.added", output_index=index,
-                                    item=added))
-                events.append(event("response.content_part.added", item_id=item_id,
-                                    output_index=index, content_index=0, part=part))
-            current[2] += delta
-            name = ("response.reasoning_text.delta" if kind == "reasoning"
-                    else "response.output_text.delta")
-            extra = {} if kind == "reasoning" else {"logprobs": []}
-            events.append(event(name, item_id=current[1], output_index=len(output),
-                                content_index=0, delta=delta, **extra))
-            return events
-
         async for _, out in merge_streams(streams):
             final_out = out
             if (failed := finish_error([out])) is not None:
                 response.status = "failed"
                 response.error = {"code": failed.err_type, "message": failed.message}
-                yield event("response.failed", response=response.model_dump(mode="json"))
+                yield events.emit("response.failed", response=response.model_dump(mode="json"))
                 return
             for c in out.outputs:
                 text_all += c.text
@@ -468,16 +399,16 @@ class OpenAIServingResponses(OpenAIServingChat):
                                                    parser.initial_state(out.prompt_token_ids))
                     reasoning, content = splitter.update(c.text, c.token_ids)
                 if reasoning:
-                    for e in write("reasoning", reasoning):
+                    for e in events.write("reasoning", reasoning):
                         yield e
                 if tools is not None:
                     content, _ = tools.update(content or "")
                     if c.finish_reason is not None and (rest := tools.finish()) is not None:
                         content = (content or "") + rest
                 if content:
-                    for e in write("message", content):
+                    for e in events.write("message", content):
                         yield e
-        for e in close_current():
+        for e in events.close_current():
             yield e
         # Tool calls are whole items: each is announced once the reply is complete.
         num_reasoning = 0
@@ -486,25 +417,110 @@ class OpenAIServingResponses(OpenAIServingChat):
                                      finish_reason=finish_reason)
             _, _, calls, num_reasoning = self._split(final_out, whole, request)
             for call in calls:
-                item = _call_item(call, "completed")
-                index = len(output)
-                yield event("response.output_item.added", output_index=index,
-                            item={**item, "arguments": "", "status": "in_progress"})
-                yield event("response.function_call_arguments.delta", item_id=item["id"],
-                            output_index=index, delta=call.arguments)
-                yield event("response.function_call_arguments.done", item_id=item["id"],
-                            output_index=index, arguments=call.arguments)
-                output.append(item)
-                yield event("response.output_item.done", output_index=index, item=item)
-        response.output = output
+                for e in events.call(call):
+                    yield e
+        response.output = events.output
         cut = finish_reason == "length"
         response.status = "incomplete" if cut else "completed"
         if cut:
             response.incomplete_details = {"reason": "max_output_tokens"}
         if final_out is not None:
             response.usage = _usage(final_out, len(token_ids), num_reasoning)
-        yield event("response.incomplete" if cut else "response.completed",
-                    response=response.model_dump(mode="json"))
+        yield events.emit("response.incomplete" if cut else "response.completed",
+                          response=response.model_dump(mode="json"))
+
+
+class _ResponseEvents:
+    """The server-sent events of one Responses stream and the output items they build.
+
+    Numbers every event; text arrives as deltas of the item being written (reasoning or
+    message), which is closed when the other kind starts or the reply ends.
+    """
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        # The item being written: ("reasoning" | "message", its id, its text so far).
+        self.current: list[Any] | None = None
+
+    def emit(self, kind: str, **fields: Any) -> str:
+        """One event, numbered in stream order."""
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\n" + sse(_dumps(body))
+
+    def write(self, kind: str, delta: str) -> list[str]:
+        """Events for `delta` of a `kind` item, opening the item (and closing the other
+        kind's) when needed."""
+        events: list[str] = []
+        if self.current is not None and self.current[0] != kind:
+            events += self.close_current()
+        index = len(self.output)
+        if self.current is None:
+            item_id = _item_id("rs" if kind == "reasoning" else "msg")
+            self.current = [kind, item_id, ""]
+            if kind == "reasoning":
+                added = {"type": "reasoning", "id": item_id, "summary": [],
+                         "content": [], "status": "in_progress"}
+                part = {"type": "reasoning_text", "text": ""}
+            else:
+                added = {"type": "message", "id": item_id, "role": "assistant",
+                         "content": [], "status": "in_progress"}
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events.append(self.emit("response.output_item.added", output_index=index,
+                                    item=added))
+            events.append(self.emit("response.content_part.added", item_id=item_id,
+                                    output_index=index, content_index=0, part=part))
+        self.current[2] += delta
+        name = ("response.reasoning_text.delta" if kind == "reasoning"
+                else "response.output_text.delta")
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        events.append(self.emit(name, item_id=self.current[1], output_index=index,
+                                content_index=0, delta=delta, **extra))
+        return events
+
+    def close_current(self) -> list[str]:
+        """Events that finish the item being written (none if no item is open)."""
+        if self.current is None:
+            return []
+        kind, item_id, text = self.current
+        self.current = None
+        index = len(self.output)
+        if kind == "reasoning":
+            item = _reasoning_item(item_id, text, "completed")
+            events = [
+                self.emit("response.reasoning_text.done", item_id=item_id, output_index=index,
+                          content_index=0, text=text),
+                self.emit("response.content_part.done", item_id=item_id, output_index=index,
+                          content_index=0, part={"type": "reasoning_text", "text": text}),
+            ]
+        else:
+            item = _message_item(item_id, text, "completed")
+            events = [
+                self.emit("response.output_text.done", item_id=item_id, output_index=index,
+                          content_index=0, text=text, logprobs=[]),
+                self.emit("response.content_part.done", item_id=item_id, output_index=index,
+                          content_index=0, part=item["content"][0]),
+            ]
+        self.output.append(item)
+        events.append(self.emit("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def call(self, call: ToolCall) -> list[str]:
+        """Events announcing one whole function-call item."""
+        item = _call_item(call, "completed")
+        index = len(self.output)
+        events = [
+            self.emit("response.output_item.added", output_index=index,
+                      item={**item, "arguments": "", "status": "in_progress"}),
+            self.emit("response.function_call_arguments.delta", item_id=item["id"],
+                      output_index=index, delta=call.arguments),
+            self.emit("response.function_call_arguments.done", item_id=item["id"],
+                      output_index=index, arguments=call.arguments),
+        ]
+        self.output.append(item)
+        events.append(self.emit("response.output_item.done", output_index=index, item=item))
+        return events
 
 
 def _dumps(body: dict[str, Any]) -> str:
