@@ -138,30 +138,49 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__, lifespan=lifespan)
-    completion = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models, tool_call_parser)
-    tokenization = OpenAIServingTokenization(chat, models)
-    responses = OpenAIServingResponses(engine, models, tool_call_parser)
-    # Every message renders to at least one token, so more than the context cannot fit.
-    max_messages = engine.model_config.max_model_len
-    def overloaded() -> Response | None:
+    add_status_routes(app, engine, models, metrics)
+    if models.lora_validator is not None:
+        add_lora_routes(app, models)
+    gate = RequestGate(engine, max_body_bytes, max_waiting_requests)
+    add_openai_routes(app, engine, models, gate, tool_call_parser)
+    add_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+class RequestGate:
+    """What every API request passes before its handler: the overload check (requests that
+    generate only) and parsing the body into its request model."""
+
+    def __init__(
+        self, engine: AsyncLLM, max_body_bytes: int, max_waiting_requests: int | None
+    ) -> None:
+        self.engine = engine
+        self.max_body_bytes = max_body_bytes
+        self.max_waiting_requests = max_waiting_requests
+        # Every message renders to at least one token, so more than the context cannot fit.
+        self.max_messages = engine.model_config.max_model_len
+
+    def overloaded(self) -> Response | None:
         """A 503 with Retry-After when the waiting requests reach --max-waiting-requests."""
-        if max_waiting_requests is None:
+        if self.max_waiting_requests is None:
             return None
-        config = engine.vllm_config
+        config = self.engine.vllm_config
         # Requests the engines run at once; admitted ones beyond it wait in their queues.
         capacity = (config.scheduler_config.max_num_seqs
                     * config.parallel_config.data_parallel_size)
-        waiting = engine.num_unfinished_requests - capacity
-        if waiting < max_waiting_requests:
+        waiting = self.engine.num_unfinished_requests - capacity
+        if waiting < self.max_waiting_requests:
             return None
         response = error_response(
             f"The server is overloaded: {waiting} requests are waiting "
-            f"(--max-waiting-requests {max_waiting_requests}); retry later", 503)
+            f"(--max-waiting-requests {self.max_waiting_requests}); retry later", 503)
         response.headers["Retry-After"] = "1"
         return response
 
     async def handle(
+        self,
         raw_request: Request,
         model_cls: type[T] | Callable[[dict[str, Any]], type[T]],
         handler: Callable[[T, Request], Awaitable[Response]],
@@ -170,12 +189,23 @@ def build_app(
         """`handler`'s response to the parsed body, or the 400/413 of one that does not parse
         (or, for a request that generates, the 503 of an overloaded server, before the body is
         read)."""
-        if generates and (shed := overloaded()) is not None:
+        if generates and (shed := self.overloaded()) is not None:
             return shed
-        request = await parse_request(raw_request, model_cls, max_body_bytes, max_messages)
+        request = await parse_request(
+            raw_request, model_cls, self.max_body_bytes, self.max_messages
+        )
         if isinstance(request, Response):
             return request
         return await handler(request, raw_request)
+
+
+def add_status_routes(
+    app: FastAPI,
+    engine: AsyncLLM,
+    models: OpenAIServingModels,
+    metrics: PrometheusMetrics | None,
+) -> None:
+    """GET /health, /version, /metrics and /v1/models."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -206,35 +236,52 @@ def build_app(
         """The served models."""
         return json_response(models.show_available_models())
 
-    if models.lora_validator is not None:
-        add_lora_routes(app, models)
+
+def add_openai_routes(
+    app: FastAPI,
+    engine: AsyncLLM,
+    models: OpenAIServingModels,
+    gate: RequestGate,
+    tool_call_parser: str | None,
+) -> None:
+    """POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize."""
+    completion = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models, tool_call_parser)
+    tokenization = OpenAIServingTokenization(chat, models)
+    responses = OpenAIServingResponses(engine, models, tool_call_parser)
 
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
         """OpenAI completions (streaming with stream=true)."""
-        return await handle(raw_request, CompletionRequest, completion.create_completion)
+        return await gate.handle(raw_request, CompletionRequest, completion.create_completion)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw_request: Request) -> Response:
         """OpenAI chat completions (streaming with stream=true)."""
-        return await handle(raw_request, ChatCompletionRequest, chat.create_chat_completion)
+        return await gate.handle(raw_request, ChatCompletionRequest,
+                                 chat.create_chat_completion)
 
     @app.post("/v1/responses")
     async def create_response(raw_request: Request) -> Response:
         """OpenAI Responses (streaming with stream=true)."""
-        return await handle(raw_request, ResponsesRequest, responses.create_response)
+        return await gate.handle(raw_request, ResponsesRequest, responses.create_response)
 
     @app.post("/tokenize")
     async def tokenize(raw_request: Request) -> Response:
         """Token ids of a prompt, or of chat messages rendered by the chat template."""
-        return await handle(raw_request, tokenize_request_class, tokenization.tokenize,
-                            generates=False)
+        return await gate.handle(raw_request, tokenize_request_class, tokenization.tokenize,
+                                 generates=False)
 
     @app.post("/detokenize")
     async def detokenize(raw_request: Request) -> Response:
         """The text of a list of token ids."""
-        return await handle(raw_request, DetokenizeRequest, tokenization.detokenize,
-                            generates=False)
+        return await gate.handle(raw_request, DetokenizeRequest, tokenization.detokenize,
+                                 generates=False)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Errors in OpenAI's shape: route/method errors keep their status, anything else is a
+    logged 500."""
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -246,10 +293,6 @@ def build_app(
         """Anything unexpected: a 500 in OpenAI's error shape, logged."""
         logger.exception("unhandled error")
         return error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)
-
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    return app
 
 
 def add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
