@@ -279,6 +279,23 @@ def _check_inputs(
         raise ValueError(f"num_splits: must be a power of two >= 1, got {num_splits}")
 
 
+def _partials(
+    query: torch.Tensor, out: torch.Tensor, num_tokens: int, num_splits: int, head_pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-segment accumulator, running max and sum that split-KV programs write for the
+    merge kernel (with one segment the kernel ignores them, so `out` stands in)."""
+    if num_splits == 1:
+        return out, out, out
+    num_heads = query.shape[1]
+    part_acc = torch.empty(
+        (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
+    )
+    part_max = torch.empty(
+        (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
+    )
+    return part_acc, part_max, torch.empty_like(part_max)
+
+
 def unified_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -331,39 +348,12 @@ def unified_attention(
     f32_dot = query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16)
     num_q_blocks = num_tokens // block_q + num_reqs
 
-    if split:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32,
-            device=query.device,
-        )
-        part_max = torch.empty(
-            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
-        )
-        part_sum = torch.empty_like(part_max)
-    else:
-        # Unused by the kernel when SPLIT is off; any tensor satisfies the signature.
-        part_acc = part_max = part_sum = out
-
+    part_acc, part_max, part_sum = _partials(query, out, num_tokens, num_splits, head_pad)
     _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
-        query,
-        key_cache,
-        value_cache,
-        out,
-        part_acc,
-        part_max,
-        part_sum,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        *out.stride(),
-        block_table.stride(0),
-        num_reqs,
-        num_heads,
-        head_size,
-        scale * _LOG2E,
+        query, key_cache, value_cache, out, part_acc, part_max, part_sum,
+        query_start_loc, seq_lens, block_table,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+        block_table.stride(0), num_reqs, num_heads, head_size, scale * _LOG2E,
         QPK=qpk,
         QPK_PAD=qpk_pad,
         BLOCK_M=block_m,
@@ -379,13 +369,6 @@ def unified_attention(
     )
     if split:
         _merge_segments_kernel[(num_tokens, num_heads)](
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            *out.stride(),
-            num_heads,
-            head_size,
-            HEAD_PAD=head_pad,
-            NUM_SEGS=num_splits,
+            out, part_acc, part_max, part_sum, *out.stride(), num_heads, head_size,
+            HEAD_PAD=head_pad, NUM_SEGS=num_splits,
         )
