@@ -42,6 +42,7 @@ from vllm.entrypoints.openai.serving_tokenization import (
     OpenAIServingTokenization,
     tokenize_request_class,
 )
+from vllm.entrypoints.openai.drain import DrainingServer
 from vllm.exceptions import clean_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
@@ -50,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T", bound=OpenAIBaseModel)
 
-# Seconds uvicorn waits for open responses after Ctrl-C before closing them.
+# Seconds uvicorn waits for open responses once the drain ended them (they only have an
+# error event and [DONE] left to send).
 GRACEFUL_SHUTDOWN_S = 5
 
 
@@ -80,6 +82,8 @@ class ServerOptions:
     # Overload: a new generation request gets a 503 with Retry-After when this many
     # admitted requests already wait beyond what the engines run at once (None: no bound).
     max_waiting_requests: int | None = None
+    # Graceful shutdown: seconds the running requests may finish after SIGTERM/SIGINT.
+    shutdown_timeout: float = 5.0
 
 
 # The one route open without the API key: load balancers and orchestrators probe it, and it
@@ -142,6 +146,7 @@ def build_app(
     if models.lora_validator is not None:
         add_lora_routes(app, models)
     gate = RequestGate(engine, max_body_bytes, max_waiting_requests)
+    app.state.gate = gate
     add_openai_routes(app, engine, models, gate, tool_call_parser)
     add_error_handlers(app)
     if api_key:
@@ -150,8 +155,8 @@ def build_app(
 
 
 class RequestGate:
-    """What every API request passes before its handler: the overload check (requests that
-    generate only) and parsing the body into its request model."""
+    """What every API request passes before its handler: the shutdown and overload checks
+    (requests that generate only) and parsing the body into its request model."""
 
     def __init__(
         self, engine: AsyncLLM, max_body_bytes: int, max_waiting_requests: int | None
@@ -161,9 +166,14 @@ class RequestGate:
         self.max_waiting_requests = max_waiting_requests
         # Every message renders to at least one token, so more than the context cannot fit.
         self.max_messages = engine.model_config.max_model_len
+        # Set by a graceful shutdown: new generation requests are refused from then on.
+        self.draining = False
 
-    def overloaded(self) -> Response | None:
-        """A 503 with Retry-After when the waiting requests reach --max-waiting-requests."""
+    def refusal(self) -> Response | None:
+        """A 503 with Retry-After while the server shuts down or when the waiting requests
+        reach --max-waiting-requests; None when the request may proceed."""
+        if self.draining:
+            return _retry_later("The server is shutting down; retry on another server")
         if self.max_waiting_requests is None:
             return None
         config = self.engine.vllm_config
@@ -173,11 +183,9 @@ class RequestGate:
         waiting = self.engine.num_unfinished_requests - capacity
         if waiting < self.max_waiting_requests:
             return None
-        response = error_response(
+        return _retry_later(
             f"The server is overloaded: {waiting} requests are waiting "
-            f"(--max-waiting-requests {self.max_waiting_requests}); retry later", 503)
-        response.headers["Retry-After"] = "1"
-        return response
+            f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
 
     async def handle(
         self,
@@ -189,14 +197,20 @@ class RequestGate:
         """`handler`'s response to the parsed body, or the 400/413 of one that does not parse
         (or, for a request that generates, the 503 of an overloaded server, before the body is
         read)."""
-        if generates and (shed := self.overloaded()) is not None:
-            return shed
+        if generates and (refused := self.refusal()) is not None:
+            return refused
         request = await parse_request(
             raw_request, model_cls, self.max_body_bytes, self.max_messages
         )
         if isinstance(request, Response):
             return request
         return await handler(request, raw_request)
+
+
+def _retry_later(message: str) -> Response:
+    response = error_response(message, 503)
+    response.headers["Retry-After"] = "1"
+    return response
 
 
 def add_status_routes(
@@ -358,12 +372,11 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
 
 
 async def serve_http(
-    app: FastAPI, sock: socket.socket, log_level: str = "info",
-    options: ServerOptions | None = None,
+    app: FastAPI, engine: AsyncLLM, sock: socket.socket, options: ServerOptions
 ) -> None:
-    """Serves `app` on `sock` until SIGINT/SIGTERM (uvicorn re-raises the signal after its
-    graceful shutdown); HTTPS when `options` carries a key and certificate."""
-    options = options or ServerOptions()
+    """Serves `app` on `sock` until SIGINT/SIGTERM, then drains (DrainingServer; the signal
+    is re-raised after shutdown); HTTPS when `options` carries a key and certificate."""
+    log_level = options.uvicorn_log_level
     config = uvicorn.Config(
         app,
         log_level=log_level,
@@ -373,7 +386,7 @@ async def serve_http(
         ssl_certfile=options.ssl_certfile,
         root_path=options.root_path,
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, engine, app.state.gate, options.shutdown_timeout)
     await server.serve(sockets=[sock])
 
 
@@ -392,7 +405,7 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
             allow_credentials=options.allow_credentials,
         )
     try:
-        asyncio.run(serve_http(app, sock, options.uvicorn_log_level, options))
+        asyncio.run(serve_http(app, engine, sock, options))
     finally:
         engine.shutdown()
         sock.close()

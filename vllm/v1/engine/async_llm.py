@@ -402,26 +402,33 @@ class AsyncLLM:
             self.last_stats = self.last_stats.of_dead_engine()
         if self.metrics is not None:
             self.metrics.record_engine_dead()
-        error = EngineDeadError(reason)
-        for request_id in list(self._requests):
-            tracked = self._requests[request_id]
-            self.output_processor.abort_request(request_id)
-            self._forget(request_id, finish_reason="error")
-            tracked.stream.fail(error)
+        self._fail_all(EngineDeadError(reason), finish_reason="error")
 
     # ------------------------------------------------------------------ shutdown
+
+    def fail_requests(self, reason: str) -> None:
+        """Ends every request in flight: its stream raises EngineDeadError(reason) (a 503;
+        a stream's error event) and the engine stops computing it. The engine keeps serving."""
+        engine_ids = self._fail_all(EngineDeadError(reason), finish_reason="abort")
+        if engine_ids and self._dead_reason is None:
+            self.engine_core.abort_requests(engine_ids)
+
+    def _fail_all(self, error: BaseException, finish_reason: str) -> list[str]:
+        """Fails every tracked request's stream with `error`; returns their engine ids."""
+        engine_ids: list[str] = []
+        for request_id in list(self._requests):
+            tracked = self._requests[request_id]
+            engine_ids += self.output_processor.abort_request(request_id)
+            self._forget(request_id, finish_reason=finish_reason)
+            tracked.stream.fail(error)
+        return engine_ids
 
     def shutdown(self) -> None:
         """Stops the engine process and fails requests still in flight. Idempotent."""
         if self._shut_down:
             return
         self._shut_down = True
-        error = EngineDeadError("the engine is shutting down")
-        for request_id in list(self._requests):
-            tracked = self._requests[request_id]
-            self.output_processor.abort_request(request_id)
-            self._forget(request_id, finish_reason="abort")
-            tracked.stream.fail(error)
+        self._fail_all(EngineDeadError("the engine is shutting down"), finish_reason="abort")
         self.engine_core.shutdown()
         self.structured_output_manager.shutdown()
 
