@@ -96,8 +96,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help='Allow tool_choice "auto": the model decides whether to call '
                         "tools, and --tool-call-parser reads the calls out of its text.")
     parser.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
-                        help="How the model writes tool calls (hermes: Qwen's "
-                        "<tool_call>{...}</tool_call>); needed by --enable-auto-tool-choice.")
+                        help="How the model writes tool calls: hermes (Qwen 2.5/3: "
+                        "<tool_call>{json}</tool_call>), qwen3_xml / qwen3_coder (Qwen3-Coder: "
+                        "<function=...><parameter=...>), mistral ([TOOL_CALLS][...]), "
+                        "llama3_json (Llama 3.1+: {\"name\", \"parameters\"}); needed by "
+                        "--enable-auto-tool-choice.")
     for flag, why in NO_EFFECT_SERVE_FLAGS.items():
         parser.add_argument(flag, action="store_true",
                             help=f"(no effect here: {why}).")

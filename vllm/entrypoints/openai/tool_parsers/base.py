@@ -1,0 +1,120 @@
+"""What a tool-call format is: how one model family writes calls into free text (tool_choice
+"auto"), read back as the text streams, and the structural tag that makes strict calls valid."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Protocol
+
+from vllm.entrypoints.openai.tool_parsers.calls import CallSink, partial_suffix
+
+# The arguments of a function that is not strict: any JSON object.
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+class ToolFormat(ABC):
+    """Reads one reply's tool calls in one family's format, as the reply streams in.
+
+    `feed` returns the text that is certainly content (not part of a call) and reports calls
+    to the sink; `finish` returns what it held back at the end of the reply.
+    """
+
+    # The --tool-call-parser names of the format.
+    names: ClassVar[tuple[str, ...]]
+
+    def __init__(self, functions: dict[str, dict[str, Any]]) -> None:
+        """`functions`: the request's tools, name -> parameters schema."""
+        self.functions = functions
+
+    @abstractmethod
+    def feed(self, text: str, sink: CallSink) -> str:
+        """The content in `text` (plus what was held back and is now known to be content)."""
+
+    @abstractmethod
+    def finish(self) -> str | None:
+        """Content held back at the end of the reply (e.g. an unclosed call never announced)."""
+
+    @classmethod
+    @abstractmethod
+    def strict_tag(
+        cls, functions: dict[str, dict[str, Any]], strict: frozenset[str], parallel: bool
+    ) -> dict[str, Any]:
+        """The structural tag (xgrammar's format) that constrains every call's body: strict
+        functions by their schema, the others to any JSON object; free text stays free."""
+
+
+class BlockReader(Protocol):
+    """Reads the body of one tagged call block."""
+
+    @property
+    def streaming(self) -> bool:
+        """True once the call was announced."""
+
+    text: str
+
+    def feed(self, piece: str) -> tuple[str | None, str]:
+        """(the name, when it has just become known; new arguments text)."""
+
+    def close(self, sink: CallSink) -> bool:
+        """Ends the block; False when the block holds no call (it is content then)."""
+
+
+class TaggedBlocks(ToolFormat):
+    """Calls written between a start and an end tag, anywhere in the reply."""
+
+    start: ClassVar[str]
+    end: ClassVar[str]
+
+    def __init__(self, functions: dict[str, dict[str, Any]]) -> None:
+        super().__init__(functions)
+        self._buffer = ""
+        self._reader: BlockReader | None = None
+
+    @abstractmethod
+    def new_reader(self) -> BlockReader:
+        """A reader for the body of one block."""
+
+    def feed(self, text: str, sink: CallSink) -> str:
+        """The content in `text`; calls go to `sink` as their blocks stream."""
+        self._buffer += text
+        content: list[str] = []
+        while self._buffer:
+            if self._reader is None:
+                at = self._buffer.find(self.start)
+                if at < 0:
+                    # Hold back a tail that may be the start of a start tag.
+                    keep = partial_suffix(self._buffer, self.start)
+                    content.append(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    break
+                content.append(self._buffer[:at])
+                self._buffer = self._buffer[at + len(self.start):]
+                self._reader = self.new_reader()
+                continue
+            end = self._buffer.find(self.end)
+            # Hold back a tail that may be the start of the end tag.
+            usable = (len(self._buffer) - partial_suffix(self._buffer, self.end)
+                      if end < 0 else end)
+            name, args = self._reader.feed(self._buffer[:usable])
+            if name is not None:
+                sink.announce(name)
+            if args:
+                sink.arguments(args)
+            self._buffer = self._buffer[usable:]
+            if end < 0:
+                break
+            self._buffer = self._buffer[len(self.end):]
+            reader, self._reader = self._reader, None
+            if not reader.close(sink):
+                content.append(self.start + reader.text + self.end)
+        return "".join(content)
+
+    def finish(self) -> str | None:
+        """An unclosed block whose call was never announced, or a held-back tail."""
+        reader, rest = self._reader, None
+        if reader is not None and not reader.streaming:
+            rest = self.start + reader.text + self._buffer
+        elif reader is None and self._buffer:
+            rest = self._buffer
+        self._buffer, self._reader = "", None
+        return rest
