@@ -46,6 +46,32 @@ def test_explicit_backends() -> None:
         ParallelConfig(distributed_executor_backend="ray", ray_placement="scatter")
 
 
+def test_an_executor_class_may_be_passed_as_the_backend() -> None:
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    pc = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend=MultiprocExecutor)
+    assert pc.executor_class() is MultiprocExecutor
+    with pytest.raises(ValueError, match=r"--distributed-executor-backend UniProcExecutor: "
+                                         r"runs a single worker .* needs 2 ranks"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend=UniProcExecutor)
+    with pytest.raises(ValueError, match=r"--distributed-executor-backend: a class must "
+                                         r"subclass Executor, got int"):
+        ParallelConfig(distributed_executor_backend=int)
+
+
+def test_every_registered_backend_is_a_flag_choice_and_an_executor() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor import registry
+
+    field = {f.name: f for f in dataclasses.fields(EngineArgs)}["distributed_executor_backend"]
+    assert sorted(field.metadata["choices"]) == sorted(registry.names())
+    for name in registry.names():
+        assert name in field.metadata["help"]
+        assert ParallelConfig(distributed_executor_backend=name).executor_class() is (
+            registry.resolve(name))
+
+
 @pytest.mark.parametrize("field, value", [
     ("tensor_parallel_size", 0), ("pipeline_parallel_size", -2), ("tensor_parallel_size", True),
     ("pipeline_parallel_size", 1.5),

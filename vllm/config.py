@@ -8,11 +8,14 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm.reasoning import PARSERS
+
+if TYPE_CHECKING:
+    from vllm.v1.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -234,8 +237,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # "uni", "mp" or "ray"; None picks mp for more than one rank, else uni.
-    distributed_executor_backend: str | None = None
+    # A name from vllm.v1.executor.registry ("uni", "mp", "ray") or an Executor subclass;
+    # None picks mp for more than one rank, else uni.
+    distributed_executor_backend: str | type[Executor] | None = None
     # Ray only: "pack" puts the ranks on as few nodes as possible, "spread" on as many.
     ray_placement: str = "pack"
     # Engine cores behind one API server, each with world_size ranks of its own.
@@ -262,21 +266,34 @@ class ParallelConfig:
         self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "mp" if self.world_size > 1 else "uni"
-        if self.distributed_executor_backend not in ("uni", "mp", "ray"):
-            raise ValueError(
-                "--distributed-executor-backend: must be 'uni', 'mp' or 'ray', got "
-                f"{self.distributed_executor_backend!r}"
-            )
+        executor = self.executor_class()  # an unknown name or class fails here
         if self.ray_placement not in ("pack", "spread"):
             raise ValueError(
                 f"--ray-placement: must be 'pack' or 'spread', got {self.ray_placement!r}"
             )
-        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+        limit = executor.max_world_size
+        if limit is not None and self.world_size > limit:
+            runs = "a single worker in the engine process" if limit == 1 else f"{limit} ranks"
             raise ValueError(
-                "--distributed-executor-backend uni: runs a single worker in the engine process, "
-                f"but {self.describe()} needs {self.world_size} ranks; use mp (the default when "
-                "the world size is above 1)"
+                f"--distributed-executor-backend {self.backend_name()}: runs {runs}, but "
+                f"{self.describe()} needs {self.world_size} ranks; use mp (the default when the "
+                "world size is above 1)"
             )
+
+    def executor_class(self) -> type[Executor]:
+        """The Executor class named (or given) by `distributed_executor_backend`.
+
+        Raises ValueError naming the flag for an unknown name or a class that is not an
+        Executor.
+        """
+        from vllm.v1.executor import registry
+
+        return registry.resolve(self.distributed_executor_backend)
+
+    def backend_name(self) -> str:
+        """`distributed_executor_backend` as a flag value: its name, or a given class's name."""
+        backend = self.distributed_executor_backend
+        return backend if isinstance(backend, str) else backend.__qualname__
 
     def describe(self) -> str:
         """The layout in flag terms, for error messages."""
@@ -329,8 +346,8 @@ class ParallelConfig:
         gets at least one thread.
         """
         ranks = self.world_size * self.data_parallel_size
-        if ranks == 1 or self.distributed_executor_backend == "ray":
-            return  # Ray places the ranks on the cluster's devices, not this machine's
+        if ranks == 1 or self.executor_class().remote_devices:
+            return  # the executor places the ranks on a cluster's devices, not this machine's
         if device.type == "cuda":
             count = torch.cuda.device_count()
             if ranks > count:

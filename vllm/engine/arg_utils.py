@@ -8,7 +8,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.config import (
     FAST_FORWARD_TOKENS,
@@ -22,6 +22,10 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.reasoning import PARSERS
+from vllm.v1.executor import registry
+
+if TYPE_CHECKING:
+    from vllm.v1.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -130,13 +134,10 @@ class EngineArgs:
                        "tensor x pipeline parallel ranks of its own; requests go to the least "
                        "loaded one. vllm serve only.", aliases=("-dp",)),
     )
-    distributed_executor_backend: str | None = field(
+    distributed_executor_backend: str | type[Executor] | None = field(
         default=None,
-        metadata=_help("uni (one worker in the engine process), mp (one process per rank) "
-                       "or ray (one Ray actor per rank, across a Ray cluster: pip install "
-                       "-e '.[ray]'); default: mp when tensor x pipeline parallel size is above "
-                       "1, else uni.",
-                       choices=("mp", "ray", "uni")),
+        metadata=_help(registry.describe() + "; default: mp when tensor x pipeline parallel "
+                       "size is above 1, else uni.", choices=tuple(sorted(registry.names()))),
     )
     ray_placement: str = field(
         default="pack",

@@ -18,7 +18,7 @@ from tests.v1.core.sched_utils import FakeRunner
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.executor.worker_messages import WorkerMethod, as_method
+from vllm.v1.executor.worker_messages import WorkerMethod
 from vllm.v1.outputs import ModelRunnerOutput
 
 
@@ -64,18 +64,16 @@ class FakeExecutor(Executor):
         call before it; returns its Future."""
         return self._pool.submit(fn)
 
-    def collective_rpc(
-        self,
-        method: WorkerMethod | str | Callable[..., Any],
-        args: tuple = (),
-        non_block: bool = False,
-    ) -> list[Any] | Future:
+    def dispatch(
+        self, method: WorkerMethod | Callable[..., Any], args: tuple, reply_all: bool
+    ) -> Future:
         """Answers the two calls the engine makes at startup (KeyError for any other)."""
         results = {WorkerMethod.DETERMINE_NUM_BLOCKS: self.num_blocks,
                    WorkerMethod.INITIALIZE_KV_CACHE: None}
         future: Future = Future()
-        future.set_result([results[as_method(method)]])
-        return future if non_block else future.result()
+        result = results[method]
+        future.set_result([result] if reply_all else result)
+        return future
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False

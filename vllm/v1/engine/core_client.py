@@ -27,13 +27,8 @@ from vllm.config import VllmConfig
 from vllm.exceptions import EngineConfigError, EngineDeadError, ErrorKind
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_proc import run_engine_core
-from vllm.v1.engine.messages import (
-    EngineCoreError,
-    EngineCoreHandshake,
-    EngineCoreStats,
-    OutputType,
-    RequestType,
-)
+from vllm.v1.engine.messages import (EngineCoreError, EngineCoreHandshake, EngineCoreStats,
+                                     OutputType, RequestType)
 from vllm.v1.process import main_module_hidden
 
 logger = logging.getLogger(__name__)
@@ -311,7 +306,7 @@ def _scoped_devices(vllm_config: VllmConfig, engine_index: int) -> Iterator[None
     GPUs (the next world_size of those visible) while it starts."""
     pc = vllm_config.parallel_config
     if (pc.data_parallel_size == 1 or vllm_config.model_config.device.type != "cuda"
-            or pc.distributed_executor_backend == "ray"):
+            or pc.executor_class().remote_devices):
         yield
         return
     import torch

@@ -12,22 +12,14 @@ import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
 import zmq
 
 from vllm.config import VllmConfig
 from vllm.v1.executor import worker_messages
-from vllm.v1.executor.worker_messages import (
-    Call,
-    Failure,
-    MessageDecodeError,
-    Ready,
-    RemoteError,
-    Result,
-    Shutdown,
-)
-from vllm.v1.outputs import AsyncModelRunnerOutput
+from vllm.v1.executor.worker_host import WorkerHost
+from vllm.v1.executor.worker_messages import Call, Failure, MessageDecodeError, Ready, Result
+from vllm.v1.executor.worker_messages import Shutdown
 
 # Exit code of a worker whose output thread failed (responses can no longer be sent).
 _OUTPUT_THREAD_FAILED = 70
@@ -63,20 +55,17 @@ class _OutputThread:
     the main loop's, goes through it; this also keeps them in call order.
     """
 
-    def __init__(self, sock: zmq.Socket, rank: int) -> None:
+    def __init__(self, sock: zmq.Socket, host: WorkerHost) -> None:
         self._sock = sock
-        self._rank = rank
+        self._host = host
         self._queue: queue.SimpleQueue[Ready | Result | Failure | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"vllm-worker{rank}-output", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"vllm-worker{host.rank}-output", daemon=True)
         self._thread.start()
 
     def put(self, reply: Ready | Result | Failure) -> None:
         """Queues one reply."""
         self._queue.put(reply)
-
-    def fail(self, call_id: int | None, exc: BaseException) -> None:
-        """Queues the Failure of call `call_id` (None: of the startup) that raised `exc`."""
-        self._queue.put(Failure(call_id, self._rank, RemoteError.capture(exc)))
 
     def stop(self) -> None:
         """Sends what is queued, then stops the thread."""
@@ -86,32 +75,15 @@ class _OutputThread:
     def _run(self) -> None:
         try:
             while (reply := self._queue.get()) is not None:
-                self._send(reply)
+                self._sock.send_multipart(self._host.encode(reply), copy=True)
         except BaseException:
             # Without this thread the executor would wait forever for replies: dying makes the
             # executor notice at once.
             traceback.print_exc()
             os._exit(_OUTPUT_THREAD_FAILED)
 
-    def _send(self, reply: Ready | Result | Failure) -> None:
-        if isinstance(reply, Result) and isinstance(reply.value, AsyncModelRunnerOutput):
-            try:
-                reply = Result(reply.call_id, self._rank, reply.value.get_output())
-            except Exception as exc:
-                reply = Failure(reply.call_id, self._rank, RemoteError.capture(exc))
-        try:
-            worker_messages.send(self._sock, reply)
-        except Exception as exc:
-            # Only a Result's value can fail to pickle: the caller gets that error instead.
-            if not isinstance(reply, Result) or isinstance(exc, zmq.ZMQError):
-                raise
-            error = RemoteError.capture(exc)
-            worker_messages.send(self._sock, Failure(reply.call_id, self._rank, error))
 
-
-def _serve(
-    worker: Any, spec: WorkerProcSpec, rpc: zmq.Socket, death_fd: int, out: _OutputThread
-) -> bool:
+def _serve(host: WorkerHost, rpc: zmq.Socket, death_fd: int, out: _OutputThread) -> bool:
     """Runs calls in arrival order. Returns True when told to shut down, False when the
     engine process is gone (its end of the death pipe closed without a Shutdown).
 
@@ -130,22 +102,15 @@ def _serve(
                 return False
             continue
         except MessageDecodeError as exc:
-            if exc.call_id is None:
-                raise
-            # An unknown method or arguments that do not unpickle: the call fails, typed.
-            out.fail(exc.call_id, exc.error)
+            out.put(host.reject(exc))
             continue
         if isinstance(msg, Shutdown):
             return True
         if not isinstance(msg, Call):
-            raise TypeError(f"worker rank {spec.rank}: the engine sent a reply message: {msg!r}")
-        try:
-            result = msg.run(worker)
-        except Exception as exc:
-            out.fail(msg.call_id, exc)
-            continue
-        if msg.reply_all or spec.rank == spec.output_rank:
-            out.put(Result(msg.call_id, spec.rank, result))
+            raise TypeError(f"worker rank {host.rank}: the engine sent a reply message: {msg!r}")
+        reply = host.answer(msg)
+        if reply is not None:
+            out.put(reply)
 
 
 def run_worker(spec: WorkerProcSpec, death_reader: Connection) -> None:
@@ -154,8 +119,8 @@ def run_worker(spec: WorkerProcSpec, death_reader: Connection) -> None:
     `death_reader` reports that the parent process has exited."""
     # Ctrl-C reaches the whole process group; the engine process decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(spec.rank)
-    os.environ["WORLD_SIZE"] = str(spec.world_size)
+    # One machine: the local rank is the rank.
+    host = WorkerHost(spec.rank, spec.world_size, spec.rank, spec.output_rank)
     ctx = zmq.Context(1)
     rpc = ctx.socket(zmq.PULL)
     rpc.bind(spec.rpc_address)
@@ -163,32 +128,24 @@ def run_worker(spec: WorkerProcSpec, death_reader: Connection) -> None:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.LINGER, _LINGER_MS)
     sock.connect(spec.response_address)
-    out = _OutputThread(sock, spec.rank)
-    exit_code = 0
+    out = _OutputThread(sock, host)
     told_to_stop = False
     try:
-        try:
-            from vllm.v1.worker.gpu_worker import Worker
-
-            worker = Worker(spec.vllm_config, spec.rank, f"file://{spec.ipc_dir}/distributed-init")
-            worker.load_model()
-        except Exception as exc:
-            out.fail(None, exc)
-            exit_code = 1
-        else:
-            out.put(Ready(spec.rank, os.getpid()))
-            told_to_stop = _serve(worker, spec, rpc, death_reader.fileno(), out)
+        started = host.start(spec.vllm_config, f"file://{spec.ipc_dir}/distributed-init")
+        out.put(started)
+        if isinstance(started, Ready):
+            told_to_stop = _serve(host, rpc, death_reader.fileno(), out)
             if not told_to_stop:
                 # The engine process died: nobody reads our replies or removes its sockets.
                 sock.setsockopt(zmq.LINGER, 0)
                 if spec.rank == spec.output_rank:
                     shutil.rmtree(spec.ipc_dir, ignore_errors=True)
         out.stop()
-        if exit_code == 0 and told_to_stop:
-            worker.close()
+        if told_to_stop:
+            host.close()
     finally:
         rpc.close(linger=0)
         sock.close()
         ctx.term()
-    if exit_code:
-        sys.exit(exit_code)
+    if not isinstance(started, Ready):
+        sys.exit(1)

@@ -23,22 +23,11 @@ import zmq
 from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelLayout
-from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor import worker_messages
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.mp_worker import WorkerProcSpec, run_worker
-from vllm.v1.executor.worker_messages import (
-    Call,
-    Failure,
-    MessageDecodeError,
-    Ready,
-    RemoteError,
-    Result,
-    Shutdown,
-    WorkerMethod,
-    as_method,
-)
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.executor.worker_messages import Call, Failure, MessageDecodeError, Ready, Result
+from vllm.v1.executor.worker_messages import RemoteError, Shutdown, WorkerMethod
 
 # Seconds to wait for every worker to load its model and reply Ready.
 _STARTUP_TIMEOUT_S = 600.0
@@ -454,45 +443,14 @@ class MultiprocExecutor(Executor):
         """Directory holding this executor's ipc socket files (removed by shutdown)."""
         return self._group.ipc_dir
 
-    def collective_rpc(
-        self,
-        method: WorkerMethod | str | Callable[..., Any],
-        args: tuple = (),
-        non_block: bool = False,
-        *,
-        output_rank_only: bool = False,
-        timeout: float | None = None,
-    ) -> list[Any] | Any | Future:
-        """Calls `method` on every worker: a WorkerMethod (or its name), or a picklable
-        function called as `method(worker, *args)`. Returns every rank's result as a list by
-        rank, or only the output rank's result with output_rank_only. With non_block, returns a
-        Future of that.
-
-        Raises UnknownWorkerMethodError for a name workers do not serve (before anything is
-        sent), what the worker method raised (its remote traceback as __cause__), RuntimeError
-        when a worker died, TimeoutError after `timeout` seconds (blocking calls only).
-        """
-        future = self._group.submit(as_method(method), args, reply_all=not output_rank_only)
-        return future if non_block else future.result(timeout)
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> None | Future:
-        """Starts the forward pass of one step on every worker (see Executor)."""
-        future = self._group.submit(
-            WorkerMethod.EXECUTE_MODEL, (scheduler_output,), reply_all=False
-        )
-        return future if non_block else future.result()
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future:
-        """Samples the last started step; the result is always a plain ModelRunnerOutput (the
-        worker finishes async outputs on its output thread)."""
-        future = self._group.submit(
-            WorkerMethod.SAMPLE_TOKENS, (grammar_output,), reply_all=False
-        )
-        return future if non_block else future.result()
+    def dispatch(
+        self, method: WorkerMethod | Callable[..., Any], args: tuple, reply_all: bool
+    ) -> Future:
+        """Sends one Call to every worker (see Executor.dispatch); a function must be
+        picklable. Results are plain values: workers finish async model outputs before they
+        answer. Raises RuntimeError when a worker died or the executor is shut down, and
+        pickling errors when the arguments cannot be sent."""
+        return self._group.submit(method, args, reply_all)
 
     def check_health(self) -> None:
         """Raises RuntimeError naming the worker when one has died."""

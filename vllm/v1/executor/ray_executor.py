@@ -14,25 +14,25 @@ the mp executor: non-blocking futures resolved in call order, answered by the ou
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
-import pickle
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelLayout
-from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.executor import worker_messages
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.executor.ray_worker import RayWorker
-from vllm.v1.executor.worker_messages import WorkerMethod, as_method
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.executor.ray_worker import RayWorker, as_bytes
+from vllm.v1.executor.worker_messages import Call, Failure, MessageDecodeError, Result
+from vllm.v1.executor.worker_messages import WorkerMethod
 
 logger = logging.getLogger(__name__)
 
@@ -198,6 +198,8 @@ class RayExecutor(Executor):
     place the ranks, and what a worker raised while loading its model.
     """
 
+    remote_devices: ClassVar[bool] = True
+
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         ray = _import_ray()
@@ -215,6 +217,7 @@ class RayExecutor(Executor):
         self._error: str | None = None
         # By rank: the Future of the last health-check ping (see check_health).
         self._pings: list[Future | None] = []
+        self._call_ids = itertools.count()
         self.node_ips: list[str] = []
         self._node_ids: list[str] = []
         try:
@@ -240,7 +243,11 @@ class RayExecutor(Executor):
             )
         node_of = placement_group_table(group)["bundles_to_node_id"]
         ranks_on = {node: list(node_of.values()).count(node) for node in node_of.values()}
-        cpus_on = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in ray.nodes()}
+        nodes = ray.nodes()
+        cpus_on = {n["NodeID"]: int(n["Resources"].get("CPU", 1)) for n in nodes}
+        ip_of = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+        self._node_ids = [node_of[rank] for rank in range(self.world_size)]
+        self.node_ips = [ip_of[node] for node in self._node_ids]
         actor_class = ray.remote(RayWorker)
         for rank in range(self.world_size):
             node = node_of[rank]
@@ -255,7 +262,7 @@ class RayExecutor(Executor):
                     group, placement_group_bundle_index=rank
                 ),
                 runtime_env={"env_vars": policy.env()},
-            ).remote(rank, self.world_size, local_rank)
+            ).remote(rank, self.world_size, local_rank, self.output_rank)
             self._cluster.actors.append(actor)
         actors = self._cluster.actors
         ip, port = ray.get(actors[0].address.remote(), timeout=_STARTUP_TIMEOUT_S)
@@ -263,11 +270,10 @@ class RayExecutor(Executor):
         starts = [actor.start.remote(vllm_config, init_method) for actor in actors]
         gather = self._gather(starts, None, "at startup")
         try:
-            self.node_ips = gather.future.result(timeout=_STARTUP_TIMEOUT_S)
+            gather.future.result(timeout=_STARTUP_TIMEOUT_S)
         except FutureTimeoutError:
             raise RuntimeError(f"RayExecutor: ranks {gather.missing()} did not start within "
                                f"{_STARTUP_TIMEOUT_S:.0f} s") from None
-        self._node_ids = [node_of[rank] for rank in range(self.world_size)]
 
     # ------------------------------------------------------------------ calls
 
@@ -277,8 +283,29 @@ class RayExecutor(Executor):
         gather = _Gather(len(refs), output_rank, self._is_death,
                          lambda exc, rank: self._explain(exc, rank, when))
         for rank, ref in enumerate(refs):
-            ref.future().add_done_callback(lambda done, rank=rank: gather.on_done(rank, done))
+            ref.future().add_done_callback(
+                lambda done, rank=rank: gather.on_done(rank, self._unpack(done, rank, when)))
         return gather
+
+    def _unpack(self, done: Future, rank: int, when: str) -> Future:
+        """One rank's done Ray future as a Future of its reply's value: a Result's value, the
+        rebuilt error of a Failure, None for a rank that did not reply; Ray's own errors (a
+        dead actor) pass through."""
+        if done.exception() is not None or done.result() is None:
+            return done
+        unpacked: Future = Future()
+        where = f"worker rank {rank} (node {self.node_ips[rank]}) {when}"
+        try:
+            reply = worker_messages.decode(done.result())
+        except MessageDecodeError as exc:
+            # The value did not unpickle here: the call fails with that error.
+            unpacked.set_exception(exc.error)
+            return unpacked
+        if isinstance(reply, Failure):
+            unpacked.set_exception(reply.error.rebuild(where))
+        else:
+            unpacked.set_result(reply.value if isinstance(reply, Result) else reply)
+        return unpacked
 
     def _is_death(self, exc: BaseException) -> bool:
         exceptions = self._ray.exceptions
@@ -301,49 +328,20 @@ class RayExecutor(Executor):
                 self._error = message
         return RuntimeError(message)
 
-    def _submit(self, method: WorkerMethod | Callable[..., Any], args: tuple,
-                reply_all: bool) -> Future:
-        """Sends one call to every rank; returns a Future of every rank's result (reply_all)
-        or of the output rank's, failing as `_Gather` describes."""
+    def dispatch(self, method: WorkerMethod | Callable[..., Any], args: tuple,
+                 reply_all: bool) -> Future:
+        """Sends one Call to every rank (see Executor.dispatch); the Future fails as `_Gather`
+        describes. A function must be importable on the cluster's nodes."""
         with self._lock:
             if self._error is not None:
                 raise RuntimeError(self._error)
             if self._cluster.released:
                 raise RuntimeError("RayExecutor: the executor has been shut down")
-        # Pickled once, not once per rank by Ray: steps are sent to every rank.
-        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        refs = [
-            actor.call.remote(payload, reply_all or rank == self.output_rank)
-            for rank, actor in enumerate(self._cluster.actors)
-        ]
+        # Encoded once, not once per rank by Ray: steps are sent to every rank.
+        frames = as_bytes(worker_messages.encode(
+            Call(next(self._call_ids), method, args, reply_all)))
+        refs = [actor.call.remote(frames) for actor in self._cluster.actors]
         return self._gather(refs, None if reply_all else self.output_rank, "during a call").future
-
-    def collective_rpc(
-        self,
-        method: WorkerMethod | str | Callable[..., Any],
-        args: tuple = (),
-        non_block: bool = False,
-    ) -> list[Any] | Future:
-        """Calls `method` on every rank (see Executor.collective_rpc); a function must be
-        importable on the cluster's nodes. Raises UnknownWorkerMethodError for a name workers
-        do not serve, RuntimeError when a rank died."""
-        future = self._submit(as_method(method), args, reply_all=True)
-        return future if non_block else future.result()
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> None | Future:
-        """Starts the forward pass of one step on every rank (see Executor)."""
-        future = self._submit(WorkerMethod.EXECUTE_MODEL, (scheduler_output,), reply_all=False)
-        return future if non_block else future.result()
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future:
-        """Samples the oldest executed step; the result is a plain ModelRunnerOutput (the
-        output rank's actor finishes the host copy before it answers)."""
-        future = self._submit(WorkerMethod.SAMPLE_TOKENS, (grammar_output,), reply_all=False)
-        return future if non_block else future.result()
 
     def check_health(self) -> None:
         """Raises RuntimeError when a rank has died or a node of this executor is gone.

@@ -1,5 +1,8 @@
 """The Ray actor that hosts one rank for RayExecutor (`--distributed-executor-backend ray`).
 
+Calls and replies are the mp executor's typed messages (worker_messages), in their wire
+format, so both executors run a rank the same way (worker_host).
+
 This module does not import ray: RayExecutor wraps `RayWorker` with `ray.remote` when it
 starts, so the package imports without the optional `ray` extra.
 """
@@ -7,64 +10,53 @@ starts, so the package imports without the optional `ray` extra.
 from __future__ import annotations
 
 import os
-import pickle
 import socket
-from typing import Any
 
 from vllm.config import VllmConfig
-from vllm.v1.executor.worker_messages import invoke
-from vllm.v1.outputs import AsyncModelRunnerOutput
+from vllm.v1.executor import worker_messages
+from vllm.v1.executor.worker_host import WorkerHost
+from vllm.v1.executor.worker_messages import Call, Frame, MessageDecodeError
 
 
-def _node_ip() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
+def as_bytes(frames: list[Frame]) -> list[bytes]:
+    """Frames as Ray can serialize them (out-of-band buffers become bytes)."""
+    return [bytes(frame) for frame in frames]
 
 
 class RayWorker:
-    """One rank: builds the Worker when told, then runs calls in the order they arrive (Ray
-    runs a single caller's tasks on an actor in submission order)."""
+    """One rank: builds the Worker when told, then answers calls in the order they arrive
+    (Ray runs a single caller's tasks on an actor in submission order)."""
 
-    def __init__(self, rank: int, world_size: int, local_rank: int) -> None:
-        self.rank = rank
-        self.worker: Any = None
-        os.environ["RANK"] = str(rank)
-        os.environ["LOCAL_RANK"] = str(local_rank)
-        os.environ["WORLD_SIZE"] = str(world_size)
+    def __init__(self, rank: int, world_size: int, local_rank: int, output_rank: int) -> None:
+        self._host = WorkerHost(rank, world_size, local_rank, output_rank)
 
     def address(self) -> tuple[str, int]:
         """This node's IP address and a TCP port free on it now (for torch.distributed's
         rendezvous when this is rank 0)."""
-        ip = _node_ip()
+        import ray
+
         with socket.socket() as sock:
             sock.bind(("", 0))
-            return ip, sock.getsockname()[1]
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
-    def start(self, vllm_config: VllmConfig, init_method: str) -> str:
+    def start(self, vllm_config: VllmConfig, init_method: str) -> list[bytes]:
         """Builds the Worker (joining the world over `init_method`) and loads the model; every
-        rank must be started at the same time. Returns this node's IP address.
+        rank must be started at the same time. Returns the frames of Ready, or of the
+        startup Failure."""
+        return as_bytes(self._host.encode(self._host.start(vllm_config, init_method)))
 
-        Raises what loading raises (RayExecutor reports it with the rank).
-        """
-        from vllm.v1.worker.gpu_worker import Worker
-
-        self.worker = Worker(vllm_config, self.rank, init_method)
-        self.worker.load_model()
-        return _node_ip()
-
-    def call(self, payload: bytes, reply: bool) -> Any:
-        """Runs one Worker call, `payload` being the pickled (method, args); returns its result
-        when `reply` is set, else None (only the output rank answers steps, so the others
-        send nothing back). An async model output is finished here: its host copy is what
-        travels."""
-        method, args = pickle.loads(payload)
-        result = invoke(self.worker, method, args)
-        if not reply:
-            return None
-        if isinstance(result, AsyncModelRunnerOutput):
-            result = result.get_output()
-        return result
+    def call(self, frames: list[bytes]) -> list[bytes] | None:
+        """Answers the frames of one Call with those of its Result or Failure, or None when
+        this rank need not reply (only the output rank answers steps). An async model output
+        is finished here: its host copy is what travels."""
+        try:
+            msg = worker_messages.decode(frames)
+        except MessageDecodeError as exc:
+            return as_bytes(self._host.encode(self._host.reject(exc)))
+        if not isinstance(msg, Call):
+            raise TypeError(f"worker rank {self._host.rank}: not a call: {msg!r}")
+        reply = self._host.answer(msg)
+        return None if reply is None else as_bytes(self._host.encode(reply))
 
     def ping(self) -> int:
         """Answers a health check: this actor's process id (an actor that died answers with
@@ -73,6 +65,4 @@ class RayWorker:
 
     def close(self) -> None:
         """Leaves the distributed world. Idempotent."""
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
+        self._host.close()

@@ -4,55 +4,45 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.config import VllmConfig
-from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.executor.worker_messages import WorkerMethod, as_method, invoke
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.worker.gpu_worker import Worker
+from vllm.v1.executor.worker_messages import WorkerMethod, invoke
 
 
 class UniProcExecutor(Executor):
     """Runs the worker's calls in order on one thread, so a non-blocking forward really runs
-    while the engine thread schedules and fills bitmasks (on CPU as well as on CUDA)."""
+    while the engine thread schedules and fills bitmasks (on CPU as well as on CUDA).
+
+    sample_tokens may answer an AsyncModelRunnerOutput: its host copy is awaited by whoever
+    resolves it, not on the worker thread, so the worker can start the next forward at once.
+    """
+
+    max_world_size: ClassVar[int | None] = 1
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
+        # Imported here: naming this class (the executor registry) must not load the model code.
+        from vllm.v1.worker.gpu_worker import Worker
+
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-worker")
         self.worker = Worker(vllm_config)
         self.worker.load_model()
 
-    def collective_rpc(
-        self,
-        method: WorkerMethod | str | Callable[..., Any],
-        args: tuple = (),
-        non_block: bool = False,
-    ) -> list[Any] | Future:
-        """Calls `method` on the worker (see Executor.collective_rpc); the result is a
-        one-element list. Raises UnknownWorkerMethodError for a name workers do not serve."""
-        # Resolved here, so an unknown name fails the same way as with the mp executor.
-        target = as_method(method)
-        future = self._thread.submit(lambda: [invoke(self.worker, target, args)])
-        return future if non_block else future.result()
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> None | Future:
-        future = self._thread.submit(self.worker.execute_model, scheduler_output)
-        return future if non_block else future.result()
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None, non_block: bool = False
-    ) -> ModelRunnerOutput | Future:
-        # An async output's host copy is awaited by whoever resolves it, not on the worker
-        # thread, so the worker is free to start the next forward at once.
-        future = self._thread.submit(self.worker.sample_tokens, grammar_output)
-        return future if non_block else future.result()
+    def dispatch(
+        self, method: WorkerMethod | Callable[..., Any], args: tuple, reply_all: bool
+    ) -> Future:
+        """Queues the call on the worker thread (see Executor.dispatch); the one worker is
+        both every rank and the output rank."""
+        if reply_all:
+            return self._thread.submit(lambda: [invoke(self.worker, method, args)])
+        return self._thread.submit(invoke, self.worker, method, args)
 
     def check_health(self) -> None:
+        """Never raises: the worker lives as long as this process."""
         return None
 
     def shutdown(self) -> None:
+        """Stops the worker thread after the calls already queued. Idempotent."""
         self._thread.shutdown(wait=True, cancel_futures=True)

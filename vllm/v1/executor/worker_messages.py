@@ -1,14 +1,15 @@
-"""The typed messages between MultiprocExecutor and its worker processes, and their wire format.
+"""The typed messages between an executor and workers outside the engine process (mp worker
+processes, Ray actors), and their wire format.
 
-Engine -> worker (each worker's RPC socket):
+Engine -> worker (mp: each worker's RPC socket; Ray: an actor task's argument):
     Call(call_id, method, args, reply_all)  run a WorkerMethod (or a function) with args
     Shutdown()                              leave the serve loop; the worker process exits
-Worker -> engine (the shared response socket):
+Worker -> engine (mp: the shared response socket; Ray: the task's return value):
     Ready(rank, pid)                        the worker has loaded its model (once, at startup)
     Result(call_id, rank, value)            a call returned `value`
     Failure(call_id, rank, error)           a call raised (call_id None: the startup failed)
 
-One message is one ZMQ multipart message:
+One message is one ZMQ multipart message (on Ray, the same frames as a list of bytes):
     frame 0   header: a msgpack array [MessageKind, routing fields...]; small and never pickled
     frame 1   payload: Call args, Result value or Failure error, pickle protocol 5 (absent for
               Shutdown and Ready)
