@@ -101,7 +101,10 @@ def ray_cluster() -> Iterator[str]:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-            time.sleep(1)
+            # Up to 10 s for them to go (a fixed second each round was mostly idle).
+            deadline = time.monotonic() + 10
+            while _processes_of(temp_dir) and time.monotonic() < deadline:
+                time.sleep(0.05)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
