@@ -95,14 +95,15 @@ def ray_cluster() -> Iterator[str]:
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        # A second for SIGTERM (some of Ray's processes ignore it), then SIGKILL; each
+        # round ends as soon as every process is gone.
+        for sig, grace_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 10.0)):
             for pid in _processes_of(temp_dir):
                 try:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-            # Up to 10 s for them to go (a fixed second each round was mostly idle).
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + grace_s
             while _processes_of(temp_dir) and time.monotonic() < deadline:
                 time.sleep(0.05)
         shutil.rmtree(temp_dir, ignore_errors=True)
