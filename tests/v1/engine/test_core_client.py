@@ -49,7 +49,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _wait_until(predicate, timeout_s: float = 10.0) -> bool:
+def _wait_until(predicate, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -195,9 +195,9 @@ def test_engine_exits_when_its_parent_dies():
         assert _alive(core_pid) and os.path.isdir(ipc_dir)
         parent.kill()
         parent.wait(10)
-        assert _wait_until(lambda: not _alive(core_pid), timeout_s=15)
+        assert _wait_until(lambda: not _alive(core_pid))
         # The engine cleaned up the socket files its dead parent could not.
-        assert _wait_until(lambda: not os.path.exists(ipc_dir), timeout_s=5)
+        assert _wait_until(lambda: not os.path.exists(ipc_dir))
     finally:
         parent.kill()
 
