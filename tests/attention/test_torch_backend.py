@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -41,7 +42,8 @@ CASES = {
 def test_matches_naive_attention(
     case: str, num_heads: int, num_kv_heads: int, block_size: int
 ) -> None:
-    rng = random.Random(hash((case, num_heads, block_size)) % 1000)
+    # crc32, not hash(): str hashes change with every interpreter (PYTHONHASHSEED).
+    rng = random.Random(zlib.crc32(f"{case}/{num_heads}/{block_size}".encode()) % 1000)
     torch.manual_seed(rng.randrange(1000))
     head_size, pad = 8, 3
     reqs = CASES[case]

@@ -181,7 +181,7 @@ def test_server_start_and_stop_leave_no_process(tmp_path: Path, mode: str) -> No
     assert alive(pid) and alive(server.proc.pid)
     status = server.stop(grace_s=0.5)
     assert status == (-signal.SIGTERM if mode == "polite" else -signal.SIGKILL)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a hang check, not a speed bound
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid)

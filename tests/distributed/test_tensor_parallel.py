@@ -1,9 +1,14 @@
 """Oracle: tensor parallelism agrees with one rank.
 
-Two ranks reduce in a different order than one, so tokens may rarely differ: at least 90 %
-of prompts must give the same greedy tokens as `-tp 1`, and where the tokens agree the
-logprobs must be within 1e-4. `-tp 2 -pp 2` (four ranks on however many cores) must serve
-structured requests, and a killed rank must end in an error, not a hang.
+Every rank runs one thread (see `one_thread_per_rank`), yet exact equality is still not a
+property of the layout: a row-parallel layer (attention output, MLP down projection) sums
+each rank's partial product in the all-reduce, a float32 sum in another order than the one
+matmul of `-tp 1`, so logits differ in the last bits. So on every prompt the greedy tokens
+of `-tp 2` must equal `-tp 1`'s up to the first step where `-tp 1`'s top two logprobs are
+within NEAR_TIE of each other (and there only a token of that tie may be taken instead);
+the logprobs must be within 1e-4 at every step compared. `-tp 2 -pp 2` (four ranks on
+however many cores) must give the same greedy tokens by the same rule and serve structured
+requests, and a killed rank must end in an error, not a hang.
 """
 
 from __future__ import annotations
@@ -25,18 +30,31 @@ DEMO_PROMPTS = [
 ]
 
 
-def assert_agree(got: list, want: list, min_fraction: float = 0.9) -> None:
-    """At least `min_fraction` of the outputs have identical tokens; where tokens agree
-    (up to the first difference) the logprobs are within 1e-4."""
-    same = 0
-    for a, b in zip(got, want, strict=True):
-        same += a.token_ids == b.token_ids
-        for ta, tb, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
-            if ta != tb:
-                break
-            for token in la.keys() & lb.keys():
-                assert abs(la[token].logprob - lb[token].logprob) < 1e-4, (token, la[token], lb[token])
-    assert same >= min_fraction * len(want), f"only {same} of {len(want)} outputs agree"
+# Logits of two layouts differ by ~1e-6; a top-two margin of 1e-3 is far above that and
+# still almost never met by a random model's logits.
+NEAR_TIE = 1e-3
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
+
+
+def assert_agree(got: list, want: list, tol: float = 1e-4) -> None:
+    """Every output has `want`'s tokens, except that from a step where `want`'s top two
+    logprobs are within NEAR_TIE it may go on with the other token of the tie (the steps
+    after it are not compared). Where `got` has logprobs, they are within `tol` of `want`'s
+    at every step compared."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert len(a.token_ids) == len(b.token_ids), i
+        for step, (ta, tb, lb) in enumerate(zip(a.token_ids, b.token_ids, b.logprobs)):
+            if a.logprobs is not None:
+                la = a.logprobs[step]
+                for token in la.keys() & lb.keys():
+                    assert abs(la[token].logprob - lb[token].logprob) < tol, (i, step, token)
+            if ta == tb:
+                continue
+            assert ta in lb, (i, step, ta, lb)
+            margin = lb[tb].logprob - lb[ta].logprob
+            assert margin < NEAR_TIE, f"output {i} differs at step {step} (margin {margin})"
+            break
 
 
 def _demo_outputs(**kwargs) -> list:
@@ -48,11 +66,16 @@ def _demo_outputs(**kwargs) -> list:
         llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_rank(one_thread_per_rank) -> list:
+    """`-tp 1`'s greedy outputs of DEMO_PROMPTS, with logprobs (shared by the layouts)."""
+    return _demo_outputs(async_scheduling=False)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_ranks_agree_with_one_on_the_demo_model() -> None:
-    want = _demo_outputs(async_scheduling=False)
-    assert_agree(_demo_outputs(tensor_parallel_size=2, async_scheduling=True), want)
+def test_two_ranks_agree_with_one_on_the_demo_model(one_rank: list) -> None:
+    assert_agree(_demo_outputs(tensor_parallel_size=2, async_scheduling=True), one_rank)
 
 
 @pytest.mark.slow
@@ -63,7 +86,7 @@ def test_two_ranks_agree_with_one_on_hf_checkpoints(checkpoint: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_four_ranks_serve_structured_requests() -> None:
+def test_four_ranks_agree_with_one_and_serve_structured_requests(one_rank: list) -> None:
     constraint = StructuredOutputsParams(
         json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
         disable_any_whitespace=True,
@@ -76,6 +99,8 @@ def test_four_ranks_serve_structured_requests() -> None:
         assert len(llm.llm_engine.engine_core.model_executor.worker_pids) == 4
         params = [plain, structured] * (len(DEMO_PROMPTS) // 2)
         outs = llm.generate(DEMO_PROMPTS, params, use_tqdm=False)
+        plain_outs = [o.outputs[0] for o in outs[::2]]
+        assert_agree(plain_outs, one_rank[::2])
         for p, o in zip(params, outs):
             assert len(o.outputs[0].token_ids) > 0
             if p.structured_outputs is not None:

@@ -44,8 +44,11 @@ def _outputs(setup, **kwargs) -> list:
     return [o.outputs[0] for o in outs]
 
 
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
+
+
 @pytest.fixture(scope="module")
-def one_rank(setup) -> list:
+def one_rank(setup, one_thread_per_rank) -> list:
     return _outputs(setup)
 
 

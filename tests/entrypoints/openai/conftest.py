@@ -45,8 +45,8 @@ def process_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def alive_after(pids: list[int], timeout_s: float = 10.0) -> list[int]:
-    """The pids still alive once they all exited or timeout_s passed."""
+def alive_after(pids: list[int], timeout_s: float = 60.0) -> list[int]:
+    """The pids still alive once they all exited or timeout_s passed (a hang check)."""
     deadline = time.monotonic() + timeout_s
     while True:
         alive = [p for p in pids if process_alive(p)]

@@ -1,8 +1,10 @@
 """`vllm serve -dp 2`: two engine cores behind one API server.
 
-Both engines take requests (counted per engine in /metrics), an abort reaches the engine
-that holds the request (its engine counts an abort of a live request), and a killed engine
-core fails only its own requests while the other keeps serving and /health names it.
+Both engines take requests (counted per engine in /metrics), seeded requests spread over
+both give what one engine gives, an abort reaches the engine that holds the request (its
+engine counts an abort of a live request), a killed engine core fails only its own requests
+while the other keeps serving and /health names it, and once every engine is dead /health
+and generation requests are 503s.
 """
 
 from __future__ import annotations
@@ -21,9 +23,31 @@ import pytest
 MODEL = "demo-tiny"
 
 
+# Shorter than a KV block, so no prompt's attention reads another's cached prefix.
+SEEDED_PROMPTS = ["Hello", "def f(", "Once upon", "1, 2,", "SELECT", "Dear", "In the", "<b>"]
+
+
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(MODEL, "-dp", "2", "--max-model-len", "512", "--disable-log-requests")
+    # One thread per engine, as the one-engine reference below runs: CPU kernels round by
+    # their thread count.
+    return start_server(MODEL, "-dp", "2", "--max-model-len", "512", "--disable-log-requests",
+                        env={"OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def one_engine(one_thread_per_rank) -> list[str]:
+    """What `-dp 1` (one engine, in this process) writes for the seeded requests."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(MODEL, max_model_len=512)
+    try:
+        params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1000 + i, max_tokens=12,
+                                 ignore_eos=True) for i in range(len(SEEDED_PROMPTS))]
+        outs = llm.generate(SEEDED_PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].text for o in outs]
 
 
 def _metric(server, name: str) -> dict[str, float]:
@@ -58,6 +82,24 @@ def test_both_engines_serve(server) -> None:
     assert sum(routed.values()) == 8
     # The engines' own stats are summed: both caches count.
     assert _metric(server, "vllm:data_parallel_engine_alive") == {"0": 1.0, "1": 1.0}
+
+
+def test_seeded_requests_give_what_one_engine_gives(server, one_engine) -> None:
+    before = _metric(server, "vllm:data_parallel_requests_routed")
+
+    def complete(i: int) -> httpx.Response:
+        return httpx.post(server.url("/v1/completions"), timeout=120, json={
+            "model": MODEL, "prompt": SEEDED_PROMPTS[i], "max_tokens": 12, "ignore_eos": True,
+            "temperature": 1.0, "top_p": 0.9, "seed": 1000 + i})
+
+    with ThreadPoolExecutor(len(SEEDED_PROMPTS)) as pool:
+        responses = list(pool.map(complete, range(len(SEEDED_PROMPTS))))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    routed = _metric(server, "vllm:data_parallel_requests_routed")
+    # Both engines sampled some of them.
+    assert all(routed[e] > before.get(e, 0.0) for e in ("0", "1")), (before, routed)
+    got = [r.json()["choices"][0]["text"] for r in responses]
+    assert got == one_engine
 
 
 def test_an_abort_reaches_the_engine_holding_the_request(server) -> None:
@@ -115,3 +157,25 @@ def test_a_dead_engine_fails_only_its_requests(server) -> None:
     for i in range(3):
         r = _complete(server, f"after {i}")
         assert r.status_code == 200, r.text
+
+
+def test_every_engine_dead_is_a_503(server) -> None:
+    """Runs after test_a_dead_engine_fails_only_its_requests: engine 1 is gone already."""
+    survivor = _engine_pids(server)[0]
+    os.kill(survivor, signal.SIGKILL)
+    # Safety-net wait (not a speed bound): the front end notices the death on its own.
+    deadline = time.monotonic() + 60
+    while (health := httpx.get(server.url("/health"), timeout=30)).status_code == 200:
+        assert time.monotonic() < deadline, health.json()
+        time.sleep(0.2)
+    assert health.status_code == 503, health.text
+    assert _metric(server, "vllm:data_parallel_engine_alive") == {"0": 0.0, "1": 0.0}
+    for path, body in [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3}),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}),
+        ("/v1/chat/completions", {"model": MODEL, "max_tokens": 3,
+                                  "messages": [{"role": "user", "content": "x"}]}),
+    ]:
+        r = httpx.post(server.url(path), json=body, timeout=30)
+        assert r.status_code == 503, (path, r.status_code, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -133,4 +133,4 @@ def test_a_ray_actor_killed_while_idle_turns_health_503(start_server) -> None:
 
     children = descendants(server.proc.pid)
     assert server.stop(signal.SIGTERM, timeout_s=60) == 0
-    assert alive_after(children, timeout_s=30) == []
+    assert alive_after(children) == []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import time
 
 from vllm.entrypoints.cli.main import main
 
@@ -26,12 +25,11 @@ def test_bad_flag_is_reported(capsys):
 
 
 def test_engine_startup_error_is_reported_not_hung():
-    start = time.monotonic()
+    # run_cli's subprocess timeout is the hang check.
     result = run_cli("serve", MODEL, "--kv-cache-memory", "1", "--port", "0")
     assert result.returncode == 1
     assert "the engine failed to start" in result.stderr
     assert "--kv-cache-memory" in result.stderr
-    assert time.monotonic() - start < 120
 
 
 def test_port_in_use_is_reported(capsys):

@@ -21,8 +21,11 @@ MODEL = "demo-tiny"
 MAX_MODEL_LEN = 256
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-SOAK_SECONDS = 20.0
 NUM_WORKERS = 24
+# A fixed workload, not a time span: what the test checks must not depend on how many
+# requests a machine gets through in some seconds. Every BAD_EVERY-th request is a bad one.
+ROUNDS = 3
+BAD_EVERY = 5
 # A route that answers nothing for this long counts as hung (a liveness bound, not a speed one).
 HUNG_S = 30.0
 
@@ -169,21 +172,19 @@ def test_soak_no_request_hurts_another(server):
         except AssertionError as e:
             failures.append(f"bad request {body[:100]!r}: {e}")
 
-    async def worker(client: httpx.AsyncClient, w: int, deadline: float) -> None:
-        i = 0
-        while time.monotonic() < deadline:
-            i += 1
-            if rng.random() < 0.2:
+    async def worker(client: httpx.AsyncClient, w: int) -> None:
+        for i in range(1, ROUNDS + 1):
+            if (w * ROUNDS + i) % BAD_EVERY == 0:
                 count("bad")
                 await bad(client)
             else:
                 count("good")
                 await good(client, w * 100_000 + i)
 
-    async def watch_health(deadline: float) -> float:
+    async def watch_health(finished: asyncio.Event) -> float:
         worst = 0.0
         async with httpx.AsyncClient(base_url=server.base_url, timeout=HUNG_S) as c:
-            while time.monotonic() < deadline:
+            while not finished.is_set():
                 t0 = time.monotonic()
                 try:
                     r = await c.get("/health")
@@ -196,20 +197,20 @@ def test_soak_no_request_hurts_another(server):
         return worst
 
     async def run() -> float:
-        deadline = time.monotonic() + SOAK_SECONDS
+        finished = asyncio.Event()
         limits = httpx.Limits(max_connections=NUM_WORKERS + 4)
         async with httpx.AsyncClient(base_url=server.base_url, timeout=HUNG_S * 4,
                                      limits=limits) as client:
-            results = await asyncio.gather(
-                watch_health(deadline),
-                *(worker(client, w, deadline) for w in range(NUM_WORKERS)),
-            )
-        return results[0]
+            watcher = asyncio.create_task(watch_health(finished))
+            await asyncio.gather(*(worker(client, w) for w in range(NUM_WORKERS)))
+            finished.set()
+            return await watcher
 
     worst_health_s = asyncio.run(run())
     print(f"soak: {counts}, worst /health latency {worst_health_s:.2f} s")
     assert not failures, f"{len(failures)} failures, first: {failures[:5]}"
-    assert counts.get("good", 0) > 50 and counts.get("bad", 0) > 10, counts
+    num_bad = NUM_WORKERS * ROUNDS // BAD_EVERY
+    assert counts["bad"] == num_bad and counts["good"] == NUM_WORKERS * ROUNDS - num_bad, counts
     m = server.wait_idle()
     assert m["vllm:kv_cache_free_blocks"] == m["vllm:kv_cache_total_blocks"] > 0
     assert m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0
@@ -302,6 +303,32 @@ def request_bodies(draw) -> tuple[str, dict]:
     return (CHAT if chat else COMPLETIONS), body
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+# What a sampling field accepts (the documented ranges); a number outside is a 400.
+SAMPLING_RANGES = {
+    "temperature": lambda x: x >= 0,
+    "top_p": lambda x: 0 < x <= 1,
+    "top_k": lambda x: x == int(x) and (x in (0, -1) or x >= 1),
+    "min_p": lambda x: 0 <= x <= 1,
+    "presence_penalty": lambda x: -2 <= x <= 2,
+    "frequency_penalty": lambda x: -2 <= x <= 2,
+    "repetition_penalty": lambda x: x > 0,
+}
+
+
+def invalid_sampling(body: dict) -> str | None:
+    """The first sampling field of `body` holding a number the server must refuse (NaN,
+    infinite, beyond float32, or outside the field's range), or None. Non-numbers are left
+    to the schema, which may refuse or accept them."""
+    for name, ok in SAMPLING_RANGES.items():
+        value = body.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not math.isfinite(value) or abs(value) > FLOAT32_MAX or not ok(value):
+            return name
+    return None
+
+
 @pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.base_url, timeout=HUNG_S * 4) as c:
@@ -316,6 +343,10 @@ def test_fuzz_request_schema_gets_200_or_openai_4xx(http, case):
     # json.dumps writes NaN/Infinity literals and \ud800 escapes, as a sloppy client would.
     r = http.post(path, content=json.dumps(body).encode(),
                   headers={"Content-Type": "application/json"})
+    bad_field = invalid_sampling(body)
+    # A 200 only for valid input. Another field may be refused first (an unknown model is a
+    # 404), so the exact 400 of each bad value is checked by the test after this one.
+    assert bad_field is None or r.status_code != 200, (bad_field, body[bad_field], r.text[:300])
     if r.status_code == 200:
         if body.get("stream") is True:
             assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
@@ -325,6 +356,30 @@ def test_fuzz_request_schema_gets_200_or_openai_4xx(http, case):
                 assert choice["finish_reason"] in ("stop", "length"), choice
         return
     assert_openai_error(r)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_non_finite_or_out_of_range_sampling_values_are_a_400(http, path):
+    base = {"model": MODEL, "max_tokens": 1}
+    if path == CHAT:
+        base["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        base["prompt"] = "hi"
+    cases = [(name, value) for name in SAMPLING_RANGES
+             for value in (math.nan, math.inf, -math.inf, 1e300)]
+    cases += [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+              ("min_p", 1.5), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+              ("repetition_penalty", 0.0)]
+    for name, value in cases:
+        body = {**base, name: value}
+        assert invalid_sampling(body) == name
+        # json.dumps writes NaN / Infinity literals, as a sloppy client would.
+        r = http.post(path, content=json.dumps(body).encode(),
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (name, value, r.status_code, r.text[:300])
+        assert_openai_error(r)
+    r = http.post(path, json={**base, "temperature": 0.0, "top_p": 1.0, "top_k": -1})
+    assert r.status_code == 200, r.text
 
 
 def test_normal_request_after_fuzz_and_nothing_leaked(server, http):

@@ -15,6 +15,11 @@ PHASE_HISTOGRAMS = (
     "vllm:request_decode_time_seconds",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
+    # The latency histograms of upstream's dashboards: one observation per request (TPOT too,
+    # since every request below produces more than one token).
+    "vllm:time_to_first_token_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
 )
 
 
@@ -31,7 +36,7 @@ def test_upstream_request_histograms_count_every_request(server) -> None:
     num_requests, produced, prompt_tokens = 3, 0, 0
     for i in range(num_requests):
         reply = client.completions.create(model=MODEL, prompt=f"Count {i}", max_tokens=5 + i,
-                                          temperature=0)
+                                          temperature=0, extra_body={"ignore_eos": True})
         produced += reply.usage.completion_tokens
         prompt_tokens += reply.usage.prompt_tokens
     after = server.wait_idle()
@@ -49,6 +54,7 @@ def test_upstream_request_histograms_count_every_request(server) -> None:
     assert 1 <= itl <= produced - num_requests
     assert delta("vllm:request_queue_time_seconds_sum") >= 0
     assert delta("vllm:request_decode_time_seconds_sum") > 0
+    assert produced == sum(5 + i for i in range(num_requests))
 
 
 def post(server, path: str, body: dict, auth: bool = True) -> httpx.Response:

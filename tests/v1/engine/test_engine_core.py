@@ -34,7 +34,9 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-GATE_TIMEOUT_S = 5.0
+# A hang check only (a gate that is reached is passed at once), so generous for a loaded CI
+# machine; after one timeout no gate waits again, so a broken engine fails once, not per gate.
+GATE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -283,8 +285,17 @@ def test_batch_queue_returns_before_the_queue_is_full(make: MakeSetup) -> None:
     assert s.rec.has("exec_submit", 1) and s.rec.has("sample_submit", 1)
     # The second call launches step 2 before it waits for step 1.
     s.executor.before_exec = None
-    threading.Timer(0.05, release.set).start()
+
+    # Step 1's forward goes on only once step 2 is submitted (not after a fixed delay, which
+    # a stalled engine thread could outlast): an engine that waited for step 1 first would
+    # record a gate timeout here and fail the order check below.
+    def release_after_step_2_is_submitted() -> None:
+        s.rec.wait_for("exec_submit", 2, "step 2 is launched while step 1 is held")
+        release.set()
+
+    threading.Thread(target=release_after_step_2_is_submitted, daemon=True).start()
     s.step()
+    assert not s.rec.timeouts, s.rec.timeouts
     assert s.rec.index("exec_submit", 2) < s.rec.index("update_start", 1)
     s.run()
     assert s.tokens["p"] == expected("p", 4)

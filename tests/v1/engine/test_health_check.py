@@ -10,7 +10,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -77,9 +77,11 @@ def _config(interval_s: float) -> VllmConfig:
 
 
 class RunningProc:
-    """An EngineCoreProc serving on a thread, and the PULL socket its outputs reach."""
+    """An EngineCoreProc serving on a thread (unless `start` is False: the test then runs its
+    loop), and the PULL socket its outputs reach."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic,
+                 start: bool = True) -> None:
         self.executor_class = _executor_class()
         self._dir = tempfile.TemporaryDirectory(prefix="vllm-health-")
         self._ctx = zmq.Context()
@@ -93,13 +95,14 @@ class RunningProc:
         self._input.connect(input_address)
         try:
             self.proc = EngineCoreProc(_config(interval_s), input_address, output_address,
-                                       executor_class=self.executor_class)
+                                       executor_class=self.executor_class, clock=clock)
         except BaseException:
             self._close_sockets()
             raise
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        if start:
+            self.thread.start()
 
     def _run(self) -> None:
         try:
@@ -122,7 +125,7 @@ class RunningProc:
         """Stops the loop (a SHUTDOWN message) and frees the engine and the sockets."""
         if self.thread.is_alive():
             self._input.send_multipart([RequestType.SHUTDOWN.value, b""])
-        self.thread.join(DEADLINE_S)
+            self.thread.join(DEADLINE_S)
         self.proc.shutdown()
         self._close_sockets()
 
@@ -157,21 +160,66 @@ def test_an_idle_engine_reports_a_dead_worker_without_traffic(
     assert isinstance(proc.error, RuntimeError)
 
 
+class _Enough(BaseException):
+    """Ends a loop the test runs itself (not an Exception: the loop reports none of it)."""
+
+
+class SimulatedWaits:
+    """Replaces an EngineCoreProc's poller and clock so that its idle waits take no real
+    time: each poll answers at once and, when nothing was ready, moves the clock on by the
+    timeout the loop asked for. Raises _Enough from the poll once `checks()` reaches
+    `max_checks` or after `max_polls` polls, so the loop runs on the test's thread and
+    the counts depend on no machine's speed."""
+
+    def __init__(self, max_checks: int, max_polls: int = 100) -> None:
+        self.now = 0.0
+        self.polls = 0
+        self.max_checks = max_checks
+        self.max_polls = max_polls
+
+    def attach(self, proc: RunningProc) -> None:
+        """Puts itself in place of the engine's poller (the clock went in with the engine)."""
+        self._checks = lambda: proc.executor_class.checks
+        self._poller = proc.proc._poller
+        proc.proc._poller = self
+
+    def __call__(self) -> float:
+        return self.now
+
+    def poll(self, timeout_ms: int | None = None) -> list:
+        """The poller's answer without waiting; see the class."""
+        if self._checks() >= self.max_checks or self.polls >= self.max_polls:
+            raise _Enough
+        self.polls += 1
+        events = self._poller.poll(0)
+        if not events and timeout_ms:
+            self.now += timeout_ms / 1000
+        return events
+
+    def __getattr__(self, name: str):
+        return getattr(self._poller, name)  # register / unregister
+
+
+def _simulated(interval_s: float, running: list[RunningProc], max_checks: int,
+               ) -> tuple[RunningProc, SimulatedWaits]:
+    waits = SimulatedWaits(max_checks)
+    proc = RunningProc(interval_s=interval_s, clock=waits, start=False)
+    running.append(proc)
+    waits.attach(proc)
+    return proc, waits
+
+
 def test_the_idle_check_is_periodic_not_a_busy_loop(running: list[RunningProc]) -> None:
     interval_s = 0.2
-    proc = RunningProc(interval_s=interval_s)
-    running.append(proc)
-    start = time.monotonic()
-    deadline = start + DEADLINE_S
-    while proc.executor_class.checks < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    elapsed = time.monotonic() - start
+    proc, waits = _simulated(interval_s, running, max_checks=3)
+    with pytest.raises(_Enough):
+        proc.proc.run_busy_loop()
     checks = proc.executor_class.checks
-    assert checks >= 3, "the idle engine does not check its workers periodically"
-    # An upper bound only: a slow machine checks less often, never more; a busy loop would
-    # check thousands of times in this span.
-    assert checks <= elapsed / interval_s + 2
-    assert proc.error is None
+    assert checks == 3, "the idle engine does not check its workers periodically"
+    # Every wake-up of the idle loop is a due check (a busy loop polls without end), and
+    # none comes before its interval has passed.
+    assert waits.polls <= checks + 1, (waits.polls, checks)
+    assert waits.now >= checks * interval_s
 
 
 def test_a_worker_sentinel_wakes_the_idle_engine_at_once(running: list[RunningProc]) -> None:
@@ -187,19 +235,23 @@ def test_a_worker_sentinel_wakes_the_idle_engine_at_once(running: list[RunningPr
 
 def test_a_sentinel_without_a_death_does_not_spin_the_loop(running: list[RunningProc]) -> None:
     interval_s = 0.2
-    proc = RunningProc(interval_s=interval_s)
-    running.append(proc)
+    proc, waits = _simulated(interval_s, running, max_checks=4)
     proc.executor_class.fire_sentinel()  # readable for good, yet every worker is alive
-    start = time.monotonic()
-    deadline = start + DEADLINE_S
-    while proc.executor_class.checks < 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    with pytest.raises(_Enough):
+        proc.proc.run_busy_loop()
     checks = proc.executor_class.checks
-    assert checks >= 4 and proc.error is None
-    assert checks <= (time.monotonic() - start) / interval_s + 3
+    assert checks == 4
+    # One check for the sentinel, then one per interval: a loop woken by the readable
+    # sentinel again and again would check four times with no time passing.
+    assert checks <= waits.now / interval_s + 1, (checks, waits.now)
+    assert waits.polls <= checks + 1, (waits.polls, checks)
     # The periodic check still finds a real death afterwards.
     proc.executor_class.kill.set()
-    assert proc.next_error(DEADLINE_S) is not None
+    waits.max_checks += 1
+    with pytest.raises(RuntimeError, match="died"):
+        proc.proc.run_busy_loop()
+    error = proc.next_error(DEADLINE_S)
+    assert error is not None and "worker rank 0" in error.message
 
 
 def test_the_interval_is_validated() -> None:

@@ -113,21 +113,32 @@ def test_compile_timeout_fails_only_that_request(
 ) -> None:
     backend = manager.backend
     compile_choosing = backend.compile_choosing
+    # The slow compile ends only when the test lets it (after its deadline), however fast
+    # or slow the machine is.
+    release, finished = threading.Event(), threading.Event()
 
     def slow_for_one(params: StructuredOutputsParams, **kwargs: Any) -> Any:
-        if params.regex == "slow":
-            time.sleep(0.6)
-        return compile_choosing(params, **kwargs)
+        if params.regex != "slow":
+            return compile_choosing(params, **kwargs)
+        release.wait(60)
+        try:
+            return compile_choosing(params, **kwargs)
+        finally:
+            finished.set()
 
     monkeypatch.setattr(backend, "compile_choosing", slow_for_one)
     slow = _request("slow", regex="slow")
     fast = _request("fast", choice=["x", "y"])
     manager.grammar_init(slow)
     manager.grammar_init(fast)
-    assert not _wait(slow, timeout_s=0.1)
-    assert "took longer than 0.1 s" in slow.structured_output_request.error
-    assert _wait(fast, timeout_s=0.1)
-    time.sleep(0.7)  # the abandoned compile finishes; its result must not revive the request
+    try:
+        assert not _wait(slow, timeout_s=0.1)
+        assert "took longer than 0.1 s" in slow.structured_output_request.error
+        # A generous limit: the fast compile only has to be unaffected by the slow one.
+        assert _wait(fast, timeout_s=60.0)
+    finally:
+        release.set()
+    assert finished.wait(60)  # the abandoned compile finished; it must not revive the request
     assert not slow.structured_output_request.poll(0.1)
     assert slow.structured_output_request.grammar is None
     manager.clear(slow)

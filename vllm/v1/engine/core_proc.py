@@ -8,6 +8,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -53,9 +54,10 @@ class EngineCoreProc:
         output_address: str,
         parent_sentinel: int | None = None,
         executor_class: type[Executor] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Builds the engine (`executor_class`: the one the config names when None) and
-        connects its sockets."""
+        connects its sockets. `clock` times the health checks and stats (tests pass a fake)."""
         # The engine compiles grammars itself, so it needs the tokenizer's vocabulary.
         tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
         self.engine_core = EngineCore(vllm_config, executor_class, tokenizer=tokenizer)
@@ -78,6 +80,7 @@ class EngineCoreProc:
         self._add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._abort_decoder = msgspec.msgpack.Decoder(list[str])
         self._encoder = msgspec.msgpack.Encoder()
+        self._clock = clock
         self._running = True
         # Set when the loop ended because the parent process died.
         self.parent_died = False
@@ -86,7 +89,7 @@ class EngineCoreProc:
         # A worker that dies while nothing runs fails no call, so nothing would report it
         # until the next request: the idle loop wakes this often to ask the executor.
         self._health_interval_s = vllm_config.parallel_config.health_check_interval_s
-        self._next_health_check = time.monotonic() + self._health_interval_s
+        self._next_health_check = self._clock() + self._health_interval_s
         # Where the executor offers them (mp: the worker processes' sentinels), a worker's
         # exit wakes the loop at once, and the check runs then rather than at its interval.
         self._death_sentinels = set(self.engine_core.worker_death_sentinels())
@@ -123,12 +126,12 @@ class EngineCoreProc:
 
     def _ms_to_health_check(self) -> int:
         """Milliseconds until the next worker health check is due (0 when overdue)."""
-        return max(0, int((self._next_health_check - time.monotonic()) * 1000) + 1)
+        return max(0, int((self._next_health_check - self._clock()) * 1000) + 1)
 
     def _check_health_if_due(self) -> None:
         """Runs the executor's health check once its interval has passed; raises what it
         raises (a dead worker), which ends the loop and reports the engine dead."""
-        now = time.monotonic()
+        now = self._clock()
         if not self._running or (now < self._next_health_check and not self._worker_exited):
             return
         self._next_health_check = now + self._health_interval_s
@@ -206,7 +209,7 @@ class EngineCoreProc:
         self._output.send_multipart([OutputType.OUTPUTS.value, self._encoder.encode(msg)])
 
     def _send_stats(self, force: bool) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if not force and now - self._last_stats_time < STATS_INTERVAL_S:
             return
         stats = self.engine_core.make_stats()
