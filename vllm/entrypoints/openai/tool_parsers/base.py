@@ -4,12 +4,37 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 from vllm.entrypoints.openai.tool_parsers.calls import CallSink, partial_suffix
 
 # The arguments of a function that is not strict: any JSON object.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def triggered_calls(
+    functions: dict[str, dict[str, Any]],
+    strict: frozenset[str],
+    trigger: str,
+    begin: Callable[[str], str],
+    end: str,
+    stop_after_first: bool,
+    style: str = "json",
+) -> dict[str, Any]:
+    """A structural tag with one tag per function, `begin(name)` ... `end`, entered when the
+    model writes `trigger`: strict functions' bodies follow their schema, the others are any
+    JSON object (written in `style`: xgrammar's "json" or e.g. "qwen_xml")."""
+    tags = []
+    for name, params in functions.items():
+        content = {"type": "json_schema", "json_schema": params if name in strict else ANY_OBJECT}
+        if style != "json":
+            content["style"] = style
+        tags.append({"type": "tag", "begin": begin(name), "content": content, "end": end})
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": [trigger], "tags": tags,
+        "stop_after_first": stop_after_first,
+    }}
 
 
 class ToolFormat(ABC):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vllm.entrypoints.openai.tool_parsers.base import ANY_OBJECT, BlockReader, TaggedBlocks
+from vllm.entrypoints.openai.tool_parsers.base import BlockReader, TaggedBlocks, triggered_calls
 from vllm.entrypoints.openai.tool_parsers.calls import JsonCallReader
 
 
@@ -23,18 +23,9 @@ class HermesFormat(TaggedBlocks):
     def strict_tag(
         cls, functions: dict[str, dict[str, Any]], strict: frozenset[str], parallel: bool
     ) -> dict[str, Any]:
-        tags = [
-            {
-                "type": "tag",
-                "begin": f'{cls.start}\n{{"name": {json.dumps(name)}, "arguments": ',
-                "content": {"type": "json_schema",
-                            "json_schema": params if name in strict else ANY_OBJECT},
-                "end": f"}}\n{cls.end}",
-            }
-            for name, params in functions.items()
-        ]
-        return {"type": "structural_tag", "format": {
-            "type": "triggered_tags", "triggers": [cls.start], "tags": tags,
-            # parallel_tool_calls false: the reply ends after its one call.
-            "stop_after_first": not parallel,
-        }}
+        # parallel_tool_calls false: the reply ends after its one call.
+        return triggered_calls(
+            functions, strict, cls.start,
+            lambda name: f'{cls.start}\n{{"name": {json.dumps(name)}, "arguments": ',
+            f"}}\n{cls.end}", stop_after_first=not parallel,
+        )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vllm.entrypoints.openai.tool_parsers.base import ANY_OBJECT, ToolFormat
+from vllm.entrypoints.openai.tool_parsers.base import ToolFormat, triggered_calls
 from vllm.entrypoints.openai.tool_parsers.calls import CallSink, JsonCallList
 
 PYTHON_TAG = "<|python_tag|>"
@@ -51,17 +51,8 @@ class Llama3JsonFormat(ToolFormat):
     def strict_tag(
         cls, functions: dict[str, dict[str, Any]], strict: frozenset[str], parallel: bool
     ) -> dict[str, Any]:
-        tags = [
-            {
-                "type": "tag",
-                "begin": f'{{"name": {json.dumps(name)}, "parameters": ',
-                "content": {"type": "json_schema",
-                            "json_schema": params if name in strict else ANY_OBJECT},
-                "end": "}",
-            }
-            for name, params in functions.items()
-        ]
-        return {"type": "structural_tag", "format": {
-            "type": "triggered_tags", "triggers": ['{"name": '], "tags": tags,
-            "stop_after_first": not parallel,
-        }}
+        return triggered_calls(
+            functions, strict, '{"name": ',
+            lambda name: f'{{"name": {json.dumps(name)}, "parameters": ', "}",
+            stop_after_first=not parallel,
+        )

@@ -7,7 +7,7 @@ import json
 import re
 from typing import Any
 
-from vllm.entrypoints.openai.tool_parsers.base import ANY_OBJECT, BlockReader, TaggedBlocks
+from vllm.entrypoints.openai.tool_parsers.base import BlockReader, TaggedBlocks, triggered_calls
 from vllm.entrypoints.openai.tool_parsers.calls import CallSink
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
@@ -98,17 +98,7 @@ class Qwen3XmlFormat(TaggedBlocks):
     def strict_tag(
         cls, functions: dict[str, dict[str, Any]], strict: frozenset[str], parallel: bool
     ) -> dict[str, Any]:
-        tags = [
-            {
-                "type": "tag",
-                "begin": f"{cls.start}\n<function={name}>\n",
-                "content": {"type": "json_schema", "style": "qwen_xml",
-                            "json_schema": params if name in strict else ANY_OBJECT},
-                "end": f"\n</function>\n{cls.end}",
-            }
-            for name, params in functions.items()
-        ]
-        return {"type": "structural_tag", "format": {
-            "type": "triggered_tags", "triggers": [cls.start], "tags": tags,
-            "stop_after_first": not parallel,
-        }}
+        return triggered_calls(
+            functions, strict, cls.start, lambda name: f"{cls.start}\n<function={name}>\n",
+            f"\n</function>\n{cls.end}", stop_after_first=not parallel, style="qwen_xml",
+        )
