@@ -69,6 +69,7 @@ def _client(num_engines: int):
     client = DataParallelClient.__new__(DataParallelClient)
     client.engines = [EngineState(i) for i in range(num_engines)]
     client.clients = [_FakeClient() for _ in range(num_engines)]
+    client.retried = set()
     return client
 
 
@@ -86,3 +87,26 @@ def test_samples_of_one_request_go_to_one_engine_and_aborts_follow_them() -> Non
     client.abort_requests(["c-0", "a-1", "unknown"])
     assert [c.aborted for c in client.clients] == [["a-1"], ["c-0"]]
     assert [len(s.unfinished) for s in client.engines] == [2, 1]
+
+
+def test_a_request_a_dead_engine_never_answered_is_retried_once_on_a_live_one() -> None:
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+    def req(request_id: str) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id, [1, 2], {}, 0.0)
+
+    client = _client(3)
+    seen: list[EngineCoreOutputs] = []
+    client._on_outputs, client._on_stats, client._on_dead = seen.append, None, None
+    client.add_requests([req("quiet"), req("answered")])  # both on engine 0
+    client._outputs(0, EngineCoreOutputs([EngineCoreOutput("answered", [7])]))
+    client._engine_died(0, "killed")
+    # The answered request fails (its client saw tokens); the quiet one moves on, unharmed.
+    errors = [o.request_id for outs in seen for o in outs.outputs if o.finish_reason == "error"]
+    assert errors == ["answered"]
+    moved_to = next(s.index for s in client.engines if "quiet" in s.unfinished)
+    assert moved_to != 0 and client.clients[moved_to].added == ["quiet"]
+    # Once only: when that engine dies too, the request fails although engine 3 serves.
+    client._engine_died(moved_to, "killed again")
+    errors = [o.request_id for outs in seen for o in outs.outputs if o.finish_reason == "error"]
+    assert errors == ["answered", "quiet"]

@@ -5,8 +5,10 @@ Each engine core is a full engine (its own scheduler, KV cache, and tensor/pipel
 workers on any executor). A new request goes to the live engine with the fewest of this
 front end's requests still unfinished, then the least KV cache in use; aborts go to the
 engine that holds the request. Stats are summed into one snapshot. When one engine core
-dies, only its requests fail (each ends with finish_reason "error"); the others keep
-serving, and the client is dead only when every engine is.
+dies, the requests it never answered are sent once more, to a live engine (their clients
+saw nothing, so nothing is lost); the rest of its requests fail (each ends with
+finish_reason "error"). The others keep serving, and the client is dead only when every
+engine is.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class EngineState:
     num_routed: int = 0
     # Request ids sent to this engine and not finished or aborted yet.
     unfinished: set[str] = field(default_factory=set)
+    # The requests of `unfinished` the engine has sent nothing for yet (they can move).
+    unanswered: dict[str, EngineCoreRequest] = field(default_factory=dict)
     # The engine's latest stats snapshot.
     stats: EngineCoreStats | None = None
     # Why the engine core is gone; None while it serves.
@@ -90,6 +94,8 @@ class DataParallelClient:
         self.vllm_config = vllm_config
         size = vllm_config.parallel_config.data_parallel_size
         self.engines = [EngineState(i) for i in range(size)]
+        # Requests already moved off a dead engine: a second death fails them.
+        self.retried: set[str] = set()
         self._on_outputs: Callable[[EngineCoreOutputs], None] | None = None
         self._on_stats: Callable[[EngineCoreStats], None] | None = None
         self._on_dead: Callable[[str], None] | None = None
@@ -147,10 +153,12 @@ class DataParallelClient:
             )
 
     def _outputs(self, index: int, outputs: EngineCoreOutputs) -> None:
-        unfinished = self.engines[index].unfinished
+        state = self.engines[index]
         for out in outputs.outputs:
+            state.unanswered.pop(out.request_id, None)
             if out.finished:
-                unfinished.discard(out.request_id)
+                state.unfinished.discard(out.request_id)
+                self.retried.discard(out.request_id)
         assert self._on_outputs is not None
         self._on_outputs(outputs)
 
@@ -179,8 +187,11 @@ class DataParallelClient:
             state.stats = state.stats.of_dead_engine()
             self._publish_stats()
         lost = sorted(state.unfinished)
+        unanswered, state.unanswered = state.unanswered, {}
         state.unfinished.clear()
         if any(s.alive for s in self.engines):
+            lost = [request_id for request_id in lost
+                    if not self._retry(unanswered.get(request_id))]
             logger.error("data-parallel engine %d is gone (%s); %d of its requests fail, the "
                          "other engines keep serving", index, reason, len(lost))
             if lost and self._on_outputs is not None:
@@ -193,6 +204,19 @@ class DataParallelClient:
         elif self._on_dead is not None:
             callback, self._on_dead = self._on_dead, None
             callback(self.dead_reason or reason)
+
+    def _retry(self, request: EngineCoreRequest | None) -> bool:
+        """Sends a request a dead engine never answered to a live engine, once per request;
+        False when it cannot move (answered, moved before, or no live engine takes it)."""
+        if request is None or request.request_id in self.retried:
+            return False
+        try:
+            self.add_requests([request])
+        except EngineDeadError:
+            return False
+        self.retried.add(request.request_id)
+        logger.warning("request %s moved to another data-parallel engine", request.request_id)
+        return True
 
     # ------------------------------------------------------------------ requests
 
@@ -208,6 +232,7 @@ class DataParallelClient:
             self.clients[state.index].add_request(request)
             state.num_routed += 1
             state.unfinished.add(request.request_id)
+            state.unanswered[request.request_id] = request
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Aborts each request in the engine that holds it (unknown ids are ignored)."""
@@ -215,6 +240,9 @@ class DataParallelClient:
             held = [request_id for request_id in request_ids if request_id in state.unfinished]
             if held:
                 state.unfinished.difference_update(held)
+                for request_id in held:
+                    state.unanswered.pop(request_id, None)
+                    self.retried.discard(request_id)
                 self.clients[state.index].abort_requests(held)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
