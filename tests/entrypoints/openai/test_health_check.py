@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,12 +115,19 @@ def _ray_worker_pids(root: int) -> list[int]:
 
 
 @pytest.mark.timeout(600)
-def test_a_ray_actor_killed_while_idle_turns_health_503(start_server) -> None:
+def test_a_ray_actor_killed_while_idle_turns_health_503(start_server, tmp_path) -> None:
+    """Also: the local Ray cluster the server started leaves the user's Ray as it was (no
+    token in ~/.ray, no session directory)."""
     pytest.importorskip("ray", reason="the ray extra is part of the test extra")
     if os.environ.get("RAY_ADDRESS"):
         pytest.skip("needs the local cluster the server starts itself, not RAY_ADDRESS")
+    home = tmp_path / "home"
+    home.mkdir()
+    # Short, so the cluster's socket paths fit in it (a long one would send it to /tmp).
+    tmp = Path(tempfile.mkdtemp(prefix="vh", dir="/tmp"))
     server = start_server(MODEL, "--distributed-executor-backend", "ray", "--max-model-len",
-                          "512", "--disable-log-requests")
+                          "512", "--disable-log-requests",
+                          env={"HOME": str(home), "TMPDIR": str(tmp)})
     deadline = time.monotonic() + DEADLINE_S
     while not (actors := _ray_worker_pids(server.proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -134,3 +144,7 @@ def test_a_ray_actor_killed_while_idle_turns_health_503(start_server) -> None:
     children = descendants(server.proc.pid)
     assert server.stop(signal.SIGTERM, timeout_s=60) == 0
     assert alive_after(children) == []
+    assert not (home / ".ray").exists(), list((home / ".ray").iterdir())
+    assert not list(tmp.glob("vllm-ray-*")), "the local cluster's directory was left behind"
+    shutil.rmtree(tmp, ignore_errors=True)
+

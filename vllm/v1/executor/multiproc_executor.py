@@ -8,7 +8,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 import weakref
@@ -23,6 +22,7 @@ import zmq
 from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelLayout
+from vllm.utils.temp_dirs import socket_dir
 from vllm.v1.executor import worker_messages
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.mp_worker import WorkerProcSpec, run_worker
@@ -47,14 +47,8 @@ def ipc_dir_prefix(pid: int) -> str:
 
 
 def _make_ipc_dir() -> str:
-    """A fresh private directory for the socket files. Falls back to /tmp when $TMPDIR is too
-    long for a unix socket path (about 107 bytes)."""
-    prefix = ipc_dir_prefix(os.getpid())
-    path = tempfile.mkdtemp(prefix=prefix)
-    if len(path) > 80:
-        os.rmdir(path)
-        path = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    return path
+    """A fresh private directory for the socket files (short enough for their paths)."""
+    return socket_dir(ipc_dir_prefix(os.getpid()), max_len=80)
 
 
 def _describe_exit(exitcode: int | None) -> str:

@@ -17,6 +17,8 @@ import atexit
 import itertools
 import logging
 import os
+import secrets
+import shutil
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from typing import Any, ClassVar
 from vllm import thread_policy
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelLayout
+from vllm.utils.temp_dirs import socket_dir
 from vllm.v1.executor import worker_messages
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.ray_worker import RayWorker, as_bytes
@@ -58,15 +61,60 @@ def _import_ray() -> Any:
     return ray
 
 
-def _connect(ray: Any, num_ranks: int) -> bool:
-    """Joins a running cluster, or starts a local one. Returns True when this process started
-    (and so must stop) the cluster."""
+# Ray's token authentication reads these; a local cluster of ours sets its own for its life.
+_RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+@dataclass
+class _LocalCluster:
+    """A Ray cluster this process started for itself, and how to leave no trace of it.
+
+    Its session files live in a private directory (removed at stop), and unless the user
+    configured Ray's token authentication, it uses a token of its own passed in the
+    environment: Ray would otherwise write one to ~/.ray/auth_token, and from then on the
+    user's own `ray start` clusters would expect it.
+    """
+
+    temp_dir: str
+    # The auth variables as they were before start (None: unset), restored at stop.
+    saved_env: dict[str, str | None] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, ray: Any, num_cpus: int) -> _LocalCluster:
+        """Starts the cluster (ray.init); raises what ray.init raises, leaving nothing."""
+        cluster = cls(socket_dir("vllm-ray-", max_len=40))
+        if not any(os.environ.get(name) for name in _RAY_AUTH_VARS):
+            cluster.saved_env = {name: os.environ.get(name) for name in _RAY_AUTH_VARS}
+            os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        try:
+            ray.init(num_cpus=num_cpus, log_to_driver=False, include_dashboard=False,
+                     _temp_dir=cluster.temp_dir)
+        except BaseException:
+            cluster.stop(ray)
+            raise
+        return cluster
+
+    def stop(self, ray: Any) -> None:
+        """Stops the cluster, restores the environment and removes the session files."""
+        if ray.is_initialized():
+            ray.shutdown()
+        for name, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _connect(ray: Any, num_ranks: int) -> _LocalCluster | None:
+    """Joins a running cluster, or starts a local one. Returns the local cluster this process
+    started (and so must stop), or None."""
     if ray.is_initialized():
-        return False
+        return None
     try:
         ray.init(address="auto", log_to_driver=False)
         logger.info("RayExecutor: joined the running Ray cluster")
-        return False
+        return None
     except ConnectionError as exc:
         if os.environ.get("RAY_ADDRESS"):
             # The user named a cluster: starting another one would hide the mistake.
@@ -76,10 +124,9 @@ def _connect(ray: Any, num_ranks: int) -> bool:
             ) from exc
     # Every rank's bundle asks for one CPU; on a machine with fewer cores the ranks share
     # them, as they do on the mp executor.
-    ray.init(num_cpus=max(thread_policy.available_cpus(), num_ranks), log_to_driver=False,
-             include_dashboard=False)
+    cluster = _LocalCluster.start(ray, max(thread_policy.available_cpus(), num_ranks))
     logger.info("RayExecutor: no running Ray cluster found; started a local one")
-    return True
+    return cluster
 
 
 def _bundle(device_type: str) -> dict[str, float]:
@@ -159,7 +206,8 @@ class _Cluster:
     finalizer: nothing here refers back to the executor)."""
 
     ray: Any
-    owns_ray: bool
+    # The local cluster this process started (stopped at release), or None.
+    local: _LocalCluster | None
     placement_group: Any = None
     actors: list[Any] = field(default_factory=list)
     released: bool = False
@@ -184,8 +232,8 @@ class _Cluster:
                 ray.util.remove_placement_group(self.placement_group)
             except Exception:  # its node is gone: the cluster drops it
                 pass
-        if self.owns_ray:
-            ray.shutdown()
+        if self.local is not None:
+            self.local.stop(ray)
 
 
 class RayExecutor(Executor):
