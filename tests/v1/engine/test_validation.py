@@ -1,8 +1,9 @@
 """The admission rules (vllm/v1/engine/validation.py).
 
 check_runner_inputs: one request's inputs must fit the runner's storage before the engine
-core admits it (check_engine_request adds the adapter and SamplingParams.verify). The other rules are the front end's (the offline LLM and the server share
-them): each raises InvalidRequestError naming the field."""
+core admits it (check_engine_request adds the adapter and SamplingParams.verify). The other
+rules are the front end's (the offline LLM and the server share them). Each rule raises
+InvalidRequestError naming the field."""
 
 from __future__ import annotations
 

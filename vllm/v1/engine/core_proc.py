@@ -193,7 +193,10 @@ class EngineCoreProc:
         # (as it is in the API server) and keeps its own message. Any other decode failure
         # comes from a broken sender.
         kind = error_kind_of(error.__cause__)
-        message = str(error.__cause__) if kind is not ErrorKind.INTERNAL else f"malformed request: {error}"
+        if kind is ErrorKind.INTERNAL:
+            message = f"malformed request: {error}"
+        else:
+            message = str(error.__cause__)
         try:
             fields = msgspec.msgpack.decode(payload)
         except msgspec.DecodeError:

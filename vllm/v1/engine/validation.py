@@ -123,7 +123,8 @@ def check_stored_params(params: SamplingParams, vocab_size: int) -> None:
     constraint = params.structured_outputs
     if constraint is not None and not isinstance(constraint, StructuredOutputsParams):
         raise InvalidRequestError(
-            "structured_outputs", f"must be StructuredOutputsParams, got {type(constraint).__name__}"
+            "structured_outputs",
+            f"must be StructuredOutputsParams, got {type(constraint).__name__}",
         )
 
 
