@@ -1,12 +1,15 @@
-"""Per-request generation parameters. All validation of user-supplied values lives here."""
+"""Per-request generation parameters and the checks of their values alone (the rules that
+need the model, such as vocabulary bounds, are in vllm/v1/engine/validation.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
@@ -71,22 +74,6 @@ def check_numeric_fields(params: Any) -> None:
             or not math.isfinite(value)
         ):
             raise InvalidRequestError(name, f"must be a finite float32 number, got {value!r}")
-
-
-def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Raises InvalidRequestError naming the field when logit_bias, allowed_token_ids or
-    bad_words_token_ids holds a token id outside [0, vocab_size)."""
-    groups = {
-        "logit_bias": list(params.logit_bias or ()),
-        "allowed_token_ids": params.allowed_token_ids or [],
-        "bad_words": [t for seq in params.bad_words_token_ids or () for t in seq],
-    }
-    for name, ids in groups.items():
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                name, f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-            )
 
 
 # Backends a request may name; upstream's aliases map to ours.
@@ -215,9 +202,13 @@ class StructuredOutputsParams:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-@dataclass
-class SamplingParams:
-    """How to generate tokens for one request (OpenAI-compatible semantics)."""
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """How to generate tokens for one request (OpenAI-compatible semantics).
+
+    A msgspec Struct so that it crosses the engine-core boundary as itself: decoding runs
+    `__post_init__`, so the engine core gets values already checked by the same rules.
+    Decoding forbids unknown fields (a payload with one comes from a broken front end).
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -251,7 +242,7 @@ class SamplingParams:
     # and with a leading space); crosses the engine-core boundary with the rest.
     bad_words_token_ids: list[list[int]] | None = None
     # Filled by the engine from the model, not by users.
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -266,9 +257,13 @@ class SamplingParams:
             self.logit_bias = _int_keys(self.logit_bias)
         if self.bad_words is not None and isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
-        self._verify()
+        self.verify()
 
-    def _verify(self) -> None:
+    def verify(self) -> None:
+        """Raises InvalidRequestError naming the first field whose value is out of range.
+
+        Run when the params are built (and decoded); the engine core runs it again on
+        what it admits, since code may have changed a field after that."""
         def bad(name: str, why: str) -> InvalidRequestError:
             # The field name travels as an attribute: the server reports it as `param`.
             return InvalidRequestError(name, why)
@@ -369,6 +364,10 @@ class SamplingParams:
                 for q in seqs
             ):
                 raise bad("bad_words_token_ids", "must be non-empty lists of token ids")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (the engine may fill in fields of its copy without touching this one)."""
+        return copy.deepcopy(self)
 
     @property
     def has_history_bans(self) -> bool:

@@ -147,12 +147,22 @@ def test_chat_uses_template(llm) -> None:
         ("word " * 300, SamplingParams(), "prompt"),
         ([10**7], SamplingParams(), "prompt_token_ids"),
         ("fine", SamplingParams(stop_token_ids=[10**7]), "stop_token_ids"),
+        # The server's rule: the prompt plus max_tokens must fit in max_model_len (256).
+        ("fine", SamplingParams(max_tokens=256), "max_tokens"),
+        ({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=57), "max_tokens"),
     ],
 )
 def test_bad_prompts_raise_and_engine_stays_usable(llm, prompt, params, field) -> None:
     with pytest.raises(ValueError, match=field):
         llm.generate([PROMPTS[0], prompt], params, use_tqdm=False)
     assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_prompt_plus_max_tokens_may_fill_the_context(llm) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": [5] * 250}], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 6
+    assert out.outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(

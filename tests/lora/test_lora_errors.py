@@ -124,13 +124,13 @@ def test_architectures_without_adapters_are_refused(tmp_path) -> None:
 
 
 def test_lora_request_crosses_as_typed_data() -> None:
-    request = EngineCoreRequest("r1", [1, 2], {}, 0.0, LoRARequest("a", 3, "/x/y"))
+    request = EngineCoreRequest("r1", [1, 2], SamplingParams(), 0.0, LoRARequest("a", 3, "/x/y"))
     data = msgspec.msgpack.encode(request)
     back = msgspec.msgpack.decode(data, type=EngineCoreRequest)
     assert back.lora_request == LoRARequest("a", 3, "/x/y")
     assert isinstance(back.lora_request, LoRARequest)
     # Without an adapter the wire format is what it was.
-    plain = EngineCoreRequest("r1", [1, 2], {}, 0.0)
+    plain = EngineCoreRequest("r1", [1, 2], SamplingParams(), 0.0)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(plain), type=EngineCoreRequest) == plain
     assert LoRARequest("a", 3, "/p").cache_salt != LoRARequest("b", 4, "/p").cache_salt
     assert torch is not None

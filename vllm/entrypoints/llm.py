@@ -61,7 +61,10 @@ class LLM:
         `lora_request` runs every prompt with one adapter, or each with its own (a list,
         one per prompt; None entries use the base model); it needs `enable_lora=True`.
 
-        Every prompt is validated before any is queued: a ValueError leaves the engine as it was.
+        Every prompt is validated before any is queued, by the rules the server applies
+        (`vllm/v1/engine/validation.py`), so a ValueError leaves the engine as it was. Among
+        them: the prompt's tokens plus `max_tokens` must fit in `max_model_len` (leave
+        `max_tokens=None` to generate until the context is full).
         That includes each structured-output constraint, compiled here (blocking) within
         `--structured-outputs-config.compile_timeout_s` of compiling: a constraint over the
         configured limits, unsatisfiable, invalid, or slower to compile than that raises

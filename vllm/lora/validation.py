@@ -10,6 +10,7 @@ from vllm.config import VllmConfig
 from vllm.exceptions import InvalidRequestError
 from vllm.lora.peft_adapter import load_adapter
 from vllm.lora.request import LoRARequest
+from vllm.v1.engine.validation import check_lora_enabled
 
 # Adapters checked recently, so a busy adapter is not re-read from disk for every request.
 _MAX_REMEMBERED = 256
@@ -28,11 +29,7 @@ class LoRAValidator:
     def check(self, request: LoRARequest) -> None:
         """Raises InvalidRequestError when LoRA is off, the request is malformed, or the
         adapter's files are missing, corrupt or unfit for the model (see load_adapter)."""
-        if self.lora_config is None:
-            raise InvalidRequestError(
-                "lora_request", "LoRA adapters are not enabled; start the engine with "
-                "--enable-lora (LLM(enable_lora=True))"
-            )
+        check_lora_enabled(request, self.lora_config)
         if not isinstance(request, LoRARequest):
             raise InvalidRequestError(
                 "lora_request", f"must be a LoRARequest, got {type(request).__name__}"

@@ -1,7 +1,8 @@
 """One request's bad inputs fail that request, never the engine core.
 
-Requests arrive as EngineCoreRequests whose `sampling_params` dict was never checked by
-SamplingParams (as a client speaking the wire protocol directly could send them). Each bad
+Requests arrive as EngineCoreRequests whose `sampling_params` values were written in
+after SamplingParams checked them (as engine-side code could change them), or over the wire
+with values SamplingParams refuses (as a client speaking the protocol directly could send). Each bad
 request must finish with reason "error" and a message naming the problem; a normal request
 in the same engine must still produce exactly its usual tokens; afterwards nothing is left
 behind: no KV blocks, no scheduler entries, no grammar, no rows in the runner's persistent
@@ -23,11 +24,11 @@ import pytest
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import ErrorKind
+from vllm.lora.request import LoRARequest
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.messages import EngineCoreStats, RequestType
-from vllm.v1.engine.processor import params_to_dict
 from vllm.v1.request import Request
 
 MODEL = "demo-tiny"
@@ -37,19 +38,24 @@ PROMPT = [9707, 1879]
 MAX_TOKENS = 6
 
 
-def _params(**overrides: Any) -> dict:
+def _params(**overrides: Any) -> SamplingParams:
     """A valid greedy request's params with `overrides` written in unchecked."""
-    params = params_to_dict(SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    params.update(overrides)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for name, value in overrides.items():
+        setattr(params, name, value)
     return params
 
 
-def _request(req_id: str, prompt: list[int] | None = None, **overrides: Any) -> EngineCoreRequest:
+def _request(
+    req_id: str, prompt: list[int] | None = None, lora: LoRARequest | None = None,
+    **overrides: Any,
+) -> EngineCoreRequest:
     return EngineCoreRequest(
         request_id=req_id,
         prompt_token_ids=list(PROMPT if prompt is None else prompt),
         sampling_params=_params(**overrides),
         arrival_time=time.monotonic(),
+        lora_request=lora,
     )
 
 
@@ -69,7 +75,11 @@ BAD_REQUESTS: dict[str, tuple[EngineCoreRequest, str]] = {
     "penalty_inf": (_request("penalty_inf", repetition_penalty=float("inf")), "repetition_penalty"),
     "logprobs_huge": (_request("logprobs_huge", logprobs=10**6), "logprobs"),
     "stop_ids_huge": (_request("stop_ids_huge", stop_token_ids=[2**70]), "stop_token_ids"),
-    "unknown_field": (_request("unknown_field", bogus=1), "bogus"),
+    # Parameters that are not a SamplingParams at all (the wire used to carry a dict).
+    "not_params": (
+        EngineCoreRequest("not_params", PROMPT, {"max_tokens": MAX_TOKENS}, time.monotonic()),
+        "sampling_params",
+    ),
     "bad_constraint": (
         _request("bad_constraint", structured_outputs={"json": 5}), "structured_outputs"
     ),
@@ -85,6 +95,9 @@ BAD_REQUESTS: dict[str, tuple[EngineCoreRequest, str]] = {
     ),
     "prompt_empty": (_request("prompt_empty", prompt=[]), "prompt"),
     "prompt_too_long": (_request("prompt_too_long", prompt=[5] * MAX_MODEL_LEN), "prompt"),
+    # This engine has no LoRA: its scheduler would wait forever for an adapter slot.
+    "lora_disabled": (_request("lora_disabled", lora=LoRARequest("a", 1, "/nonexistent")),
+                      "lora_request"),
 }
 
 
@@ -198,7 +211,7 @@ def test_bad_requests_fail_alone(core: EngineCore, reference: list[int]) -> None
         assert outs[0].error and fragment in outs[0].error, (req_id, outs[0].error)
         # Typed by the check that refused it: bad values are the client's fault; a payload
         # that does not even build SamplingParams can only come from a broken front end.
-        kind = ErrorKind.INTERNAL if req_id == "unknown_field" else ErrorKind.INVALID_REQUEST
+        kind = ErrorKind.INTERNAL if req_id == "not_params" else ErrorKind.INVALID_REQUEST
         assert outs[0].error_kind is kind, (req_id, outs[0])
     for req_id in ("before", "after"):
         assert _tokens(outputs[req_id]) == reference, req_id
@@ -280,14 +293,17 @@ def test_engine_core_process_survives_bad_requests_and_messages() -> None:
         # Values the wire can carry that the runner cannot store.
         client.add_request(_request("top_k", top_k=2**31))
         client.add_request(_request("min_tokens", min_tokens=2**63, max_tokens=None))
-        # An add whose fields have the wrong types, and one that is not msgpack at all.
+        # An add whose fields have the wrong types, one whose parameters have a field
+        # SamplingParams does not know, and one that is not msgpack at all.
         client._send(RequestType.ADD, encoder.encode(["wrong-types", [1, 2], "params", 0.0]))
+        client._send(RequestType.ADD, encoder.encode(
+            ["unknown-field", PROMPT, {"max_tokens": MAX_TOKENS, "bogus": 1}, 0.0]))
         client._send(RequestType.ADD, b"\xc1 not msgpack")
         client._send(RequestType.ABORT, b"\xc1 not msgpack")
         client.add_request(_request("good-1"))
         await col.wait_for(
             lambda: all(col.finished(r) for r in ("good-0", "good-1", "top_k", "min_tokens",
-                                                  "wrong-types"))
+                                                  "wrong-types", "unknown-field"))
         )
         await col.wait_for(
             lambda: bool(col.stats) and col.stats[-1].num_running == 0
@@ -298,9 +314,18 @@ def test_engine_core_process_survives_bad_requests_and_messages() -> None:
     try:
         col = asyncio.run(run())
         assert col.dead == []
-        for req_id in ("top_k", "min_tokens", "wrong-types"):
+        for req_id in ("top_k", "min_tokens", "wrong-types", "unknown-field"):
             (out,) = col.outputs[req_id]
             assert out.finish_reason == "error" and out.error, (req_id, out)
+        # Values SamplingParams refuses are the client's fault on this side of the wire too
+        # (the message names the field); a payload no front end could build is an engine bug.
+        for req_id in ("top_k", "min_tokens"):
+            (out,) = col.outputs[req_id]
+            assert out.error_kind is ErrorKind.INVALID_REQUEST and req_id in out.error, out
+        for req_id in ("wrong-types", "unknown-field"):
+            (out,) = col.outputs[req_id]
+            assert out.error_kind is ErrorKind.INTERNAL, out
+        assert "bogus" in col.outputs["unknown-field"][0].error
         assert col.outputs["good-0"][-1].finish_reason == "length"
         assert len(_tokens(col.outputs["good-0"])) == 40
         assert col.outputs["good-1"][-1].finish_reason == "length"

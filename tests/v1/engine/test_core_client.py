@@ -21,7 +21,6 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.v1.executor.multiproc_executor import ipc_dir_prefix
 from vllm.v1.engine.messages import EngineCoreStats
-from vllm.v1.engine.processor import params_to_dict
 
 MODEL = "demo-tiny"
 MAX_MODEL_LEN = 256
@@ -36,7 +35,7 @@ def _request(rid: str, prompt: list[int], **params) -> EngineCoreRequest:
     return EngineCoreRequest(
         request_id=rid,
         prompt_token_ids=prompt,
-        sampling_params=params_to_dict(SamplingParams(**params)),
+        sampling_params=SamplingParams(**params),
         arrival_time=time.monotonic(),
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm import LLM
+from vllm import LLM, SamplingParams
 from vllm.config import ParallelConfig
 from vllm.v1.engine.data_parallel import EngineState, sum_stats
 from vllm.v1.engine.messages import EngineCoreStats
@@ -77,7 +77,7 @@ def test_samples_of_one_request_go_to_one_engine_and_aborts_follow_them() -> Non
     from vllm.v1.engine import EngineCoreRequest
 
     def req(request_id: str) -> EngineCoreRequest:
-        return EngineCoreRequest(request_id, [1, 2], {}, 0.0)
+        return EngineCoreRequest(request_id, [1, 2], SamplingParams(), 0.0)
 
     client = _client(2)
     client.add_requests([req("a-0"), req("a-1"), req("a-2")])

@@ -19,6 +19,7 @@ import zmq
 from tests.v1.core.sched_utils import demo_model_config, make_config
 from tests.v1.engine.fake_executor import FakeExecutor
 from vllm.config import ParallelConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_proc import EngineCoreProc
 from vllm.v1.engine.data_parallel import DataParallelClient, EngineState
@@ -294,7 +295,7 @@ def _dp_client(num_engines: int) -> tuple[DataParallelClient, dict[str, list]]:
 
 
 def _request(request_id: str) -> EngineCoreRequest:
-    return EngineCoreRequest(request_id, [1, 2], {}, 0.0)
+    return EngineCoreRequest(request_id, [1, 2], SamplingParams(), 0.0)
 
 
 def test_a_dead_engine_leaves_the_gauges_and_is_never_routed_to() -> None:

@@ -6,6 +6,7 @@ import msgspec
 
 from vllm.exceptions import ErrorKind
 from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -13,8 +14,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    # SamplingParams as a plain dict (the core rebuilds the dataclass).
-    sampling_params: dict
+    # Decoding it in the engine-core process runs SamplingParams' own checks again, so the
+    # core never holds values that a SamplingParams could not have been built with.
+    sampling_params: SamplingParams
     arrival_time: float
     # The adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None

@@ -249,15 +249,6 @@ class AsyncLLM:
         text, core_request = await asyncio.to_thread(
             self.processor.process, request_id, prompt, params, arrival, lora_request
         )
-        num_prompt = len(core_request.prompt_token_ids)
-        max_len = self.model_config.max_model_len
-        if params.max_tokens is not None and num_prompt + params.max_tokens > max_len:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"this model's maximum context length is {max_len} tokens; the "
-                f"prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}, "
-                f"{num_prompt + params.max_tokens} in all"
-            )
         # Checked again after the awaits: another request may have taken the id meanwhile.
         self._ensure_started()
         self._check_unused(request_id)

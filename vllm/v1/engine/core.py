@@ -15,11 +15,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
 from vllm.v1.engine.batch_queue import BatchQueue, resolve_output
 from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.engine.validation import check_engine_request
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.proposer import build_proposer
 from vllm.v1.structured_output import StructuredOutputManager
-from vllm.v1.worker.gpu_input_batch import check_request_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class EngineCore:
         self.eos_token_ids = vllm_config.model_config.eos_token_ids
         self.vocab_size = vllm_config.model_config.vocab_size
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.lora_config = vllm_config.lora_config
         # The in-flight batches of the overlapped loop; its depth is the executor's
         # max_concurrent_batches (2 under async scheduling, one per pipeline stage).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
@@ -97,28 +98,29 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest | Request) -> None:
         """Admits a request into the scheduler's waiting queue.
 
-        Never raises for a bad request: one whose parameters do not build, whose inputs the
-        runner could not hold, or whose id is already live ends at once with finish reason
-        "error" and the message (delivered with the next step's outputs); with a live id the
-        running request of that id ends too, since the two can no longer be told apart.
+        Never raises for a bad request: one that fails `check_engine_request` (inputs the
+        runner could not hold), whose parameters are not a SamplingParams, or whose id is
+        already live ends at once with finish reason "error" and the message (delivered
+        with the next step's outputs); with a live id the running request of that id ends
+        too, since the two can no longer be told apart.
         Checking here, before any batch holds the request, is what keeps one request's bad
         values from failing a whole step, which would end the engine for every request.
         """
         request_id = request.request_id
         try:
+            params = request.sampling_params
+            if not isinstance(params, SamplingParams):
+                raise TypeError(f"sampling_params is a {type(params).__name__}")
+            params.update_from_model(self.eos_token_ids)
+            check_engine_request(
+                request.prompt_token_ids, params, request.lora_request, self.vocab_size,
+                self.max_model_len, self.lora_config,
+            )
             if isinstance(request, EngineCoreRequest):
-                params = SamplingParams(**request.sampling_params)
                 request = Request(
                     request.request_id, request.prompt_token_ids, params, request.arrival_time,
                     request.lora_request,
                 )
-            request.sampling_params.update_from_model(self.eos_token_ids)
-            check_request_inputs(
-                request.prompt_token_ids,
-                request.sampling_params,
-                self.vocab_size,
-                self.max_model_len,
-            )
             self.scheduler.add_request(request)
         except Exception as e:
             # The kind comes from the exception's type: the typed request errors raised by

@@ -16,7 +16,7 @@ import zmq
 
 from vllm import thread_policy
 from vllm.config import VllmConfig
-from vllm.exceptions import ErrorKind, clean_message
+from vllm.exceptions import ErrorKind, clean_message, error_kind_of
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
@@ -192,13 +192,20 @@ class EngineCoreProc:
     def _reject_undecodable(self, payload: memoryview, error: msgspec.DecodeError) -> None:
         """Fails an add message that is not a valid EngineCoreRequest. Its sender still
         learns why when the request id can be read: the first field of the message."""
-        message = f"malformed request: {error}"
+        # Decoding runs SamplingParams' checks; a value they refuse is the client's fault
+        # (as it is in the API server) and keeps its own message. Any other decode failure
+        # comes from a broken sender.
+        kind = error_kind_of(error.__cause__)
+        if kind is ErrorKind.INTERNAL:
+            message = f"malformed request: {error}"
+        else:
+            message = str(error.__cause__)
         try:
             fields = msgspec.msgpack.decode(payload)
         except msgspec.DecodeError:
             fields = None
         if isinstance(fields, list) and fields and isinstance(fields[0], str):
-            self.engine_core.reject_request(fields[0], message)
+            self.engine_core.reject_request(fields[0], message, kind)
         else:
             logger.error("engine core: dropped an add message without a request id: %s", error)
 

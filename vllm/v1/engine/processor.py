@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,8 +12,9 @@ from vllm.config import VllmConfig
 from vllm.exceptions import InvalidRequestError
 from vllm.lora.request import LoRARequest
 from vllm.lora.validation import LoRAValidator
-from vllm.sampling_params import SamplingParams, check_token_ids
+from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine import validation
 
 
 class InputProcessor:
@@ -34,14 +34,9 @@ class InputProcessor:
         self.lora_validator = LoRAValidator(vllm_config)
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
-        """Raises ValueError when `num_prompts` prompts times `n` samples exceed --max-n."""
-        if num_prompts * n > self.max_n:
-            what = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts x n={n}"
-            raise InvalidRequestError(
-                "n",
-                f"{what} asks for {num_prompts * n} sequences; this server allows at most "
-                f"{self.max_n} per request (--max-n)"
-            )
+        """Raises InvalidRequestError when `num_prompts` prompts times `n` samples exceed
+        --max-n."""
+        validation.check_num_sequences(num_prompts, n, self.max_n)
 
     def tokenize(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, prompt token ids). Raises ValueError on bad input."""
@@ -58,13 +53,6 @@ class InputProcessor:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    "prompt_token_ids",
-                    f"token id {bad[0]} is outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
             return None, list(prompt)
         raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a dict")
 
@@ -91,44 +79,36 @@ class InputProcessor:
     ) -> tuple[str | None, EngineCoreRequest]:
         """Validates one request and returns (prompt text, engine request).
 
-        Raises ValueError for an empty or too-long prompt, invalid structured outputs, and
-        a LoRA adapter that is not enabled, unreadable or unfit for the model.
+        Runs every admission rule of `validation` (the offline LLM and the server both come
+        through here). Raises InvalidRequestError for an empty or too-long prompt, a prompt
+        plus max_tokens past max_model_len, out-of-vocabulary token ids, invalid structured
+        outputs, and a LoRA adapter that is not enabled, unreadable or unfit for the model.
+        The engine request carries its own copy of `params`, with the engine's fields
+        filled in; `params` itself is left as it was.
         """
         if lora_request is not None:
             self.lora_validator.check(lora_request)
         self.check_num_sequences(1, params.n)
         text, token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(token_ids)} tokens leave no room to generate within "
-                f"max_model_len ({self.max_model_len})"
-            )
-        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stop:
-            raise InvalidRequestError(
-                "stop_token_ids",
-                f"{bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        validation.check_prompt(token_ids, self.vocab_size, self.max_model_len)
+        validation.check_stop_token_ids(params, self.vocab_size)
         if params.structured_outputs is not None:
             self.structured_output_manager.validate(params.structured_outputs)
+        params = params.clone()
         if params.bad_words:
-            params = dataclasses.replace(
-                params, bad_words_token_ids=bad_words_token_ids(self.tokenizer, params.bad_words)
-            )
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             banned = {q[0] for q in params.bad_words_token_ids if len(q) == 1}
             if params.allowed_token_ids and set(params.allowed_token_ids) <= banned:
                 # Nothing could be sampled: refused here rather than sampled anyway.
                 raise InvalidRequestError(
                     "allowed_token_ids", "every allowed token is banned by bad_words"
                 )
-        check_token_ids(params, self.vocab_size)
+        validation.check_token_ids(params, self.vocab_size)
+        validation.check_fits(len(token_ids), params.max_tokens, self.max_model_len)
         return text, EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
-            sampling_params=msgspec.to_builtins(params_to_dict(params)),
+            sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             lora_request=lora_request,
         )
@@ -147,19 +127,6 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return seqs
 
 
-def params_to_dict(params: SamplingParams) -> dict[str, Any]:
-    """SamplingParams as plain data for a process boundary."""
-    out: dict[str, Any] = {}
-    for name in SamplingParams.__dataclass_fields__:
-        if name == "all_stop_token_ids":
-            continue
-        value = getattr(params, name)
-        if name == "structured_outputs" and value is not None:
-            value = value.to_dict()
-        out[name] = value
-    return out
-
-
 def child_requests(
     core_request: EngineCoreRequest, params: SamplingParams, child_ids: list[str]
 ) -> Iterator[EngineCoreRequest]:
@@ -170,11 +137,13 @@ def child_requests(
     """
     for i, child_id in enumerate(child_ids):
         child_params = core_request.sampling_params
-        if len(child_ids) > 1 and params.seed is not None:
-            # Distinct seeds, or all n samples would be the same sequence.
-            # Wrapped into int64 so that seed + i never overflows the engine's seed column.
-            child_seed = (params.seed + i + 2**63) % 2**64 - 2**63
-            child_params = {**child_params, "seed": child_seed}
+        if len(child_ids) > 1:
+            # Each sample its own copy: the engine core fills in fields of its request's.
+            child_params = child_params.clone()
+            if params.seed is not None:
+                # Distinct seeds, or all n samples would be the same sequence.
+                # Wrapped into int64 so that seed + i never overflows the engine's seed column.
+                child_params.seed = (params.seed + i + 2**63) % 2**64 - 2**63
         yield msgspec.structs.replace(
             core_request, request_id=child_id, sampling_params=child_params
         )

@@ -2,70 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm.exceptions import InvalidRequestError
 from vllm.lora.request import LoRARequest
-from vllm.sampling_params import SamplingParams, check_numeric_fields, check_token_ids
+from vllm.sampling_params import SamplingParams
 
 # How the runner stores the sampling parameters it puts in columns (see
-# GPUModelRunner._sampling_metadata); the bounds every value is checked against at admission
-# are sampling_params.INT_FIELD_BOUNDS and FLOAT32_FIELDS.
+# GPUModelRunner._sampling_metadata); the engine core admits only values that fit them
+# (vllm/v1/engine/validation.py, by sampling_params.INT_FIELD_BOUNDS and FLOAT32_FIELDS).
 TOP_K_DTYPE = np.int32
 SAMPLING_FLOAT_DTYPE = np.float32
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def check_request_inputs(
-    prompt_token_ids: Sequence[int],
-    params: SamplingParams,
-    vocab_size: int,
-    max_model_len: int,
-) -> None:
-    """Checks that one request's inputs fit the runner's storage and limits.
-
-    The runner converts all rows of a step together, so a single value it cannot store (an
-    int32 top_k of 2**31, a token id outside the embedding) would fail the whole step and,
-    with it, the engine. The engine core calls this before admitting a request, so that
-    such a request fails alone. Raises ValueError naming the offending input.
-    """
-    if len(prompt_token_ids) == 0:
-        raise InvalidRequestError("prompt", "must not be empty")
-    if len(prompt_token_ids) >= max_model_len:
-        raise InvalidRequestError(
-            "prompt",
-            f"{len(prompt_token_ids)} tokens leave no room to generate within "
-            f"max_model_len ({max_model_len})"
-        )
-    if not all(_is_int(t) for t in prompt_token_ids):
-        raise InvalidRequestError("prompt", "token ids must be integers")
-    low, high = min(prompt_token_ids), max(prompt_token_ids)
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise InvalidRequestError(
-            "prompt",
-            f"token id {bad} is outside the vocabulary [0, {vocab_size})"
-        )
-    check_numeric_fields(params)
-    if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
-        raise InvalidRequestError(
-            "logprobs",
-            f"must be in [0, {vocab_size}], got {params.logprobs}"
-        )
-    for name in ("stop_token_ids", "all_stop_token_ids"):
-        ids = getattr(params, name)
-        if any(not _is_int(t) or not _INT64_MIN <= t <= _INT64_MAX for t in ids):
-            raise InvalidRequestError(name, "must be integers in the int64 range")
-    # The sampler indexes the logits with these: one id outside the vocabulary would fail
-    # the whole step.
-    check_token_ids(params, vocab_size)
 
 
 @dataclass
