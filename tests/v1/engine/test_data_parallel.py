@@ -73,12 +73,13 @@ def _client(num_engines: int):
     return client
 
 
-def test_samples_of_one_request_go_to_one_engine_and_aborts_follow_them() -> None:
+def req(request_id: str):
     from vllm.v1.engine import EngineCoreRequest
 
-    def req(request_id: str) -> EngineCoreRequest:
-        return EngineCoreRequest(request_id, [1, 2], SamplingParams(), 0.0)
+    return EngineCoreRequest(request_id, [1, 2], SamplingParams(), 0.0)
 
+
+def test_samples_of_one_request_go_to_one_engine_and_aborts_follow_them() -> None:
     client = _client(2)
     client.add_requests([req("a-0"), req("a-1"), req("a-2")])
     client.add_requests([req("b-0")])
@@ -90,10 +91,7 @@ def test_samples_of_one_request_go_to_one_engine_and_aborts_follow_them() -> Non
 
 
 def test_a_request_a_dead_engine_never_answered_is_retried_once_on_a_live_one() -> None:
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-
-    def req(request_id: str) -> EngineCoreRequest:
-        return EngineCoreRequest(request_id, [1, 2], {}, 0.0)
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
     client = _client(3)
     seen: list[EngineCoreOutputs] = []
