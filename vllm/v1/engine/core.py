@@ -18,7 +18,7 @@ from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.proposer import build_proposer
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.manager import StructuredOutputManager
 from vllm.v1.worker.gpu_input_batch import check_request_inputs
 
 logger = logging.getLogger(__name__)

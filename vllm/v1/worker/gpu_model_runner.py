@@ -690,7 +690,7 @@ class GPUModelRunner:
         self._settle_verified(step.sampled_states)
         first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
         if grammar_output is not None:
-            from vllm.v1.structured_output.utils import apply_grammar_bitmask
+            from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask
 
             apply_grammar_bitmask(
                 logits, grammar_output, dict(zip(step.sampled_req_ids, first_rows))
