@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 
-from tests.v1.structured_output.conftest import backend, demo_dir, tokenizer  # noqa: F401
+from tests.v1.structured_output.conftest import (  # noqa: F401  (fixtures)
+    backend,
+    demo_dir,
+    manager,
+    tokenizer,
+)
 from tests.v1.structured_output.manager_utils import (
     big_regex,
     block_big,
@@ -23,13 +28,6 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine.constraint_checker import ConstraintChecker
 from vllm.v1.structured_output.compile_pool import CompileAbortedError
 from vllm.v1.structured_output.manager import StructuredOutputManager
-
-
-@pytest.fixture(scope="module")
-def manager(demo_dir: Path, tokenizer: Any) -> StructuredOutputManager:  # noqa: F811
-    manager = StructuredOutputManager(make_config(demo_dir), tokenizer)
-    yield manager
-    manager.shutdown()
 
 
 def _checker(

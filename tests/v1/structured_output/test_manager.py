@@ -35,13 +35,6 @@ from .schemas import ALL_CASES
 from .walker import WalkVocab, allowed_token_ids, random_walk
 
 
-@pytest.fixture(scope="module")
-def manager(demo_dir: Path, tokenizer: Any) -> StructuredOutputManager:
-    manager = StructuredOutputManager(make_config(demo_dir), tokenizer)
-    yield manager
-    manager.shutdown()
-
-
 def test_compiles_in_background_and_clears(manager: StructuredOutputManager) -> None:
     request = make_request("bg", json={"type": "object", "properties": {"a": {"type": "integer"}}})
     assert request.status == RequestStatus.WAITING_FOR_FSM

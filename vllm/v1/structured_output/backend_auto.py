@@ -165,11 +165,8 @@ class AutoBackend(StructuredOutputBackend):
             return grammar, name, FALLBACK if refusals else FIRST_CHOICE
         raise _combine(refusals)
 
-    def fill_bitmasks(
-        self,
-        grammars: Sequence[StructuredOutputGrammar],
-        bitmask: np.ndarray,
-        rows: Sequence[int],
+    def fill_unterminated(
+        self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray, rows: list[int]
     ) -> None:
         """Fills the rows with one batched call per backend."""
         groups: dict[int, tuple[StructuredOutputBackend, list[Any], list[int]]] = {}
@@ -179,7 +176,7 @@ class AutoBackend(StructuredOutputBackend):
             group[1].append(grammar)
             group[2].append(row)
         for backend, members, member_rows in groups.values():
-            backend.fill_bitmasks(members, bitmask, member_rows)
+            backend.fill_unterminated(members, bitmask, member_rows)
 
     def destroy(self) -> None:
         """Destroys every backend built so far."""

@@ -124,10 +124,26 @@ class StructuredOutputBackend(ABC):
         """Fills `bitmask[rows[i]]` from `grammars[i]` for every i (a terminated grammar's row
         allows every token); other rows are left as they are.
 
-        Every grammar must come from this backend. Backends override this to fill the whole
-        batch in one native call.
+        Every grammar must come from this backend. Backends fill the rows of grammars still
+        running in `fill_unterminated`.
         """
+        live: list[StructuredOutputGrammar] = []
+        live_rows: list[int] = []
         for grammar, row in zip(grammars, rows, strict=True):
+            if grammar.is_terminated():
+                bitmask[row] = -1
+            else:
+                live.append(grammar)
+                live_rows.append(int(row))
+        if live:
+            self.fill_unterminated(live, bitmask, live_rows)
+
+    def fill_unterminated(
+        self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray, rows: list[int]
+    ) -> None:
+        """Fills `bitmask[rows[i]]` from `grammars[i]`, none of them terminated, row by row.
+        Backends override this to fill the whole batch in one native call."""
+        for grammar, row in zip(grammars, rows):
             grammar.fill_bitmask(bitmask, row)
 
     def destroy(self) -> None:

@@ -506,30 +506,21 @@ class XgrammarBackend(StructuredOutputBackend):
             return self.compiler.compile_grammar(ebnf)
         return self.compiler.compile_json_schema(schema, **self._style(compact, max_whitespace))
 
-    def fill_bitmasks(
-        self,
-        grammars: Sequence[StructuredOutputGrammar],
-        bitmask: np.ndarray,
-        rows: Sequence[int],
+    def fill_unterminated(
+        self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray, rows: list[int]
     ) -> None:
-        """Fills the rows in one multi-threaded xgrammar call (terminated ones: all ones)."""
+        """Fills the rows in one multi-threaded xgrammar call, then applies UTF-8 guards."""
         matchers: list[xgr.GrammarMatcher] = []
-        live_rows: list[int] = []
         guarded: list[tuple[XgrammarGrammar, int]] = []
         for grammar, row in zip(grammars, rows, strict=True):
             assert isinstance(grammar, XgrammarGrammar)
-            if grammar.is_terminated():
-                bitmask[row] = -1
-                continue
             matchers.append(grammar.matcher)
-            live_rows.append(row)
             if grammar.utf8_state:
                 guarded.append((grammar, row))
-        if matchers:
-            # Waking helper threads costs more than it saves for small batches (up to
-            # milliseconds when the cores are busy).
-            batch = self._batch if len(matchers) >= _PARALLEL_FILL_MIN else self._batch_serial
-            batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
+        # Waking helper threads costs more than it saves for small batches (up to
+        # milliseconds when the cores are busy).
+        batch = self._batch if len(matchers) >= _PARALLEL_FILL_MIN else self._batch_serial
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         for grammar, row in guarded:
             grammar.apply_utf8_guard(bitmask, row)
 
