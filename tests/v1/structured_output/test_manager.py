@@ -408,7 +408,8 @@ def test_engine_compile_timeout_counts_only_the_compile(
 def test_lanes_follow_the_configured_worker_count(demo_dir: Path) -> None:
     manager = StructuredOutputManager(make_config(demo_dir, compile_workers=3))
     try:
-        lanes = {manager._lanes.lane(StructuredOutputsParams(regex=r)) for r in ("a", big_regex("b"))}
+        regexes = ("a", big_regex("b"))
+        lanes = {manager._lanes.lane(StructuredOutputsParams(regex=r)) for r in regexes}
         assert len(lanes) == 2
         assert all(lane._max_workers == 3 for lane in lanes)
     finally:

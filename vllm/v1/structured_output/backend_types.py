@@ -101,6 +101,30 @@ class StructuredOutputBackend(ABC):
     #: Rows of a bitmask hold ceil(vocab_size / 32) words.
     vocab_size: int
 
+    @classmethod
+    def prepare(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+        """Work worth doing once in a process that forks compile workers (the vocabulary
+        view); the result reaches `create` as `prepared` in each worker. None by default."""
+        return None
+
+    @classmethod
+    def create(
+        cls,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        options: BackendOptions,
+        *,
+        prepared: Any = None,
+        cache_limit_bytes: int | None = None,
+    ) -> StructuredOutputBackend:
+        """Builds the backend for one engine. `prepared` is what `prepare` returned, and
+        `cache_limit_bytes` bounds a compiled-grammar cache (backends without one ignore
+        both). Raises RuntimeError when `tokenizer` is None and the backend needs it."""
+        if tokenizer is None:
+            raise RuntimeError(f"structured outputs: {cls.__name__} needs the tokenizer")
+        return cls(tokenizer, vocab_size, stop_token_ids, options)  # type: ignore[call-arg]
+
     @abstractmethod
     def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """Compiles `params` into a fresh grammar in its initial state.

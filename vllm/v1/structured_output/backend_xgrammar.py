@@ -387,6 +387,31 @@ class XgrammarBackend(StructuredOutputBackend):
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._batch_serial = xgr.BatchGrammarMatcher(max_threads=1)
 
+    @classmethod
+    def prepare(
+        cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> PreparedVocab:
+        """xgrammar's view of the vocabulary (about two seconds), shared by forked workers."""
+        return PreparedVocab.build(tokenizer, vocab_size, stop_token_ids)
+
+    @classmethod
+    def create(
+        cls,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Sequence[int],
+        options: BackendOptions,
+        *,
+        prepared: Any = None,
+        cache_limit_bytes: int | None = None,
+    ) -> XgrammarBackend:
+        """Builds the backend, from the `prepared` vocabulary when given (then `tokenizer`
+        may be None)."""
+        extra: dict[str, Any] = {"vocab": prepared}
+        if cache_limit_bytes is not None:
+            extra["cache_limit_bytes"] = cache_limit_bytes
+        return cls(tokenizer, vocab_size, stop_token_ids, options, **extra)
+
     def compile_grammar(self, params: StructuredOutputsParams) -> XgrammarGrammar:
         """Compiles `params` (cached by content). Raises GrammarCompileError naming the field
         when it does not compile or no output can satisfy it, InvalidRequestError when it is

@@ -33,10 +33,10 @@ class CompileLanes:
         with self._lock:
             if self._closed:
                 raise RuntimeError("StructuredOutputManager: used after shutdown")
-            if self._small is None:
+            if self._small is None or self._big is None:
                 self._small = ThreadPoolExecutor(self._num_workers, "grammar-small")
                 self._big = ThreadPoolExecutor(self._num_workers, "grammar-big")
-            return self._small if small else self._big  # type: ignore[return-value]
+            return self._small if small else self._big
 
     def submit(
         self, params: StructuredOutputsParams, fn: Callable[..., T], *args: Any
