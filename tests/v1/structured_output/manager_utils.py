@@ -1,8 +1,11 @@
 """Helpers for tests of the grammar manager and the constraint checker: configs, requests,
-and compiles held back on demand."""
+compiles held back on demand, and imports seen from a fresh interpreter."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -77,3 +80,20 @@ def block_big(monkeypatch: pytest.MonkeyPatch, manager: StructuredOutputManager)
 
     monkeypatch.setattr(backend, "compile_choosing", blocking)
     return release
+
+
+def modules_loaded_by(code: str, names: list[str]) -> list[str]:
+    """Runs `code` in a fresh interpreter (from the repository root) and returns those of
+    `names` that are in its sys.modules afterwards. Raises CalledProcessError (with the
+    child's stderr) when the code fails."""
+    report = f"print(json.dumps([m for m in {names!r} if m in sys.modules]))"
+    script = f"import json, sys\n{code}\n{report}"
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[3],
+        timeout=120,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])

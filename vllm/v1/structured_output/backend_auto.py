@@ -23,6 +23,7 @@ from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     BackendOptions,
+    BackendSetup,
     StructuredOutputBackend,
     StructuredOutputGrammar,
 )
@@ -221,14 +222,10 @@ def create_backend(
     prepared = prepared or {}
 
     def build(name: str) -> StructuredOutputBackend:
-        return backend_class(name).create(
-            tokenizer,
-            vocab_size,
-            stop_token_ids,
-            options,
-            prepared=prepared.get(name),
-            cache_limit_bytes=cache_limit_bytes,
+        setup = BackendSetup(
+            tokenizer, vocab_size, stop_token_ids, options, prepared.get(name), cache_limit_bytes
         )
+        return backend_class(name).create(setup)
 
     names = backends_for(config.backend, config.disable_fallback)
     factories = [(name, functools.partial(build, name)) for name in names]

@@ -33,6 +33,20 @@ class BackendOptions:
         return self.max_threads if self.max_threads is not None else helper_threads()
 
 
+@dataclass(frozen=True)
+class BackendSetup:
+    """What building a backend takes (StructuredOutputBackend.create)."""
+
+    tokenizer: Any
+    vocab_size: int
+    stop_token_ids: Sequence[int]
+    options: BackendOptions = BackendOptions()
+    # What the backend's `prepare` returned in the process that forked this one, if any.
+    prepared: Any = None
+    # Bound of a compiled-grammar cache in bytes; None: the backend's default.
+    cache_limit_bytes: int | None = None
+
+
 def tokenizer_vocab(tokenizer: Any) -> dict[str, int]:
     """The tokenizer's token-to-id map; ValueError when the tokenizer has none."""
     try:
@@ -104,26 +118,18 @@ class StructuredOutputBackend(ABC):
     @classmethod
     def prepare(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
         """Work worth doing once in a process that forks compile workers (the vocabulary
-        view); the result reaches `create` as `prepared` in each worker. None by default."""
+        view); the result reaches `create` as `setup.prepared` in each worker. None by default."""
         return None
 
     @classmethod
-    def create(
-        cls,
-        tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: Sequence[int],
-        options: BackendOptions,
-        *,
-        prepared: Any = None,
-        cache_limit_bytes: int | None = None,
-    ) -> StructuredOutputBackend:
-        """Builds the backend for one engine. `prepared` is what `prepare` returned, and
-        `cache_limit_bytes` bounds a compiled-grammar cache (backends without one ignore
-        both). Raises RuntimeError when `tokenizer` is None and the backend needs it."""
-        if tokenizer is None:
+    def create(cls, setup: BackendSetup) -> StructuredOutputBackend:
+        """Builds the backend for one engine from `setup` (backends without a cache or a
+        `prepare` ignore those fields). Raises RuntimeError when the tokenizer is missing."""
+        if setup.tokenizer is None:
             raise RuntimeError(f"structured outputs: {cls.__name__} needs the tokenizer")
-        return cls(tokenizer, vocab_size, stop_token_ids, options)  # type: ignore[call-arg]
+        return cls(  # type: ignore[call-arg]
+            setup.tokenizer, setup.vocab_size, setup.stop_token_ids, setup.options
+        )
 
     @abstractmethod
     def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:

@@ -67,6 +67,7 @@ from vllm.transformers_utils.tokenizer import control_token_ids
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     BackendOptions,
+    BackendSetup,
     StructuredOutputBackend,
     StructuredOutputGrammar,
     tokenizer_vocab,
@@ -395,22 +396,15 @@ class XgrammarBackend(StructuredOutputBackend):
         return PreparedVocab.build(tokenizer, vocab_size, stop_token_ids)
 
     @classmethod
-    def create(
-        cls,
-        tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: Sequence[int],
-        options: BackendOptions,
-        *,
-        prepared: Any = None,
-        cache_limit_bytes: int | None = None,
-    ) -> XgrammarBackend:
-        """Builds the backend, from the `prepared` vocabulary when given (then `tokenizer`
-        may be None)."""
-        extra: dict[str, Any] = {"vocab": prepared}
-        if cache_limit_bytes is not None:
-            extra["cache_limit_bytes"] = cache_limit_bytes
-        return cls(tokenizer, vocab_size, stop_token_ids, options, **extra)
+    def create(cls, setup: BackendSetup) -> XgrammarBackend:
+        """Builds the backend, from the prepared vocabulary when `setup` has one (then its
+        tokenizer may be None)."""
+        extra: dict[str, Any] = {"vocab": setup.prepared}
+        if setup.cache_limit_bytes is not None:
+            extra["cache_limit_bytes"] = setup.cache_limit_bytes
+        return cls(
+            setup.tokenizer, setup.vocab_size, setup.stop_token_ids, setup.options, **extra
+        )
 
     def compile_grammar(self, params: StructuredOutputsParams) -> XgrammarGrammar:
         """Compiles `params` (cached by content). Raises GrammarCompileError naming the field
