@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.reasoning import PARSERS
+from vllm.v1.structured_output.registry import server_choices
 
 if TYPE_CHECKING:
     from vllm.v1.executor.abstract import Executor
@@ -379,9 +380,9 @@ class StructuredOutputsConfig:
     limit is rejected with a 400 naming the option, before anything is compiled.
     """
 
-    # "auto": per request, xgrammar when it enforces every part of the constraint, else
-    # llguidance when it does, else a 400 naming what neither enforces. "xgrammar" or
-    # "guidance": that backend only.
+    # "auto": per request, the first backend (in the order of structured_output/registry.py:
+    # xgrammar, then llguidance) that enforces every part of the constraint, else a 400
+    # naming what none enforces. A backend's name ("xgrammar", "guidance"): that one only.
     backend: str = "auto"
     # With "auto": use xgrammar only (a constraint it cannot enforce is refused).
     disable_fallback: bool = False
@@ -421,10 +422,10 @@ class StructuredOutputsConfig:
     fast_forward: bool = False
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "xgrammar", "guidance"):
+        if self.backend not in server_choices():
             raise ValueError(
-                f"--structured-outputs-config.backend: {self.backend!r} is not one of auto, "
-                "xgrammar, guidance"
+                f"--structured-outputs-config.backend: {self.backend!r} is not one of "
+                f"{', '.join(server_choices())}"
             )
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(

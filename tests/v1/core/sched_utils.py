@@ -32,7 +32,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.proposer import build_proposer
 from vllm.v1.structured_output.backend_auto import AutoBackend
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.manager import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,

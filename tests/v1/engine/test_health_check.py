@@ -20,7 +20,7 @@ from tests.v1.core.sched_utils import demo_model_config, make_config
 from tests.v1.engine.fake_executor import FakeExecutor
 from vllm.config import ParallelConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_proc import EngineCoreProc
 from vllm.v1.engine.data_parallel import DataParallelClient, EngineState
 from vllm.v1.engine.messages import EngineCoreError, EngineCoreStats, OutputType, RequestType
@@ -287,6 +287,7 @@ def _dp_client(num_engines: int) -> tuple[DataParallelClient, dict[str, list]]:
     client = DataParallelClient.__new__(DataParallelClient)
     client.engines = [EngineState(i) for i in range(num_engines)]
     client.clients = [_FakeClient() for _ in range(num_engines)]
+    client.retried = set()
     seen: dict[str, list] = {"outputs": [], "stats": [], "dead": []}
     client._on_outputs = seen["outputs"].append
     client._on_stats = seen["stats"].append
@@ -303,11 +304,13 @@ def test_a_dead_engine_leaves_the_gauges_and_is_never_routed_to() -> None:
     client._stats(0, _stats(running=0, waiting=0, usage=0.0, blocks=100))
     client._stats(1, _stats(running=3, waiting=2, usage=0.5, blocks=100))
     client.add_requests([_request("busy")])
+    # Its client has seen a token, so it cannot move to another engine.
+    client._outputs(0, EngineCoreOutputs([EngineCoreOutput("busy", [5])]))
     # Engine 0 is idle and would get the next request, but it is found dead first.
     client._engine_died(0, "engine core died: RuntimeError: worker rank 0 died")
     client.add_requests([_request("after")])
     assert client.clients[0].added == ["busy"] and client.clients[1].added == ["after"]
-    # The request it held fails at once with finish_reason "error".
+    # The request it held (and answered) fails at once with finish_reason "error".
     lost: EngineCoreOutputs = seen["outputs"][-1]
     assert [(o.request_id, o.finish_reason) for o in lost.outputs] == [("busy", "error")]
     total: EngineCoreStats = seen["stats"][-1]

@@ -25,7 +25,7 @@ from tests.v1.engine.test_async_sync_equivalence import (
     assert_same,
     generate_all,
 )
-import vllm.v1.structured_output as structured_output
+import vllm.v1.structured_output.manager as structured_output
 from vllm import LLM, SamplingParams
 
 NUM_PROMPTS = 16
@@ -99,14 +99,14 @@ def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str
         # Draft lists whose grammar, at sampling, rejected a draft: they assumed tokens in
         # flight that did not come.
         refuted = [0]
-        fill_draft_rows = structured_output._fill_draft_rows
+        fill_draft_rows = structured_output.fill_draft_rows
 
         def recording_fill_draft_rows(req_id, grammar, drafts, bitmask, first):
             refuted[0] += len(grammar.validate_tokens(drafts)) < len(drafts)
             fill_draft_rows(req_id, grammar, drafts, bitmask, first)
 
         scheduler.schedule = recording_schedule
-        with mock.patch.object(structured_output, "_fill_draft_rows",
+        with mock.patch.object(structured_output, "fill_draft_rows",
                                recording_fill_draft_rows):
             results = generate_all(llm, RATIOS, _prompts, _params)
         return results, scheduler, stale, stale_constrained, refuted[0]

@@ -1,4 +1,5 @@
-"""Shared fixtures: the demo model's real Qwen tokenizer and one xgrammar backend."""
+"""Shared fixtures: the demo model's real Qwen tokenizer, one xgrammar backend, and one grammar
+manager per test module."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 
 from vllm.model_executor.model_loader.demo_model import build_demo_model
 from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.v1.structured_output.manager import StructuredOutputManager
 
+from .manager_utils import make_config
 from .walker import WalkVocab, token_bytes
 
 # The demo model's vocabulary facts (FACTS.md): generation EOS ids and lm-head size.
@@ -27,6 +30,14 @@ def demo_dir() -> Path:
 def tokenizer(demo_dir: Path) -> Any:
     """The demo model's tokenizer (Qwen's vocabulary)."""
     return get_tokenizer(demo_dir)
+
+
+@pytest.fixture(scope="module")
+def manager(demo_dir: Path, tokenizer: Any) -> StructuredOutputManager:
+    """A grammar manager of the demo model (one per test module; shut down after it)."""
+    manager = StructuredOutputManager(make_config(demo_dir), tokenizer)
+    yield manager
+    manager.shutdown()
 
 
 @pytest.fixture(scope="session")

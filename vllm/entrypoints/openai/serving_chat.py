@@ -61,7 +61,7 @@ class OpenAIServingChat(OpenAIServing):
     @property
     def reasoning_parser(self) -> ReasoningParser | None:
         """The server's --reasoning-parser (None without one)."""
-        return self.engine.structured_output_manager.reasoning_parser
+        return self.engine.constraint_checker.reasoning_parser
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request

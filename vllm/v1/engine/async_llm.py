@@ -17,6 +17,7 @@ from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
+from vllm.v1.engine.constraint_checker import ConstraintChecker
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.data_parallel import DataParallelClient
 from vllm.v1.engine.messages import EngineCoreStats
@@ -24,7 +25,6 @@ from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 from vllm.v1.metrics.stats import RequestStateStats
-from vllm.v1.structured_output import StructuredOutputManager
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
@@ -154,13 +154,11 @@ class AsyncLLM:
         self.metrics = metrics
         logger.info("%s", vllm_config.scheduling_mode())
         self.tokenizer = get_tokenizer(self.model_config.tokenizer)
-        # Its own manager: compile checks run here, before the engine ever sees a request, in
+        # Its own checker: compile checks run here, before the engine ever sees a request, in
         # worker processes (started on the first structured request) that are killed when a
         # compile runs past its time limit, so no constraint can hold them for long.
-        self.structured_output_manager = StructuredOutputManager(
-            vllm_config, self.tokenizer, check_in_processes=True
-        )
-        self.processor = InputProcessor(vllm_config, self.tokenizer, self.structured_output_manager)
+        self.constraint_checker = ConstraintChecker(vllm_config, self.tokenizer)
+        self.processor = InputProcessor(vllm_config, self.tokenizer, self.constraint_checker)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._requests: dict[str, _Tracked] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -263,9 +261,8 @@ class AsyncLLM:
         process within the time limit (counted from when a worker takes it); the processor's
         own check is then a lookup. Raises ValueError when it fails, RuntimeError when the
         compile workers cannot run."""
-        manager = self.structured_output_manager
         # The limit checks walk the whole constraint: not on the event loop either.
-        future = await asyncio.to_thread(manager.check, structured_outputs)
+        future = await asyncio.to_thread(self.constraint_checker.check, structured_outputs)
         seconds = await asyncio.wrap_future(future)
         if self.metrics is not None:
             self.metrics.record_compile(structured_outputs.kind, seconds)
@@ -421,7 +418,7 @@ class AsyncLLM:
         self._shut_down = True
         self._fail_all(EngineDeadError("the engine is shutting down"), finish_reason="abort")
         self.engine_core.shutdown()
-        self.structured_output_manager.shutdown()
+        self.constraint_checker.shutdown()
 
 
 def _request_finish_reason(outputs: list[CompletionOutput]) -> str:

@@ -19,7 +19,7 @@ from vllm.v1.engine.validation import check_engine_request
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.proposer import build_proposer
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

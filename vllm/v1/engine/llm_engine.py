@@ -13,6 +13,7 @@ from vllm.outputs import OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+from vllm.v1.engine.constraint_checker import ConstraintChecker
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
@@ -42,9 +43,11 @@ class LLMEngine:
         logger.info("%s", vllm_config.scheduling_mode())
         self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
         self.engine_core = EngineCore(vllm_config, tokenizer=self.tokenizer)
-        self.processor = InputProcessor(
-            vllm_config, self.tokenizer, self.engine_core.structured_output_manager
+        # Checks compile with the engine's own manager: the request's compile is a cache hit.
+        checker = ConstraintChecker(
+            vllm_config, grammars=self.engine_core.structured_output_manager
         )
+        self.processor = InputProcessor(vllm_config, self.tokenizer, checker)
         self.output_processor = OutputProcessor(self.tokenizer)
         model_config = vllm_config.model_config
         # This engine's own registry: engines in one process never share metric state.

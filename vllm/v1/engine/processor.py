@@ -15,19 +15,22 @@ from vllm.lora.validation import LoRAValidator
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine import validation
+from vllm.v1.engine.constraint_checker import ConstraintChecker
 
 
 class InputProcessor:
     """Validates and tokenizes requests before they enter the engine core.
 
-    `structured_output_manager` compiles each constraint once here, so a bad schema, regex or
+    `constraint_checker` compiles each constraint once here, so a bad schema, regex or
     grammar is a ValueError to the caller and never reaches the engine core.
     """
 
-    def __init__(self, vllm_config: VllmConfig, tokenizer, structured_output_manager) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, tokenizer, constraint_checker: ConstraintChecker
+    ) -> None:
         self.config = vllm_config
         self.tokenizer = tokenizer
-        self.structured_output_manager = structured_output_manager
+        self.constraint_checker = constraint_checker
         self.max_model_len = vllm_config.model_config.max_model_len
         self.vocab_size = vllm_config.model_config.vocab_size
         self.max_n = vllm_config.scheduler_config.max_n
@@ -93,7 +96,7 @@ class InputProcessor:
         validation.check_prompt(token_ids, self.vocab_size, self.max_model_len)
         validation.check_stop_token_ids(params, self.vocab_size)
         if params.structured_outputs is not None:
-            self.structured_output_manager.validate(params.structured_outputs)
+            self.constraint_checker.validate(params.structured_outputs)
         params = params.clone()
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)

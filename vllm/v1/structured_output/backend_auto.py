@@ -10,6 +10,7 @@ all suit xgrammar never builds llguidance's vocabulary.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -22,14 +23,15 @@ from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     BackendOptions,
+    BackendSetup,
     StructuredOutputBackend,
     StructuredOutputGrammar,
 )
 from vllm.v1.structured_output.json_schema import normalize_json_schema
+from vllm.v1.structured_output.registry import backend_class, backends_for
 
 if TYPE_CHECKING:
     from vllm.config import StructuredOutputsConfig
-    from vllm.v1.structured_output.backend_xgrammar import PreparedVocab
 
 logger = logging.getLogger(__name__)
 
@@ -165,11 +167,8 @@ class AutoBackend(StructuredOutputBackend):
             return grammar, name, FALLBACK if refusals else FIRST_CHOICE
         raise _combine(refusals)
 
-    def fill_bitmasks(
-        self,
-        grammars: Sequence[StructuredOutputGrammar],
-        bitmask: np.ndarray,
-        rows: Sequence[int],
+    def fill_unterminated(
+        self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray, rows: list[int]
     ) -> None:
         """Fills the rows with one batched call per backend."""
         groups: dict[int, tuple[StructuredOutputBackend, list[Any], list[int]]] = {}
@@ -179,7 +178,7 @@ class AutoBackend(StructuredOutputBackend):
             group[1].append(grammar)
             group[2].append(row)
         for backend, members, member_rows in groups.values():
-            backend.fill_bitmasks(members, bitmask, member_rows)
+            backend.fill_unterminated(members, bitmask, member_rows)
 
     def destroy(self) -> None:
         """Destroys every backend built so far."""
@@ -206,41 +205,43 @@ def create_backend(
     vocab_size: int,
     stop_token_ids: Sequence[int],
     *,
-    vocab: PreparedVocab | None = None,
+    prepared: dict[str, Any] | None = None,
     max_threads: int | None = None,
     cache_limit_bytes: int | None = None,
-) -> StructuredOutputBackend:
-    """The backend `config.backend` names ("auto" gives an AutoBackend over xgrammar, then
-    llguidance unless `disable_fallback`). `vocab` reuses xgrammar's prepared vocabulary;
-    `tokenizer` may be None only when `vocab` is given and llguidance is never needed."""
+) -> AutoBackend:
+    """An AutoBackend over the backends `config.backend` selects (registry.backends_for:
+    "auto" gives every registered backend in order, only the first with `disable_fallback`).
+    `prepared` maps backend names to what their `prepare` returned (see prepare_backends);
+    `tokenizer` may be None only when every backend that is built needs no tokenizer then."""
     options = BackendOptions(
         disable_any_whitespace=config.disable_any_whitespace,
         max_whitespace=config.max_whitespace,
         one_of_as_any_of=config.one_of_as_any_of,
         max_threads=max_threads,
     )
+    prepared = prepared or {}
 
-    def xgrammar() -> StructuredOutputBackend:
-        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+    def build(name: str) -> StructuredOutputBackend:
+        setup = BackendSetup(
+            tokenizer, vocab_size, stop_token_ids, options, prepared.get(name), cache_limit_bytes
+        )
+        return backend_class(name).create(setup)
 
-        extra: dict[str, Any] = {"vocab": vocab}
-        if cache_limit_bytes is not None:
-            extra["cache_limit_bytes"] = cache_limit_bytes
-        return XgrammarBackend(tokenizer, vocab_size, stop_token_ids, options, **extra)
-
-    def guidance() -> StructuredOutputBackend:
-        from vllm.v1.structured_output.backend_guidance import GuidanceBackend
-
-        if tokenizer is None:
-            raise RuntimeError("structured outputs: llguidance needs the tokenizer")
-        return GuidanceBackend(tokenizer, vocab_size, stop_token_ids, options)
-
-    if config.backend == "xgrammar":
-        factories = [("xgrammar", xgrammar)]
-    elif config.backend == "guidance":
-        factories = [("guidance", guidance)]
-    elif config.disable_fallback:
-        factories = [("xgrammar", xgrammar)]
-    else:
-        factories = [("xgrammar", xgrammar), ("guidance", guidance)]
+    names = backends_for(config.backend, config.disable_fallback)
+    factories = [(name, functools.partial(build, name)) for name in names]
     return AutoBackend(vocab_size, factories, one_of_as_any_of=config.one_of_as_any_of)
+
+
+def prepare_backends(
+    config: StructuredOutputsConfig,
+    tokenizer: Any,
+    vocab_size: int,
+    stop_token_ids: Sequence[int],
+) -> dict[str, Any]:
+    """Runs `prepare` of each backend `config` selects (seconds: before forking compile
+    workers, so each worker builds its backends in milliseconds); the result is
+    create_backend's `prepared`."""
+    return {
+        name: backend_class(name).prepare(tokenizer, vocab_size, stop_token_ids)
+        for name in backends_for(config.backend, config.disable_fallback)
+    }

@@ -628,14 +628,10 @@ class GuidanceBackend(StructuredOutputBackend):
 
     # ------------------------------------------------------------------ bitmasks
 
-    def fill_bitmasks(
-        self,
-        grammars: Sequence[StructuredOutputGrammar],
-        bitmask: np.ndarray,
-        rows: Sequence[int],
+    def fill_unterminated(
+        self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray, rows: list[int]
     ) -> None:
-        """Fills `bitmask[rows[i]]` from `grammars[i]` (terminated ones: all ones), large
-        batches in one multi-threaded llguidance call; other rows are left as they are.
+        """Fills the rows, large batches in one multi-threaded llguidance call.
 
         Each grammar may appear once: llguidance raises RuntimeError ("Already borrowed")
         when one matcher is filled twice in a parallel call.
@@ -643,12 +639,7 @@ class GuidanceBackend(StructuredOutputBackend):
         live: list[tuple[GuidanceGrammar, int]] = []
         for grammar, row in zip(grammars, rows, strict=True):
             assert isinstance(grammar, GuidanceGrammar)
-            if grammar.is_terminated():
-                bitmask[row] = -1
-            else:
-                live.append((grammar, int(row)))
-        if not live:
-            return
+            live.append((grammar, row))
         executor = self._parallel_executor() if len(live) >= _PARALLEL_FILL_MIN else None
         if executor is not None:
             llg_numpy.fill_next_token_bitmask_par(
@@ -659,7 +650,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 llg_numpy.fill_next_token_bitmask(grammar.matcher, bitmask, row)
         # GuidanceGrammar.fix_row for the whole batch at once.
         vocab = self.vocab
-        live_rows = np.array([row for _, row in live], dtype=np.int64)
+        live_rows = np.array(rows, dtype=np.int64)
         bitmask[np.ix_(live_rows, vocab.fix_words)] &= vocab.fix_keep
         stops = bitmask[np.ix_(live_rows, vocab.stop_words)]
         for i in np.flatnonzero((stops & vocab.stop_bits).any(axis=1)):

@@ -33,6 +33,20 @@ class BackendOptions:
         return self.max_threads if self.max_threads is not None else helper_threads()
 
 
+@dataclass(frozen=True)
+class BackendSetup:
+    """What building a backend takes (StructuredOutputBackend.create)."""
+
+    tokenizer: Any
+    vocab_size: int
+    stop_token_ids: Sequence[int]
+    options: BackendOptions = BackendOptions()
+    # What the backend's `prepare` returned in the process that forked this one, if any.
+    prepared: Any = None
+    # Bound of a compiled-grammar cache in bytes; None: the backend's default.
+    cache_limit_bytes: int | None = None
+
+
 def tokenizer_vocab(tokenizer: Any) -> dict[str, int]:
     """The tokenizer's token-to-id map; ValueError when the tokenizer has none."""
     try:
@@ -101,6 +115,22 @@ class StructuredOutputBackend(ABC):
     #: Rows of a bitmask hold ceil(vocab_size / 32) words.
     vocab_size: int
 
+    @classmethod
+    def prepare(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+        """Work worth doing once in a process that forks compile workers (the vocabulary
+        view); the result reaches `create` as `setup.prepared` in each worker. None by default."""
+        return None
+
+    @classmethod
+    def create(cls, setup: BackendSetup) -> StructuredOutputBackend:
+        """Builds the backend for one engine from `setup` (backends without a cache or a
+        `prepare` ignore those fields). Raises RuntimeError when the tokenizer is missing."""
+        if setup.tokenizer is None:
+            raise RuntimeError(f"structured outputs: {cls.__name__} needs the tokenizer")
+        return cls(  # type: ignore[call-arg]
+            setup.tokenizer, setup.vocab_size, setup.stop_token_ids, setup.options
+        )
+
     @abstractmethod
     def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """Compiles `params` into a fresh grammar in its initial state.
@@ -124,10 +154,26 @@ class StructuredOutputBackend(ABC):
         """Fills `bitmask[rows[i]]` from `grammars[i]` for every i (a terminated grammar's row
         allows every token); other rows are left as they are.
 
-        Every grammar must come from this backend. Backends override this to fill the whole
-        batch in one native call.
+        Every grammar must come from this backend. Backends fill the rows of grammars still
+        running in `fill_unterminated`.
         """
+        live: list[StructuredOutputGrammar] = []
+        live_rows: list[int] = []
         for grammar, row in zip(grammars, rows, strict=True):
+            if grammar.is_terminated():
+                bitmask[row] = -1
+            else:
+                live.append(grammar)
+                live_rows.append(int(row))
+        if live:
+            self.fill_unterminated(live, bitmask, live_rows)
+
+    def fill_unterminated(
+        self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray, rows: list[int]
+    ) -> None:
+        """Fills `bitmask[rows[i]]` from `grammars[i]`, none of them terminated, row by row.
+        Backends override this to fill the whole batch in one native call."""
+        for grammar, row in zip(grammars, rows):
             grammar.fill_bitmask(bitmask, row)
 
     def destroy(self) -> None:

@@ -67,6 +67,7 @@ from vllm.transformers_utils.tokenizer import control_token_ids
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     BackendOptions,
+    BackendSetup,
     StructuredOutputBackend,
     StructuredOutputGrammar,
     tokenizer_vocab,
@@ -387,6 +388,24 @@ class XgrammarBackend(StructuredOutputBackend):
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._batch_serial = xgr.BatchGrammarMatcher(max_threads=1)
 
+    @classmethod
+    def prepare(
+        cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+    ) -> PreparedVocab:
+        """xgrammar's view of the vocabulary (about two seconds), shared by forked workers."""
+        return PreparedVocab.build(tokenizer, vocab_size, stop_token_ids)
+
+    @classmethod
+    def create(cls, setup: BackendSetup) -> XgrammarBackend:
+        """Builds the backend, from the prepared vocabulary when `setup` has one (then its
+        tokenizer may be None)."""
+        extra: dict[str, Any] = {"vocab": setup.prepared}
+        if setup.cache_limit_bytes is not None:
+            extra["cache_limit_bytes"] = setup.cache_limit_bytes
+        return cls(
+            setup.tokenizer, setup.vocab_size, setup.stop_token_ids, setup.options, **extra
+        )
+
     def compile_grammar(self, params: StructuredOutputsParams) -> XgrammarGrammar:
         """Compiles `params` (cached by content). Raises GrammarCompileError naming the field
         when it does not compile or no output can satisfy it, InvalidRequestError when it is
@@ -506,30 +525,21 @@ class XgrammarBackend(StructuredOutputBackend):
             return self.compiler.compile_grammar(ebnf)
         return self.compiler.compile_json_schema(schema, **self._style(compact, max_whitespace))
 
-    def fill_bitmasks(
-        self,
-        grammars: Sequence[StructuredOutputGrammar],
-        bitmask: np.ndarray,
-        rows: Sequence[int],
+    def fill_unterminated(
+        self, grammars: list[StructuredOutputGrammar], bitmask: np.ndarray, rows: list[int]
     ) -> None:
-        """Fills the rows in one multi-threaded xgrammar call (terminated ones: all ones)."""
+        """Fills the rows in one multi-threaded xgrammar call, then applies UTF-8 guards."""
         matchers: list[xgr.GrammarMatcher] = []
-        live_rows: list[int] = []
         guarded: list[tuple[XgrammarGrammar, int]] = []
         for grammar, row in zip(grammars, rows, strict=True):
             assert isinstance(grammar, XgrammarGrammar)
-            if grammar.is_terminated():
-                bitmask[row] = -1
-                continue
             matchers.append(grammar.matcher)
-            live_rows.append(row)
             if grammar.utf8_state:
                 guarded.append((grammar, row))
-        if matchers:
-            # Waking helper threads costs more than it saves for small batches (up to
-            # milliseconds when the cores are busy).
-            batch = self._batch if len(matchers) >= _PARALLEL_FILL_MIN else self._batch_serial
-            batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
+        # Waking helper threads costs more than it saves for small batches (up to
+        # milliseconds when the cores are busy).
+        batch = self._batch if len(matchers) >= _PARALLEL_FILL_MIN else self._batch_serial
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         for grammar, row in guarded:
             grammar.apply_utf8_guard(bitmask, row)
 

@@ -108,14 +108,17 @@ class BackendChecker:
     cache_limit_bytes: int = 64 * 1024 * 1024
 
     def prepare(self) -> None:
-        """Loads the tokenizer and builds xgrammar's vocabulary view (seconds)."""
+        """Loads the tokenizer and runs each selected backend's `prepare` (xgrammar's vocabulary
+        view: seconds)."""
         # The Rust tokenizer's thread pool must not exist when workers are forked.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from vllm.transformers_utils.tokenizer import get_tokenizer
-        from vllm.v1.structured_output.backend_xgrammar import PreparedVocab
+        from vllm.v1.structured_output.backend_auto import prepare_backends
 
         self._tokenizer = get_tokenizer(self.tokenizer)
-        self._vocab = PreparedVocab.build(self._tokenizer, self.vocab_size, self.stop_token_ids)
+        self._prepared = prepare_backends(
+            self.config, self._tokenizer, self.vocab_size, self.stop_token_ids
+        )
 
     def start_worker(self) -> None:
         """Builds this worker's backend (milliseconds; llguidance's on first use)."""
@@ -126,7 +129,7 @@ class BackendChecker:
             self._tokenizer,
             self.vocab_size,
             self.stop_token_ids,
-            vocab=self._vocab,
+            prepared=self._prepared,
             max_threads=self.max_threads,
             cache_limit_bytes=self.cache_limit_bytes,
         )

@@ -690,7 +690,7 @@ class GPUModelRunner:
         self._settle_verified(step.sampled_states)
         first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
         if grammar_output is not None:
-            from vllm.v1.structured_output.utils import apply_grammar_bitmask
+            from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask
 
             apply_grammar_bitmask(
                 logits, grammar_output, dict(zip(step.sampled_req_ids, first_rows))
@@ -837,7 +837,7 @@ class GPUModelRunner:
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
 
-        # The engine core admits only values these dtypes hold (check_request_inputs): a
+        # The engine core admits only values these dtypes hold (validation.check_runner_inputs): a
         # conversion error here would fail every request of the step.
         def column(name: str, off=None, dtype=SAMPLING_FLOAT_DTYPE) -> torch.Tensor | None:
             """Per-row values of one parameter on the device; None when every row has `off`."""

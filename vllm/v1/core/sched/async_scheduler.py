@@ -8,7 +8,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 from vllm.v1.spec_decode.proposer import Proposer
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.manager import StructuredOutputManager
 
 
 class AsyncScheduler(Scheduler):

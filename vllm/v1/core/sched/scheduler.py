@@ -21,7 +21,7 @@ from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.proposer import ForcedTokensOnly, Proposer
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output.manager import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Runner-side helpers: put grammar bitmask rows in batch order and apply them to logits."""
+"""The runner's grammar bitmask: put the rows in batch order and apply them to logits."""
 
 from __future__ import annotations
 

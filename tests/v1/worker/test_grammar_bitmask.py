@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm.v1.core.sched.output import GrammarOutput
-from vllm.v1.structured_output.utils import apply_grammar_bitmask, reorder_bitmask
+from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, reorder_bitmask
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

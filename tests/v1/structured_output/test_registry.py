@@ -1,0 +1,100 @@
+"""The backend registry: every place that names backends reads it, and a backend added to it
+is usable by name."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from vllm.config import StructuredOutputsConfig
+from vllm.sampling_params import BACKEND_NAMES, StructuredOutputsParams
+from vllm.v1.structured_output import registry
+from vllm.v1.structured_output.backend_auto import create_backend
+from vllm.v1.structured_output.backend_types import (
+    BackendOptions,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+)
+
+from .conftest import EOS_IDS, VOCAB_SIZE
+from .manager_utils import modules_loaded_by
+
+
+class _AnyGrammar(StructuredOutputGrammar):
+    """Allows every token and never terminates."""
+
+    def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
+        return True
+
+    def validate_tokens(self, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        bitmask[row] = -1
+
+    def is_terminated(self) -> bool:
+        return False
+
+    @property
+    def num_processed_tokens(self) -> int:
+        return 0
+
+
+class AnyBackend(StructuredOutputBackend):
+    """A backend in one file, as a new one would be: enforces nothing."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+        options: BackendOptions = BackendOptions(),
+    ) -> None:
+        self.vocab_size = vocab_size
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        return _AnyGrammar()
+
+
+def test_every_registered_backend_is_a_backend() -> None:
+    for name in registry.BACKENDS:
+        assert issubclass(registry.backend_class(name), StructuredOutputBackend)
+    assert set(registry.ALIASES.values()) <= set(registry.BACKENDS)
+
+
+def test_names_come_from_the_registry() -> None:
+    assert registry.server_choices() == ("auto", "xgrammar", "guidance")
+    assert registry.request_names() == BACKEND_NAMES
+    assert registry.backends_for("auto") == ["xgrammar", "guidance"]
+    assert registry.backends_for("auto", disable_fallback=True) == ["xgrammar"]
+    assert registry.backends_for("guidance") == ["guidance"]
+    with pytest.raises(KeyError):
+        registry.backends_for("llguidance")
+    with pytest.raises(ValueError, match="is not one of auto, xgrammar, guidance"):
+        StructuredOutputsConfig(backend="outlines")
+
+
+def test_one_registry_line_makes_a_backend_usable(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(registry.BACKENDS, "any", f"{__name__}:AnyBackend")
+    config = StructuredOutputsConfig(backend="any")  # the server option accepts it
+    backend = create_backend(config, tokenizer, VOCAB_SIZE, EOS_IDS)
+    grammar, name, reason = backend.compile_choosing(StructuredOutputsParams(regex="a"))
+    assert (name, reason) == ("any", "first_choice")
+    bitmask = backend.allocate_token_bitmask(1)
+    bitmask[0] = 0
+    backend.fill_bitmasks([grammar], bitmask, [0])
+    assert (bitmask[0] == -1).all()
+    auto = create_backend(StructuredOutputsConfig(), tokenizer, VOCAB_SIZE, EOS_IDS)
+    assert [n for n, _ in auto._factories] == ["xgrammar", "guidance", "any"]
+
+
+def test_reading_names_imports_no_backend() -> None:
+    code = (
+        "import vllm.config, vllm.v1.structured_output.registry as r\n"
+        "r.server_choices(), r.request_names(), r.backends_for('auto')"
+    )
+    assert modules_loaded_by(code, ["xgrammar", "llguidance"]) == []
