@@ -14,8 +14,13 @@ from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.core.sched.step_builder import StepBuilder
 from vllm.v1.core.sched.utils import (
     append_output_tokens,
+    can_sample_more,
+    find_cache_hit,
+    error_output,
     keep_prompt_logprobs,
+    make_grammar_output,
     make_request_output,
+    num_new_tokens,
 )
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.messages import EngineCoreStats
@@ -121,19 +126,16 @@ class Scheduler:
         error output, so whoever sent it learns why. The output goes out with the next step.
         """
         request = self.requests.get(request_id)
-        if request is not None:
-            self._finish_with_error(request, message, kind)
-            return
-        logger.warning("request %s rejected: %s", request_id, message)
-        self._pending_outputs.append(
-            EngineCoreOutput(
-                request_id=request_id,
-                new_token_ids=[],
-                finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
-                error=message,
-                error_kind=kind,
-            )
-        )
+        if request is None:
+            logger.warning("request %s rejected: %s", request_id, message)
+        else:
+            logger.warning("request %s failed: %s", request_id, message)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error_message = message
+            request.error_kind = kind
+            self._dequeue(request)
+            self._free_request(request)
+        self._pending_outputs.append(error_output(request_id, message, kind))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Ends the given requests (e.g. aborts) and frees their blocks and grammars.
@@ -154,11 +156,8 @@ class Scheduler:
         """Takes a request out of the running list or the waiting queue, wherever it is."""
         if request in self.running:
             self.running.remove(request)
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+        elif request in self.waiting:
+            self.waiting.remove(request)
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
@@ -176,23 +175,10 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """True while there is anything to schedule or report (including finished ids)."""
-        return self.has_unfinished_requests() or bool(self.finished_req_ids) or bool(
-            self._pending_outputs
-        )
+        return bool(self.has_unfinished_requests() or self.finished_req_ids
+                    or self._pending_outputs)
 
     # ------------------------------------------------------------------ schedule
-
-    def _num_new_tokens(self, request: Request) -> int:
-        """Tokens the request could compute now, before the budget (0: nothing to do)."""
-        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-
-    def _can_sample_more(self, request: Request) -> bool:
-        """False when every token the request may still produce is already sampled or in flight."""
-        produced = request.num_output_tokens + request.num_output_placeholders
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and produced >= max_tokens:
-            return False
-        return request.num_tokens + request.num_output_placeholders < self.max_model_len
 
     def _max_batch_requests(self) -> int:
         """Requests one step may hold. With pipeline stages, a step takes its share of the
@@ -240,11 +226,11 @@ class Scheduler:
 
     def _num_runnable(self, request: Request, budget: int) -> int:
         """Tokens a running request computes this step within `budget` (0: skip it)."""
-        num_new = min(self._num_new_tokens(request), budget)
-        samples = num_new == self._num_new_tokens(request)
+        num_new = min(num_new_tokens(request), budget)
+        samples = num_new == num_new_tokens(request)
         if (
             num_new <= 0
-            or (samples and not self._can_sample_more(request))
+            or (samples and not can_sample_more(request, self.max_model_len))
             or self._waits_for_sampling(request)
         ):
             return 0
@@ -297,18 +283,7 @@ class Scheduler:
     def _admit(self, request: Request, step: StepBuilder) -> bool:
         """Moves the head of the queue to the running list with the tokens the budget leaves
         it past its prefix-cache hit; False (nothing changed) when its blocks do not fit."""
-        lora = request.lora_request
-        if request.sampling_params.prompt_logprobs is not None and not (
-            request.prompt_logprobs_sent
-        ):
-            # Its prompt's logits are needed: a prefix-cache hit would skip them (and is not
-            # looked up, so the hit statistics count only hits that are used).
-            hit_blocks, num_hit = [], 0
-        else:
-            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(
-                request.request_id, request.all_token_ids,
-                lora.cache_salt if lora is not None else None,
-            )
+        hit_blocks, num_hit = find_cache_hit(self.kv_cache_manager, request)
         num_new = min(request.num_tokens - num_hit, step.budget)
         new_blocks = self.kv_cache_manager.allocate_slots(
             request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks
@@ -331,7 +306,7 @@ class Scheduler:
             return
         candidates = [
             (request, self._assumed_in_flight(request))
-            for request in step.decoding() if self._num_new_tokens(request) == 1
+            for request in step.decoding() if num_new_tokens(request) == 1
         ]
         drafts = self.drafter.propose(candidates)
         for request, _ in candidates:
@@ -358,10 +333,7 @@ class Scheduler:
 
     def sampling_issued(self, scheduler_output: SchedulerOutput) -> None:
         """Tells the scheduler that the engine has issued `scheduler_output`'s sample_tokens.
-
-        The synchronous scheduler needs no bookkeeping: it never schedules a request whose
-        token is not known yet. AsyncScheduler overrides it.
-        """
+        Nothing to do here: a request whose token is not known yet is never scheduled."""
 
     def _waits_for_sampling(self, request: Request) -> bool:
         """True while `request` must not be scheduled because its next input token is sampled
@@ -369,10 +341,9 @@ class Scheduler:
         return False
 
     def _assumed_in_flight(self, request: Request) -> list[int]:
-        """For a request scheduled now for its next token: the tokens
-        its in-flight step is assumed to feed before the one it samples last (its drafts,
-        unless an earlier verification already refuted what they assumed); [] with nothing
-        in flight, as always in the synchronous scheduler."""
+        """For a request scheduled now for its next token: the tokens its in-flight step is
+        assumed to feed before the one it samples last (its drafts, unless an earlier
+        verification refuted what they assumed); [] with nothing in flight (always, here)."""
         return []
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
@@ -390,30 +361,12 @@ class Scheduler:
             if not structured_req.poll(self.compile_timeout_s):
                 if structured_req.failed:
                     # A constraint that does not compile (or in time) is the client's fault.
-                    self._finish_with_error(
-                        request, structured_req.error or "grammar failed", ErrorKind.GRAMMAR
-                    )
+                    message = structured_req.error or "grammar failed"
+                    self.finish_with_error(request.request_id, message, ErrorKind.GRAMMAR)
                 return False
             request.status = RequestStatus.WAITING
         # A preempted request whose sampled tokens are still in flight resumes once they land.
         return request.num_output_placeholders == 0
-
-    def _finish_with_error(self, request: Request, message: str, kind: ErrorKind) -> None:
-        logger.warning("request %s failed: %s", request.request_id, message)
-        request.status = RequestStatus.FINISHED_ERROR
-        request.error_message = message
-        request.error_kind = kind
-        self._pending_outputs.append(
-            EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=request.get_finish_reason(),
-                error=message,
-                error_kind=kind,
-            )
-        )
-        self._dequeue(request)
-        self._free_request(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
@@ -435,20 +388,9 @@ class Scheduler:
         """
         if not scheduler_output.has_structured_output_requests:
             return None
-        ids = [
-            req_id
-            for req_id in scheduler_output.sampled_req_ids
-            if (r := self.requests.get(req_id)) is not None
-            and r.structured_output_request is not None
-            and not r.structured_output_request.thinking
-        ]
-        if not ids:
-            return None
         assert self.structured_output_manager is not None
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, ids, drafts)
-        rows = [req_id for req_id in ids for _ in range(1 + len(drafts.get(req_id, ())))]
-        return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask.copy())
+        return make_grammar_output(self.structured_output_manager, self.requests,
+                                   scheduler_output)
 
     # ------------------------------------------------------------------ outputs
 
@@ -458,8 +400,7 @@ class Scheduler:
         """Appends sampled tokens, advances grammars, applies stop checks, and frees finished
         requests. Returns one output per request that produced a token or finished; tokens for
         requests that already finished or were aborted are dropped."""
-        outputs = self._pending_outputs
-        self._pending_outputs = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         logprobs = model_runner_output.logprobs
         scheduled = self._step_requests.pop(scheduler_output.step_id, {})
         prompt_lps = model_runner_output.prompt_logprobs or {}
@@ -489,9 +430,8 @@ class Scheduler:
         """Async scheduling hook: one in-flight step, counted as `count` tokens, delivered
         its tokens."""
 
-    def _verified(
-        self, request: Request, num_drafts: int, num_accepted: int, num_appended: int
-    ) -> None:
+    def _verified(self, request: Request, num_drafts: int, num_accepted: int,
+                  num_appended: int) -> None:
         """Counts a verification and forgets the KV of the rejected drafts: their positions
         are computed again, with the tokens that were kept, in the next steps; blocks that
         only they used are freed (the workers learn it with the next step).
@@ -514,10 +454,6 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _backend_choices(self) -> dict[tuple[str, str], int]:
-        manager = self.structured_output_manager
-        return manager.backend_choices() if manager is not None else {}
-
     def make_stats(self) -> EngineCoreStats:
         """A snapshot of the scheduler's and its KV cache's gauges and counters.
 
@@ -526,6 +462,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         prefix = kv.prefix_cache_stats
         spec = self.drafter.stats
+        manager = self.structured_output_manager
+        backend_choices = manager.backend_choices() if manager is not None else {}
         return EngineCoreStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -539,9 +477,6 @@ class Scheduler:
             spec_decode_num_steps=spec.num_steps,
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            grammar_backends=sorted(
-                (backend, reason, count)
-                for (backend, reason), count in self._backend_choices().items()
-            ),
+            grammar_backends=sorted((b, r, n) for (b, r), n in backend_choices.items()),
             timestamp=time.time(),
         )

@@ -5,13 +5,47 @@ from __future__ import annotations
 
 import logging
 
+from typing import TYPE_CHECKING
+
 from vllm.exceptions import ErrorKind
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.structured_output import StructuredOutputManager
+
 logger = logging.getLogger(__name__)
+
+
+def num_new_tokens(request: Request) -> int:
+    """Tokens `request` could compute now, before any budget (0: nothing to do); tokens in
+    flight count as known."""
+    return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
+
+def can_sample_more(request: Request, max_model_len: int) -> bool:
+    """False when every token `request` may still produce is already sampled or in flight."""
+    produced = request.num_output_tokens + request.num_output_placeholders
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None and produced >= max_tokens:
+        return False
+    return request.num_tokens + request.num_output_placeholders < max_model_len
+
+
+def find_cache_hit(kv_cache_manager: KVCacheManager, request: Request) -> tuple[list[int], int]:
+    """The prefix-cache blocks a waiting request may start from and the tokens they hold
+    (looked up, and counted in the hit statistics, only when the hit can be used)."""
+    if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+        # Its prompt's logits are needed: a hit would skip computing them.
+        return [], 0
+    lora = request.lora_request
+    return kv_cache_manager.get_computed_blocks(
+        request.request_id, request.all_token_ids, lora.cache_salt if lora is not None else None
+    )
 
 
 def check_stop(
@@ -110,3 +144,34 @@ def make_request_output(
         out.new_logprobs = [logprobs.logprobs[row]]
         out.new_logprobs_ranks = [logprobs.ranks[row]]
     return out
+
+
+def error_output(req_id: str, message: str, kind: ErrorKind) -> EngineCoreOutput:
+    """The output that ends request `req_id` with finish reason "error", `message`, `kind`."""
+    return EngineCoreOutput(
+        request_id=req_id,
+        new_token_ids=[],
+        finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+        error=message,
+        error_kind=kind,
+    )
+
+
+def make_grammar_output(
+    manager: StructuredOutputManager, requests: dict[str, Request], step: SchedulerOutput
+) -> GrammarOutput | None:
+    """Bitmasks for the live constrained requests that sample in `step` outside a thinking
+    block, one row per verified position (1 + drafts); None when there are none."""
+    ids = [
+        req_id
+        for req_id in step.sampled_req_ids
+        if (r := requests.get(req_id)) is not None
+        and r.structured_output_request is not None
+        and not r.structured_output_request.thinking
+    ]
+    if not ids:
+        return None
+    drafts = step.scheduled_spec_decode_tokens
+    bitmask = manager.grammar_bitmask(requests, ids, drafts)
+    rows = [req_id for req_id in ids for _ in range(1 + len(drafts.get(req_id, ())))]
+    return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask.copy())
