@@ -99,7 +99,8 @@ class Drafter:
         for request, assumed in candidates:
             if forced_only and request.structured_output_request is None:
                 continue
-            if self.may_draft(request) and (context := self._context(request, assumed)):
+            context = self._context(request, assumed) if self.may_draft(request) else None
+            if context is not None:
                 contexts[request.request_id] = context
         proposed = self.proposer.propose_batch({
             req_id: (c.tokens, c.request.num_tokens, c.limit)
@@ -143,9 +144,11 @@ class Drafter:
             # _finish). A wrong guess costs only rejected drafts.
             tokens = tokens + assumed
             limit += 1
-        head = head[:limit]
-        return _Context(request, tokens + head, limit - len(head), head, grammar_assumed,
-                        bool(pending))
+        if head:
+            # Only then a copy: a lookup proposer reads the confirmed tokens in place.
+            head = head[:limit]
+            tokens = tokens + head
+        return _Context(request, tokens, limit - len(head), head, grammar_assumed, bool(pending))
 
 
 def _finish(context: _Context, proposed: list[int]) -> list[int]:
