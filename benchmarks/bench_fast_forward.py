@@ -46,12 +46,13 @@ def run_cell(llm: LLM, prompts: list[str]) -> tuple[float, int, list[list[int]]]
     params = [SamplingParams(max_tokens=96, temperature=0.0 if i % 2 else 0.8, seed=i,
                              structured_outputs=so) for i in range(len(prompts))]
     scheduler = llm.llm_engine.engine_core.scheduler
-    kept_before = scheduler.num_accepted_tokens
+    spec = scheduler.drafter.stats
+    kept_before = spec.num_accepted_tokens
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return sum(map(len, tokens)) / elapsed, scheduler.num_accepted_tokens - kept_before, tokens
+    return sum(map(len, tokens)) / elapsed, spec.num_accepted_tokens - kept_before, tokens
 
 
 def main() -> int:

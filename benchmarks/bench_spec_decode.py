@@ -50,9 +50,9 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
           proposer) -> dict[str, float]:
     """One generate call with the scheduler's proposer on or off; its tokens/s and drafts."""
     scheduler = llm.llm_engine.engine_core.scheduler
-    scheduler.proposer = proposer if drafts else None
-    before = (scheduler.num_spec_steps, scheduler.num_draft_tokens,
-              scheduler.num_accepted_tokens)
+    scheduler.drafter.proposer = proposer if drafts else None
+    spec = scheduler.drafter.stats
+    before = (spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens)
     # Forward passes, counted as the steps scheduled with tokens: a noise-free measure of
     # what drafts save where a forward costs the same whatever its rows (a GPU).
     forwards = 0
@@ -73,8 +73,7 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
         del scheduler.schedule  # back to the class's method
     steps, drafted, accepted = (
         now - then for now, then in zip(
-            (scheduler.num_spec_steps, scheduler.num_draft_tokens,
-             scheduler.num_accepted_tokens), before)
+            (spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens), before)
     )
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"tok_per_s": tokens / elapsed, "steps": steps, "drafted": drafted,
@@ -105,7 +104,7 @@ def main() -> None:
     for mode in ("sync", "async"):
         llm = LLM(args.model, async_scheduling=mode == "async",
                   max_num_seqs=max(args.num_prompts, 1), speculative_config=spec)
-        proposer = llm.llm_engine.engine_core.scheduler.proposer
+        proposer = llm.llm_engine.engine_core.scheduler.drafter.proposer
         try:
             for name in workloads:
                 prompts = WORKLOADS[name](args.num_prompts)

@@ -23,7 +23,7 @@ def llm():
 
 def test_forwards_count_the_steps_that_ran(llm) -> None:
     scheduler = llm.llm_engine.engine_core.scheduler
-    proposer = scheduler.proposer
+    proposer = scheduler.drafter.proposer
     prompts = bench_spec_decode.repetitive_prompts(2)
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True)
     plain = bench_spec_decode.timed(llm, prompts, params, False, proposer)

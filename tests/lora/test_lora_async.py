@@ -63,7 +63,7 @@ def _run(model_dir, loras, **kwargs):
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=chosen)
     if "speculative_config" in kwargs:
         # The drafting condition happened (else the comparison proves nothing about it).
-        assert llm.llm_engine.engine_core.scheduler.num_draft_tokens > 0
+        assert llm.llm_engine.engine_core.scheduler.drafter.stats.num_draft_tokens > 0
     llm.shutdown()
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
             for o in outs]

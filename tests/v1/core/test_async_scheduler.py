@@ -656,7 +656,7 @@ def test_drafts_match_sync_without_drafts(
     # Requests whose in-flight drafts assumed a verification that turned out to reject one.
     doomed: set[str] = set()
     schedule = h.sched.schedule
-    propose_batch = h.sched.proposer.propose_batch
+    propose_batch = h.sched.drafter.proposer.propose_batch
     waiting: set[str] = set()
     on_rejected: set[str] = set()
 
@@ -685,12 +685,12 @@ def test_drafts_match_sync_without_drafts(
         return scheduler_output
 
     h.sched.schedule = recording_schedule
-    h.sched.proposer.propose_batch = recording_propose_batch
+    h.sched.drafter.proposer.propose_batch = recording_propose_batch
     while h.step():
         # At most two steps of a drafting request in flight (see AsyncScheduler).
         assert all(h.in_flight_samples(r) <= 2 for r in h.added)
     assert h.tokens == reference.tokens
-    assert h.sched.num_accepted_tokens > 0
+    assert h.sched.drafter.stats.num_accepted_tokens > 0
     # No drafting request waits for its tokens: each is scheduled while a step of its own is
     # in flight, with drafts that follow that step's assumed tokens (for "g", checked by its
     # grammar as it would stand after them).
@@ -735,4 +735,4 @@ def test_constrained_drafts_follow_the_grammar_past_the_tokens_in_flight(
         # lookup guesses the cycle where this grammar leaves it, so its stale drafts come
         # only where no drafts were in flight.)
         assert stacked > 0
-    assert h.sched.num_accepted_tokens == h.sched.num_draft_tokens > 0
+    assert h.sched.drafter.stats.num_accepted_tokens == h.sched.drafter.stats.num_draft_tokens > 0

@@ -69,7 +69,7 @@ def test_cached_block_survives_free_and_is_revived_by_touch(pool: BlockPool) -> 
     assert not pool.cache_block(blocks[1], 111)  # hash taken by another block
     assert blocks[1].block_hash is None
     pool.free_blocks(blocks[::-1])
-    assert pool.get_cached_block(111) is blocks[0]  # free but still cached
+    assert pool.cached.get(111) is blocks[0]  # free but still cached
     pool.touch([blocks[0]])
     assert blocks[0].ref_cnt == 1 and pool.num_free_blocks == 5
     assert blocks[0] not in pool.free_queue.blocks()
@@ -85,8 +85,8 @@ def test_reuse_evicts_hash_in_lru_order(pool: BlockPool) -> None:
     reused = pool.get_new_blocks(2)
     assert [b.block_id for b in reused] == [4, 1]
     assert all(b.block_hash is None for b in reused)
-    assert pool.get_cached_block(1004) is None and pool.get_cached_block(1001) is None
-    assert pool.get_cached_block(1005) is blocks[5]
+    assert pool.cached.get(1004) is None and pool.cached.get(1001) is None
+    assert pool.cached.get(1005) is blocks[5]
     _check(pool)
     pool.free_blocks(reused)
 
@@ -95,10 +95,10 @@ def test_reset_prefix_cache(pool: BlockPool) -> None:
     blocks = pool.get_new_blocks(2)
     pool.cache_block(blocks[0], 7)
     assert not pool.reset_prefix_cache()
-    assert pool.get_cached_block(7) is blocks[0]  # refused reset changed nothing
+    assert pool.cached.get(7) is blocks[0]  # refused reset changed nothing
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache()
-    assert pool.get_cached_block(7) is None and blocks[0].block_hash is None
+    assert pool.cached.get(7) is None and blocks[0].block_hash is None
     assert pool.cached == {}
 
 
@@ -106,6 +106,6 @@ def test_caching_disabled() -> None:
     pool = BlockPool(2, enable_caching=False)
     blocks = pool.get_new_blocks(2)
     assert not pool.cache_block(blocks[0], 5)
-    assert pool.get_cached_block(5) is None and blocks[0].block_hash is None
+    assert pool.cached.get(5) is None and blocks[0].block_hash is None
     pool.free_blocks(blocks)
     assert pool.num_free_blocks == 2

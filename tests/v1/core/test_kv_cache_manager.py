@@ -192,8 +192,8 @@ def test_lru_eviction_and_reuse_of_evicted_ids(make: Callable[..., KVCacheManage
     mgr.free("b")
     # a's blocks go first, its tail block first of all.
     assert mgr.allocate_slots("c", 0, 2 * BS, list(range(200, 208))) == [ids_a[2], ids_a[1]]
-    assert mgr.pool.get_cached_block(hashes_a[1]) is None
-    assert mgr.pool.get_cached_block(hashes_a[0]) is mgr.pool.blocks[ids_a[0]]
+    assert mgr.pool.cached.get(hashes_a[1]) is None
+    assert mgr.pool.cached.get(hashes_a[0]) is mgr.pool.blocks[ids_a[0]]
     assert mgr.get_computed_blocks("a2", prompt_a) == (ids_a[:1], BS)
     assert mgr.get_computed_blocks("b2", prompt_b) == (ids_b[:2], 2 * BS)
     # The reused id now caches c's content under c's hash.

@@ -15,7 +15,6 @@ from tests.v1.core.sched_utils import (
     spec_workload,
     EOS,
     GRAMMAR_END,
-    FakeGrammar,
     Harness,
     default_policy,
     demo_model_config,
@@ -23,7 +22,6 @@ from tests.v1.core.sched_utils import (
 )
 from vllm.config import ModelConfig
 from vllm.exceptions import ErrorKind, InvalidRequestError
-from vllm.v1.core.sched.scheduler import _grammar_after
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.request import RequestStatus
 
@@ -471,7 +469,7 @@ def test_drafts_change_no_token_and_save_steps(make: MakeHarness, condition: str
         300, 301, 302, 303, 300, 301, 7, 8]
     assert len(spec.runner.steps) < len(plain.runner.steps)
     sched = spec.sched
-    assert sched.num_draft_tokens > sched.num_accepted_tokens > 0  # "x" requests reject some
+    assert sched.drafter.stats.num_draft_tokens > sched.drafter.stats.num_accepted_tokens > 0  # "x" requests reject some
     if condition == "preemption":
         assert sched.num_preemptions > 0
     assert drafted
@@ -481,7 +479,7 @@ def test_drafts_change_no_token_and_save_steps(make: MakeHarness, condition: str
         assert done + len(drafts) + 1 <= request.sampling_params.max_tokens
     stats = sched.make_stats()
     assert (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) == (
-        sched.num_draft_tokens, sched.num_accepted_tokens)
+        sched.drafter.stats.num_draft_tokens, sched.drafter.stats.num_accepted_tokens)
 
 
 def test_grammar_cuts_drafts_at_the_first_rejected_token(make: MakeHarness) -> None:
@@ -509,21 +507,6 @@ def test_forced_tokens_are_drafted_before_the_lookup(make: MakeHarness) -> None:
     # refuses (it wants the end).
     assert drafts[2] == [303]
     assert len(h.runner.steps) == 3  # prefill, then two verifications (the last ends it)
-
-
-@pytest.mark.parametrize("jump_forward", [True, False])
-def test_grammar_after_the_tokens_in_flight(jump_forward: bool) -> None:
-    """_grammar_after: the in-flight tokens the grammar accepts (cut at one it refutes, or
-    after a stop token), what it forces after them, and the grammar left as it was."""
-    grammar = FakeGrammar([1, 2, 3, 4], [GRAMMAR_END], 64, jump_forward=jump_forward)
-    assert grammar.accept_tokens("r", [1])
-    forced = [3, 4] if jump_forward else []
-    assert _grammar_after("r", grammar, [2]) == ([2], forced)
-    assert _grammar_after("r", grammar, [2, 9, 3]) == ([2], forced)  # 9 is refuted
-    assert _grammar_after("r", grammar, [7]) == ([], [2, 3, 4] if jump_forward else [])
-    assert _grammar_after("r", grammar, [2, 3, 4, GRAMMAR_END, 5]) == (
-        [2, 3, 4, GRAMMAR_END], [])
-    assert grammar.accepted == [1] and not grammar.is_terminated()
 
 
 def test_no_drafts_for_penalties_logprobs_or_min_tokens(make: MakeHarness) -> None:

@@ -489,6 +489,6 @@ def test_the_draft_model_loads_before_the_kv_cache_is_sized(model_config: ModelC
     engine = EngineCore(make_config(model_config), executor_class=Recording)
     try:
         assert events == ["proposer", "determine_num_blocks"]
-        assert engine.scheduler.proposer is built
+        assert engine.scheduler.drafter.proposer is built
     finally:
         engine.shutdown()

@@ -145,8 +145,8 @@ def test_drafts_change_no_output(reference, spec, async_scheduling, executor, co
     # Some of those stale constrained drafts turned out wrong for the grammar (the outputs
     # above stay exact); synchronous drafts never are.
     assert bool(refuted) == async_scheduling
-    assert scheduler.num_accepted_tokens > 0
-    assert scheduler.num_draft_tokens > scheduler.num_accepted_tokens  # random rows reject
+    assert scheduler.drafter.stats.num_accepted_tokens > 0
+    assert scheduler.drafter.stats.num_draft_tokens > scheduler.drafter.stats.num_accepted_tokens  # random rows reject
     if condition == "preemption":
         assert scheduler.num_preemptions > 0
 
@@ -162,7 +162,7 @@ def test_fast_forward_changes_no_output(reference, async_scheduling, executor, c
     got, scheduler, stale, stale_constrained, _ = _run(
         "grammar", async_scheduling, executor, condition)
     assert_same(got, reference, RATIOS)
-    assert scheduler.num_accepted_tokens > 0
+    assert scheduler.drafter.stats.num_accepted_tokens > 0
     assert stale == stale_constrained  # unconstrained requests never draft
     if condition == "preemption":
         assert scheduler.num_preemptions > 0

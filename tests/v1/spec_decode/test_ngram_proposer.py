@@ -9,36 +9,46 @@ import pytest
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
 
+def _propose(p: NgramProposer, tokens: list[int], max_tokens: int | None = None) -> list[int]:
+    """One stateless lookup through propose_batch: up to min(num_tokens, max_tokens) drafts
+    to follow `tokens`, all confirmed; the request is released so no buffer carries over."""
+    k = p.num_tokens if max_tokens is None else min(p.num_tokens, max_tokens)
+    try:
+        return p.propose_batch({"r": (tokens, len(tokens), k)}).get("r", [])
+    finally:
+        p.release("r")
+
+
 def test_longest_suffix_wins_and_its_latest_occurrence() -> None:
     p = NgramProposer(min_n=1, max_n=3, num_tokens=3)
     # Suffix "1 2" last occurred at the start, followed by 3 4 1.
-    assert p.propose([1, 2, 3, 4, 1, 2]) == [3, 4, 1]
+    assert _propose(p, [1, 2, 3, 4, 1, 2]) == [3, 4, 1]
     # "9 1 2" is longer than "1 2" and points elsewhere.
-    assert p.propose([9, 1, 2, 7, 1, 2, 8, 9, 1, 2]) == [7, 1, 2]
+    assert _propose(p, [9, 1, 2, 7, 1, 2, 8, 9, 1, 2]) == [7, 1, 2]
     # Only a 1-gram matches: its latest earlier occurrence with three tokens after it.
-    assert p.propose([5, 6, 1, 5, 7, 8, 9, 5]) == [7, 8, 9]
+    assert _propose(p, [5, 6, 1, 5, 7, 8, 9, 5]) == [7, 8, 9]
     # The latest occurrence lacks a full continuation: an earlier one has it.
-    assert p.propose([5, 6, 5, 7, 5]) == [6, 5, 7]
+    assert _propose(p, [5, 6, 5, 7, 5]) == [6, 5, 7]
 
 
 def test_a_run_of_one_token_drafts_in_full() -> None:
     p = NgramProposer(min_n=1, max_n=4, num_tokens=3)
-    assert p.propose([9] * 8) == [9, 9, 9]
+    assert _propose(p, [9] * 8) == [9, 9, 9]
     # No occurrence of the longest suffix is followed by three tokens: the latest one is
     # continued with the run's period (1).
-    assert p.propose([9] * 6) == [9, 9, 9]
-    assert p.propose([9] * 3) == [9, 9, 9]
+    assert _propose(p, [9] * 6) == [9, 9, 9]
+    assert _propose(p, [9] * 3) == [9, 9, 9]
 
 
 def test_no_match_short_input_and_limits() -> None:
     p = NgramProposer(min_n=2, max_n=4, num_tokens=5)
-    assert p.propose([1, 2, 3, 4]) == []
-    assert p.propose([1, 2]) == []
-    assert p.propose([1, 2, 3, 1, 2], max_tokens=1) == [3]
-    assert p.propose([1, 2, 3, 1, 2], max_tokens=0) == []
+    assert _propose(p, [1, 2, 3, 4]) == []
+    assert _propose(p, [1, 2]) == []
+    assert _propose(p, [1, 2, 3, 1, 2], max_tokens=1) == [3]
+    assert _propose(p, [1, 2, 3, 1, 2], max_tokens=0) == []
     # Past the tokens that exist, the copy repeats with the match's period (2 here).
-    assert p.propose([1, 2, 1, 2]) == [1, 2, 1, 2, 1]
-    assert p.propose([3, 1, 2, 4, 1, 2]) == [4, 1, 2, 4, 1]
+    assert _propose(p, [1, 2, 1, 2]) == [1, 2, 1, 2, 1]
+    assert _propose(p, [3, 1, 2, 4, 1, 2]) == [4, 1, 2, 4, 1]
 
 
 @pytest.mark.parametrize("args", [(0, 2, 1), (3, 2, 1), (1, 2, 0)])
@@ -79,7 +89,7 @@ def test_lookup_matches_the_rule_on_random_tokens(seed: int) -> None:
     for end in range(len(tokens) + 1):
         prefix = tokens[:end]
         want = _reference(prefix, min_n, max_n, k) if end > min_n else []
-        assert p.propose(prefix) == want, (prefix, min_n, max_n, k)
+        assert _propose(p, prefix) == want, (prefix, min_n, max_n, k)
 
 
 def test_batched_lookups_follow_growing_confirmed_tokens() -> None:

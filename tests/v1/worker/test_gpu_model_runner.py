@@ -179,7 +179,7 @@ def test_the_forward_after_a_verification_does_not_wait_for_its_kept_count(
     monkeypatch.setattr(runner_cls, "_settle", settle_spy)
     got, scheduler = _mixed_outputs(
         True, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    assert 0 < scheduler.drafter.stats.num_accepted_tokens < scheduler.drafter.stats.num_draft_tokens
     assert waits_in_forward and not any(waits_in_forward), "a forward waited for a copy"
     assert got == want
 

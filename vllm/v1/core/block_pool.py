@@ -75,10 +75,6 @@ class BlockPool:
                 queue.remove(block)
             block.ref_cnt += 1
 
-    def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
-        """Return the cached block with this hash, or None."""
-        return self.cached.get(block_hash)
-
     def cache_block(self, block: KVCacheBlock, block_hash: int) -> bool:
         """Register an owned, full block under `block_hash`.
 

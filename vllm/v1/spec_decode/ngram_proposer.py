@@ -75,12 +75,6 @@ class NgramProposer:
         """Forgets the request's token buffer."""
         self._buffers.pop(req_id, None)
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
-        """Returns up to min(num_tokens, max_tokens) drafted tokens to follow `token_ids`
-        ([] when no suffix occurs earlier). Pure: no state is kept between calls."""
-        k = self.num_tokens if max_tokens is None else min(self.num_tokens, max_tokens)
-        return self._lookup(np.asarray(token_ids, dtype=np.int64), k)
-
     def _lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """Up to k tokens to follow `tokens` (the caller bounds k)."""
         length = len(tokens)

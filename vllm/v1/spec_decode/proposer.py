@@ -1,4 +1,4 @@
-"""The proposer interface the scheduler drafts through, and the one the config asks for."""
+"""The proposer interface the Drafter drafts through, and the one the config asks for."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def build_proposer(config: VllmConfig) -> Proposer | None:
 
 
 class ForcedTokensOnly:
-    """Proposes nothing itself: the scheduler drafts what each constrained request's grammar
+    """Proposes nothing itself: the Drafter drafts what each constrained request's grammar
     forces (grammar fast-forward), and unconstrained requests do not draft."""
 
     def __init__(self, num_tokens: int) -> None:
@@ -61,7 +61,7 @@ class ForcedTokensOnly:
     def propose_batch(
         self, contexts: dict[str, tuple[list[int], int, int]]
     ) -> dict[str, list[int]]:
-        """No drafts beyond the forced tokens the scheduler adds."""
+        """No drafts beyond the forced tokens the Drafter adds."""
         return {}
 
     def release(self, req_id: str) -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from vllm.config import VllmConfig
-from vllm.v1.core.kv_cache_manager import KVCacheManager
+from typing import Any
+
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
-from vllm.v1.spec_decode.proposer import Proposer
-from vllm.v1.structured_output.manager import StructuredOutputManager
 
 
 class AsyncScheduler(Scheduler):
@@ -30,14 +28,9 @@ class AsyncScheduler(Scheduler):
     forward would read a stale token. It simply waits; other requests are still scheduled.
     """
 
-    def __init__(
-        self,
-        vllm_config: VllmConfig,
-        kv_cache_manager: KVCacheManager,
-        structured_output_manager: StructuredOutputManager | None = None,
-        proposer: Proposer | None = None,
-    ) -> None:
-        super().__init__(vllm_config, kv_cache_manager, structured_output_manager, proposer)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes Scheduler's arguments."""
+        super().__init__(*args, **kwargs)
         # step_id -> ids that sample in that step, for steps whose sample_tokens is not issued.
         # Ids of requests that finish meanwhile stay until then: a reused id waits a little.
         self._unsampled_steps: dict[int, frozenset[str]] = {}
@@ -59,7 +52,7 @@ class AsyncScheduler(Scheduler):
         self._unsampled_steps.pop(scheduler_output.step_id, None)
 
     def _waits_for_sampling(self, request: Request) -> bool:
-        if self._may_draft(request):
+        if self.drafter.may_draft(request):
             if request.num_output_placeholders > 1 + len(request.spec_token_ids):
                 # Two steps in flight at most: the runner places a step after the tokens
                 # its previous verification kept, but a third step would be scheduled

@@ -49,9 +49,14 @@ class CachedRequestData:
     # samples, since the first stage never sees a sample (docs/architecture.md §10).
     new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
+    def add(self, req_id: str, block_ids: list[int], num_computed_tokens: int,
+            resumed: bool = False) -> None:
+        """Appends one request's entry to the parallel lists (the resumed-only dicts are the
+        caller's to fill)."""
+        self.req_ids.append(req_id)
+        self.resumed_from_preemption.append(resumed)
+        self.new_block_ids.append(block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
 
 
 @dataclass

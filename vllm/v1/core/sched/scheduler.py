@@ -10,30 +10,49 @@ from collections.abc import Iterable
 from vllm.config import VllmConfig
 from vllm.exceptions import ErrorKind, InvalidRequestError
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.sched.output import (
-    CachedRequestData,
-    GrammarOutput,
-    NewRequestData,
-    SchedulerOutput,
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.core.sched.step_builder import StepBuilder
+from vllm.v1.core.sched.utils import (
+    append_output_tokens,
+    can_sample_more,
+    find_cache_hit,
+    error_output,
+    keep_prompt_logprobs,
+    make_grammar_output,
+    make_request_output,
+    num_new_tokens,
 )
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.spec_decode.proposer import ForcedTokensOnly, Proposer
+from vllm.v1.spec_decode.drafting import Drafter
+from vllm.v1.spec_decode.proposer import Proposer
 from vllm.v1.structured_output.manager import StructuredOutputManager
-from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Decides, each step, which requests compute how many tokens, in FCFS order.
+    """Decides, each step, which requests compute how many tokens, within one token budget
+    (`max_num_batched_tokens`); schedule() takes, in this order:
 
-    Running requests are served first (their next token, or the rest of a chunked prefill);
-    waiting requests are admitted while the token budget, `max_num_seqs` and free KV blocks
-    allow. When blocks run out, the most recently admitted running request is preempted and
-    recomputed later.
+    1. Running requests, oldest admission first: each computes every token it has not
+       computed (its next token when decoding; tokens in flight count as known), or as many
+       as the budget leaves (a chunk of its prefill). Skipped: a request whose every allowed
+       token is already sampled or in flight (max_tokens, max_model_len), and one whose next
+       input is sampled in a step not yet issued (AsyncScheduler). When KV blocks run out,
+       the most recently admitted running request is preempted (freed, recomputed later).
+    2. Waiting requests, first come first served, unless step 1 preempted, while the budget,
+       `max_num_seqs` and KV blocks allow: each computes its prompt (all its known tokens,
+       once preempted) past its prefix-cache hit, or as much as the budget leaves. A request
+       whose grammar still compiles, whose adapter would exceed `max_loras`, or whose
+       preemption left samples in flight stays queued without blocking those behind it; the
+       first one whose blocks do not fit stops admission.
+    3. Drafts (speculative decoding), for running requests scheduled for exactly their next
+       token, from the budget and blocks the first two steps left.
+
+    With pipeline stages a step holds only its share of the requests (_max_batch_requests).
     """
 
     def __init__(
@@ -76,12 +95,8 @@ class Scheduler:
         # step_id -> the requests a step scheduled, until its output is handled: an id of a
         # request that ended meanwhile may belong to a new request by then.
         self._step_requests: dict[int, dict[str, Request]] = {}
-        self.proposer = proposer
-        # Speculative decoding counters (cumulative): verification steps that carried drafts,
-        # drafted tokens, and drafted tokens the target model kept.
-        self.num_spec_steps = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
+        # Drafts for speculative decoding, and the counters of their verifications.
+        self.drafter = Drafter(proposer, self.max_model_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -111,19 +126,16 @@ class Scheduler:
         error output, so whoever sent it learns why. The output goes out with the next step.
         """
         request = self.requests.get(request_id)
-        if request is not None:
-            self._finish_with_error(request, message, kind)
-            return
-        logger.warning("request %s rejected: %s", request_id, message)
-        self._pending_outputs.append(
-            EngineCoreOutput(
-                request_id=request_id,
-                new_token_ids=[],
-                finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
-                error=message,
-                error_kind=kind,
-            )
-        )
+        if request is None:
+            logger.warning("request %s rejected: %s", request_id, message)
+        else:
+            logger.warning("request %s failed: %s", request_id, message)
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error_message = message
+            request.error_kind = kind
+            self._dequeue(request)
+            self._free_request(request)
+        self._pending_outputs.append(error_output(request_id, message, kind))
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Ends the given requests (e.g. aborts) and frees their blocks and grammars.
@@ -144,16 +156,12 @@ class Scheduler:
         """Takes a request out of the running list or the waiting queue, wherever it is."""
         if request in self.running:
             self.running.remove(request)
-        else:
-            try:
-                self.waiting.remove(request)
-            except ValueError:
-                pass
+        elif request in self.waiting:
+            self.waiting.remove(request)
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
-        if self.proposer is not None:
-            self.proposer.release(request.request_id)
+        self.drafter.release(request.request_id)
         if request.use_structured_output and self.structured_output_manager is not None:
             self.structured_output_manager.clear(request)
         self.finished_req_ids.add(request.request_id)
@@ -167,23 +175,10 @@ class Scheduler:
 
     def has_requests(self) -> bool:
         """True while there is anything to schedule or report (including finished ids)."""
-        return self.has_unfinished_requests() or bool(self.finished_req_ids) or bool(
-            self._pending_outputs
-        )
+        return bool(self.has_unfinished_requests() or self.finished_req_ids
+                    or self._pending_outputs)
 
     # ------------------------------------------------------------------ schedule
-
-    def _num_new_tokens(self, request: Request) -> int:
-        """Tokens the request could compute now, before the budget (0: nothing to do)."""
-        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-
-    def _can_sample_more(self, request: Request) -> bool:
-        """False when every token the request may still produce is already sampled or in flight."""
-        produced = request.num_output_tokens + request.num_output_placeholders
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None and produced >= max_tokens:
-            return False
-        return request.num_tokens + request.num_output_placeholders < self.max_model_len
 
     def _max_batch_requests(self) -> int:
         """Requests one step may hold. With pipeline stages, a step takes its share of the
@@ -195,302 +190,137 @@ class Scheduler:
         return max(1, min(self.max_num_seqs, share))
 
     def schedule(self) -> SchedulerOutput:
-        """Builds the next step. Side effects: allocates KV blocks, may preempt requests,
-        admits waiting requests, and advances num_computed_tokens of every scheduled request."""
-        budget = self.max_num_batched_tokens
-        max_requests = self._max_batch_requests()
-        num_scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData()
-        preempted: list[Request] = []
-        scheduled_running: list[Request] = []
-        spec_tokens: dict[str, list[int]] = {}
-        proposed = self._propose_all()
-
-        i = 0
-        while i < len(self.running) and budget > 0 and len(scheduled_running) < max_requests:
-            request = self.running[i]
-            num_new = min(self._num_new_tokens(request), budget)
-            samples = num_new == self._num_new_tokens(request)
-            if (
-                num_new <= 0
-                or (samples and not self._can_sample_more(request))
-                or self._waits_for_sampling(request)
-            ):
-                i += 1
-                continue
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request.request_id,
-                    request.num_computed_tokens,
-                    num_new,
-                    request.all_token_ids,
-                )
-                if new_blocks is not None:
-                    break
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break
-            scheduled_running.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            cached.req_ids.append(request.request_id)
-            cached.resumed_from_preemption.append(False)
-            cached.new_block_ids.append(new_blocks)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            if self.pipeline_stages > 1 and request.num_tokens > request.num_tokens_sent:
-                # The workers take tokens from here, not from their own samples (the first
-                # stage never sees a sample).
-                cached.new_token_ids[request.request_id] = request.all_token_ids[
-                    request.num_tokens_sent :
-                ]
-                request.num_tokens_sent = request.num_tokens
-            i += 1
-
-        skipped: list[Request] = []
-        # Adapters of the running requests: at most max_loras, so every step fits the
-        # runner's slots; a request with another adapter waits until one leaves.
-        adapters = {
-            r.lora_request.lora_int_id for r in self.running if r.lora_request is not None
-        }
-        if not preempted:
-            while (
-                self.waiting
-                and budget > 0
-                and len(self.running) < self.max_num_seqs
-                and len(scheduled_running) < max_requests
-            ):
-                request = self.waiting[0]
-                if not self._ready_to_admit(request):
-                    # A request whose grammar failed has left the queue already.
-                    if not request.is_finished():
-                        skipped.append(self.waiting.popleft())
-                    continue
-                lora = request.lora_request
-                if (
-                    lora is not None
-                    and lora.lora_int_id not in adapters
-                    and len(adapters) >= self.max_loras
-                ):
-                    skipped.append(self.waiting.popleft())
-                    continue
-                if request.sampling_params.prompt_logprobs is not None and not (
-                    request.prompt_logprobs_sent
-                ):
-                    # Its prompt's logits are needed: a prefix-cache hit would skip them (and
-                    # is not looked up, so the hit statistics count only hits that are used).
-                    hit_blocks, num_hit = [], 0
-                else:
-                    hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(
-                        request.request_id, request.all_token_ids,
-                        lora.cache_salt if lora is not None else None,
-                    )
-                num_new = min(request.num_tokens - num_hit, budget)
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks
-                )
-                if new_blocks is None:
-                    break
-                self.waiting.popleft()
-                request.num_computed_tokens = num_hit
-                if request.status == RequestStatus.PREEMPTED:
-                    cached.req_ids.append(request.request_id)
-                    cached.resumed_from_preemption.append(True)
-                    cached.new_block_ids.append(
-                        self.kv_cache_manager.get_block_ids(request.request_id)
-                    )
-                    cached.num_computed_tokens.append(num_hit)
-                    cached.resumed_req_token_ids[request.request_id] = list(request.all_token_ids)
-                    cached.resumed_num_output_tokens[request.request_id] = (
-                        request.num_output_tokens
-                    )
-                    request.num_tokens_sent = request.num_tokens
-                else:
-                    request.num_cached_tokens = num_hit
-                    request.num_tokens_sent = request.num_tokens
-                    new_reqs.append(
-                        NewRequestData(
-                            req_id=request.request_id,
-                            prompt_token_ids=request.prompt_token_ids,
-                            sampling_params=request.sampling_params,
-                            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                            num_computed_tokens=num_hit,
-                            lora_request=request.lora_request,
-                        )
-                    )
-                request.status = RequestStatus.RUNNING
-                if lora is not None:
-                    adapters.add(lora.lora_int_id)
-                self.running.append(request)
-                scheduled_running.append(request)
-                num_scheduled[request.request_id] = num_new
-                budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
-
-        # Drafts last: they get only the budget and blocks that every regular token and
-        # admission left, so they never cost another request its place.
-        for index, req_id in enumerate(cached.req_ids):
-            drafts = proposed.get(req_id)
-            if not drafts or budget <= 0 or cached.resumed_from_preemption[index]:
-                continue
-            request = self.requests[req_id]
-            drafts = drafts[:budget]
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                req_id,
-                request.num_computed_tokens,
-                num_scheduled[req_id] + len(drafts),
-                request.all_token_ids,
-            )
-            if new_blocks is None:
-                continue
-            cached.new_block_ids[index].extend(new_blocks)
-            spec_tokens[req_id] = drafts
-            num_scheduled[req_id] += len(drafts)
-            budget -= len(drafts)
-
-        sampled: list[str] = []
-        has_structured = False
-        pending_structured = False
-        for request in scheduled_running:
-            n = num_scheduled[request.request_id] - len(spec_tokens.get(request.request_id, ()))
-            if request.num_computed_tokens + n == request.num_tokens + request.num_output_placeholders:
-                sampled.append(request.request_id)
-                if request.use_structured_output:
-                    has_structured = True
-                    pending_structured |= request.num_output_placeholders > 0
+        """Builds the next step: running requests, then admissions, then drafts (see the
+        class). Side effects: allocates KV blocks, may preempt requests, admits waiting
+        requests, and advances num_computed_tokens of every scheduled request."""
+        step = StepBuilder(self.max_num_batched_tokens, self._max_batch_requests())
+        self._schedule_running(step)
+        if not step.preempted:
+            # Blocks ran short: a new request would take what the running ones need.
+            self._schedule_waiting(step)
+        self._schedule_drafts(step)
         self._step_id += 1
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted} | self._unsent_preempted_ids,
-            has_structured_output_requests=has_structured,
-            pending_structured_output_tokens=pending_structured,
-            sampled_req_ids=sampled,
-            num_kept_blocks=self._kept_blocks,
-            scheduled_spec_decode_tokens=spec_tokens,
-            step_id=self._step_id,
-        )
+        output = step.build(self._step_id, self.finished_req_ids, self._unsent_preempted_ids,
+                            self._kept_blocks)
         self._kept_blocks = {}
         self.finished_req_ids = set()
         self._unsent_preempted_ids = set()
         self._update_after_schedule(output)
         return output
 
-    def _keep_prompt_logprobs(self, request: Request | None, req_id: str, part) -> None:
-        """Stores one step's prompt logprobs on the request, by prompt position."""
-        if request is None or self.requests.get(req_id) is not request:
-            return  # finished or aborted meanwhile
-        if request.prompt_logprobs_sent:
-            return  # a recompute after preemption: already reported
-        first, lists = part
-        for j, (ids, values, rank) in enumerate(
-            zip(lists.token_ids, lists.logprobs, lists.ranks)
-        ):
-            request.prompt_logprobs[first + j] = (ids, values, rank)
+    def _schedule_running(self, step: StepBuilder) -> None:
+        """Step 1: the running requests' next tokens, preempting when blocks run out."""
+        i = 0
+        while i < len(self.running) and not step.is_full():
+            request = self.running[i]
+            i += 1
+            num_new = self._num_runnable(request, step.budget)
+            if num_new <= 0:
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, step)
+            if new_blocks is None:
+                break  # `request` itself was preempted: nothing else fits either
+            # With pipeline stages the workers take tokens from the step, not from their own
+            # samples (the first stage never sees a sample).
+            step.add_running(request, num_new, new_blocks, self.pipeline_stages > 1)
 
-    def _may_draft(self, request: Request) -> bool:
-        """True when drafts for `request` can be verified exactly: its sampling at each
-        position depends only on the model and the tokens before it, and its answer (if
-        constrained) has left any thinking block."""
-        if self.proposer is None:
-            return False
-        params = request.sampling_params
+    def _num_runnable(self, request: Request, budget: int) -> int:
+        """Tokens a running request computes this step within `budget` (0: skip it)."""
+        num_new = min(num_new_tokens(request), budget)
+        samples = num_new == num_new_tokens(request)
         if (
-            params.logprobs is not None
-            or params.has_penalties
-            # A bad word's ban at a drafted position would depend on the drafts before it.
-            or params.has_history_bans
-            or request.num_output_tokens < params.min_tokens
+            num_new <= 0
+            or (samples and not can_sample_more(request, self.max_model_len))
+            or self._waits_for_sampling(request)
         ):
-            return False
-        structured_req = request.structured_output_request
-        return structured_req is None or (
-            structured_req.grammar is not None
-            and not structured_req.thinking
-            and not structured_req.undecided
-        )
+            return 0
+        return num_new
 
-    def _propose_all(self) -> dict[str, list[int]]:
-        """Drafts for the running requests that decode next, by request id, each cut where
-        the request would stop anyway (max_tokens, max_model_len) and at the first token its
-        grammar rejects. The step's budget is applied by the caller. Under async scheduling a
-        request with a step in flight drafts as if that step feeds the tokens
-        _assumed_in_flight gives (for a constrained request, as far as its grammar accepts
-        them) and then samples the proposal's first token, which is dropped.
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, step: StepBuilder
+    ) -> list[int] | None:
+        """Blocks for `num_new` more tokens of `request`, preempting the newest running
+        requests until they fit; None once `request` itself had to go."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request.request_id, request.num_computed_tokens, num_new, request.all_token_ids
+            )
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return None
 
-        A constrained request first drafts what its grammar forces (jump-forward); the
-        proposer continues after those."""
-        if self.proposer is None:
-            return {}
-        contexts: dict[str, tuple[list[int], int, int]] = {}
-        forced: dict[str, list[int]] = {}
-        guessed: set[str] = set()
-        # Constrained requests: the tokens their in-flight step is assumed to feed.
-        in_flight: dict[str, list[int]] = {}
-        forced_only = isinstance(self.proposer, ForcedTokensOnly)
-        for request in self.running:
-            if (
-                self._num_new_tokens(request) != 1
-                or (forced_only and request.structured_output_request is None)
-                or not self._may_draft(request)
-                or self._waits_for_sampling(request)  # not scheduled now: drafts are wasted
+    def _schedule_waiting(self, step: StepBuilder) -> None:
+        """Step 2: admits waiting requests in order; the ones that cannot start yet keep
+        their place at the head of the queue."""
+        skipped: list[Request] = []
+        # Adapters of the running requests: at most max_loras, so every step fits the
+        # runner's slots; a request with another adapter waits until one leaves.
+        adapters = {
+            r.lora_request.lora_int_id for r in self.running if r.lora_request is not None
+        }
+        while self.waiting and len(self.running) < self.max_num_seqs and not step.is_full():
+            request = self.waiting[0]
+            lora = request.lora_request
+            if not self._ready_to_admit(request) or (
+                lora is not None
+                and lora.lora_int_id not in adapters
+                and len(adapters) >= self.max_loras
             ):
+                # A request whose grammar failed has left the queue already.
+                if not request.is_finished():
+                    skipped.append(self.waiting.popleft())
                 continue
-            assumed = self._assumed_in_flight(request)
-            # Tokens still in flight count as produced (all drafts kept: an upper bound).
-            pending = request.num_output_placeholders
-            limit = min(self.max_model_len - request.num_tokens - pending - 1,
-                        self.proposer.num_tokens)
-            max_tokens = request.sampling_params.max_tokens
-            if max_tokens is not None:
-                limit = min(limit, max_tokens - request.num_output_tokens - pending - 1)
-            if limit <= 0:
+            if not self._admit(request, step):
+                break
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
+
+    def _admit(self, request: Request, step: StepBuilder) -> bool:
+        """Moves the head of the queue to the running list with the tokens the budget leaves
+        it past its prefix-cache hit; False (nothing changed) when its blocks do not fit."""
+        hit_blocks, num_hit = find_cache_hit(self.kv_cache_manager, request)
+        num_new = min(request.num_tokens - num_hit, step.budget)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks
+        )
+        if new_blocks is None:
+            return False
+        self.waiting.popleft()
+        request.num_computed_tokens = num_hit
+        if request.status != RequestStatus.PREEMPTED:
+            request.num_cached_tokens = num_hit
+        step.add_admitted(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
+
+    def _schedule_drafts(self, step: StepBuilder) -> None:
+        """Step 3: drafts last, so they get only the budget and blocks that every regular
+        token and admission left and never cost another request its place."""
+        if step.budget <= 0:
+            return
+        candidates = [
+            (request, self._assumed_in_flight(request))
+            for request in step.decoding() if num_new_tokens(request) == 1
+        ]
+        drafts = self.drafter.propose(candidates)
+        for request, _ in candidates:
+            req_id = request.request_id
+            tokens = drafts.get(req_id)
+            if not tokens or step.budget <= 0:
                 continue
-            structured_req = request.structured_output_request
-            head: list[int] = []
-            if structured_req is not None:
-                assert structured_req.grammar is not None
-                # In-flight drafts past one the grammar now refutes will be rejected.
-                assumed, head = _grammar_after(
-                    request.request_id, structured_req.grammar, assumed)
-                in_flight[request.request_id] = assumed
-            tokens = request.all_token_ids
-            if pending:
-                # One step stale: the in-flight step's drafts are assumed kept, and the
-                # proposal's first token guesses the token it samples after them (dropped
-                # below). A wrong guess costs only rejected drafts.
-                tokens = tokens + assumed
-                guessed.add(request.request_id)
-                limit += 1
-            if head:
-                head = forced[request.request_id] = head[:limit]
-                tokens = tokens + head
-                limit -= len(head)
-            contexts[request.request_id] = (tokens, request.num_tokens, limit)
-        proposed = self.proposer.propose_batch(
-            {req_id: c for req_id, c in contexts.items() if c[2] > 0})
-        drafts: dict[str, list[int]] = {}
-        for req_id in contexts:
-            tokens = forced.get(req_id, []) + proposed.get(req_id, [])
-            structured_req = self.requests[req_id].structured_output_request
-            if tokens and structured_req is not None:
-                # Checked after the tokens in flight, the guess included: a constrained
-                # request drafts as its grammar would stand if they are all kept.
-                assert structured_req.grammar is not None
-                assumed = in_flight[req_id]
-                tokens = structured_req.grammar.validate_tokens(assumed + tokens)[len(assumed):]
-            if req_id in guessed:
-                tokens = tokens[1:]
-            if tokens:
-                drafts[req_id] = tokens
-        return drafts
+            tokens = tokens[: step.budget]
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                req_id, request.num_computed_tokens, step.num_scheduled[req_id] + len(tokens),
+                request.all_token_ids,
+            )
+            if new_blocks is not None:
+                step.add_drafts(req_id, tokens, new_blocks)
 
     def unschedule(self, output: SchedulerOutput) -> None:
         """Keeps the runner-facing news of a step that schedules no tokens and is never run:
@@ -503,10 +333,7 @@ class Scheduler:
 
     def sampling_issued(self, scheduler_output: SchedulerOutput) -> None:
         """Tells the scheduler that the engine has issued `scheduler_output`'s sample_tokens.
-
-        The synchronous scheduler needs no bookkeeping: it never schedules a request whose
-        token is not known yet. AsyncScheduler overrides it.
-        """
+        Nothing to do here: a request whose token is not known yet is never scheduled."""
 
     def _waits_for_sampling(self, request: Request) -> bool:
         """True while `request` must not be scheduled because its next input token is sampled
@@ -514,10 +341,9 @@ class Scheduler:
         return False
 
     def _assumed_in_flight(self, request: Request) -> list[int]:
-        """For a drafting request scheduled now (not one that _waits_for_sampling): the tokens
-        its in-flight step is assumed to feed before the one it samples last (its drafts,
-        unless an earlier verification already refuted what they assumed); [] with nothing
-        in flight, as always in the synchronous scheduler."""
+        """For a request scheduled now for its next token: the tokens its in-flight step is
+        assumed to feed before the one it samples last (its drafts, unless an earlier
+        verification refuted what they assumed); [] with nothing in flight (always, here)."""
         return []
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
@@ -535,30 +361,12 @@ class Scheduler:
             if not structured_req.poll(self.compile_timeout_s):
                 if structured_req.failed:
                     # A constraint that does not compile (or in time) is the client's fault.
-                    self._finish_with_error(
-                        request, structured_req.error or "grammar failed", ErrorKind.GRAMMAR
-                    )
+                    message = structured_req.error or "grammar failed"
+                    self.finish_with_error(request.request_id, message, ErrorKind.GRAMMAR)
                 return False
             request.status = RequestStatus.WAITING
         # A preempted request whose sampled tokens are still in flight resumes once they land.
         return request.num_output_placeholders == 0
-
-    def _finish_with_error(self, request: Request, message: str, kind: ErrorKind) -> None:
-        logger.warning("request %s failed: %s", request.request_id, message)
-        request.status = RequestStatus.FINISHED_ERROR
-        request.error_message = message
-        request.error_kind = kind
-        self._pending_outputs.append(
-            EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=request.get_finish_reason(),
-                error=message,
-                error_kind=kind,
-            )
-        )
-        self._dequeue(request)
-        self._free_request(request)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request.request_id)
@@ -580,20 +388,9 @@ class Scheduler:
         """
         if not scheduler_output.has_structured_output_requests:
             return None
-        ids = [
-            req_id
-            for req_id in scheduler_output.sampled_req_ids
-            if (r := self.requests.get(req_id)) is not None
-            and r.structured_output_request is not None
-            and not r.structured_output_request.thinking
-        ]
-        if not ids:
-            return None
         assert self.structured_output_manager is not None
-        drafts = scheduler_output.scheduled_spec_decode_tokens
-        bitmask = self.structured_output_manager.grammar_bitmask(self.requests, ids, drafts)
-        rows = [req_id for req_id in ids for _ in range(1 + len(drafts.get(req_id, ())))]
-        return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask.copy())
+        return make_grammar_output(self.structured_output_manager, self.requests,
+                                   scheduler_output)
 
     # ------------------------------------------------------------------ outputs
 
@@ -603,56 +400,29 @@ class Scheduler:
         """Appends sampled tokens, advances grammars, applies stop checks, and frees finished
         requests. Returns one output per request that produced a token or finished; tokens for
         requests that already finished or were aborted are dropped."""
-        outputs = self._pending_outputs
-        self._pending_outputs = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         logprobs = model_runner_output.logprobs
         scheduled = self._step_requests.pop(scheduler_output.step_id, {})
         prompt_lps = model_runner_output.prompt_logprobs or {}
         for idx, req_id in enumerate(model_runner_output.req_ids):
-            token_ids = model_runner_output.sampled_token_ids[idx]
-            if req_id in prompt_lps:
-                self._keep_prompt_logprobs(scheduled.get(req_id), req_id, prompt_lps[req_id])
-            if not token_ids:
-                continue
             request = scheduled.get(req_id)
-            if request is None or self.requests.get(req_id) is not request:
+            if request is not None and self.requests.get(req_id) is not request:
                 # Finished or aborted while this step was in flight (its id may have been
                 # reused by a new request since).
+                request = None
+            if req_id in prompt_lps and request is not None:
+                keep_prompt_logprobs(request, prompt_lps[req_id])
+            token_ids = model_runner_output.sampled_token_ids[idx]
+            if not token_ids or request is None:
                 continue
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             self._release_placeholders(request, 1 + len(drafts or ()))
-            new_ids = self._append_and_check(request, token_ids)
+            new_ids = append_output_tokens(request, token_ids, self.max_model_len)
             if drafts is not None:
                 self._verified(request, len(drafts), len(token_ids) - 1, len(new_ids))
-            out = EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=new_ids,
-                finish_reason=request.get_finish_reason(),
-                stop_reason=request.stop_reason,
-                error=request.error_message,
-                error_kind=request.error_kind,
-                num_cached_tokens=request.num_cached_tokens,
-            )
-            if (
-                request.sampling_params.prompt_logprobs is not None
-                and not request.prompt_logprobs_sent
-            ):
-                # Sent even when empty (a one-token prompt): the first output says "done".
-                out.prompt_logprobs = [request.prompt_logprobs[p]
-                                       for p in sorted(request.prompt_logprobs)]
-                request.prompt_logprobs_sent = True
-                request.prompt_logprobs = {}
-            if logprobs is not None and request.sampling_params.logprobs is not None and new_ids:
-                # One sampled token per step, so one logprobs row.
-                out.new_logprobs_token_ids = [logprobs.token_ids[idx]]
-                out.new_logprobs = [logprobs.logprobs[idx]]
-                out.new_logprobs_ranks = [logprobs.ranks[idx]]
-            outputs.append(out)
+            outputs.append(make_request_output(request, new_ids, logprobs, idx))
             if request.is_finished():
-                if request in self.running:
-                    self.running.remove(request)
-                else:
-                    self.waiting.remove(request)
+                self._dequeue(request)
                 self._free_request(request)
         return outputs
 
@@ -660,18 +430,15 @@ class Scheduler:
         """Async scheduling hook: one in-flight step, counted as `count` tokens, delivered
         its tokens."""
 
-    def _verified(
-        self, request: Request, num_drafts: int, num_accepted: int, num_appended: int
-    ) -> None:
+    def _verified(self, request: Request, num_drafts: int, num_accepted: int,
+                  num_appended: int) -> None:
         """Counts a verification and forgets the KV of the rejected drafts: their positions
         are computed again, with the tokens that were kept, in the next steps; blocks that
         only they used are freed (the workers learn it with the next step).
 
         `num_accepted` drafts matched the model; `num_appended` tokens were kept after the
         stop checks, which is where the counted acceptance ends."""
-        self.num_spec_steps += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += min(num_accepted, num_appended)
+        self.drafter.stats.record(num_drafts, min(num_accepted, num_appended))
         request.kept_all_drafts = num_accepted == num_drafts
         if request.status != RequestStatus.RUNNING:
             return  # finished (freed next), or preempted: it owns no blocks
@@ -682,52 +449,10 @@ class Scheduler:
         if kept < before:
             self._kept_blocks[req_id] = kept
 
-    def _append_and_check(self, request: Request, token_ids: list[int]) -> list[int]:
-        """Appends tokens one by one until a stop condition; returns the ones kept."""
-        params = request.sampling_params
-        kept: list[int] = []
-        structured_req = request.structured_output_request
-        for token in token_ids:
-            # Thinking tokens (and the `</think>` that ends them) never reach the grammar.
-            grammar = (
-                structured_req.grammar
-                if structured_req is not None and structured_req.advance_reasoning(token)
-                else None
-            )
-            if grammar is not None and not grammar.accept_tokens(request.request_id, [token]):
-                message = f"sampled token {token} was rejected by the request's grammar"
-                logger.error("request %s: %s (engine bug)", request.request_id, message)
-                request.status = RequestStatus.FINISHED_ERROR
-                request.error_message = message
-                # The bitmask should have excluded the token: an engine bug, not the client's.
-                request.error_kind = ErrorKind.INTERNAL
-                break
-            request.append_output_token_ids([token])
-            kept.append(token)
-            if token in params.all_stop_token_ids and request.num_output_tokens >= params.min_tokens:
-                request.status = RequestStatus.FINISHED_STOPPED
-                if token in params.stop_token_ids:
-                    request.stop_reason = token
-                break
-            if grammar is not None and grammar.is_terminated():
-                request.status = RequestStatus.FINISHED_STOPPED
-                break
-            if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                break
-            if request.num_tokens >= self.max_model_len:
-                request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                break
-        return kept
-
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         """Outputs of requests that ended outside a step (e.g. grammar compile failures)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
-
-    def _backend_choices(self) -> dict[tuple[str, str], int]:
-        manager = self.structured_output_manager
-        return manager.backend_choices() if manager is not None else {}
 
     def make_stats(self) -> EngineCoreStats:
         """A snapshot of the scheduler's and its KV cache's gauges and counters.
@@ -736,6 +461,9 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         prefix = kv.prefix_cache_stats
+        spec = self.drafter.stats
+        manager = self.structured_output_manager
+        backend_choices = manager.backend_choices() if manager is not None else {}
         return EngineCoreStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -746,30 +474,9 @@ class Scheduler:
             prefix_cache_queries=prefix.queries,
             prefix_cache_hits=prefix.hits,
             num_aborted_requests=self.num_aborted_requests,
-            spec_decode_num_steps=self.num_spec_steps,
-            spec_decode_num_draft_tokens=self.num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
-            grammar_backends=sorted(
-                (backend, reason, count)
-                for (backend, reason), count in self._backend_choices().items()
-            ),
+            spec_decode_num_steps=spec.num_steps,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            grammar_backends=sorted((b, r, n) for (b, r), n in backend_choices.items()),
             timestamp=time.time(),
         )
-
-
-def _grammar_after(
-    req_id: str, grammar: StructuredOutputGrammar, assumed: list[int]
-) -> tuple[list[int], list[int]]:
-    """The longest prefix of `assumed` that `grammar` accepts, and the tokens it forces
-    after that prefix (jump-forward). The grammar is left as it was."""
-    assumed = grammar.validate_tokens(assumed)
-    if not assumed:
-        return [], grammar.jump_forward_tokens()
-    before = grammar.num_processed_tokens
-    grammar.accept_tokens(req_id, assumed)
-    try:
-        return assumed, grammar.jump_forward_tokens()
-    finally:
-        # By what it accepted: never past the confirmed tokens, even if the backend's
-        # accept_tokens stopped short of what validate_tokens promised.
-        grammar.rollback(grammar.num_processed_tokens - before)

@@ -1,0 +1,103 @@
+"""Tests for vllm/v1/spec_decode/drafting.py: what the scheduler's Drafter proposes, where it
+cuts drafts, and the grammar walk of tokens in flight."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.v1.core.sched_utils import GRAMMAR_END, FakeGrammar, make_request
+from vllm.v1.request import Request
+from vllm.v1.spec_decode.drafting import Drafter, SpecDecodeStats, grammar_after
+from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+from vllm.v1.spec_decode.proposer import ForcedTokensOnly
+
+# Lookup over [1 2 3 1 2] continues the suffix "1 2" with 3 1 2 (then 3, periodically).
+PROMPT = [1, 2, 3, 1, 2]
+
+
+def _drafter(max_model_len: int = 100, num_tokens: int = 3) -> Drafter:
+    return Drafter(NgramProposer(1, 2, num_tokens), max_model_len)
+
+
+def _constrained(seq: list[int], jump_forward: bool = False, **params: object) -> Request:
+    request = make_request("g", PROMPT, grammar=" ".join(map(str, seq)), **params)
+    assert request.structured_output_request is not None
+    request.structured_output_request.grammar = FakeGrammar(
+        seq, [GRAMMAR_END], 64, jump_forward=jump_forward)
+    return request
+
+
+def test_without_a_proposer_nothing_is_drafted() -> None:
+    drafter = Drafter(None, 100)
+    request = make_request("r", PROMPT)
+    assert not drafter.may_draft(request)
+    assert drafter.propose([(request, [])]) == {}
+    drafter.release("r")  # nothing kept, nothing to forget
+
+
+def test_drafts_are_cut_where_the_request_would_stop() -> None:
+    assert _drafter().propose([(make_request("r", PROMPT), [])]) == {"r": [3, 1, 2]}
+    # max_tokens 3: the step's own token and two drafts.
+    assert _drafter().propose([(make_request("r", PROMPT, max_tokens=3), [])]) == {"r": [3, 1]}
+    # max_model_len 7: the prompt's 5 tokens, the step's token, one draft.
+    assert _drafter(max_model_len=7).propose([(make_request("r", PROMPT), [])]) == {"r": [3]}
+    assert _drafter(max_model_len=6).propose([(make_request("r", PROMPT), [])]) == {}
+
+
+@pytest.mark.parametrize("params", [
+    {"presence_penalty": 0.5}, {"logprobs": 1}, {"min_tokens": 1}])
+def test_no_drafts_where_sampling_depends_on_more_than_the_tokens(params: dict) -> None:
+    request = make_request("r", PROMPT, **params)
+    drafter = _drafter()
+    assert not drafter.may_draft(request)
+    assert drafter.propose([(request, [])]) == {}
+
+
+def test_a_step_in_flight_is_followed_by_a_dropped_guess() -> None:
+    request = make_request("r", PROMPT)
+    request.num_output_placeholders = 1  # one step in flight, its drafts assumed [9]
+    # The proposal follows PROMPT + [9]; "9" never occurred: nothing to draft.
+    assert _drafter().propose([(request, [9])]) == {}
+    # With nothing assumed, the proposal's first token (3) guesses the in-flight sample and
+    # is dropped; one more is proposed to make up for it.
+    assert _drafter().propose([(request, [])]) == {"r": [1, 2, 3]}
+
+
+def test_constrained_drafts_start_with_forced_tokens_and_stop_at_a_rejected_one() -> None:
+    drafter = _drafter()
+    # The grammar forces all of 3 1 7: they fill the drafts, the lookup adds nothing.
+    request = _constrained([3, 1, 7], jump_forward=True)
+    assert drafter.propose([(request, [])]) == {"g": [3, 1, 7]}
+    request = _constrained([3, 1, 9])
+    assert drafter.propose([(request, [])]) == {"g": [3, 1]}  # lookup 3 1 2: 2 refused
+    grammar = request.structured_output_request.grammar
+    assert grammar.accepted == [] and not grammar.is_terminated()  # left as it was
+
+
+def test_forced_tokens_only_drafts_for_constrained_requests() -> None:
+    drafter = Drafter(ForcedTokensOnly(3), 100)
+    plain = make_request("r", PROMPT)
+    constrained = _constrained([4, 5, 6], jump_forward=True)
+    assert drafter.propose([(plain, []), (constrained, [])]) == {"g": [4, 5, 6]}
+
+
+def test_stats_count_verifications() -> None:
+    stats = SpecDecodeStats()
+    stats.record(3, 2)
+    stats.record(2, 0)
+    assert (stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_grammar_after_the_tokens_in_flight(jump_forward: bool) -> None:
+    """grammar_after: the in-flight tokens the grammar accepts (cut at one it refutes, or
+    after a stop token), what it forces after them, and the grammar left as it was."""
+    grammar = FakeGrammar([1, 2, 3, 4], [GRAMMAR_END], 64, jump_forward=jump_forward)
+    assert grammar.accept_tokens("r", [1])
+    forced = [3, 4] if jump_forward else []
+    assert grammar_after("r", grammar, [2]) == ([2], forced)
+    assert grammar_after("r", grammar, [2, 9, 3]) == ([2], forced)  # 9 is refuted
+    assert grammar_after("r", grammar, [7]) == ([], [2, 3, 4] if jump_forward else [])
+    assert grammar_after("r", grammar, [2, 3, 4, GRAMMAR_END, 5]) == (
+        [2, 3, 4, GRAMMAR_END], [])
+    assert grammar.accepted == [1] and not grammar.is_terminated()

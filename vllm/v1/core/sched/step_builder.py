@@ -1,0 +1,113 @@
+"""One step under construction: what Scheduler.schedule has decided so far, and its output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request, RequestStatus
+
+
+@dataclass
+class StepBuilder:
+    """Records the requests a step schedules, in scheduling order, and the budget left;
+    `build` turns them into the step's SchedulerOutput. It decides nothing itself."""
+
+    # Tokens the step may still schedule.
+    budget: int
+    # Most requests the step may hold.
+    max_requests: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached: CachedRequestData = field(default_factory=CachedRequestData)
+    # Requests preempted while the step was scheduled.
+    preempted: list[Request] = field(default_factory=list)
+    # Every scheduled request, running ones first, then admitted ones.
+    scheduled: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Running requests' new block ids, by id: the lists in `cached`, which drafts extend.
+    _running_blocks: dict[str, list[int]] = field(default_factory=dict)
+
+    def is_full(self) -> bool:
+        """True when no budget or request slot is left."""
+        return self.budget <= 0 or len(self.scheduled) >= self.max_requests
+
+    def add_running(self, request: Request, num_new: int, new_blocks: list[int],
+                    send_tokens: bool) -> None:
+        """Schedules `num_new` tokens of a running request that got `new_blocks`.
+        `send_tokens` (pipeline stages): the workers learn its new tokens from this step,
+        which marks them sent."""
+        self._take(request, num_new)
+        self.cached.add(request.request_id, new_blocks, request.num_computed_tokens)
+        self._running_blocks[request.request_id] = new_blocks
+        if send_tokens and request.num_tokens > request.num_tokens_sent:
+            self.cached.new_token_ids[request.request_id] = request.all_token_ids[
+                request.num_tokens_sent:
+            ]
+            request.num_tokens_sent = request.num_tokens
+
+    def add_admitted(self, request: Request, num_new: int, block_ids: list[int]) -> None:
+        """Schedules `num_new` tokens of a request leaving the waiting queue, which owns
+        `block_ids` and has its prefix-cache hit in num_computed_tokens: a new request, or a
+        preempted one (status still PREEMPTED) whose state the runner rebuilds. Marks all its
+        tokens sent."""
+        req_id = request.request_id
+        num_hit = request.num_computed_tokens
+        if request.status == RequestStatus.PREEMPTED:
+            self.cached.add(req_id, block_ids, num_hit, resumed=True)
+            self.cached.resumed_req_token_ids[req_id] = list(request.all_token_ids)
+            self.cached.resumed_num_output_tokens[req_id] = request.num_output_tokens
+        else:
+            self.new_reqs.append(NewRequestData(
+                req_id=req_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                block_ids=block_ids,
+                num_computed_tokens=num_hit,
+                lora_request=request.lora_request,
+            ))
+        request.num_tokens_sent = request.num_tokens
+        self._take(request, num_new)
+
+    def decoding(self) -> list[Request]:
+        """The running requests scheduled so far (admitted and resumed ones excluded)."""
+        return self.scheduled[: len(self._running_blocks)]
+
+    def add_drafts(self, req_id: str, drafts: list[int], new_blocks: list[int]) -> None:
+        """Adds drafts after a running request's scheduled token, with the blocks they took."""
+        self._running_blocks[req_id].extend(new_blocks)
+        self.spec_tokens[req_id] = drafts
+        self.num_scheduled[req_id] += len(drafts)
+        self.budget -= len(drafts)
+
+    def build(self, step_id: int, finished_req_ids: set[str], preempted_req_ids: set[str],
+              num_kept_blocks: dict[str, int]) -> SchedulerOutput:
+        """The step's SchedulerOutput. The requests that sample are those whose scheduled
+        tokens (drafts aside) reach their last known or in-flight token."""
+        sampled = [
+            request for request in self.scheduled
+            if request.num_computed_tokens + self.num_scheduled[request.request_id]
+            - len(self.spec_tokens.get(request.request_id, ()))
+            == request.num_tokens + request.num_output_placeholders
+        ]
+        structured = [r for r in sampled if r.use_structured_output]
+        return SchedulerOutput(
+            scheduled_new_reqs=self.new_reqs,
+            scheduled_cached_reqs=self.cached,
+            num_scheduled_tokens=self.num_scheduled,
+            total_num_scheduled_tokens=sum(self.num_scheduled.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids={r.request_id for r in self.preempted} | preempted_req_ids,
+            has_structured_output_requests=bool(structured),
+            pending_structured_output_tokens=any(
+                r.num_output_placeholders > 0 for r in structured),
+            sampled_req_ids=[r.request_id for r in sampled],
+            num_kept_blocks=num_kept_blocks,
+            scheduled_spec_decode_tokens=self.spec_tokens,
+            step_id=step_id,
+        )
+
+    def _take(self, request: Request, num_new: int) -> None:
+        self.scheduled.append(request)
+        self.num_scheduled[request.request_id] = num_new
+        self.budget -= num_new
