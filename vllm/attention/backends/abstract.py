@@ -51,6 +51,9 @@ class AttentionBackend(ABC):
     # Whether forward reads `query_start_loc_cpu`/`seq_lens_cpu`: a runner that corrects the
     # device lengths after staging (docs/architecture.md §11) must then copy them back.
     reads_host_lengths: ClassVar[bool] = True
+    # Whether a forward can be captured in a CUDA graph and replayed: it must make no host
+    # sync and read only device tensors whose addresses stay fixed between steps.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         self.num_heads = num_heads

@@ -22,6 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     reads_host_lengths = False
+    supports_cuda_graphs = True
 
     def __init__(
         self,
