@@ -24,7 +24,6 @@ samples the same gathered logits; rank 0's tokens are broadcast so the ranks can
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,12 +49,11 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.input_buffers import InputBuffers
 from vllm.v1.worker.input_prep import StepInputs, prepare
 from vllm.v1.worker.prompt_logprobs import compute_prompt_logprobs
+from vllm.v1.worker.sampled_tokens import AsyncOutput, SampledTokens
 from vllm.v1.worker.sampling_inputs import SamplingInputs
 
 if TYPE_CHECKING:
     from vllm.lora.model_manager import LoRAModelManager
-
-logger = logging.getLogger(__name__)
 
 # CPU GEMMs give row results that depend on the row count below ~12 rows; padding every
 # matmul to at least this many rows makes a request's numbers independent of its batch, which
@@ -88,100 +86,6 @@ class _Step:
         return [1 + len(d) for d in self.drafts]
 
 
-class _SampledTokens:
-    """A step's sampled ids (and logprobs) with their device-to-host copy in flight."""
-
-    def __init__(
-        self,
-        req_ids: list[str],
-        states: list[CachedRequestState],
-        positions: list[int],
-        token_ids: torch.Tensor,
-        logprobs: LogprobsTensors | None,
-        copy_stream,
-        drafts: list[list[int]],
-    ) -> None:
-        self.req_ids = req_ids
-        # The states verified with drafts: how many tokens they kept is on the device only.
-        self.verified = {id(state) for state, d in zip(states, drafts) if d}
-        # The first new id of each request on the device (penalties read them before the
-        # host copy; requests with penalties never draft, so they have only that one).
-        self.device_token_ids = token_ids[:, 0]
-        # The states sampled for: a finished id may be reused by a new request meanwhile.
-        self.states = states
-        # Output index of each row's first token: a resumed request may already hold it.
-        self.positions = positions
-        self._event = None
-        # [len(req_ids), 1 + most drafts]: the kept ids of each request, then NO_TOKEN.
-        tensors = [token_ids]
-        if logprobs is not None:
-            tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
-        if copy_stream is None:
-            self._host = tensors
-            return
-        # Copy on a side stream so the compute stream can start the next forward at once.
-        main = torch.cuda.current_stream()
-        copy_stream.wait_stream(main)
-        with torch.cuda.stream(copy_stream):
-            self._host = [t.to("cpu", non_blocking=True) for t in tensors]
-            for t in tensors:
-                t.record_stream(copy_stream)
-            self._event = torch.cuda.Event()
-            self._event.record(copy_stream)
-
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
-
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-
-    def token_lists(self) -> list[list[int]]:
-        """Each request's new token ids (one, or more after a verification with drafts)."""
-        self.wait()
-        return [[t for t in row if t != NO_TOKEN] for row in self._host[0].tolist()]
-
-    def logprobs(self) -> LogprobsLists | None:
-        self.wait()
-        if len(self._host) == 1:
-            return None
-        ids, lps, ranks = self._host[1:]
-        return LogprobsLists(ids.tolist(), lps.tolist(), ranks.tolist())
-
-
-class _AsyncOutput(AsyncModelRunnerOutput):
-    def __init__(
-        self,
-        req_ids: list[str],
-        sampled_req_ids: list[str],
-        sampled: _SampledTokens,
-        prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None,
-    ):
-        self._req_ids = req_ids
-        self._sampled_req_ids = sampled_req_ids
-        self._sampled = sampled
-        self._prompt_logprobs = prompt_logprobs
-
-    def get_output(self) -> ModelRunnerOutput:
-        tokens = dict(zip(self._sampled_req_ids, self._sampled.token_lists()))
-        lp = self._sampled.logprobs()
-        if lp is not None:
-            # Rows of the sampler output follow sampled_req_ids; the output follows req_ids.
-            order = {r: i for i, r in enumerate(self._sampled_req_ids)}
-            idx = [order.get(r) for r in self._req_ids]
-            lp = LogprobsLists(
-                [lp.token_ids[i] if i is not None else [] for i in idx],
-                [lp.logprobs[i] if i is not None else [] for i in idx],
-                [lp.ranks[i] if i is not None else 0 for i in idx],
-            )
-        return ModelRunnerOutput(
-            req_ids=self._req_ids,
-            sampled_token_ids=[tokens.get(r, []) for r in self._req_ids],
-            logprobs=lp,
-            prompt_logprobs=self._prompt_logprobs,
-        )
-
-
 class GPUModelRunner:
     """Runs one model on one device (CUDA when present, else CPU) for the engine core."""
 
@@ -211,7 +115,7 @@ class GPUModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(mc.seed)
         self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-        self._unsettled: deque[_SampledTokens] = deque()
+        self._unsettled: deque[SampledTokens] = deque()
         # Executed steps not sampled yet, oldest first (see module docstring).
         self._steps: deque[_Step] = deque()
         sched = vllm_config.scheduler_config
@@ -526,7 +430,7 @@ class GPUModelRunner:
         for state, drafts in zip(states, step.drafts):
             state.num_output_tokens += 1
             state.verified_drafts |= bool(drafts)
-        sampled = _SampledTokens(
+        sampled = SampledTokens(
             step.sampled_req_ids, states, positions, token_ids, logprobs, self.copy_stream,
             step.drafts,
         )
@@ -538,7 +442,7 @@ class GPUModelRunner:
                 self.input_batch, step.sampled_req_ids, step.sampled_states, last, newest
             )
             self._unsettled.append(sampled)
-        output = _AsyncOutput(step.req_ids, step.sampled_req_ids, sampled, step.prompt_logprobs)
+        output = AsyncOutput(step.req_ids, step.sampled_req_ids, sampled, step.prompt_logprobs)
         return output if self.async_scheduling else output.get_output()
 
     def _settle_verified(self, states: list[CachedRequestState]) -> None:
@@ -549,7 +453,7 @@ class GPUModelRunner:
         if any(sampled.verified & ids for sampled in self._unsettled):
             self._settle(block=True)
 
-    def _in_flight(self) -> deque[_SampledTokens]:
+    def _in_flight(self) -> deque[SampledTokens]:
         """The sampled steps whose host copy has not been settled, oldest first, after
         settling those that have landed (never waits)."""
         self._settle(block=False)
