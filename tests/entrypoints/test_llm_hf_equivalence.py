@@ -129,9 +129,9 @@ def test_prompt_logprobs_equal_hf_log_softmax(
     the top-k, equal transformers' log-softmax; with chunked prefill (16 tokens a step), in
     slices of 3 positions, a prefix-cache hit that must not skip the scores, and a batch
     mixing requests without."""
-    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker import prompt_logprobs
 
-    monkeypatch.setattr(gpu_model_runner, "_PROMPT_LOGPROBS_ELEMENTS", 3 * TINY["vocab_size"])
+    monkeypatch.setattr(prompt_logprobs, "_PROMPT_LOGPROBS_ELEMENTS", 3 * TINY["vocab_size"])
     path, hf = checkpoints["qwen3"]
     llm = _engine(path, tokenizer_dir, block_size=4, max_num_batched_tokens=16,
                   async_scheduling=async_scheduling)

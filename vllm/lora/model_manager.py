@@ -152,6 +152,13 @@ class LoRAModelManager:
         if slot is not None:
             self.free_slots.append(slot)
 
-    def set_token_slots(self, token_slots: np.ndarray) -> None:
-        """Sets the slot of every row of the next forward (see LoRABatch)."""
+    def set_batch(
+        self, requests: Sequence[LoRARequest | None], num_tokens: np.ndarray, num_rows: int
+    ) -> None:
+        """Puts the adapters of the next forward's requests into slots (see activate, and its
+        errors) and gives each of its `num_rows` token rows its request's slot: request i owns
+        the next num_tokens[i] rows; padding rows and base-model requests get -1."""
+        slots = self.activate(requests)
+        token_slots = np.full(num_rows, -1, dtype=np.int64)
+        token_slots[: int(num_tokens.sum())] = np.repeat(slots, num_tokens)
         self.batch.set_token_slots(token_slots)

@@ -20,3 +20,12 @@ def test_padded_size_uses_only_captured_graphs() -> None:
     assert graphs.padded_size(5) == 16
     assert graphs.padded_size(64) == 64
     assert graphs.padded_size(65) is None
+
+
+def test_graphs_are_a_capability_of_the_attention_backend() -> None:
+    from vllm.attention.backends.torch_backend import TorchAttentionBackend
+    from vllm.attention.backends.triton_backend import TritonAttentionBackend
+
+    # The Triton backend makes no host sync; the torch one plans each step from host lengths.
+    assert TritonAttentionBackend.supports_cuda_graphs
+    assert not TorchAttentionBackend.supports_cuda_graphs

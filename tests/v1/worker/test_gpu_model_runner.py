@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.v1.worker import gpu_model_runner
+from vllm.v1.worker import gpu_model_runner, sampled_tokens
 
 
 def _workload():
@@ -40,15 +40,15 @@ def test_lagging_copies_with_preemption_match_sync(monkeypatch, spec) -> None:
     verification kept twice (seeded sampling reads the count)."""
     want, _ = _run(False)
     newest: list[object] = [None]
-    original_init = gpu_model_runner._SampledTokens.__init__
+    original_init = sampled_tokens.SampledTokens.__init__
 
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         newest[0] = self
 
-    monkeypatch.setattr(gpu_model_runner._SampledTokens, "__init__", init)
+    monkeypatch.setattr(sampled_tokens.SampledTokens, "__init__", init)
     # The newest copy never counts as landed at non-blocking settles, as on a busy GPU.
-    monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: self is not newest[0])
+    monkeypatch.setattr(sampled_tokens.SampledTokens, "ready", lambda self: self is not newest[0])
     for num_blocks in (56, 64):
         got, scheduler = _run(True, block_size=4, num_gpu_blocks_override=num_blocks,
                               enable_prefix_caching=False, speculative_config=spec)
@@ -73,7 +73,7 @@ def _penalized_outputs(async_scheduling: bool) -> list:
 def _copies_never_land(monkeypatch) -> list[bool]:
     """Makes no device-to-host copy count as landed on its own (as on a busy GPU); returns
     the `block` argument of every settle the runner makes from then on."""
-    monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: False)
+    monkeypatch.setattr(sampled_tokens.SampledTokens, "ready", lambda self: False)
     settle = gpu_model_runner.GPUModelRunner._settle
     blocking: list[bool] = []
 
@@ -157,7 +157,7 @@ def test_the_forward_after_a_verification_does_not_wait_for_its_kept_count(
     want, _ = _mixed_outputs(False)
     if staging == "copies":
         _stage_copies(monkeypatch)
-    monkeypatch.setattr(gpu_model_runner._SampledTokens, "ready", lambda self: False)
+    monkeypatch.setattr(sampled_tokens.SampledTokens, "ready", lambda self: False)
     runner_cls = gpu_model_runner.GPUModelRunner
     execute, settle = runner_cls.execute_model, runner_cls._settle
     inside = [False]

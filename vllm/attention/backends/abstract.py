@@ -51,8 +51,22 @@ class AttentionBackend(ABC):
     # Whether forward reads `query_start_loc_cpu`/`seq_lens_cpu`: a runner that corrects the
     # device lengths after staging (docs/architecture.md §11) must then copy them back.
     reads_host_lengths: ClassVar[bool] = True
+    # Whether a forward can be captured in a CUDA graph and replayed: it must make no host
+    # sync and read only device tensors whose addresses stay fixed between steps.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+        """Raises ValueError on non-positive sizes or when num_kv_heads does not divide
+        num_heads (grouped-query attention shares each KV head among a whole group)."""
+        if num_heads <= 0 or num_kv_heads <= 0 or head_size <= 0:
+            raise ValueError(
+                f"num_heads/num_kv_heads/head_size: must be positive, got {num_heads}/"
+                f"{num_kv_heads}/{head_size}"
+            )
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads: {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
@@ -65,7 +79,6 @@ class AttentionBackend(ABC):
         """Shape of one layer's KV cache tensor."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
-    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,
@@ -79,6 +92,48 @@ class AttentionBackend(ABC):
 
         query: [num_tokens, num_heads, head_size]; key, value: [num_tokens, num_kv_heads,
         head_size]; returns [num_tokens, num_heads, head_size]. Rows past
-        metadata.num_actual_tokens are padding: their output is unspecified.
-        Side effect: kv_cache is modified in place.
+        metadata.num_actual_tokens are padding: their K/V are never written and their output
+        is unspecified. Side effect: kv_cache is modified in place. Raises ValueError on
+        shape mismatches (before writing anything).
         """
+        self._check_shapes(query, key, value, metadata)
+        self.cache_kv(key, value, kv_cache, metadata)
+        return self.attend(query, kv_cache, metadata)
+
+    def _check_shapes(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        expected_q = (self.num_heads, self.head_size)
+        expected_kv = (self.num_kv_heads, self.head_size)
+        if query.dim() != 3 or tuple(query.shape[1:]) != expected_q:
+            raise ValueError(f"query: expected [T, {expected_q[0]}, {expected_q[1]}], got "
+                             f"{tuple(query.shape)}")
+        if key.shape != (query.shape[0], *expected_kv) or value.shape != key.shape:
+            raise ValueError(
+                f"key/value: expected [{query.shape[0]}, {expected_kv[0]}, {expected_kv[1]}], "
+                f"got {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        n = metadata.num_actual_tokens
+        if n > query.shape[0]:
+            raise ValueError(
+                f"metadata.num_actual_tokens: {n} exceeds the {query.shape[0]} input tokens"
+            )
+
+    @abstractmethod
+    def cache_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None:
+        """Writes the key/value of the first metadata.num_actual_tokens tokens into kv_cache
+        at their metadata.slot_mapping slots (slot -1: not written)."""
+
+    @abstractmethod
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Causal attention of every query token over its request's context in kv_cache
+        (this step's key/value already written); [num_tokens, num_heads, head_size]."""

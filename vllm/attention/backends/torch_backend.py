@@ -112,17 +112,18 @@ class TorchAttentionBackend(AttentionBackend):
     bucket; other requests run one at a time. A request's result never depends on its batch.
     """
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
+    def cache_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """See AttentionBackend.forward. Side effect: writes key/value into kv_cache."""
+    ) -> None:
+        """See AttentionBackend.cache_kv."""
         n = metadata.num_actual_tokens
         write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """See AttentionBackend.attend. Rows past metadata.num_actual_tokens are zeros."""
         out = torch.zeros_like(query)
         # Every layer of the pass sees the same metadata: the first one plans for all.
         plan = metadata.backend_plans.get(TorchAttentionBackend)

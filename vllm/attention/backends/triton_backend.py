@@ -16,12 +16,14 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged varlen attention (prefill chunks and decodes in one kernel launch) in Triton.
 
     Runs on CUDA, or on the CPU (slowly; for tests) when TRITON_INTERPRET=1 was set before
-    triton was first imported in the process. num_splits: None lets a heuristic pick split-KV for long decode-only batches,
-    1 never splits, a power of two > 1 always splits each context into that many segments.
-    Raises ValueError on inconsistent head counts or a bad num_splits.
+    triton was first imported in the process. num_splits: None lets a heuristic pick split-KV
+    for long decode-only batches, 1 never splits, a power of two > 1 always splits each
+    context into that many segments. Raises ValueError on inconsistent head counts or a bad
+    num_splits.
     """
 
     reads_host_lengths = False
+    supports_cuda_graphs = True
 
     def __init__(
         self,
@@ -31,18 +33,9 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         num_splits: int | None = None,
     ) -> None:
-        if num_heads <= 0 or num_kv_heads <= 0 or head_size <= 0:
-            raise ValueError(
-                f"num_heads/num_kv_heads/head_size: must be positive, got {num_heads}/"
-                f"{num_kv_heads}/{head_size}"
-            )
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads: {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-            )
+        super().__init__(num_heads, head_size, num_kv_heads, scale)
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"num_splits: must be a power of two >= 1, got {num_splits}")
-        super().__init__(num_heads, head_size, num_kv_heads, scale)
         self.num_splits = num_splits
         self._num_sms: int | None = None
 
@@ -55,36 +48,21 @@ class TritonAttentionBackend(AttentionBackend):
                 self._num_sms = _DEFAULT_NUM_SMS
         return self._num_sms
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
+    def cache_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Writes key/value into kv_cache at metadata.slot_mapping and returns causal attention.
+    ) -> None:
+        """See AttentionBackend.cache_kv. Makes no host-device sync."""
+        reshape_and_cache(
+            key, value, kv_cache, metadata.slot_mapping, num_tokens=metadata.num_actual_tokens
+        )
 
-        Shapes as in AttentionBackend.forward. Rows past metadata.num_actual_tokens are
-        zeros in the result and their K/V are never written. Makes no host-device sync.
-        Side effect: kv_cache is modified in place. Raises ValueError on shape mismatches.
-        """
-        expected_q = (self.num_heads, self.head_size)
-        expected_kv = (self.num_kv_heads, self.head_size)
-        if query.dim() != 3 or tuple(query.shape[1:]) != expected_q:
-            raise ValueError(f"query: expected [T, {expected_q[0]}, {expected_q[1]}], got "
-                             f"{tuple(query.shape)}")
-        if key.shape != (query.shape[0], *expected_kv) or value.shape != key.shape:
-            raise ValueError(
-                f"key/value: expected [{query.shape[0]}, {expected_kv[0]}, {expected_kv[1]}], "
-                f"got {tuple(key.shape)} and {tuple(value.shape)}"
-            )
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """See AttentionBackend.attend. Rows past metadata.num_actual_tokens are zeros. Makes
+        no host-device sync."""
         n = metadata.num_actual_tokens
-        if n > query.shape[0]:
-            raise ValueError(
-                f"metadata.num_actual_tokens: {n} exceeds the {query.shape[0]} input tokens"
-            )
-        reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, num_tokens=n)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         unified_attention(
             query,

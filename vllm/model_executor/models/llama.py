@@ -18,7 +18,6 @@ from torch import nn
 from vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -129,8 +128,9 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, rope_parameters(config)
         )
-        self.attn = Attention(
-            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, backend_cls
+        # Holds no weights: a plain attribute, not a submodule.
+        self.attn = backend_cls(
+            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5
         )
 
     def _norm_heads(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,10 @@ class LlamaAttention(nn.Module):
             q = self._norm_heads(self.q_norm, q)
             k = self._norm_heads(self.k_norm, k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+        t, d = q.shape[0], self.head_dim
+        q = q.view(t, self.num_heads, d)
+        k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, metadata).reshape(t, -1))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -10,7 +10,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
+
+from vllm.attention.backends.abstract import AttentionMetadata
+from vllm.v1.worker.input_buffers import InputBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +68,10 @@ class DecodeGraphs:
                 except Exception as e:  # noqa: BLE001 - any capture failure means eager
                     # A failed capture can leave the stream unusable for further captures:
                     # stop here; sizes without a graph run eagerly.
-                    logger.warning("CUDA graph capture for batch %d failed; smaller batches pad up to a "
-                                   "captured size or run eagerly: %s", size, e)
+                    logger.warning(
+                        "CUDA graph capture for batch %d failed; smaller batches pad up to a "
+                        "captured size or run eagerly: %s", size, e,
+                    )
                     torch.cuda.synchronize()
                     break
         torch.cuda.current_stream().wait_stream(stream)
@@ -74,3 +80,50 @@ class DecodeGraphs:
         """Replays the graph of `size`; returns its output buffer ([size, hidden])."""
         self.graphs[size].replay()
         return self.outputs[size]
+
+
+def capture_decode_graphs(
+    model: torch.nn.Module,
+    buffers: InputBuffers,
+    kv_caches: list[torch.Tensor],
+    max_num_reqs: int,
+    max_len: int,
+) -> DecodeGraphs | None:
+    """Captures `model`'s decode forward over the persistent input buffers for every size of
+    the ladder (CUDA only); None when no size could be captured. Side effect: the buffers
+    hold dummy inputs afterwards."""
+    graphs = DecodeGraphs(capture_sizes(max_num_reqs))
+    max_blocks = buffers.device_buffers["block_table"].shape[1]
+
+    def prepare(size: int) -> None:
+        buffers.stage(
+            {
+                "input_ids": np.zeros(size, dtype=np.int64),
+                "positions": np.zeros(size, dtype=np.int64),
+                "slot_mapping": np.full(size, -1, dtype=np.int64),
+                "query_start_loc": np.arange(size + 1, dtype=np.int32),
+                "seq_lens": np.ones(size, dtype=np.int32),
+                "block_table": np.zeros((size, max_blocks), dtype=np.int32),
+            }
+        )
+
+    def run(size: int) -> torch.Tensor:
+        buf = buffers.device_buffers
+        metadata = AttentionMetadata(
+            num_actual_tokens=size,
+            num_reqs=size,
+            max_query_len=1,
+            max_seq_len=max_len,
+            query_start_loc=buf["query_start_loc"][: size + 1],
+            seq_lens=buf["seq_lens"][:size],
+            block_table=buf["block_table"][:size],
+            slot_mapping=buf["slot_mapping"][:size],
+            query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
+            seq_lens_cpu=torch.full((size,), max_len, dtype=torch.int32),
+        )
+        return model(buf["input_ids"][:size], buf["positions"][:size], kv_caches, metadata)
+
+    with torch.inference_mode():
+        graphs.capture(prepare, run)
+    logger.info("captured CUDA graphs for decode batch sizes %s", sorted(graphs.graphs))
+    return graphs if graphs.graphs else None

@@ -10,7 +10,7 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
 # How the runner stores the sampling parameters it puts in columns (see
-# GPUModelRunner._sampling_metadata); the engine core admits only values that fit them
+# SamplingInputs.build); the engine core admits only values that fit them
 # (vllm/v1/engine/validation.py, by sampling_params.INT_FIELD_BOUNDS and FLOAT32_FIELDS).
 TOP_K_DTYPE = np.int32
 SAMPLING_FLOAT_DTYPE = np.float32
@@ -35,11 +35,6 @@ class CachedRequestState:
     verified_drafts: bool = False
     # The adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
-
-    @property
-    def num_known_tokens(self) -> int:
-        """Prompt plus output tokens whose values are on the host."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class InputBatch:
