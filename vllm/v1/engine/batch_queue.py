@@ -73,10 +73,6 @@ class InFlightBatch:
     sample_future: Future | None = None
 
     @property
-    def step_id(self) -> int:
-        return self.scheduler_output.step_id
-
-    @property
     def deferred(self) -> bool:
         """True while this batch's sample_tokens has not been issued."""
         return self.sample_future is None
