@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
-from vllm.model_executor.models.sparse_moe import SparseMoeBlock, is_sparse_layer, required_int
+from vllm.model_executor.models.sparse_moe import qwen_moe_mlp
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -24,13 +24,4 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
     def _make_mlp(self, index: int) -> nn.Module | None:
         """A SparseMoeBlock with a shared expert on sparse layers; None (dense) elsewhere."""
-        config = self.config
-        if not is_sparse_layer(config, index):
-            return None
-        return SparseMoeBlock(
-            config,
-            required_int(config, "moe_intermediate_size"),
-            bool(getattr(config, "norm_topk_prob", False)),
-            self.parallel,
-            shared_intermediate_size=required_int(config, "shared_expert_intermediate_size"),
-        )
+        return qwen_moe_mlp(self.config, index, self.parallel, shared_expert=True)

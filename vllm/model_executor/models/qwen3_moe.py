@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
-from vllm.model_executor.models.sparse_moe import SparseMoeBlock, is_sparse_layer, required_int
+from vllm.model_executor.models.sparse_moe import qwen_moe_mlp
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -18,12 +18,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def _make_mlp(self, index: int) -> nn.Module | None:
         """A SparseMoeBlock on sparse layers; None (the dense MLP) elsewhere."""
-        config = self.config
-        if not is_sparse_layer(config, index):
-            return None
-        return SparseMoeBlock(
-            config,
-            required_int(config, "moe_intermediate_size"),
-            bool(getattr(config, "norm_topk_prob", False)),
-            self.parallel,
-        )
+        return qwen_moe_mlp(self.config, index, self.parallel)

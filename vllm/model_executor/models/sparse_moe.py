@@ -41,6 +41,23 @@ def is_sparse_layer(config: Any, index: int) -> bool:
     return index not in dense and num_experts_of(config) > 0 and (index + 1) % step == 0
 
 
+def qwen_moe_mlp(
+    config: Any, index: int, parallel: ParallelContext, shared_expert: bool = False
+) -> SparseMoeBlock | None:
+    """Decoder layer ``index``'s MLP in a Qwen-MoE model: a SparseMoeBlock (with the shared
+    expert Qwen2-MoE has, if asked) on sparse layers; None (the dense MLP) elsewhere."""
+    if not is_sparse_layer(config, index):
+        return None
+    shared = required_int(config, "shared_expert_intermediate_size") if shared_expert else None
+    return SparseMoeBlock(
+        config,
+        required_int(config, "moe_intermediate_size"),
+        bool(getattr(config, "norm_topk_prob", False)),
+        parallel,
+        shared_intermediate_size=shared,
+    )
+
+
 class SparseMoeBlock(nn.Module):
     """Router ``gate`` (replicated), routed ``experts`` and an optional shared expert
     whose output is scaled by sigmoid(``shared_expert_gate``(x)) and added to theirs."""
