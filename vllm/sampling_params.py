@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
+from vllm.v1.structured_output import registry
 
 
 # Bounds on list sizes a request may carry (each entry costs work on every generated token).
@@ -76,19 +77,16 @@ def check_numeric_fields(params: Any) -> None:
             raise InvalidRequestError(name, f"must be a finite float32 number, got {value!r}")
 
 
-# Backends a request may name; upstream's aliases map to ours.
-BACKEND_NAMES = {"xgrammar": "xgrammar", "guidance": "guidance", "llguidance": "guidance"}
-
-
 def _backend_name(name: Any) -> str | None:
     """A request's backend name made canonical (None for the server's choice)."""
     if name is None or name == "auto":
         return None
-    if name in BACKEND_NAMES:
-        return BACKEND_NAMES[name]
+    names = registry.request_names()
+    if name in names:
+        return names[name]
     raise InvalidRequestError(
         "structured_outputs.backend",
-        f"{name!r} is not a backend of this engine (xgrammar, guidance or auto)",
+        f"{name!r} is not a backend of this engine ({', '.join(registry.BACKENDS)} or auto)",
     )
 
 

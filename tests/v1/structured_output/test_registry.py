@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from vllm.config import StructuredOutputsConfig
-from vllm.sampling_params import BACKEND_NAMES, StructuredOutputsParams
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output import registry
 from vllm.v1.structured_output.backend_auto import create_backend
 from vllm.v1.structured_output.backend_types import (
@@ -66,7 +66,8 @@ def test_every_registered_backend_is_a_backend() -> None:
 
 def test_names_come_from_the_registry() -> None:
     assert registry.server_choices() == ("auto", "xgrammar", "guidance")
-    assert registry.request_names() == BACKEND_NAMES
+    assert registry.request_names() == {
+        "xgrammar": "xgrammar", "guidance": "guidance", "llguidance": "guidance"}
     assert registry.backends_for("auto") == ["xgrammar", "guidance"]
     assert registry.backends_for("auto", disable_fallback=True) == ["xgrammar"]
     assert registry.backends_for("guidance") == ["guidance"]
