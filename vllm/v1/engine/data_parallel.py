@@ -204,6 +204,8 @@ class DataParallelClient:
         elif self._on_dead is not None:
             callback, self._on_dead = self._on_dead, None
             callback(self.dead_reason or reason)
+        # Failed for good: a request id reused later may move again.
+        self.retried.difference_update(lost)
 
     def _retry(self, request: EngineCoreRequest | None) -> bool:
         """Sends a request a dead engine never answered to a live engine, once per request;

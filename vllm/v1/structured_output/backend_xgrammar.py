@@ -187,10 +187,10 @@ def _clean_error(e: BaseException) -> str:
     return msg[:500] or type(e).__name__
 
 
-def build_tokenizer_info(
+def _build_tokenizer_info(
     tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
-) -> tuple[xgr.TokenizerInfo, frozenset[int]]:
-    """Returns xgrammar's view of the vocabulary and the ids it must never allow.
+) -> tuple[xgr.TokenizerInfo, frozenset[int], list[str]]:
+    """xgrammar's view of the vocabulary, the ids it must never allow, and each id's text.
 
     Special tokens other than the stop ids become empty strings, which xgrammar treats as
     special (never allowed); otherwise it would treat `<|im_start|>` as literal text. Added
@@ -199,13 +199,6 @@ def build_tokenizer_info(
     are empty too.
     Raises ValueError when the tokenizer has no vocabulary.
     """
-    info, masked, _ = _build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
-    return info, masked
-
-
-def _build_tokenizer_info(
-    tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
-) -> tuple[xgr.TokenizerInfo, frozenset[int], list[str]]:
     vocab = tokenizer_vocab(tokenizer)
     stops = sorted({int(t) for t in stop_token_ids})
     base = xgr.TokenizerInfo.from_huggingface(

@@ -32,7 +32,7 @@ class CompileLanes:
         small = constraint_length(params, cap=SMALL_CONSTRAINT_LENGTH) <= SMALL_CONSTRAINT_LENGTH
         with self._lock:
             if self._closed:
-                raise RuntimeError("StructuredOutputManager: used after shutdown")
+                raise RuntimeError("structured outputs: compile lanes used after shutdown")
             if self._small is None or self._big is None:
                 self._small = ThreadPoolExecutor(self._num_workers, "grammar-small")
                 self._big = ThreadPoolExecutor(self._num_workers, "grammar-big")

@@ -50,7 +50,6 @@ class StructuredOutputManager:
         self._live: dict[str, StructuredOutputRequest] = {}
         self._buffers: list[np.ndarray] = []
         self._next_buffer = 0
-        self._closed = False
         self.reasoning_parser: ReasoningParser | None = None
         if self._config.reasoning_parser is not None:
             self.reasoning_parser = ReasoningParser.create(
@@ -115,9 +114,7 @@ class StructuredOutputManager:
             or structured_req.failed
         ):
             return
-        if self._closed:
-            raise RuntimeError("StructuredOutputManager: used after shutdown")
-        lane = self._lanes.lane(structured_req.params)
+        lane = self._lanes.lane(structured_req.params)  # RuntimeError after shutdown
         if self.reasoning_parser is not None:
             structured_req.reasoning_parser = self.reasoning_parser
             structured_req.reasoning = self.reasoning_parser.initial_state(
@@ -224,7 +221,6 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         """Stops the compile threads, drops every grammar and the backend's cache.
         Idempotent."""
-        self._closed = True
         self._lanes.shutdown()
         for structured_req in self._live.values():
             structured_req.release()
