@@ -134,3 +134,32 @@ def test_lora_request_crosses_as_typed_data() -> None:
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(plain), type=EngineCoreRequest) == plain
     assert LoRARequest("a", 3, "/p").cache_salt != LoRARequest("b", 4, "/p").cache_salt
     assert torch is not None
+
+
+def test_an_adapter_that_breaks_after_admission_fails_only_its_request(
+    setup, monkeypatch
+) -> None:
+    """The front end checked the adapter; by the time a worker reads it, its files changed.
+    That request ends with an error naming the file; the others in its step, and the
+    engine, go on."""
+    root, hf, llm = setup
+    build_adapter(hf, root / "late", seed=9, targets=["q_proj"], r=2)
+    from vllm.lora import model_manager
+
+    real = model_manager.load_adapter
+
+    def changed_on_disk(directory: str, *args):
+        if directory == str(root / "late"):
+            raise ValueError(f"{directory}/adapter_model.safetensors: changed on disk")
+        return real(directory, *args)
+
+    monkeypatch.setattr(model_manager, "load_adapter", changed_on_disk)
+    late = LoRARequest("late", 9, str(root / "late"))
+    broken, fine = llm.generate([PROMPT, PROMPT], PARAMS, use_tqdm=False,
+                                lora_request=[late, None])
+    assert broken.outputs[0].finish_reason == "error"
+    assert "changed on disk" in broken.outputs[0].error
+    assert len(fine.outputs[0].token_ids) == 3 and fine.outputs[0].finish_reason == "length"
+    assert not llm.llm_engine.has_unfinished_requests()
+    (again,) = llm.generate([PROMPT], PARAMS, use_tqdm=False)
+    assert len(again.outputs[0].token_ids) == 3

@@ -113,12 +113,14 @@ class LoRAModelManager:
             layer, part = target
             layer.set_part(slot, part, a, b)
 
-    def activate(self, requests: Sequence[LoRARequest | None]) -> np.ndarray:
+    def activate(
+        self, requests: Sequence[LoRARequest | None]
+    ) -> tuple[np.ndarray, dict[int, str]]:
         """The slot of each request's adapter (-1: none), loading adapters into slots as
-        needed. Slots of adapters this step does not use are evicted least recently used
-        first. Raises RuntimeError when the step has more than max_loras adapters (the
-        scheduler never builds one) and ValueError for an adapter that fails to load (its
-        slot is left free)."""
+        needed, and the adapters that failed to load (lora_int_id -> why; their requests
+        get -1 and their slots stay free). Slots of adapters this step does not use are
+        evicted least recently used first. Raises RuntimeError when the step has more than
+        max_loras adapters (the scheduler never builds one)."""
         wanted: dict[int, LoRARequest] = {}
         for request in requests:
             if request is not None:
@@ -127,6 +129,7 @@ class LoRAModelManager:
             raise RuntimeError(
                 f"a step with {len(wanted)} adapters; --max-loras is {self.config.max_loras}"
             )
+        failed: dict[int, str] = {}
         for lora_id, request in wanted.items():
             if lora_id in self.slots:
                 self.slots.move_to_end(lora_id)
@@ -137,13 +140,18 @@ class LoRAModelManager:
             slot = self.free_slots.pop()
             try:
                 self._fill(slot, self._adapter(request))
+            except ValueError as e:
+                # Checked when admitted, so its files changed since: only its requests fail.
+                self.free_slots.append(slot)
+                failed[lora_id] = str(e)
+                continue
             except BaseException:
                 self.free_slots.append(slot)
                 raise
             self.slots[lora_id] = slot
-        return np.asarray(
-            [-1 if r is None else self.slots[r.lora_int_id] for r in requests], dtype=np.int64
-        )
+        slots = [-1 if r is None or r.lora_int_id in failed else self.slots[r.lora_int_id]
+                 for r in requests]
+        return np.asarray(slots, dtype=np.int64), failed
 
     def remove(self, lora_int_id: int) -> None:
         """Forgets an adapter (unloaded): its slot and host copy are released."""
@@ -154,11 +162,13 @@ class LoRAModelManager:
 
     def set_batch(
         self, requests: Sequence[LoRARequest | None], num_tokens: np.ndarray, num_rows: int
-    ) -> None:
+    ) -> dict[int, str]:
         """Puts the adapters of the next forward's requests into slots (see activate, and its
         errors) and gives each of its `num_rows` token rows its request's slot: request i owns
-        the next num_tokens[i] rows; padding rows and base-model requests get -1."""
-        slots = self.activate(requests)
+        the next num_tokens[i] rows; padding rows and base-model requests get -1. Returns the
+        adapters that failed to load (lora_int_id -> why)."""
+        slots, failed = self.activate(requests)
         token_slots = np.full(num_rows, -1, dtype=np.int64)
         token_slots[: int(num_tokens.sum())] = np.repeat(slots, num_tokens)
         self.batch.set_token_slots(token_slots)
+        return failed

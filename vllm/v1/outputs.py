@@ -28,6 +28,9 @@ class ModelRunnerOutput:
     # Request id -> (first prompt position, LogprobsLists of the prompt tokens that follow
     # it): the part of its prompt this step computed, for requests with prompt_logprobs.
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
+    # Request id -> why it cannot go on (its LoRA adapter failed to load in the worker): the
+    # engine core ends it with that error; its tokens of this step are dropped.
+    failed: dict[str, str] | None = None
 
 
 class AsyncModelRunnerOutput(ABC):

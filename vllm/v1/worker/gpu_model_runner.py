@@ -25,7 +25,7 @@ samples the same gathered logits; rank 0's tokens are broadcast so the ranks can
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -81,6 +81,8 @@ class _Step:
     draft_bases: torch.Tensor | None = None
     # Requests with prompt_logprobs: the part of the prompt this step computed.
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
+    # Requests whose LoRA adapter failed to load this step -> why.
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> list[int]:
@@ -271,11 +273,14 @@ class GPUModelRunner:
             self.input_batch, scheduler_output, self.block_size, self.graphs, self.min_rows
         )
         dev = self._stage(inputs)
+        failed = self._set_loras(inputs)
         hidden = self._run_model(inputs, dev)
         self.input_batch.num_computed_tokens[inputs.rows_np] = inputs.seq_lens[: inputs.num_reqs]
         if not self.last_stage:
             self.parallel.send_next(torch.stack(hidden))
-        self._steps.append(self._compute_logits(scheduler_output, inputs, dev, hidden))
+        step = self._compute_logits(scheduler_output, inputs, dev, hidden)
+        step.failed = failed
+        self._steps.append(step)
         self._settle(block=False)
         return None
 
@@ -299,6 +304,19 @@ class GPUModelRunner:
         self.feedback.fill_unknown(dev["input_ids"], inputs)
         return dev
 
+    def _set_loras(self, inputs: StepInputs) -> dict[str, str]:
+        """Gives the step's token rows their requests' adapters; returns the requests whose
+        adapter failed to load (request id -> why): they run on the base model this step and
+        the engine core ends them with that error."""
+        if self.lora is None:
+            return {}
+        states = [self.input_batch.states[r] for r in inputs.rows]
+        failed = self.lora.set_batch(
+            [state.lora_request for state in states], inputs.num_sched, inputs.padded_tokens
+        )
+        return {state.req_id: failed[state.lora_request.lora_int_id] for state in states
+                if state.lora_request is not None and state.lora_request.lora_int_id in failed}
+
     def _run_model(
         self, inputs: StepInputs, dev: dict[str, torch.Tensor]
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -306,12 +324,6 @@ class GPUModelRunner:
         holds, else eager. Receives the previous stage's (hidden, residual) first when this
         is not the first stage; returns the hidden states (or this stage's pair)."""
         assert self.model is not None
-        if self.lora is not None:
-            states = self.input_batch.states
-            self.lora.set_batch(
-                [states[r].lora_request for r in inputs.rows], inputs.num_sched,
-                inputs.padded_tokens,
-            )
         intermediate = None
         if not self.first_stage:
             # One message per step: (hidden, residual) stacked.
@@ -399,6 +411,7 @@ class GPUModelRunner:
                 req_ids=step.req_ids,
                 sampled_token_ids=[[] for _ in step.req_ids],
                 prompt_logprobs=step.prompt_logprobs,
+                failed=step.failed or None,
             )
             return out if step.req_ids else EMPTY_MODEL_RUNNER_OUTPUT
         logits = step.logits
@@ -441,7 +454,8 @@ class GPUModelRunner:
                 self.input_batch, step.sampled_req_ids, step.sampled_states, last, newest
             )
             self._unsettled.append(sampled)
-        output = AsyncOutput(step.req_ids, step.sampled_req_ids, sampled, step.prompt_logprobs)
+        output = AsyncOutput(step.req_ids, step.sampled_req_ids, sampled, step.prompt_logprobs,
+                             step.failed or None)
         return output if self.async_scheduling else output.get_output()
 
     def _settle_verified(self, states: list[CachedRequestState]) -> None:

@@ -86,11 +86,13 @@ class AsyncOutput(AsyncModelRunnerOutput):
         sampled_req_ids: list[str],
         sampled: SampledTokens,
         prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None,
+        failed: dict[str, str] | None = None,
     ):
         self._req_ids = req_ids
         self._sampled_req_ids = sampled_req_ids
         self._sampled = sampled
         self._prompt_logprobs = prompt_logprobs
+        self._failed = failed
 
     def get_output(self) -> ModelRunnerOutput:
         """The step's output, rows in req_ids order; waits for the host copy."""
@@ -110,4 +112,5 @@ class AsyncOutput(AsyncModelRunnerOutput):
             sampled_token_ids=[tokens.get(r, []) for r in self._req_ids],
             logprobs=lp,
             prompt_logprobs=self._prompt_logprobs,
+            failed=self._failed,
         )

@@ -400,9 +400,12 @@ class Scheduler:
         """Appends sampled tokens, advances grammars, applies stop checks, and frees finished
         requests. Returns one output per request that produced a token or finished; tokens for
         requests that already finished or were aborted are dropped."""
+        scheduled = self._step_requests.pop(scheduler_output.step_id, {})
+        for req_id, why in (model_runner_output.failed or {}).items():
+            if req_id in scheduled and self.requests.get(req_id) is scheduled[req_id]:
+                self.finish_with_error(req_id, why, ErrorKind.INVALID_REQUEST)
         outputs, self._pending_outputs = self._pending_outputs, []
         logprobs = model_runner_output.logprobs
-        scheduled = self._step_requests.pop(scheduler_output.step_id, {})
         prompt_lps = model_runner_output.prompt_logprobs or {}
         for idx, req_id in enumerate(model_runner_output.req_ids):
             request = scheduled.get(req_id)
