@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from dataclasses import dataclass, field
 
 from vllm.entrypoints.openai.protocol import ModelCard, ModelList
@@ -61,6 +62,9 @@ class OpenAIServingModels:
     # Every adapter loaded gets a new id, so a name loaded again after an unload (maybe
     # another directory) never meets the old one's cached weights or KV blocks.
     _lora_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    # Names whose load is reading its files (loads run off the event loop, several at once).
+    _loading: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def default_name(self) -> str:
@@ -84,27 +88,38 @@ class OpenAIServingModels:
                           ) -> LoRARequest:
         """Checks the adapter's files and serves it as model `name`.
 
-        Raises InvalidRequestError when LoRA is off, the name is taken, or the adapter is
-        unfit (missing/corrupt files, rank, targets; see load_adapter). Reads the files:
-        call it off the event loop.
+        Raises InvalidRequestError when LoRA is off, the name is taken (or another load of
+        it is still running), or the adapter is unfit (missing/corrupt files, rank,
+        targets; see load_adapter). Reads the files: call it off the event loop.
         """
         if self.lora_validator is None:
             raise InvalidRequestError("lora_name", "LoRA adapters are not enabled; start "
                                       "the server with --enable-lora")
         if not name or not path:
             raise InvalidRequestError("lora_name", "lora_name and lora_path are required")
-        if name in self.lora_requests or name in self.served_model_names:
-            raise InvalidRequestError("lora_name", f"the name {name!r} is already served")
-        request = LoRARequest(name, next(self._lora_ids), path,
-                              base_model_name or self.default_name)
-        self.lora_validator.check(request)
-        self.lora_requests[name] = request
+        with self._lock:
+            if name in self.lora_requests or name in self.served_model_names:
+                raise InvalidRequestError("lora_name", f"the name {name!r} is already served")
+            if name in self._loading:
+                raise InvalidRequestError("lora_name", f"the name {name!r} is already being "
+                                          "loaded")
+            self._loading.add(name)
+        try:
+            request = LoRARequest(name, next(self._lora_ids), path,
+                                  base_model_name or self.default_name)
+            self.lora_validator.check(request)
+            with self._lock:
+                self.lora_requests[name] = request
+        finally:
+            with self._lock:
+                self._loading.discard(name)
         return request
 
     def unload_lora_adapter(self, name: str) -> LoRARequest | None:
         """Stops serving the adapter `name`; returns it, or None when no adapter has that
         name. Requests already running with it finish with it."""
-        request = self.lora_requests.pop(name, None)
+        with self._lock:
+            request = self.lora_requests.pop(name, None)
         if request is not None and self.lora_validator is not None:
             self.lora_validator.forget(request)
         return request
