@@ -14,11 +14,12 @@ import os
 import re
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
+from tests.utils_wait import wait_until
 
 MODEL = "demo-tiny"
 
@@ -113,10 +114,9 @@ def test_an_abort_reaches_the_engine_holding_the_request(server) -> None:
         with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
             assert next(line for line in r.iter_lines() if line.startswith("data: "))
         # Leaving the block closed the second stream: the server aborts that request.
-        deadline = time.monotonic() + 20
-        while _metric(server, "vllm:engine_aborted_requests").get("", 0.0) < before + 1:
-            assert time.monotonic() < deadline, "no engine found the aborted request alive"
-            time.sleep(0.2)
+        assert wait_until(
+            lambda: _metric(server, "vllm:engine_aborted_requests").get("", 0.0) >= before + 1,
+            timeout_s=20, interval_s=0.2), "no engine found the aborted request alive"
 
 
 def test_a_dead_engine_fails_only_its_requests(server) -> None:
@@ -163,11 +163,15 @@ def test_every_engine_dead_is_a_503(server) -> None:
     """Runs after test_a_dead_engine_fails_only_its_requests: engine 1 is gone already."""
     survivor = _engine_pids(server)[0]
     os.kill(survivor, signal.SIGKILL)
-    # Safety-net wait (not a speed bound): the front end notices the death on its own.
-    deadline = time.monotonic() + 60
-    while (health := httpx.get(server.url("/health"), timeout=30)).status_code == 200:
-        assert time.monotonic() < deadline, health.json()
-        time.sleep(0.2)
+    # The front end notices the death on its own (the wait's bound is only a safety net).
+    seen: list[httpx.Response] = []
+
+    def unhealthy() -> bool:
+        seen.append(httpx.get(server.url("/health"), timeout=30))
+        return seen[-1].status_code != 200
+
+    wait_until(unhealthy, interval_s=0.2)
+    health = seen[-1]
     assert health.status_code == 503, health.text
     assert _metric(server, "vllm:data_parallel_engine_alive") == {"0": 0.0, "1": 0.0}
     for path, body in [

@@ -8,12 +8,12 @@ import asyncio
 import json
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 import uvicorn
 
+from tests.utils_wait import wait_until
 from vllm.entrypoints.openai.drain import SHUTDOWN_REASON, DrainingServer
 
 from .conftest import RemoteServer
@@ -46,13 +46,6 @@ class Stream(threading.Thread):
         return [json.loads(e) for e in self.events if e != "[DONE]"]
 
 
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 def test_sigterm_drains_then_a_second_signal_ends_the_rest(tmp_path) -> None:
     server = RemoteServer([MODEL, "--max-model-len", "4096", "--shutdown-timeout", "600"],
@@ -70,7 +63,7 @@ def test_sigterm_drains_then_a_second_signal_ends_the_rest(tmp_path) -> None:
             r = httpx.post(server.url("/v1/completions"), timeout=WAIT_S,
                            json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
             return r.status_code == 503
-        wait_until(refused, "a 503 while draining")
+        assert wait_until(refused, WAIT_S), "no 503 while draining"
         r = httpx.post(server.url("/v1/completions"), timeout=WAIT_S,
                        json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
         assert r.status_code == 503 and r.headers["Retry-After"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils_wait import wait_until
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import EngineConfigError
@@ -46,15 +47,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
-
-
-def _wait_until(predicate, timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 class Collector:
@@ -194,9 +186,9 @@ def test_engine_exits_when_its_parent_dies():
         assert _alive(core_pid) and os.path.isdir(ipc_dir)
         parent.kill()
         parent.wait(10)
-        assert _wait_until(lambda: not _alive(core_pid))
+        assert wait_until(lambda: not _alive(core_pid))
         # The engine cleaned up the socket files its dead parent could not.
-        assert _wait_until(lambda: not os.path.exists(ipc_dir))
+        assert wait_until(lambda: not os.path.exists(ipc_dir))
     finally:
         parent.kill()
 
