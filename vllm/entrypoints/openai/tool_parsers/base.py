@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
-from vllm.entrypoints.openai.tool_parsers.calls import CallSink, partial_suffix
+from vllm.entrypoints.openai.tool_parsers.calls import CallSink, split_at
 
 # The arguments of a function that is not strict: any JSON object.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -105,30 +105,20 @@ class TaggedBlocks(ToolFormat):
         content: list[str] = []
         while self._buffer:
             if self._reader is None:
-                at = self._buffer.find(self.start)
-                if at < 0:
-                    # Hold back a tail that may be the start of a start tag.
-                    keep = partial_suffix(self._buffer, self.start)
-                    content.append(self._buffer[: len(self._buffer) - keep])
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                before, self._buffer, found = split_at(self._buffer, self.start)
+                content.append(before)
+                if not found:
                     break
-                content.append(self._buffer[:at])
-                self._buffer = self._buffer[at + len(self.start):]
                 self._reader = self.new_reader()
                 continue
-            end = self._buffer.find(self.end)
-            # Hold back a tail that may be the start of the end tag.
-            usable = (len(self._buffer) - partial_suffix(self._buffer, self.end)
-                      if end < 0 else end)
-            name, args = self._reader.feed(self._buffer[:usable])
+            body, self._buffer, found = split_at(self._buffer, self.end)
+            name, args = self._reader.feed(body)
             if name is not None:
                 sink.announce(name)
             if args:
                 sink.arguments(args)
-            self._buffer = self._buffer[usable:]
-            if end < 0:
+            if not found:
                 break
-            self._buffer = self._buffer[len(self.end):]
             reader, self._reader = self._reader, None
             if not reader.close(sink):
                 content.append(self.start + reader.text + self.end)

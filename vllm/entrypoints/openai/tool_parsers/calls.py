@@ -180,6 +180,16 @@ class JsonCallList:
             reader.close(sink)
 
 
+def split_at(text: str, tag: str) -> tuple[str, str, bool]:
+    """(the text before `tag`, the rest, whether `tag` was found). Without the tag, the rest
+    is the tail that may be its start, to hold back until more text comes."""
+    at = text.find(tag)
+    if at >= 0:
+        return text[:at], text[at + len(tag):], True
+    keep = partial_suffix(text, tag)
+    return text[: len(text) - keep], text[len(text) - keep:], False
+
+
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.entrypoints.openai.tool_parsers.base import ANY_OBJECT, ToolFormat
-from vllm.entrypoints.openai.tool_parsers.calls import CallSink, JsonCallList, partial_suffix
+from vllm.entrypoints.openai.tool_parsers.calls import CallSink, JsonCallList, split_at
 
 
 class MistralFormat(ToolFormat):
@@ -25,14 +25,10 @@ class MistralFormat(ToolFormat):
         if self._calls is not None:
             self._calls.feed(text, sink)
             return ""
-        self._buffer += text
-        at = self._buffer.find(self.start)
-        if at < 0:
-            keep = partial_suffix(self._buffer, self.start)
-            content = self._buffer[: len(self._buffer) - keep]
-            self._buffer = self._buffer[len(self._buffer) - keep:]
+        content, rest, found = split_at(self._buffer + text, self.start)
+        if not found:
+            self._buffer = rest
             return content
-        content, rest = self._buffer[:at], self._buffer[at + len(self.start):]
         self._buffer = ""
         self._calls = JsonCallList()
         self._calls.feed(rest, sink)
