@@ -9,12 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.utils_wait import wait_until
 from vllm.entrypoints.openai import api_server
 
 REPO = Path(__file__).resolve().parents[3]
@@ -78,14 +78,14 @@ def test_api_server_reports_config_errors_like_serve(capsys: pytest.CaptureFixtu
 def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
     """True once no process of group `pgid` is left (the workers' own exits may lag their
     parent's by a moment)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def gone() -> bool:
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
             return True
-        time.sleep(0.1)
-    return False
+        return False
+
+    return wait_until(gone, timeout, interval_s=0.1)
 
 
 @pytest.mark.slow
@@ -106,16 +106,14 @@ def test_api_server_module_serves(tmp_path: Path) -> None:
                                 start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
+        def healthy() -> bool:
             assert proc.poll() is None, log.read_text()
             try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
+                return httpx.get(base + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.25)
+                return False
+
+        assert wait_until(healthy, timeout_s=240, interval_s=0.25), log.read_text()
         models = httpx.get(base + "/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == [MODEL]
         response = httpx.post(base + "/v1/completions", timeout=60, json={

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any
 
 import pytest
 from v1.structured_output.pool_checkers import ScriptChecker
+
+from tests.utils_wait import wait_until
 
 from vllm.exceptions import GrammarCompileError
 from vllm.sampling_params import StructuredOutputsParams
@@ -37,19 +38,12 @@ def _alive(pid: int) -> bool:
 
 
 def _wait_gone(pid: int, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return wait_until(lambda: not _alive(pid), timeout_s, interval_s=0.02)
 
 
 def _wait_pid(path: Path, timeout_s: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists() or not path.read_text():
-        assert time.monotonic() < deadline, f"no worker wrote {path}"
-        time.sleep(0.02)
+    assert wait_until(lambda: path.exists() and bool(path.read_text()), timeout_s,
+                      interval_s=0.02), f"no worker wrote {path}"
     return int(path.read_text())
 
 
@@ -170,9 +164,7 @@ def test_workers_that_cannot_start_fail_checks(
     with pytest.raises(RuntimeError, match="cannot start: OSError: no tokenizer here"):
         pool.submit(_params("ok"), small=True).result(RESULT_TIMEOUT_S)
     # Remembered: the next check fails at once instead of starting another supervisor.
-    deadline = time.monotonic() + RESULT_TIMEOUT_S
-    while pool.supervisor_pid is not None and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert wait_until(lambda: pool.supervisor_pid is None, RESULT_TIMEOUT_S, interval_s=0.02)
     future = pool.submit(_params("ok"), small=True)
     assert future.done()
     with pytest.raises(RuntimeError, match="no tokenizer here"):
