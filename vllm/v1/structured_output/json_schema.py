@@ -32,24 +32,25 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import unquote
 
 from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
 from vllm.v1.structured_output.grammar_checks import find_lookaround
-
-_FIELD = "structured_outputs.json"
+from vllm.v1.structured_output.schema_facts import (
+    ANNOTATIONS,
+    FIELD as _FIELD,
+    TYPE_NAMES,
+    check_satisfiable,
+    is_number,
+    kinds,
+    matches,
+    resolve,
+    values,
+)
 DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
 
-# Keywords that assert nothing: they may sit beside anything without changing its meaning.
-_ANNOTATIONS = frozenset({
-    "$schema", "$id", "id", "$anchor", "$comment", "$defs", "definitions", "$vocabulary",
-    "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
-    "contentMediaType", "contentEncoding",
-})
 
 # xgrammar accepts these keywords but does not enforce them.
 _XGRAMMAR_UNENFORCED = (
@@ -166,7 +167,7 @@ def _normalize_node(
     if no_extra and "additionalProperties" not in node:
         if node.get("type") == "object" or "properties" in node:
             node["additionalProperties"] = False
-    _check_satisfiable(node, path)
+    check_satisfiable(node, path)
     for sub, sub_path in _subschemas(node, path):
         _normalize_node(sub, root, sub_path, legacy, no_extra, coerce)
 
@@ -180,11 +181,11 @@ def _narrow_unique_items(node: dict[str, Any]) -> None:
     if node.get("uniqueItems") is not True:
         return
     low = node.get("minItems", 0)
-    if _is_number(low) and low > 1:
+    if is_number(low) and low > 1:
         return
     del node["uniqueItems"]
     high = node.get("maxItems")
-    node["maxItems"] = min(high, 1) if _is_number(high) else 1
+    node["maxItems"] = min(high, 1) if is_number(high) else 1
 
 
 def _rewrite_property_names(node: dict[str, Any]) -> None:
@@ -200,7 +201,7 @@ def _rewrite_property_names(node: dict[str, Any]) -> None:
         return
     if not isinstance(names, dict) or "patternProperties" in node:
         return
-    keys = {k for k in names if k not in _ANNOTATIONS}
+    keys = {k for k in names if k not in ANNOTATIONS}
     if names.get("type", "string") != "string" or keys - {"type", "pattern", "minLength",
                                                            "maxLength"}:
         return
@@ -277,13 +278,13 @@ def _rewrite_unevaluated_properties(node: dict[str, Any], root: dict[str, Any]) 
     if "unevaluatedProperties" not in node:
         return
     rest = node["unevaluatedProperties"]
-    branches = [_resolve(b, root) for b in node.get("allOf", [])]
+    branches = [resolve(b, root) for b in node.get("allOf", [])]
     if any(k in node for k in ("anyOf", "oneOf", "if", "not", "dependentSchemas", "$ref")):
         return
     if not all(isinstance(b, dict) for b in branches):
         return
     for b in branches:
-        if {k for k in b if k not in _ANNOTATIONS} - _PLAIN_OBJECT_KEYS:
+        if {k for k in b if k not in ANNOTATIONS} - _PLAIN_OBJECT_KEYS:
             return
     scopes = [node, *branches]
     if any("additionalProperties" in b for b in scopes):
@@ -319,12 +320,12 @@ def _rewrite_contains(node: dict[str, Any], root: dict[str, Any]) -> None:
     items = node.get("items", True)
     rest: Any = items
     limit = node.get("maxItems")
-    if high is not None and not (_is_number(limit) and limit <= high):
-        item_schema = _resolve(items, root)
-        condition = _resolve(wanted, root)
+    if high is not None and not (is_number(limit) and limit <= high):
+        item_schema = resolve(items, root)
+        condition = resolve(wanted, root)
         if not isinstance(condition, dict) or not isinstance(item_schema, dict):
             return
-        if condition.get("type") == "object" and _kinds(item_schema, root) == {"object"}:
+        if condition.get("type") == "object" and kinds(item_schema, root) == {"object"}:
             condition = {k: v for k, v in condition.items() if k != "type"}
         negation = _negate_condition(condition, item_schema, root)
         if negation is None:
@@ -371,17 +372,17 @@ def _rewrite_dependencies(node: dict[str, Any]) -> None:
 def _negation(branch: Any, root: dict[str, Any]) -> dict[str, Any] | None:
     """A schema matching exactly the values `branch` does not, when `branch` only requires
     property names (optionally of an object); else None."""
-    branch = _resolve(branch, root)
+    branch = resolve(branch, root)
     if not isinstance(branch, dict):
         return None
-    keys = {k for k in branch if k not in _ANNOTATIONS}
+    keys = {k for k in branch if k not in ANNOTATIONS}
     names = branch.get("required")
     if not isinstance(names, list) or not names or not keys <= {"required", "type"}:
         return None
     if "type" in keys and branch["type"] != "object":
         return None
     if "type" in keys:
-        others = sorted(_TYPE_NAMES - {"object"})
+        others = sorted(TYPE_NAMES - {"object"})
         return {"anyOf": [{"type": others}, {"type": "object", **_absent(names)}]}
     # `required` alone holds for every non-object: only an object can fail it.
     return {"type": "object", **_absent(names)}
@@ -421,10 +422,10 @@ def _negate_condition(
     condition: Any, node: dict[str, Any], root: dict[str, Any]
 ) -> dict[str, Any] | None:
     """A schema for the values `condition` rejects (see `_rewrite_conditional`), else None."""
-    condition = _resolve(condition, root)
+    condition = resolve(condition, root)
     if not isinstance(condition, dict):
         return None
-    keys = {k for k in condition if k not in _ANNOTATIONS}
+    keys = {k for k in condition if k not in ANNOTATIONS}
     pinned = condition.get("properties", {})
     required = condition.get("required", [])
     if not keys <= {"properties", "required"} or not isinstance(pinned, dict):
@@ -436,8 +437,8 @@ def _negate_condition(
     # values its schema allows, or missing a required name; it holds for every non-object.
     ways: list[dict[str, Any]] = []
     for name, sub in pinned.items():
-        allowed, domain = _values(sub, root), _values(own.get(name), root)
-        if domain is None and _kinds(own.get(name, True), root) == {"boolean"}:
+        allowed, domain = values(sub, root), values(own.get(name), root)
+        if domain is None and kinds(own.get(name, True), root) == {"boolean"}:
             domain = {"true", "false"}
         if allowed is None or domain is None:
             return None
@@ -454,10 +455,10 @@ def _forbidden_keys(a: Any, b: Any, root: dict[str, Any]) -> tuple[str, str] | N
     """(name a must not carry, name b must not carry) when a and b match only objects and
     each requires a name the other does not: forbidding those makes each branch exclude the
     other. None otherwise."""
-    a, b = _resolve(a, root), _resolve(b, root)
+    a, b = resolve(a, root), resolve(b, root)
     if not isinstance(a, dict) or not isinstance(b, dict):
         return None
-    if _kinds(a, root) != {"object"} or _kinds(b, root) != {"object"}:
+    if kinds(a, root) != {"object"} or kinds(b, root) != {"object"}:
         return None
     req_a, req_b = ({n for n in x["required"] if isinstance(n, str)}
                     if isinstance(x.get("required"), list) else set() for x in (a, b))
@@ -477,7 +478,7 @@ def _rewrite_one_of(node: dict[str, Any], root: dict[str, Any], path: str, coerc
     would match only one branch), never wrong.
     """
     branches = node["oneOf"]
-    outer = _kinds({k: v for k, v in node.items() if k != "oneOf"}, root)
+    outer = kinds({k: v for k, v in node.items() if k != "oneOf"}, root)
     outer_required = set(node["required"]) if isinstance(node.get("required"), list) else set()
     extra: list[list[dict[str, Any]]] = [[] for _ in branches]
     exclusive = True
@@ -516,122 +517,26 @@ def _rewrite_one_of(node: dict[str, Any], root: dict[str, Any], path: str, coerc
         node["anyOf"] = branches
 
 
-# JSON values by kind; "integer" and "fraction" together are JSON Schema's "number".
-_ALL_KINDS = frozenset({"null", "boolean", "object", "array", "string", "integer", "fraction"})
-_TYPE_NAMES = frozenset({"null", "boolean", "object", "array", "string", "number"})
-_TYPE_KINDS = {
-    "null": {"null"}, "boolean": {"boolean"}, "object": {"object"}, "array": {"array"},
-    "string": {"string"}, "integer": {"integer"}, "number": {"integer", "fraction"},
-}
-
-
-def _kind_of(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "integer" if value.is_integer() else "fraction"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
-
-
-def _canonical(value: Any) -> str:
-    """JSON text equal for values JSON Schema treats as equal (1 and 1.0 included)."""
-    def norm(v: Any) -> Any:
-        if isinstance(v, float) and v.is_integer():
-            return int(v)
-        if isinstance(v, list):
-            return [norm(x) for x in v]
-        if isinstance(v, dict):
-            return {k: norm(x) for k, x in v.items()}
-        return v
-
-    return json.dumps(norm(value), sort_keys=True)
-
-
-def _resolve(node: Any, root: dict[str, Any], depth: int = 0) -> Any:
-    """`node` with a local `$ref` (`#/...`) followed, else `node` itself (also when the ref
-    cannot be followed here: the analysis then knows less, never something wrong)."""
-    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and depth < 16:
-        ref = node["$ref"]
-        if not ref.startswith("#"):
-            return node
-        target: Any = root
-        for part in unquote(ref[1:]).split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                return node
-        siblings = {k: v for k, v in node.items() if k != "$ref" and k not in _ANNOTATIONS}
-        if siblings:
-            return node  # the ref plus more: an intersection this analysis does not merge
-        node, depth = target, depth + 1
-    return node
-
-
-def _kinds(node: Any, root: dict[str, Any], depth: int = 0) -> frozenset[str]:
-    """The kinds of JSON value `node` may match (a superset; all when unknown)."""
-    node = _resolve(node, root)
-    if node is False:
-        return frozenset()
-    if not isinstance(node, dict) or depth > 16:
-        return _ALL_KINDS
-    kinds = set(_ALL_KINDS)
-    declared = node.get("type")
-    if isinstance(declared, str):
-        declared = [declared]
-    if isinstance(declared, list):
-        kinds &= {k for t in declared if isinstance(t, str) for k in _TYPE_KINDS.get(t, ())}
-    values = _values(node, root)
-    if values is not None:
-        kinds &= {_kind_of(json.loads(v)) for v in values}
-    for key in ("anyOf", "oneOf"):
-        if isinstance(node.get(key), list):
-            kinds &= set().union(*(_kinds(b, root, depth + 1) for b in node[key]))
-    if isinstance(node.get("allOf"), list):
-        for b in node["allOf"]:
-            kinds &= _kinds(b, root, depth + 1)
-    return frozenset(kinds)
-
-
-def _values(node: Any, root: dict[str, Any]) -> set[str] | None:
-    """The canonical values `node` allows when it lists them (const/enum), else None."""
-    node = _resolve(node, root)
-    if not isinstance(node, dict):
-        return None
-    if "const" in node:
-        return {_canonical(node["const"])}
-    if isinstance(node.get("enum"), list):
-        return {_canonical(v) for v in node["enum"]}
-    return None
-
 
 def _disjoint(
     a: Any, b: Any, outer: frozenset[str], outer_required: set[str], root: dict[str, Any]
 ) -> bool:
     """True when no value (of the kinds `outer` allows, and for objects with the
     `outer_required` names) can match both `a` and `b`."""
-    shared = _kinds(a, root) & _kinds(b, root) & outer
+    shared = kinds(a, root) & kinds(b, root) & outer
     if not shared:
         return True
-    va, vb = _values(a, root), _values(b, root)
+    va, vb = values(a, root), values(b, root)
     if va is not None and vb is not None and not va & vb:
         return True
     # A branch of listed values: none of them matches the other branch.
-    for values, other in ((va, b), (vb, a)):
-        if values is not None and not any(_matches(json.loads(v), other, root) for v in values):
+    for listed, other in ((va, b), (vb, a)):
+        if listed is not None and not any(matches(json.loads(v), other, root) for v in listed):
             return True
     if shared != {"object"}:
         return False
     # Objects only: a property both require, with values or kinds that cannot meet.
-    a, b = _resolve(a, root), _resolve(b, root)
+    a, b = resolve(a, root), resolve(b, root)
     if not isinstance(a, dict) or not isinstance(b, dict):
         return False
     props_a = a.get("properties") if isinstance(a.get("properties"), dict) else {}
@@ -642,28 +547,13 @@ def _disjoint(
         if name not in props_a or name not in props_b:
             continue
         pa, pb = props_a[name], props_b[name]
-        if not _kinds(pa, root) & _kinds(pb, root):
+        if not kinds(pa, root) & kinds(pb, root):
             return True
-        va, vb = _values(pa, root), _values(pb, root)
+        va, vb = values(pa, root), values(pb, root)
         if va is not None and vb is not None and not va & vb:
             return True
     return False
 
-
-def _matches(value: Any, schema: Any, root: dict[str, Any]) -> bool:
-    """Whether `value` matches `schema` (True when that cannot be decided here, e.g. a ref
-    outside the definitions: only a certain mismatch may prove branches disjoint)."""
-    import jsonschema  # deferred: only oneOf analysis needs it
-
-    if not isinstance(schema, dict):
-        return schema is not False
-    # Local refs point into the root's definitions; carry them along.
-    scoped = {k: root[k] for k in ("$defs", "definitions") if k in root}
-    scoped.update(schema)
-    try:
-        return jsonschema.Draft202012Validator(scoped).is_valid(value)
-    except Exception:  # an unresolvable ref or an invalid schema: undecided
-        return True
 
 
 def check_xgrammar_support(schema: dict[str, Any] | bool) -> None:
@@ -694,11 +584,11 @@ def _check_xgrammar_node(node: Any, path: str) -> None:
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise bad("'allOf' with more than one schema is not supported")
     for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-        if _is_number(node.get(key)) and not -_XGRAMMAR_MAX_BOUND - 1 <= node[key] <= _XGRAMMAR_MAX_BOUND:
+        if is_number(node.get(key)) and not -_XGRAMMAR_MAX_BOUND - 1 <= node[key] <= _XGRAMMAR_MAX_BOUND:
             raise bad(f"{key!r} {node[key]} is beyond 64-bit integers")
     for key in ("$ref", "anyOf", "allOf"):
         if key in node:
-            others = sorted(k for k in node if k != key and k not in _ANNOTATIONS)
+            others = sorted(k for k in node if k != key and k not in ANNOTATIONS)
             if others:
                 raise bad(f"keywords beside {key!r} ({', '.join(others)}) are not supported")
     if isinstance(node.get("format"), str) and node["format"] not in XGRAMMAR_FORMATS:
@@ -723,88 +613,3 @@ def _check_xgrammar_node(node: Any, path: str) -> None:
         _check_xgrammar_node(sub, sub_path)
 
 
-# (lower bound, upper bound) keyword pairs whose crossing leaves no valid value.
-_BOUND_PAIRS = (
-    ("minLength", "maxLength"),
-    ("minItems", "maxItems"),
-    ("minProperties", "maxProperties"),
-)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_satisfiable(node: dict[str, Any], path: str) -> None:
-    """Raises ValueError when no value can match the schema `node`.
-
-    xgrammar compiles some of these into a grammar that still produces output: an empty
-    `anyOf` becomes the empty string (an output of "" with finish reason stop, or invalid JSON
-    when nested), and a required property that the schema forbids is silently dropped.
-    A nested `anyOf: []` is rejected even under an optional property for the same reason.
-    """
-
-    def empty(why: str) -> GrammarCompileError:
-        return GrammarCompileError(_FIELD, f"at {path}: {why}, so no value can match")
-
-    for key in ("anyOf", "oneOf", "enum", "type"):
-        if isinstance(node.get(key), list) and not node[key]:
-            raise empty(f"{key!r} is an empty list")
-    for low, high in _BOUND_PAIRS:
-        lo, hi = node.get(low), node.get(high)
-        if _is_number(lo) and _is_number(hi) and lo > hi:
-            raise empty(f"{low} ({lo}) is greater than {high} ({hi})")
-    _check_numeric_range(node, empty)
-    required = node.get("required")
-    if not isinstance(required, list):
-        return
-    names = [r for r in dict.fromkeys(required) if isinstance(r, str)]
-    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    for name in names:
-        if props.get(name) is False:
-            raise empty(f"required property {name!r} has the schema false")
-    max_props = node.get("maxProperties")
-    if _is_number(max_props) and len(names) > max_props:
-        raise empty(f"{len(names)} properties are required but maxProperties is {max_props}")
-    if node.get("additionalProperties") is not False:
-        return
-    patterns = node.get("patternProperties")
-    patterns = list(patterns) if isinstance(patterns, dict) else []
-    for name in names:
-        if name not in props and not _matches_any(patterns, name):
-            raise empty(
-                f"required property {name!r} is not in 'properties' (nor matched by "
-                "'patternProperties') and additional properties are not allowed"
-            )
-
-
-def _check_numeric_range(node: dict[str, Any], empty: Any) -> None:
-    """Raises `empty(...)` when minimum/maximum (inclusive or exclusive) leave no number."""
-    lows = [(v, False) for v in [node.get("minimum")] if _is_number(v)]
-    lows += [(v, True) for v in [node.get("exclusiveMinimum")] if _is_number(v)]
-    highs = [(v, False) for v in [node.get("maximum")] if _is_number(v)]
-    highs += [(v, True) for v in [node.get("exclusiveMaximum")] if _is_number(v)]
-    if not lows or not highs:
-        return
-    # The tightest bound of each side; at equal values the exclusive one is tighter.
-    lo, lo_ex = max(lows, key=lambda b: (b[0], b[1]))
-    hi, hi_ex = min(highs, key=lambda b: (b[0], not b[1]))
-    if lo > hi or (lo == hi and (lo_ex or hi_ex)):
-        raise empty(f"the bounds leave no number between {lo} and {hi}")
-    if node.get("type") == "integer":
-        first = math.floor(lo) + 1 if lo_ex or lo != math.floor(lo) else lo
-        last = math.ceil(hi) - 1 if hi_ex or hi != math.ceil(hi) else hi
-        if first > last:
-            raise empty(f"no integer lies between {lo} and {hi}")
-
-
-def _matches_any(patterns: list[str], name: str) -> bool:
-    """True when a patternProperties regex may match `name` (also when one cannot be parsed
-    here: only a certain mismatch may reject the schema)."""
-    for pattern in patterns:
-        try:
-            if re.search(pattern, name):
-                return True
-        except (re.error, RecursionError, OverflowError):
-            return True
-    return False
