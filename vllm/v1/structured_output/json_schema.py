@@ -41,14 +41,21 @@ from vllm.v1.structured_output.grammar_checks import find_lookaround
 from vllm.v1.structured_output.schema_facts import (
     ANNOTATIONS,
     FIELD as _FIELD,
-    TYPE_NAMES,
     check_satisfiable,
     is_number,
     kinds,
-    matches,
     resolve,
     values,
 )
+from vllm.v1.structured_output.schema_merge import (
+    distribute_any_of,
+    intersect,
+    merge_all_of,
+    pop_conditions,
+)
+from vllm.v1.structured_output.schema_negate import negate
+from vllm.v1.structured_output.schema_one_of import rewrite_one_of
+from vllm.v1.structured_output.schema_refs import drop_unreferenced_definitions
 DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
 
 
@@ -126,17 +133,18 @@ def normalize_json_schema(
         )
     out = copy.deepcopy(schema)
     draft = out.get("$schema") if isinstance(out.get("$schema"), str) else ""
-    legacy = bool(_LEGACY_REF_DRAFTS.search(draft))
-    _normalize_node(out, out, "#", legacy, disable_additional_properties, one_of_as_any_of)
+    _apply_draft(out, bool(_LEGACY_REF_DRAFTS.search(draft)))
+    drop_unreferenced_definitions(out)
+    _normalize_node(out, out, "#", disable_additional_properties, one_of_as_any_of)
     # The result is written in 2020-12's keywords (prefixItems, dependentRequired...), and
     # llguidance reads a schema by its `$schema`: a draft-07 label would hide them.
     out["$schema"] = DRAFT_2020_12
     return out
 
 
-def _normalize_node(
-    node: Any, root: dict[str, Any], path: str, legacy: bool, no_extra: bool, coerce: bool
-) -> None:
+def _apply_draft(node: Any, legacy: bool) -> None:
+    """Rewrites, in place and in every subschema, the draft-specific forms into 2020-12's
+    (before any rewrite moves subschemas between nodes)."""
     if not isinstance(node, dict):
         return
     if legacy and "$ref" in node:
@@ -154,22 +162,45 @@ def _normalize_node(
             node["items"] = node.pop("additionalItems")
     if isinstance(node.get("format"), str) and node["format"] not in _KNOWN_FORMATS:
         del node["format"]  # an annotation only (JSON Schema 2020-12, section 7.2.1)
+    for sub, _ in _subschemas(node, "#"):
+        _apply_draft(sub, legacy)
+
+
+def _normalize_node(
+    node: Any, root: dict[str, Any], path: str, no_extra: bool, coerce: bool
+) -> None:
+    if not isinstance(node, dict):
+        return
+    _rewrite_unevaluated_properties(node, root)  # reads the `allOf` members as they are
+    conditions = merge_all_of(node, root, path)
     _rewrite_dependencies(node)
     _rewrite_not(node, root)
-    _rewrite_conditional(node, root)
+    _rewrite_conditionals(node, root, [*conditions, *pop_conditions(node)])
     _rewrite_property_names(node)
     _rewrite_min_properties(node)
-    _rewrite_unevaluated_properties(node, root)
     _rewrite_contains(node, root)
     _narrow_unique_items(node)
     if isinstance(node.get("oneOf"), list) and node["oneOf"]:
-        _rewrite_one_of(node, root, path, coerce)
+        rewrite_one_of(node, root, path, coerce)
     if no_extra and "additionalProperties" not in node:
         if node.get("type") == "object" or "properties" in node:
             node["additionalProperties"] = False
+    distribute_any_of(node, root)
+    _drop_closed_names(node)
     check_satisfiable(node, path)
     for sub, sub_path in _subschemas(node, path):
-        _normalize_node(sub, root, sub_path, legacy, no_extra, coerce)
+        _normalize_node(sub, root, sub_path, no_extra, coerce)
+
+
+def _drop_closed_names(node: dict[str, Any]) -> None:
+    """Removes listed properties with the schema false from a closed object without
+    patternProperties: they may not appear either way, and xgrammar refuses `false`."""
+    props = node.get("properties")
+    if node.get("additionalProperties") is not False or node.get("patternProperties"):
+        return
+    if isinstance(props, dict):
+        for name in [n for n, sub in props.items() if sub is False]:
+            del props[name]
 
 
 def _narrow_unique_items(node: dict[str, Any]) -> None:
@@ -369,53 +400,50 @@ def _rewrite_dependencies(node: dict[str, Any]) -> None:
         node.setdefault("allOf", []).extend(rules)
 
 
-def _negation(branch: Any, root: dict[str, Any]) -> dict[str, Any] | None:
-    """A schema matching exactly the values `branch` does not, when `branch` only requires
-    property names (optionally of an object); else None."""
-    branch = resolve(branch, root)
-    if not isinstance(branch, dict):
-        return None
-    keys = {k for k in branch if k not in ANNOTATIONS}
-    names = branch.get("required")
-    if not isinstance(names, list) or not names or not keys <= {"required", "type"}:
-        return None
-    if "type" in keys and branch["type"] != "object":
-        return None
-    if "type" in keys:
-        others = sorted(TYPE_NAMES - {"object"})
-        return {"anyOf": [{"type": others}, {"type": "object", **_absent(names)}]}
-    # `required` alone holds for every non-object: only an object can fail it.
-    return {"type": "object", **_absent(names)}
-
-
 def _rewrite_not(node: dict[str, Any], root: dict[str, Any]) -> None:
-    """Replaces `not` by the schema it describes when `_negation` can write it."""
+    """Replaces `not` by the schema of the values it refuses, when `negate` writes that
+    exactly (within the kinds the rest of the node allows)."""
     if "not" not in node:
         return
-    negation = _negation(node["not"], root)
-    if negation is not None:
+    within = kinds({k: v for k, v in node.items() if k != "not"}, root)
+    pieces, exact = negate(node["not"], root, within)
+    if exact:
         del node["not"]
-        node.setdefault("allOf", []).append(negation)
+        node.setdefault("allOf", []).append({"anyOf": pieces} if len(pieces) != 1
+                                            else pieces[0])
 
 
-def _rewrite_conditional(node: dict[str, Any], root: dict[str, Any]) -> None:
-    """Rewrites `if`/`then`/`else` as `anyOf [if and then, (not if) and else]` when `not if`
-    can be written: `if` only pins properties to listed values (`const`/`enum`), each of
-    which the node itself restricts to listed values, and may require them."""
-    if "if" not in node:
-        return
-    if "then" not in node and "else" not in node:
-        del node["if"]  # asserts nothing on its own
-        return
-    negation = _negate_condition(node["if"], node, root)
-    if negation is None:
-        return
-    condition = node.pop("if")
-    then, otherwise = node.pop("then", True), node.pop("else", True)
-    node.setdefault("allOf", []).append({"anyOf": [
-        {"allOf": [condition, then]},
-        {"allOf": [negation, otherwise]},
-    ]})
+def _rewrite_conditionals(
+    node: dict[str, Any], root: dict[str, Any], conditions: list[dict[str, Any]]
+) -> None:
+    """Rewrites each `if`/`then`/`else` (of `node`, or of `allOf` members merged into it) as
+    `anyOf [if and then, (not if) and else]` when `not if` can be written: by
+    `_negate_condition` (`if` pins properties to values the node lists) or exactly by
+    `negate`. The others go back unchanged (one on the node, the rest as `allOf` members)."""
+    within = kinds(node, root)
+    for condition in conditions:
+        if "if" not in condition or ("then" not in condition and "else" not in condition):
+            continue  # `if` alone, or `then`/`else` without it, asserts nothing
+        test = condition["if"]
+        negation = _negate_condition(test, node, root)
+        if negation is None:
+            pieces, exact = negate(test, root, within)
+            negation = {"anyOf": pieces} if exact else None
+        if negation is None:
+            if "if" in node:
+                node.setdefault("allOf", []).append(condition)
+            else:
+                node.update(condition)
+            continue
+        ways = [_both(test, condition.get("then", True), root),
+                _both(negation, condition.get("else", True), root)]
+        node.setdefault("allOf", []).append({"anyOf": [w for w in ways if w is not False]})
+
+
+def _both(a: Any, b: Any, root: dict[str, Any]) -> Any:
+    """A schema of the values matching `a` and `b` (one merged schema where possible)."""
+    merged = intersect(a, b, root)
+    return {"allOf": [a, b]} if merged is None else merged
 
 
 def _negate_condition(
@@ -451,111 +479,6 @@ def _negate_condition(
     return {"type": "object", "anyOf": ways}
 
 
-def _forbidden_keys(a: Any, b: Any, root: dict[str, Any]) -> tuple[str, str] | None:
-    """(name a must not carry, name b must not carry) when a and b match only objects and
-    each requires a name the other does not: forbidding those makes each branch exclude the
-    other. None otherwise."""
-    a, b = resolve(a, root), resolve(b, root)
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return None
-    if kinds(a, root) != {"object"} or kinds(b, root) != {"object"}:
-        return None
-    req_a, req_b = ({n for n in x["required"] if isinstance(n, str)}
-                    if isinstance(x.get("required"), list) else set() for x in (a, b))
-    only_a, only_b = sorted(req_a - req_b), sorted(req_b - req_a)
-    if not only_a or not only_b:
-        return None
-    return only_b[0], only_a[0]
-
-
-def _rewrite_one_of(node: dict[str, Any], root: dict[str, Any], path: str, coerce: bool) -> None:
-    """Turns `oneOf` into the equivalent `anyOf` of branches no two values share.
-
-    Two branches that may overlap are made disjoint when both can be negated (they only
-    require property names): `oneOf [A, B]` is `anyOf [A and not B, B and not A]`. Else, when
-    each of two object branches requires a name the other does not, each may not carry the
-    other's: stricter than `oneOf` (an object holding both names is refused even when it
-    would match only one branch), never wrong.
-    """
-    branches = node["oneOf"]
-    outer = kinds({k: v for k, v in node.items() if k != "oneOf"}, root)
-    outer_required = set(node["required"]) if isinstance(node.get("required"), list) else set()
-    extra: list[list[dict[str, Any]]] = [[] for _ in branches]
-    exclusive = True
-    for i, a in enumerate(branches):
-        for j in range(i + 1, len(branches)):
-            if _disjoint(a, branches[j], outer, outer_required, root):
-                continue
-            not_b, not_a = _negation(branches[j], root), _negation(a, root)
-            if not_a is not None and not_b is not None:
-                extra[i].append(not_b)
-                extra[j].append(not_a)
-                continue
-            forbid = _forbidden_keys(a, branches[j], root)
-            if forbid is not None:
-                extra[i].append({"properties": {forbid[0]: False}})
-                extra[j].append({"properties": {forbid[1]: False}})
-                continue
-            exclusive = False
-    if exclusive:
-        branches = [
-            {"allOf": [b, *negations]} if negations else b
-            for b, negations in zip(branches, extra)
-        ]
-    elif not coerce:
-        raise UnsupportedConstraintError(
-            _FIELD,
-            f"at {path}: 'oneOf' branches may overlap, so 'exactly one' cannot be enforced "
-            "by any backend; make the branches disjoint (different types, or a required "
-            "property with a different 'const' in each), use 'anyOf', or start the server "
-            "with --structured-outputs-config.one_of_as_any_of true",
-        )
-    del node["oneOf"]
-    if "anyOf" in node:
-        node.setdefault("allOf", []).append({"anyOf": branches})
-    else:
-        node["anyOf"] = branches
-
-
-
-def _disjoint(
-    a: Any, b: Any, outer: frozenset[str], outer_required: set[str], root: dict[str, Any]
-) -> bool:
-    """True when no value (of the kinds `outer` allows, and for objects with the
-    `outer_required` names) can match both `a` and `b`."""
-    shared = kinds(a, root) & kinds(b, root) & outer
-    if not shared:
-        return True
-    va, vb = values(a, root), values(b, root)
-    if va is not None and vb is not None and not va & vb:
-        return True
-    # A branch of listed values: none of them matches the other branch.
-    for listed, other in ((va, b), (vb, a)):
-        if listed is not None and not any(matches(json.loads(v), other, root) for v in listed):
-            return True
-    if shared != {"object"}:
-        return False
-    # Objects only: a property both require, with values or kinds that cannot meet.
-    a, b = resolve(a, root), resolve(b, root)
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return False
-    props_a = a.get("properties") if isinstance(a.get("properties"), dict) else {}
-    props_b = b.get("properties") if isinstance(b.get("properties"), dict) else {}
-    required_a = set(a["required"]) if isinstance(a.get("required"), list) else set()
-    required_b = set(b["required"]) if isinstance(b.get("required"), list) else set()
-    for name in (required_a | outer_required) & (required_b | outer_required):
-        if name not in props_a or name not in props_b:
-            continue
-        pa, pb = props_a[name], props_b[name]
-        if not kinds(pa, root) & kinds(pb, root):
-            return True
-        va, vb = values(pa, root), values(pb, root)
-        if va is not None and vb is not None and not va & vb:
-            return True
-    return False
-
-
-
 def check_xgrammar_support(schema: dict[str, Any] | bool) -> None:
     """Raises UnsupportedConstraintError at the first keyword xgrammar would not enforce.
 
@@ -575,6 +498,11 @@ def _check_xgrammar_node(node: Any, path: str) -> None:
     for key in _XGRAMMAR_UNENFORCED:
         if key in node:
             raise bad(f"the {key!r} keyword is not supported")
+    for key in ("properties", "patternProperties"):
+        table = node.get(key) if isinstance(node.get(key), dict) else {}
+        for name, sub in table.items():
+            if sub is False:  # xgrammar 0.2.9: "Schema 'false' cannot accept any value"
+                raise bad(f"{key} {name!r} has the schema false (the name may not appear)")
     if node.get("uniqueItems") is True and node.get("maxItems", 2) > 1:
         raise bad("'uniqueItems: true' is not supported")
     if "multipleOf" in node:

@@ -34,6 +34,23 @@ TYPE_KINDS = {
 }
 
 
+def type_names(found: set[str] | frozenset[str]) -> list[str]:
+    """The `type` names covering the kinds `found` ("fraction" counts only beside
+    "integer": no type name means "numbers that are not integers")."""
+    names = [t for t in ("null", "boolean", "object", "array", "string") if t in found]
+    if "fraction" in found and "integer" in found:
+        names.append("number")
+    elif "integer" in found:
+        names.append("integer")
+    return names
+
+
+def kinds_schema(found: set[str] | frozenset[str]) -> dict[str, Any]:
+    """A schema of every value of the kinds `found` (see `type_names`)."""
+    names = type_names(found)
+    return {"type": names[0] if len(names) == 1 else names}
+
+
 def kind_of(value: Any) -> str:
     """The kind (see ALL_KINDS) of the JSON value `value`."""
     if value is None:
