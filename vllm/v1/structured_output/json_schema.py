@@ -110,6 +110,12 @@ def _subschemas(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
             yield node[key], f"{path}/{key}"
 
 
+def _negated(path: str) -> bool:
+    """True for a subschema whose refusals the schema accepts (`not`, an `if` that chooses
+    `else`): the stricter rewrites would widen the schema there, so they stay out."""
+    return path.endswith(("/not", "/if"))
+
+
 def normalize_json_schema(
     schema: dict[str, Any] | bool,
     *,
@@ -189,7 +195,8 @@ def _normalize_node(
     _drop_closed_names(node)
     check_satisfiable(node, path)
     for sub, sub_path in _subschemas(node, path):
-        _normalize_node(sub, root, sub_path, no_extra, coerce)
+        if not _negated(sub_path):
+            _normalize_node(sub, root, sub_path, no_extra, coerce)
 
 
 def _drop_closed_names(node: dict[str, Any]) -> None:
@@ -278,8 +285,9 @@ def spell_out_min_properties(schema: Any) -> None:
     if not isinstance(schema, dict):
         return
     _spell_min_properties(schema)
-    for sub, _ in _subschemas(schema, "#"):
-        spell_out_min_properties(sub)
+    for sub, sub_path in _subschemas(schema, "#"):
+        if not _negated(sub_path):
+            spell_out_min_properties(sub)
 
 
 def _spell_min_properties(node: dict[str, Any]) -> None:

@@ -242,3 +242,54 @@ def matches_any(patterns: list[str], name: str) -> bool:
         except (re.error, RecursionError, OverflowError):
             return True
     return False
+
+
+# The keywords that only constrain values of one family of kinds.
+_FAMILIES: tuple[tuple[frozenset[str], tuple[str, ...]], ...] = (
+    (frozenset({"string"}), ("minLength", "maxLength", "pattern", "format")),
+    (frozenset({"array"}), ("minItems", "maxItems", "items", "prefixItems", "uniqueItems",
+                            "contains", "minContains", "maxContains")),
+    (frozenset({"object"}), ("minProperties", "maxProperties", "required", "properties",
+                             "patternProperties", "additionalProperties", "propertyNames",
+                             "dependentRequired", "dependentSchemas")),
+    (frozenset({"integer", "fraction"}), ("minimum", "maximum", "exclusiveMinimum",
+                                          "exclusiveMaximum", "multipleOf")),
+)
+
+
+def prune(node: Any, root: dict[str, Any]) -> Any:
+    """`node` without the kinds of value its own keywords leave no value of (an object
+    schema requiring a name it forbids still matches every string, unless its `type` says
+    otherwise): False when no kind is left, else `node` (changed in place: its `type` lists
+    the kinds left, and the keywords of a removed kind are gone). Exact."""
+    if not isinstance(node, dict):
+        return node
+    for key in ("anyOf", "oneOf", "enum", "type"):
+        if isinstance(node.get(key), list) and not node[key]:
+            return False
+    left = set(kinds(node, root))
+    if not left:
+        return False
+    removed: set[str] = set()
+    for family, keys in _FAMILIES:
+        if not family & left:
+            continue
+        part = {k: node[k] for k in keys if k in node}
+        if isinstance(node.get("type"), str) and family == {"integer", "fraction"}:
+            part["type"] = node["type"]  # the integer check reads it
+        try:
+            check_satisfiable(part, "#")
+        except GrammarCompileError:
+            removed |= family
+    if not removed:
+        return node
+    left -= removed
+    if not left or ("fraction" in left and "integer" not in left):
+        return False if not left else node
+    for family, keys in _FAMILIES:
+        if family <= removed:
+            for key in keys:
+                node.pop(key, None)
+    names = type_names(left)
+    node["type"] = names[0] if len(names) == 1 else names
+    return node

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import math
 import re
 from typing import Any
@@ -27,9 +28,9 @@ from vllm.v1.structured_output.schema_facts import (
     FIELD,
     TYPE_KINDS,
     canonical,
-    check_satisfiable,
     is_number,
     kind_of,
+    prune,
     resolve,
     type_names,
 )
@@ -78,7 +79,7 @@ def _intersect(a: Any, b: Any, root: dict[str, Any], depth: int) -> Any:
         return False
     if a is True or a == {}:
         return copy.deepcopy(b)
-    if b is True or b == {} or a == b:
+    if b is True or b == {} or _same(a, b):
         return copy.deepcopy(a)
     a, b = _inline(a, root, depth), _inline(b, root, depth)
     if a is False or b is False:
@@ -119,9 +120,12 @@ def _intersect(a: Any, b: Any, root: dict[str, Any], depth: int) -> Any:
     for key in keys:
         if key not in handled:  # a vendor keyword (`x-...`, `discriminator`): annotations
             _merge_single(a, b, out, (key,))
-    if _empty(out, root):
-        return False
-    return out
+    return prune(out, root)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON (Python's == calls False and 0 equal)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _inline(node: Any, root: dict[str, Any], depth: int) -> Any:
@@ -135,19 +139,6 @@ def _inline(node: Any, root: dict[str, Any], depth: int) -> Any:
         raise _Unwritable  # a remote or unresolvable ref
     rest = {k: v for k, v in node.items() if k != "$ref"}
     return _intersect(target, rest, root, depth + 1) if rest else target
-
-
-def _empty(node: dict[str, Any], root: dict[str, Any]) -> bool:
-    """True when no value can match `node` (by the satisfiability checks)."""
-    if node.get("type") == []:
-        return True
-    if isinstance(node.get("enum"), list) and not node["enum"]:
-        return True
-    try:
-        check_satisfiable(node, "#")
-    except GrammarCompileError:
-        return True
-    return False
 
 
 def _type_set(node: dict[str, Any]) -> set[str] | None:
@@ -191,11 +182,13 @@ def _merge_multiple(x: Any, y: Any) -> Any:
 
 
 def _listed(node: dict[str, Any]) -> list[Any] | None:
-    if "const" in node:
-        return [node["const"]]
-    if isinstance(node.get("enum"), list):
-        return node["enum"]
-    return None
+    """The values `node` lists (both `const` and `enum` when it has both), else None."""
+    enum = node.get("enum") if isinstance(node.get("enum"), list) else None
+    if "const" not in node:
+        return enum
+    if enum is not None and canonical(node["const"]) not in {canonical(v) for v in enum}:
+        return []
+    return [node["const"]]
 
 
 def _merge_values(a: dict[str, Any], b: dict[str, Any], out: dict[str, Any]) -> None:
@@ -222,7 +215,7 @@ def _merge_single(
     """Keywords read together (`group`) come from one side; equal on both sides, once."""
     ga = {k: a[k] for k in group if k in a}
     gb = {k: b[k] for k in group if k in b}
-    if ga and gb and ga != gb:
+    if ga and gb and not _same(ga, gb):
         raise _Unwritable
     out.update(copy.deepcopy(ga or gb))
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from vllm.exceptions import GrammarCompileError
 from vllm.v1.structured_output.schema_facts import (
     ALL_KINDS,
     ANNOTATIONS,
     TYPE_KINDS,
     canonical,
-    check_satisfiable,
     kind_of,
     kinds_schema,
+    prune,
     resolve,
     type_names,
 )
@@ -103,21 +102,12 @@ def negate(
             ok = False  # no schema for this keyword's refusals here
         pieces.extend(got)
         exact = exact and ok
-    return [p for p in pieces if not _empty(p)], exact
+    kept = [prune(p, root) for p in pieces]
+    return [p for p in kept if p is not False], exact
 
 
 def _is_bound(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _empty(piece: Any) -> bool:
-    if not isinstance(piece, dict):
-        return piece is False
-    try:
-        check_satisfiable(piece, "#")
-    except GrammarCompileError:
-        return True
-    return False
 
 
 def _negate_type(value: Any, within: frozenset[str]) -> tuple[list[Any], bool]:
