@@ -188,6 +188,7 @@ def _normalize_node(
     _narrow_unique_items(node)
     if isinstance(node.get("oneOf"), list) and node["oneOf"]:
         rewrite_one_of(node, root, path, coerce)
+    merge_all_of(node, root, path, conditions=False)  # the rules the rewrites added
     if no_extra and "additionalProperties" not in node:
         if node.get("type") == "object" or "properties" in node:
             node["additionalProperties"] = False

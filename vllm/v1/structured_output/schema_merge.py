@@ -324,22 +324,25 @@ def pop_conditions(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: node.pop(k) for k in _CONDITION_KEYS if k in node}]
 
 
-def merge_all_of(node: dict[str, Any], root: dict[str, Any], path: str) -> list[dict[str, Any]]:
+def merge_all_of(
+    node: dict[str, Any], root: dict[str, Any], path: str, conditions: bool = True
+) -> list[dict[str, Any]]:
     """Merges, in place, the members of `node`'s `allOf` into `node` where `intersect` can;
-    the others stay in `allOf`. The conditionals (`if`/`then`/`else`) of `node` and of its
-    merged members are removed and returned, for the caller to rewrite against the merged
-    node (whose properties may list the values a condition tests). Exact. Raises
-    GrammarCompileError (naming `path`) when the members provably share no value."""
+    the others stay in `allOf`. With `conditions`, the conditionals (`if`/`then`/`else`) of
+    `node` and of its merged members are removed and returned, for the caller to rewrite
+    against the merged node (whose properties may list the values a condition tests); else
+    they are merged like any keyword. Exact. Raises GrammarCompileError (naming `path`) when
+    the members provably share no value."""
     members = node.get("allOf")
     if not isinstance(members, list) or not members or (_SCOPED - ANNOTATIONS) & set(node):
         return []
-    conditions = pop_conditions(node)
+    found = pop_conditions(node) if conditions else []
     merged: Any = {k: v for k, v in node.items() if k != "allOf" and k not in ANNOTATIONS}
     kept: list[Any] = []
     for member in members:
         member = resolve(member, root)
         member = copy.deepcopy(member)
-        inner = pop_conditions(member) if isinstance(member, dict) else []
+        inner = pop_conditions(member) if isinstance(member, dict) and conditions else []
         result = intersect(merged, member, root)
         if result is None:
             kept.append(member if not inner else {**member, **inner[0]})
@@ -349,7 +352,7 @@ def merge_all_of(node: dict[str, Any], root: dict[str, Any], path: str) -> list[
                 FIELD, f"at {path}: the members of 'allOf' have no value in common, so no "
                 "value can match",
             )
-        conditions.extend(inner)
+        found.extend(inner)
         merged = result
     for key in [k for k in node if k not in ANNOTATIONS]:
         del node[key]
@@ -357,7 +360,7 @@ def merge_all_of(node: dict[str, Any], root: dict[str, Any], path: str) -> list[
     kept = [*node.pop("allOf", []), *kept]
     if kept:
         node["allOf"] = kept
-    return conditions
+    return found
 
 
 def distribute_any_of(node: dict[str, Any], root: dict[str, Any]) -> None:
