@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import jsonschema
@@ -310,3 +311,102 @@ def test_contains_that_cannot_be_rewritten_stays() -> None:
     schema = {"type": "array", "items": {"type": "string"}, "contains": {"const": "x"},
               "maxContains": 1}
     assert normalize_json_schema(schema)["contains"] == {"const": "x"}
+
+
+# Schemas each rewrite of normalize_json_schema reshapes (overlapping oneOf branches made
+# exclusive, `not` written out, allOf members and their conditionals merged, keywords beside
+# anyOf distributed, an unreferenced definition that would be refused).
+_WALKED = [
+    {"type": "object", "properties": {"v": {"oneOf": [
+        {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"enum": [1, 2]}},
+         "required": ["b"]}]}}, "required": ["v"]},
+    {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 10}, {"type": "integer",
+                                                                 "minimum": 5}]},
+    {"oneOf": [{"enum": ["a", "b", 1]}, {"type": "string", "maxLength": 2}]},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6,
+                                               "not": {"enum": ["admin", "root"]}}},
+     "required": ["name"], "additionalProperties": False},
+    {"allOf": [
+        {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}, "x": {"type": "integer"},
+                                          "y": {"type": "boolean"}},
+         "required": ["kind"], "additionalProperties": False},
+        {"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["x"]},
+         "else": {"required": ["y"]}}]},
+    {"type": "object", "properties": {"p": {"type": "integer"}, "q": {"type": "string"}},
+     "additionalProperties": False, "anyOf": [{"required": ["p"]}, {"required": ["q"]}]},
+    {"$defs": {"unused": {"oneOf": [{"type": "number"}, {"type": "integer"}]}},
+     "type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schema", _WALKED, ids=["objects", "ranges", "enum_vs_strings",
+                                                 "not_enum", "all_of_if", "any_of_siblings",
+                                                 "unused_definition"])
+def test_walks_through_rewritten_schemas_validate_with_both_backends(
+    schema: dict[str, Any], backend: Any, guidance_backend: Any, tokenizer: Any,
+    walk_vocab: Any,
+) -> None:
+    """Every output a random walk through either backend's grammar finishes validates
+    against the original schema (jsonschema)."""
+    import numpy as np
+
+    from tests.v1.structured_output.oracle import validate_json
+    from tests.v1.structured_output.walker import random_walk
+    from vllm import StructuredOutputsParams
+
+    params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    compiled = 0
+    for b in (backend, guidance_backend):
+        try:
+            b.compile_grammar(params)
+        except UnsupportedConstraintError:
+            continue  # the other backend enforces it
+        compiled += 1
+        for seed in range(6):
+            grammar = b.compile_grammar(params)
+            tokens, stopped = random_walk(grammar, walk_vocab, np.random.default_rng(seed),
+                                          finish_after=40)
+            assert stopped
+            validate_json(json.loads(tokenizer.decode(tokens[:-1])), schema)
+    assert compiled
+
+
+# (schema index in _WALKED, compact JSON text, whether exactly one branch / the schema
+# accepts it): values in the overlap of two oneOf branches, in a `not`, beside an anyOf.
+# Both backends write properties in the order the schema lists them.
+_VERDICTS = [
+    (0, '{"v":{"a":"s"}}', True), (0, '{"v":{"b":1,"a":1}}', True),
+    (0, '{"v":{"a":"s","b":1}}', True), (0, '{"v":{"a":1}}', False),
+    (1, "7", False), (1, "3", True), (1, "12", True),
+    (2, '"a"', False), (2, '"c"', True), (2, "1", True), (2, '"abc"', False),
+    (3, '{"name":"admin"}', False), (3, '{"name":"admins"}', True), (3, '{"name":"adm"}', True),
+    (4, '{"kind":"a","x":1}', True), (4, '{"kind":"a","y":true}', False),
+    (4, '{"kind":"b","y":true}', True),
+    (5, '{"p":1}', True), (5, '{}', False), (5, '{"p":1,"q":"s"}', True),
+]
+
+
+@pytest.mark.slow
+def test_rewritten_schemas_compile_to_grammars_with_the_original_verdicts(
+    backend: Any, guidance_backend: Any, tokenizer: Any
+) -> None:
+    from vllm import StructuredOutputsParams
+
+    from .conftest import EOS_IDS
+
+    checked = 0
+    for index, text, ok in _VERDICTS:
+        schema = _WALKED[index]
+        assert jsonschema.Draft202012Validator(schema).is_valid(json.loads(text)) == ok, text
+        params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        ids = tokenizer.encode(text, add_special_tokens=False) + [EOS_IDS[0]]
+        for b in (backend, guidance_backend):
+            try:
+                grammar = b.compile_grammar(params)
+            except UnsupportedConstraintError:
+                continue
+            assert grammar.accept_tokens("t", ids) == ok, (text, type(b).__name__)
+            checked += 1
+    assert checked >= len(_VERDICTS)

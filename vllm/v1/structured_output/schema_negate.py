@@ -54,10 +54,14 @@ def negate(
     names: tuple[str, ...] = (),
     depth: int = 0,
 ) -> tuple[list[Any], bool]:
-    """Schemas ("pieces") each matching only values of the kinds `within` that `schema`
-    refuses, and whether their union is all of them (exact). `names` are property names an
+    """Schemas ("pieces") each matching only values `schema` refuses, and whether their
+    union holds every refused value of the kinds `within` (exact). `names` are property names an
     object may carry besides those `schema` lists (used to negate `additionalProperties`).
     Pieces no value can match are left out."""
+    if "fraction" in within:
+        # No schema says "a number but not an integer"; the caller intersects the pieces
+        # with a schema of the kinds `within`, so covering integers too changes nothing.
+        within = within | {"integer"}
     schema = resolve(schema, root)
     if schema is True or schema == {}:
         return [], True
