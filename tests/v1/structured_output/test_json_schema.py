@@ -410,3 +410,17 @@ def test_rewritten_schemas_compile_to_grammars_with_the_original_verdicts(
             assert grammar.accept_tokens("t", ids) == ok, (text, type(b).__name__)
             checked += 1
     assert checked >= len(_VERDICTS)
+
+
+@pytest.mark.parametrize(
+    "schema, fragment",
+    [
+        ({"allOf": None, "not": {}}, "at #: 'allOf' must be an array"),
+        ({"properties": {"a": {"required": [[]]}}}, "at #/properties/a: 'required' must list"),
+        ({"anyOf": [{"type": "string"}], "oneOf": {"type": "null"}}, "'oneOf' must be an array"),
+    ],
+)
+def test_keywords_of_the_wrong_json_type_are_named(schema: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(GrammarCompileError) as info:
+        normalize_json_schema(schema)
+    assert fragment in info.value.message

@@ -143,11 +143,21 @@ def test_nested_one_of_is_refused_with_its_location() -> None:
         normalize_json_schema(schema)
 
 
-def test_too_many_alternatives_is_a_named_limit() -> None:
-    # Each pair of overlapping closed objects splits a branch: many branches exceed the limit.
-    branches = [{"type": "object", "properties": {f"p{i}": {"enum": list(range(9))}},
+def test_many_overlapping_branches_keep_one_refusal_each() -> None:
+    """Written out exactly, each of 12 overlapping branches would split in two per other
+    branch; past MAX_PIECES alternatives each keeps one way of refusing each other branch
+    (that other branch's required name is absent): narrower, still exclusive."""
+    branches = [{"type": "object", "properties": {f"p{i}": {"enum": [0, 1]}},
                  "required": [f"p{i}"]} for i in range(12)]
-    with pytest.raises(UnsupportedConstraintError, match=f"more than {MAX_PIECES}"):
+    probes = [{f"p{i}": 0} for i in range(12)] + [{"p0": 0, "p1": 1}, {"p0": 5}, {}]
+    out = compare({"oneOf": branches}, probes, exact=False)
+    assert len(out["anyOf"]) == 12
+    assert all(jsonschema.Draft202012Validator(out).is_valid({f"p{i}": 0}) for i in range(12))
+
+
+def test_too_many_branches_is_a_named_limit() -> None:
+    branches = [{"type": "object", "required": [f"p{i}"]} for i in range(MAX_PIECES + 1)]
+    with pytest.raises(UnsupportedConstraintError, match=f"more than {MAX_PIECES} alternatives"):
         normalize_json_schema({"oneOf": branches})
 
 

@@ -177,6 +177,7 @@ def _normalize_node(
 ) -> None:
     if not isinstance(node, dict):
         return
+    _check_shapes(node, path)
     _rewrite_unevaluated_properties(node, root)  # reads the `allOf` members as they are
     conditions = merge_all_of(node, root, path)
     _rewrite_dependencies(node)
@@ -198,6 +199,26 @@ def _normalize_node(
     for sub, sub_path in _subschemas(node, path):
         if not _negated(sub_path):
             _normalize_node(sub, root, sub_path, no_extra, coerce)
+
+
+# Keywords the rewrites read, and the JSON type their value must have.
+_SHAPES = {
+    "allOf": (list, "an array"), "anyOf": (list, "an array"), "oneOf": (list, "an array"),
+    "prefixItems": (list, "an array"), "required": (list, "an array"),
+    "enum": (list, "an array"), "properties": (dict, "an object"),
+    "patternProperties": (dict, "an object"), "$defs": (dict, "an object"),
+    "definitions": (dict, "an object"), "type": ((str, list), "a string or an array"),
+}
+
+
+def _check_shapes(node: dict[str, Any], path: str) -> None:
+    """Raises GrammarCompileError naming the keyword whose value has the wrong JSON type."""
+    for key, (shape, name) in _SHAPES.items():
+        if key in node and not isinstance(node[key], shape):
+            raise GrammarCompileError(_FIELD, f"at {path}: {key!r} must be {name}")
+    for key in ("required", "type"):
+        if isinstance(node.get(key), list) and not all(isinstance(v, str) for v in node[key]):
+            raise GrammarCompileError(_FIELD, f"at {path}: {key!r} must list strings")
 
 
 def _drop_closed_names(node: dict[str, Any]) -> None:

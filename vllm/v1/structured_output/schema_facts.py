@@ -192,7 +192,7 @@ def check_satisfiable(node: dict[str, Any], path: str) -> None:
     required = node.get("required")
     if not isinstance(required, list):
         return
-    names = [r for r in dict.fromkeys(required) if isinstance(r, str)]
+    names = list(dict.fromkeys(r for r in required if isinstance(r, str)))
     props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     for name in names:
         if props.get(name) is False:

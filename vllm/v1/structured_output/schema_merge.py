@@ -73,7 +73,7 @@ def intersect(a: Any, b: Any, root: dict[str, Any], depth: int = 0) -> Any:
 
 
 def _intersect(a: Any, b: Any, root: dict[str, Any], depth: int) -> Any:
-    if depth > _MAX_DEPTH:
+    if depth > _MAX_DEPTH or not isinstance(a, (dict, bool)) or not isinstance(b, (dict, bool)):
         raise _Unwritable
     if a is False or b is False:
         return False
@@ -86,7 +86,7 @@ def _intersect(a: Any, b: Any, root: dict[str, Any], depth: int) -> Any:
         return False
     if not isinstance(a, dict) or not isinstance(b, dict):
         raise _Unwritable
-    if (_SCOPED & set(a)) or (_SCOPED & set(b)):
+    if (_SCOPED & set(a)) or (_SCOPED & set(b)) or not (_well_formed(a) and _well_formed(b)):
         raise _Unwritable
     out: dict[str, Any] = {}
     keys = list(dict.fromkeys([*a, *b]))
@@ -121,6 +121,22 @@ def _intersect(a: Any, b: Any, root: dict[str, Any], depth: int) -> Any:
         if key not in handled:  # a vendor keyword (`x-...`, `discriminator`): annotations
             _merge_single(a, b, out, (key,))
     return prune(out, root)
+
+
+# The JSON type each keyword's value must have for the merge rules to read it.
+_SHAPES: dict[str, type | tuple[type, ...]] = {
+    "required": list, "enum": list, "allOf": list, "anyOf": list, "oneOf": list,
+    "prefixItems": list, "properties": dict, "patternProperties": dict,
+    "type": (str, list),
+}
+
+
+def _well_formed(node: dict[str, Any]) -> bool:
+    """False when a keyword has a value of the wrong JSON type (an invalid schema, left to
+    the backends to refuse rather than merged into something else)."""
+    if not all(isinstance(node[k], shape) for k, shape in _SHAPES.items() if k in node):
+        return False
+    return all(isinstance(n, str) for n in node.get("required", []))
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -353,7 +369,7 @@ def merge_all_of(
                 "value can match",
             )
         found.extend(inner)
-        merged = result
+        merged = {} if result is True else result
     for key in [k for k in node if k not in ANNOTATIONS]:
         del node[key]
     node.update(merged)
@@ -371,7 +387,10 @@ def distribute_any_of(node: dict[str, Any], root: dict[str, Any]) -> None:
     groups: list[list[Any]] = []
     if isinstance(node.get("anyOf"), list):
         groups.append(node["anyOf"])
-    for member in node.get("allOf", []):
+    members = node.get("allOf", [])
+    if not isinstance(members, list):
+        return
+    for member in members:
         if not isinstance(member, dict) or set(member) - ANNOTATIONS != {"anyOf"}:
             return
         if not isinstance(member["anyOf"], list):

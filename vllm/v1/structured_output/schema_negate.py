@@ -87,14 +87,15 @@ def negate(
             else:
                 got, ok = _negate_values(listed, within)
         elif key in _NUMERIC:
-            if number is not None and _is_bound(value):
+            ok = _is_bound(value)
+            if number is not None and ok:
                 got = [{"type": number, _NUMERIC[key]: value}]
         elif key in {k for k, *_ in _COUNTS}:
             got, ok = _negate_count(key, value, within)
         elif key == "required":
-            if isinstance(value, list) and "object" in within:
-                got = [{"type": "object", "properties": {n: False}} for n in value
-                       if isinstance(n, str)]
+            ok = isinstance(value, list) and all(isinstance(n, str) for n in value)
+            if ok and "object" in within:
+                got = [{"type": "object", "properties": {n: False}} for n in value]
         elif key == "properties" and isinstance(value, dict):
             if "object" in within:
                 got, ok = _negate_properties(value, root, depth)

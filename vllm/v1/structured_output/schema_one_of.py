@@ -44,40 +44,19 @@ def rewrite_one_of(node: dict[str, Any], root: dict[str, Any], path: str, coerce
     branches = node["oneOf"]
     outer = kinds({k: v for k, v in node.items() if k != "oneOf"}, root)
     outer_required = set(node["required"]) if isinstance(node.get("required"), list) else set()
-    pieces: list[list[Any]] = [[b] for b in branches]
-    failure: str | None = None
-    for i, a in enumerate(branches):
-        for j in range(i + 1, len(branches)):
-            b = branches[j]
-            if disjoint(a, b, outer, outer_required, root):
-                continue
-            for x, y in ((i, j), (j, i)):
-                had = bool(pieces[x])
-                pieces[x], exact = _exclude(pieces[x], branches[y], outer, root)
-                if had and not pieces[x] and not exact:
-                    failure = failure or (
-                        f"at {path}: 'oneOf' branches {path}/oneOf/{i} and {path}/oneOf/{j} "
-                        "may overlap, and the values of one that the other refuses have no "
-                        "schema here, so 'exactly one' cannot be enforced by any backend"
-                    )
-            if sum(len(p) for p in pieces) > MAX_PIECES:
-                failure = failure or (
-                    f"at {path}: making the 'oneOf' branches exclusive needs more than "
-                    f"{MAX_PIECES} alternatives (branch {path}/oneOf/{i} overlaps "
-                    f"{path}/oneOf/{j})"
-                )
-            if failure:
-                break
-        if failure:
-            break
-    if failure and not coerce:
+    pieces, failure = _exclusive(branches, outer, outer_required, root, path, compact=False)
+    if failure and failure[1]:
+        # Too many alternatives: each branch keeps one way of refusing each other branch.
+        pieces, failure = _exclusive(branches, outer, outer_required, root, path, compact=True)
+    failure_text = failure[0] if failure else None
+    if failure_text and not coerce:
         raise UnsupportedConstraintError(
             FIELD,
-            failure + "; make the branches disjoint (different types, or a required property "
+            failure_text + "; make the branches disjoint (different types, or a required property "
             "with a different 'const' in each), use 'anyOf', or start the server with "
             "--structured-outputs-config.one_of_as_any_of true",
         )
-    result = list(branches) if failure else [p for group in pieces for p in group]
+    result = list(branches) if failure_text else [p for group in pieces for p in group]
     del node["oneOf"]
     if "anyOf" in node:
         node.setdefault("allOf", []).append({"anyOf": result})
@@ -85,10 +64,43 @@ def rewrite_one_of(node: dict[str, Any], root: dict[str, Any], path: str, coerce
         node["anyOf"] = result
 
 
+def _exclusive(
+    branches: list[Any], outer: frozenset[str], outer_required: set[str],
+    root: dict[str, Any], path: str, compact: bool,
+) -> tuple[list[list[Any]], tuple[str, bool] | None]:
+    """Each branch as pieces that no other branch matches, or (why not, whether it was the
+    MAX_PIECES limit). `compact`: see `_exclude`."""
+    pieces: list[list[Any]] = [[b] for b in branches]
+    for i, a in enumerate(branches):
+        for j in range(i + 1, len(branches)):
+            if disjoint(a, branches[j], outer, outer_required, root):
+                continue
+            for x, y in ((i, j), (j, i)):
+                had = bool(pieces[x])
+                pieces[x], exact = _exclude(pieces[x], branches[y], outer, root, compact)
+                if had and not pieces[x] and not exact:
+                    return pieces, (
+                        f"at {path}: 'oneOf' branches {path}/oneOf/{i} and {path}/oneOf/{j} "
+                        "may overlap, and the values of one that the other refuses have no "
+                        "schema here, so 'exactly one' cannot be enforced by any backend",
+                        False,
+                    )
+            if sum(len(p) for p in pieces) > MAX_PIECES:
+                return pieces, (
+                    f"at {path}: making the 'oneOf' branches exclusive needs more than "
+                    f"{MAX_PIECES} alternatives (branch {path}/oneOf/{i} overlaps "
+                    f"{path}/oneOf/{j})",
+                    True,
+                )
+    return pieces, None
+
+
 def _exclude(
-    pieces: list[Any], other: Any, outer: frozenset[str], root: dict[str, Any]
+    pieces: list[Any], other: Any, outer: frozenset[str], root: dict[str, Any], compact: bool
 ) -> tuple[list[Any], bool]:
-    """`pieces` narrowed to the values `other` refuses; whether that was exact."""
+    """`pieces` narrowed to the values `other` refuses; whether that was exact. `compact`
+    keeps one way of refusing `other` per piece (a missing property first): narrower, but
+    the alternatives no longer multiply with each overlapping branch."""
     out: list[Any] = []
     exact = True
     for piece in pieces:
@@ -96,13 +108,27 @@ def _exclude(
         names = tuple(_names(piece, root)) + tuple(_names(other, root))
         negations, ok = negate(other, root, within, names)
         exact = exact and ok
+        if compact:
+            negations.sort(key=lambda n: not _is_absence(n))
         for negation in negations:
             merged = intersect(piece, negation, root)
             if merged is None:
                 out.append({"allOf": [piece, negation]})
             elif merged is not False:
                 out.append(merged)
+            else:
+                continue
+            if compact:
+                exact = exact and len(negations) == 1
+                break
     return out, exact
+
+
+def _is_absence(schema: Any) -> bool:
+    """True for a negation piece that only says "this property is absent"."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    return isinstance(props, dict) and list(props.values()) == [False] and \
+        set(schema) <= {"type", "properties"}
 
 
 def _names(schema: Any, root: dict[str, Any]) -> list[str]:
