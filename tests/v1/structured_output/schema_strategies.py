@@ -76,6 +76,8 @@ def _join(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in parts:
         out.update(part)  # a later keyword replaces an earlier one
+    if "const" in out and "enum" in out:
+        del out["enum"]  # read together they are one list; negate reads only `const`
     return out
 
 

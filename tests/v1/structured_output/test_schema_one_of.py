@@ -26,7 +26,7 @@ PROBES: list[Any] = [None, True, False, -1, 0, 1, 2, 2.5, 3, 10, "", "a", "ab", 
     {n: v for n, v in zip(NAMES, values) if v is not None}
     for values in itertools.product([None, 0, "a", 2.5], repeat=3)
 ]
-_SETTINGS = settings(max_examples=150, deadline=None,
+_SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                      suppress_health_check=list(HealthCheck))
 
 
@@ -174,9 +174,8 @@ def test_one_of_beside_any_of_is_distributed() -> None:
 def test_exclusive_rewrites_are_exact_when_every_negation_is(
     branches: list[Any], extra: list[Any]
 ) -> None:
-    # "integer" has no exact negation among numbers; const beside enum is read as const.
-    exact = "integer" not in str(branches) and not any(
-        "const" in b and "enum" in b for b in branches)
+    # "integer" has no exact negation among numbers.
+    exact = "integer" not in str(branches)
     compare({"oneOf": branches}, PROBES + extra, exact=exact)
 
 
