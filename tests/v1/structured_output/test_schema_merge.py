@@ -120,3 +120,30 @@ def test_intersections_of_one_recursive_definition_are_avoided(
     check_xgrammar_support(out)
     for b in (backend, guidance_backend):
         b.compile_grammar(StructuredOutputsParams(json=schema))
+
+
+_TWO_TREES = {"a": {"type": "object", "properties": {"kid": {"$ref": "#/$defs/a"},
+                                                     "x": {"type": "integer"}}},
+              "b": {"type": "object", "properties": {"kid": {"$ref": "#/$defs/b"},
+                                                     "y": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$defs": _TWO_TREES, "allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/b"}]},
+        {"$defs": _TWO_TREES, "$ref": "#/$defs/a",
+         "anyOf": [{"$ref": "#/$defs/b"}, {"type": "object", "required": ["x"]}]},
+    ],
+    ids=["all_of", "beside_any_of"],
+)
+def test_intersecting_two_recursive_definitions_is_a_clear_refusal(
+    schema: dict[str, Any]
+) -> None:
+    """Their intersection never ends: refused naming both, not llguidance's "Schema
+    intersection stack level exceeded"."""
+    from vllm.exceptions import UnsupportedConstraintError
+
+    with pytest.raises(UnsupportedConstraintError, match="at #: the schemas '#/\\$defs/a' "
+                       "and '#/\\$defs/b' would be intersected inside their own"):
+        normalize_json_schema(schema)

@@ -48,6 +48,7 @@ from vllm.v1.structured_output.schema_facts import (
     values,
 )
 from vllm.v1.structured_output.schema_merge import (
+    RecursiveIntersection,
     distribute_any_of,
     intersect,
     merge_all_of,
@@ -178,23 +179,16 @@ def _normalize_node(
     if not isinstance(node, dict):
         return
     _check_shapes(node, path)
-    _rewrite_unevaluated_properties(node, root)  # reads the `allOf` members as they are
-    conditions = merge_all_of(node, root, path)
-    _rewrite_dependencies(node)
-    _rewrite_not(node, root)
-    _rewrite_conditionals(node, root, [*conditions, *pop_conditions(node)])
-    _rewrite_property_names(node)
-    _rewrite_min_properties(node)
-    _rewrite_contains(node, root)
-    _narrow_unique_items(node)
-    if isinstance(node.get("oneOf"), list) and node["oneOf"]:
-        rewrite_one_of(node, root, path, coerce)
-    merge_all_of(node, root, path, conditions=False)  # the rules the rewrites added
-    if no_extra and "additionalProperties" not in node:
-        if node.get("type") == "object" or "properties" in node:
-            node["additionalProperties"] = False
-    distribute_any_of(node, root)
-    _drop_closed_names(node)
+    try:
+        _rewrite_node(node, root, path, no_extra, coerce)
+    except RecursiveIntersection as e:
+        raise UnsupportedConstraintError(
+            _FIELD,
+            f"at {path}: the schemas {e.refs[0]!r} and {e.refs[1]!r} would be intersected "
+            "inside their own intersection ('allOf', or keywords beside 'anyOf'/'oneOf', "
+            "over recursive definitions): the result has no end, so no backend can enforce "
+            "it; write the combined definition out once instead",
+        ) from None
     check_satisfiable(node, path)
     for sub, sub_path in _subschemas(node, path):
         if not _negated(sub_path):
@@ -230,6 +224,29 @@ def _drop_closed_names(node: dict[str, Any]) -> None:
     if isinstance(props, dict):
         for name in [n for n, sub in props.items() if sub is False]:
             del props[name]
+
+
+def _rewrite_node(
+    node: dict[str, Any], root: dict[str, Any], path: str, no_extra: bool, coerce: bool
+) -> None:
+    """Every rewrite of one node, in the order they depend on each other."""
+    _rewrite_unevaluated_properties(node, root)  # reads the `allOf` members as they are
+    conditions = merge_all_of(node, root, path)
+    _rewrite_dependencies(node)
+    _rewrite_not(node, root)
+    _rewrite_conditionals(node, root, [*conditions, *pop_conditions(node)])
+    _rewrite_property_names(node)
+    _rewrite_min_properties(node)
+    _rewrite_contains(node, root)
+    _narrow_unique_items(node)
+    if isinstance(node.get("oneOf"), list) and node["oneOf"]:
+        rewrite_one_of(node, root, path, coerce)
+    merge_all_of(node, root, path, conditions=False)  # the rules the rewrites added
+    if no_extra and "additionalProperties" not in node:
+        if node.get("type") == "object" or "properties" in node:
+            node["additionalProperties"] = False
+    distribute_any_of(node, root)
+    _drop_closed_names(node)
 
 
 def _narrow_unique_items(node: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import re
+import threading
 from typing import Any
 
 from vllm.exceptions import GrammarCompileError
@@ -63,17 +64,41 @@ class _Unwritable(Exception):
     """The intersection has no single-schema form here."""
 
 
+class RecursiveIntersection(Exception):
+    """Two references are intersected inside their own intersection: the result is an
+    infinite schema (llguidance gives up with "Schema intersection stack level exceeded")."""
+
+    def __init__(self, first: str, second: str) -> None:
+        super().__init__(first, second)
+        self.refs = (first, second)
+
+
+# The pairs of references being intersected by this thread's current `intersect` call.
+_active = threading.local()
+
+
 def intersect(a: Any, b: Any, root: dict[str, Any], depth: int = 0) -> Any:
     """One schema matching exactly the values both `a` and `b` match; False when provably no
-    value does; None when it cannot be written as one schema here. Neither input changes."""
+    value does; None when it cannot be written as one schema here. Neither input changes.
+    Raises RecursiveIntersection when two references meet again inside their own
+    intersection."""
+    outermost = getattr(_active, "pairs", None) is None
+    if outermost:
+        _active.pairs = set()
     try:
         return _intersect(a, b, root, depth)
     except _Unwritable:
         return None
+    finally:
+        if outermost:
+            _active.pairs = None
 
 
 def _intersect(a: Any, b: Any, root: dict[str, Any], depth: int) -> Any:
-    if depth > _MAX_DEPTH or not isinstance(a, (dict, bool)) or not isinstance(b, (dict, bool)):
+    for x in (a, b):
+        if not isinstance(x, (dict, bool)) or (isinstance(x, dict) and not _well_formed(x)):
+            raise _Unwritable
+    if depth > _MAX_DEPTH:
         raise _Unwritable
     if a is False or b is False:
         return False
@@ -81,6 +106,19 @@ def _intersect(a: Any, b: Any, root: dict[str, Any], depth: int) -> Any:
         return copy.deepcopy(b)
     if b is True or b == {} or _same(a, b):
         return copy.deepcopy(a)
+    if "$ref" not in a or "$ref" not in b:
+        return _intersect_dicts(a, b, root, depth)
+    pair = (json.dumps(a, sort_keys=True), json.dumps(b, sort_keys=True))
+    if pair in _active.pairs:
+        raise RecursiveIntersection(str(a["$ref"]), str(b["$ref"]))
+    _active.pairs.add(pair)
+    try:
+        return _intersect_dicts(a, b, root, depth)
+    finally:
+        _active.pairs.discard(pair)
+
+
+def _intersect_dicts(a: dict[str, Any], b: dict[str, Any], root: dict[str, Any], depth: int) -> Any:
     a, b = _inline(a, root, depth), _inline(b, root, depth)
     if a is False or b is False:
         return False
