@@ -1,29 +1,40 @@
 """JSON-schema preparation shared by the backends: the schema's own draft semantics, exact
-`oneOf`, and refusals of what a backend would not enforce.
+`oneOf`, and refusals of what a backend would not enforce (docs/architecture.md section 5).
 
 - `normalize_json_schema` (every backend): returns a copy in the form the backends read, with
   the semantics of the schema's `$schema` draft made explicit (default 2020-12): before
   2019-09 the keywords beside a `$ref` are ignored, so they are dropped; draft-04's boolean
   `exclusiveMinimum`/`exclusiveMaximum` become numbers; an array-form `items` becomes
-  `prefixItems`. A `oneOf` whose branches are provably disjoint (different types, different
-  `const`/`enum` values, or a required property with different values) is exactly an `anyOf`
-  and is rewritten as one; so are branches that only require property names, made disjoint
-  (`oneOf [A, B]` is `anyOf [A and not B, B and not A]`). Any other `oneOf` is refused (no
-  backend enforces "exactly one"),
-  unless the server treats `oneOf` as `anyOf` by choice (`one_of_as_any_of`).
-  `dependencies`/`dependentRequired`/`dependentSchemas` become equivalent `allOf` rules, and
-  `uniqueItems: true` is enforced by allowing at most one item (no grammar can express
-  "all items differ"; an array that must hold two or more is refused). Also rewritten:
-  `propertyNames` (a pattern or a length) as `patternProperties`, `unevaluatedProperties`
-  beside an `allOf` of plain objects as `additionalProperties`, and, by stricter rules that
-  never admit an invalid value, `contains` (the matches come first), overlapping object
-  `oneOf` branches (each may not carry a name only the other requires) and, for llguidance,
-  `minProperties: 1` (`spell_out_min_properties`). A `format` no backend knows is an
-  annotation, as the JSON Schema specification says, and is dropped. The result is labelled
-  2020-12, the draft its keywords are written in. Schemas no value can satisfy are refused.
+  `prefixItems`. Definitions the root never references are dropped (schema_refs.py). Then,
+  node by node, exact rewrites:
+  - `allOf` members merge into their node, and keywords beside `anyOf` (and several `anyOf`
+    rules) are distributed into its branches (schema_merge.py), so xgrammar, which takes
+    neither, enforces them; intersecting two recursive definitions inside their own
+    intersection is refused by name (it never ends);
+  - `not` of a schema whose refusals have a schema (a type, listed values, bounds, required
+    names, property schemas) becomes that schema (schema_negate.py);
+  - `if`/`then`/`else` becomes `anyOf [if and then, (not if) and else]` when `not if` can be
+    written, also for the conditionals of merged `allOf` members;
+  - `oneOf` becomes an `anyOf` of branches no two values share (schema_one_of.py): disjoint
+    branches stay as they are, overlapping ones each keep what the others refuse. No backend
+    enforces "exactly one"; a `oneOf` that cannot be made exclusive is refused naming two
+    branches, unless the server treats `oneOf` as `anyOf` by choice (`one_of_as_any_of`);
+  - `dependencies`/`dependentRequired`/`dependentSchemas` become `allOf` rules;
+    `propertyNames` (a pattern or a length) becomes `patternProperties`;
+    `unevaluatedProperties` beside an `allOf` of plain objects becomes
+    `additionalProperties`.
+  Stricter rules that never admit an invalid value: `uniqueItems: true` allows at most one
+  item (no grammar can express "all items differ"; an array that must hold two or more is
+  refused), `contains` puts its matches first, an overlapping `oneOf` branch whose exact
+  remainder has no schema or too many alternatives keeps part of it, and, for llguidance,
+  `minProperties: 1` (`spell_out_min_properties`). None of these run inside `not` or `if`,
+  where narrowing would widen the schema. A `format` no backend knows is an annotation, as
+  the JSON Schema specification says, and is dropped. The result is labelled 2020-12, the
+  draft its keywords are written in. Schemas no value can satisfy, and keywords of the wrong
+  JSON type, are refused.
 - `check_xgrammar_support`: raises UnsupportedConstraintError at the first keyword xgrammar
-  0.2.9 accepts but does not enforce (so an output could violate the schema); the `auto`
-  backend then tries llguidance.
+  0.2.9 accepts but does not enforce (so an output could violate the schema), or refuses
+  wrongly (a property with the schema `false`); the `auto` backend then tries llguidance.
 
 Pure Python that imports neither xgrammar nor numpy.
 """
