@@ -183,3 +183,13 @@ def test_exclusive_rewrites_are_exact_when_every_negation_is(
 @given(st.lists(flat_schemas(), min_size=2, max_size=3), st.lists(json_values, max_size=8))
 def test_rewrites_never_accept_what_one_of_refuses(branches: list[Any], extra: list[Any]) -> None:
     compare({"type": "object", "oneOf": branches}, PROBES + extra, exact=False)
+
+
+def test_a_branch_of_listed_values_keeps_those_the_other_refuses() -> None:
+    """Checked value by value, also against a pattern (which has no written negation)."""
+    schema = {"oneOf": [{"enum": ["ab", "b1", "c", 7]},
+                        {"type": "string", "pattern": "^[a-z]+$"}]}
+    out = compare(schema, PROBES + ["ab", "b1", "c", 7, "zz", "Z"], exact=False)
+    assert {"const": "b1"} in out["anyOf"] or {"enum": ["b1", 7]} in out["anyOf"]
+    validator = jsonschema.Draft202012Validator(out)
+    assert validator.is_valid("b1") and validator.is_valid(7) and not validator.is_valid("ab")

@@ -143,6 +143,13 @@ def values(node: Any, root: dict[str, Any]) -> set[str] | None:
 def matches(value: Any, schema: Any, root: dict[str, Any]) -> bool:
     """Whether `value` matches `schema` (True when that cannot be decided here, e.g. a ref
     outside the definitions: only a certain mismatch may prove branches disjoint)."""
+    return decide(value, schema, root) is not False
+
+
+def decide(value: Any, schema: Any, root: dict[str, Any]) -> bool | None:
+    """Whether `value` matches `schema` by `jsonschema` (which reads `format` as an
+    annotation), or None when that cannot be decided here (an unresolvable ref, an invalid
+    schema)."""
     import jsonschema  # deferred: only oneOf analysis needs it
 
     if not isinstance(schema, dict):
@@ -153,7 +160,7 @@ def matches(value: Any, schema: Any, root: dict[str, Any]) -> bool:
     try:
         return jsonschema.Draft202012Validator(scoped).is_valid(value)
     except Exception:  # an unresolvable ref or an invalid schema: undecided
-        return True
+        return None
 
 
 # (lower bound, upper bound) keyword pairs whose crossing leaves no valid value.

@@ -21,6 +21,7 @@ from vllm.exceptions import UnsupportedConstraintError
 from vllm.v1.structured_output.schema_facts import (
     ALL_KINDS,
     FIELD,
+    decide,
     is_number,
     kinds,
     matches,
@@ -104,6 +105,12 @@ def _exclude(
     out: list[Any] = []
     exact = True
     for piece in pieces:
+        listed = _unlisted(piece, other, root)
+        if listed is not None:
+            kept, ok = listed
+            out.extend(kept)
+            exact = exact and ok
+            continue
         within = frozenset(outer & kinds(piece, root))
         names = tuple(_names(piece, root)) + tuple(_names(other, root))
         negations, ok = negate(other, root, within, names)
@@ -122,6 +129,35 @@ def _exclude(
                 exact = exact and len(negations) == 1
                 break
     return out, exact
+
+
+def _unlisted(piece: Any, other: Any, root: dict[str, Any]) -> tuple[list[Any], bool] | None:
+    """For a piece that lists its values (const/enum): the piece keeping only the values
+    `other` refuses, checked one by one with `jsonschema` ([] when none is left), and whether
+    that was exact (not when a value's verdict is undecided or `other` has a `format`,
+    which `jsonschema` does not check). None for any other piece."""
+    listed = values(piece, root)
+    schema = resolve(piece, root)
+    if listed is None or not isinstance(schema, dict):
+        return None
+    kept: list[Any] = []
+    exact = '"format"' not in json.dumps(other)
+    for text in sorted(listed):
+        value = json.loads(text)
+        if decide(value, schema, root) is not True:
+            continue  # not one of the piece's own values (`const` beside `enum`, a type)
+        verdict = decide(value, other, root)
+        exact = exact and verdict is not None
+        if verdict is False:
+            kept.append(value)
+    if not kept:
+        return [], exact
+    narrowed = {k: v for k, v in schema.items() if k not in ("const", "enum")}
+    if len(kept) == 1:
+        narrowed["const"] = kept[0]
+    else:
+        narrowed["enum"] = kept
+    return [narrowed], exact
 
 
 def _is_absence(schema: Any) -> bool:
