@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
@@ -32,6 +33,36 @@ TYPE_KINDS = {
     "null": {"null"}, "boolean": {"boolean"}, "object": {"object"}, "array": {"array"},
     "string": {"string"}, "integer": {"integer"}, "number": {"integer", "fraction"},
 }
+
+
+# Where subschemas sit: maps of them, lists of them, single ones.
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_SINGLES = (
+    "additionalProperties", "items", "additionalItems", "propertyNames", "not", "if", "then",
+    "else", "contains", "unevaluatedItems", "unevaluatedProperties",
+)
+
+
+def subschemas(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
+    """Every direct subschema of `node` with its location."""
+    for key in SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for name, sub in node[key].items():
+                yield sub, f"{path}/{key}/{name}"
+    for key in SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield sub, f"{path}/{key}/{i}"
+    for key in SCHEMA_SINGLES:
+        if isinstance(node.get(key), dict):
+            yield node[key], f"{path}/{key}"
+
+
+def is_negated(path: str) -> bool:
+    """True for a subschema whose refusals the schema accepts (`not`, an `if` that chooses
+    `else`): the stricter rewrites would widen the schema there, so they stay out."""
+    return path.endswith(("/not", "/if"))
 
 
 def type_names(found: set[str] | frozenset[str]) -> list[str]:

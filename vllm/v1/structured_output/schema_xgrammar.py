@@ -1,0 +1,110 @@
+"""xgrammar's gaps in JSON Schema (docs/architecture.md section 5): `check_xgrammar_support`
+refuses, with UnsupportedConstraintError, what xgrammar 0.2.9 accepts but would not enforce
+(so an output could violate the schema) or refuses wrongly; the `auto` backend then tries
+llguidance. Reads schemas already normalized by `normalize_json_schema`.
+
+Pure Python.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from vllm.exceptions import UnsupportedConstraintError
+from vllm.v1.structured_output.grammar_checks import find_lookaround
+from vllm.v1.structured_output.schema_facts import (
+    ANNOTATIONS,
+    FIELD,
+    is_number,
+    subschemas,
+)
+
+
+# xgrammar accepts these keywords but does not enforce them.
+_XGRAMMAR_UNENFORCED = (
+    "not", "if", "then", "else", "contains", "minContains", "maxContains",
+    "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+    "unevaluatedItems",
+)
+# String formats each backend enforces (measured: xgrammar 0.2.9 accepts any string for a
+# format it does not know; llguidance 1.9 refuses one it does not know).
+XGRAMMAR_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+    "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer",
+})
+GUIDANCE_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid",
+})
+KNOWN_FORMATS = XGRAMMAR_FORMATS | GUIDANCE_FORMATS
+
+# A JSON-schema pattern with a ranged repeat ("{1,5}") and a group under a quantifier
+# ("(...)?"): xgrammar 0.2.9 can accept strings such a pattern rejects ("^[A-Z]{1,5}(\.[A-Z]
+# {1,2})?$" accepted "RGBOKV"). Top-level regex constraints compile correctly.
+_RANGED_REPEAT = re.compile(r"\{\d+,\d*\}")
+_REPEATED_GROUP = re.compile(r"\)[?*+{]")
+
+# xgrammar's JSON converter refuses numeric bounds past this (int64 as a double).
+_XGRAMMAR_MAX_BOUND = 2**63 - 1
+
+
+def check_xgrammar_support(schema: dict[str, Any] | bool) -> None:
+    """Raises UnsupportedConstraintError at the first keyword xgrammar would not enforce.
+
+    `schema` is the output of `normalize_json_schema`.
+    """
+    if isinstance(schema, dict):
+        _check_xgrammar_node(schema, "#")
+
+
+def _check_xgrammar_node(node: Any, path: str) -> None:
+    if not isinstance(node, dict):
+        return
+
+    def bad(why: str) -> UnsupportedConstraintError:
+        return UnsupportedConstraintError(FIELD, f"at {path}: {why} (unsupported by xgrammar)")
+
+    for key in _XGRAMMAR_UNENFORCED:
+        if key in node:
+            raise bad(f"the {key!r} keyword is not supported")
+    for key in ("properties", "patternProperties"):
+        table = node.get(key) if isinstance(node.get(key), dict) else {}
+        for name, sub in table.items():
+            if sub is False:  # xgrammar 0.2.9: "Schema 'false' cannot accept any value"
+                raise bad(f"{key} {name!r} has the schema false (the name may not appear)")
+    if node.get("uniqueItems") is True and node.get("maxItems", 2) > 1:
+        raise bad("'uniqueItems: true' is not supported")
+    if "multipleOf" in node:
+        whole = isinstance(node["multipleOf"], int) and not isinstance(node["multipleOf"], bool)
+        if not whole or node.get("type") != "integer":
+            raise bad("'multipleOf' is only supported on integers (type 'integer', whole divisor)")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        raise bad("'allOf' with more than one schema is not supported")
+    for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+        if is_number(node.get(key)) and not -_XGRAMMAR_MAX_BOUND - 1 <= node[key] <= _XGRAMMAR_MAX_BOUND:
+            raise bad(f"{key!r} {node[key]} is beyond 64-bit integers")
+    for key in ("$ref", "anyOf", "allOf"):
+        if key in node:
+            others = sorted(k for k in node if k != key and k not in ANNOTATIONS)
+            if others:
+                raise bad(f"keywords beside {key!r} ({', '.join(others)}) are not supported")
+    if isinstance(node.get("format"), str) and node["format"] not in XGRAMMAR_FORMATS:
+        raise bad(f"format {node['format']!r} is not supported")
+    patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+    if isinstance(node.get("patternProperties"), dict):
+        patterns += list(node["patternProperties"])
+    for pattern in patterns:
+        opener = find_lookaround(pattern)
+        if opener is not None:
+            raise bad(f"pattern {pattern!r} uses a lookaround {opener!r}")
+        if _RANGED_REPEAT.search(pattern) and _REPEATED_GROUP.search(pattern):
+            raise bad(
+                f"pattern {pattern!r} has a ranged repeat and a repeated or optional group, "
+                "which xgrammar 0.2.9 can match wrongly"
+            )
+    if "minLength" in node or "maxLength" in node:
+        for key in ("pattern", "format"):
+            if key in node:
+                raise bad(f"{key!r} combined with minLength/maxLength is not supported")
+    for sub, sub_path in subschemas(node, path):
+        _check_xgrammar_node(sub, sub_path)
