@@ -571,10 +571,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("unknown_type", {"json": {"type": "foo"}}, "Unsupported type"),
     ("dangling_ref", {"json": {"$ref": "#/$defs/missing"}}, "$defs"),
     ("schema_not_object", {"json": "[1, 2]"}, "must be a JSON object"),
-    ("not_keyword", {"json": {"type": "integer", "not": {"const": 3}}}, "'not'"),
+    # "not matching a pattern" has no schema without `not` (a `not {const: 3}` is written out).
+    ("not_keyword", {"json": {"type": "string", "not": {"pattern": "^a"}}}, "'not'"),
     (
         "if_keyword",
-        {"json": {"type": "string", "if": {"minLength": 2}, "then": {"maxLength": 3}}},
+        {"json": {"type": "string", "if": {"pattern": "^a"}, "then": {"maxLength": 3}}},
         "'if'",
     ),
     ("contains", {"json": {"type": "array", "items": {"type": "string"},
@@ -611,8 +612,9 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
 GUIDANCE_ONLY: list[tuple[str, dict[str, Any], str]] = [
     ("float_multiple", {"json": {"type": "number", "multipleOf": 0.5}}, "multipleOf"),
     (
+        # Two patterns cannot share one node (other allOf members merge into one).
         "multi_allof",
-        {"json": {"allOf": [{"type": "integer"}, {"minimum": 2}, {"maximum": 40}]}},
+        {"json": {"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}},
         "allOf",
     ),
     (
@@ -627,17 +629,10 @@ GUIDANCE_ONLY: list[tuple[str, dict[str, Any], str]] = [
         "beside '$ref'",
     ),
     (
+        # A branch whose pattern cannot join the pattern beside it (others are distributed).
         "type_beside_anyof",
-        {"json": {"type": "object", "properties": {"a": {"type": "boolean"}},
-                  "anyOf": [{"required": ["a"]}, {"required": ["b"]}]}},
-        "beside 'anyOf'",
-    ),
-    (
-        "required_only_oneof",
-        {"json": {"type": "object", "properties": {"a": {"type": "integer"},
-                                                   "b": {"type": "integer"}},
-                  "additionalProperties": False,
-                  "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}},
+        {"json": {"type": "string", "pattern": "^a",
+                  "anyOf": [{"pattern": "b$"}, {"maxLength": 2}]}},
         "beside 'anyOf'",
     ),
     ("whitespace_pattern", {"json": {"type": "object"}, "whitespace_pattern": "[ ]{0,2}"},

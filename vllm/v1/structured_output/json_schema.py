@@ -159,7 +159,7 @@ def _normalize_node(
         ) from None
     check_satisfiable(node, path)
     for sub, sub_path in subschemas(node, path):
-        if not is_negated(sub_path):
+        if not is_negated(node, sub):
             _normalize_node(sub, root, sub_path, no_extra, coerce)
 
 

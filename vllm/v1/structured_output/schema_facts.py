@@ -59,10 +59,11 @@ def subschemas(node: dict[str, Any], path: str) -> Iterator[tuple[Any, str]]:
             yield node[key], f"{path}/{key}"
 
 
-def is_negated(path: str) -> bool:
-    """True for a subschema whose refusals the schema accepts (`not`, an `if` that chooses
-    `else`): the stricter rewrites would widen the schema there, so they stay out."""
-    return path.endswith(("/not", "/if"))
+def is_negated(node: dict[str, Any], sub: Any) -> bool:
+    """True when `sub` is the `not` or the `if` of `node`: a subschema whose refusals the
+    schema accepts, where the stricter rewrites would widen the schema, so they stay out.
+    (By identity: a property may be named "not".)"""
+    return sub is node.get("not") or sub is node.get("if")
 
 
 def type_names(found: set[str] | frozenset[str]) -> list[str]:

@@ -101,8 +101,8 @@ def spell_out_min_properties(schema: Any) -> None:
     if not isinstance(schema, dict):
         return
     _spell_min_properties(schema)
-    for sub, sub_path in subschemas(schema, "#"):
-        if not is_negated(sub_path):
+    for sub, _ in subschemas(schema, "#"):
+        if not is_negated(schema, sub):
             spell_out_min_properties(sub)
 
 
