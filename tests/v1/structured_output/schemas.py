@@ -614,7 +614,7 @@ GUIDANCE_ONLY: list[tuple[str, dict[str, Any], str]] = [
     (
         # Two patterns cannot share one node (other allOf members merge into one).
         "multi_allof",
-        {"json": {"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}},
+        {"json": {"allOf": [{"type": "string", "pattern": "^[ab]{1,3}$"}, {"pattern": "^a"}]}},
         "allOf",
     ),
     (
@@ -631,8 +631,8 @@ GUIDANCE_ONLY: list[tuple[str, dict[str, Any], str]] = [
     (
         # A branch whose pattern cannot join the pattern beside it (others are distributed).
         "type_beside_anyof",
-        {"json": {"type": "string", "pattern": "^a",
-                  "anyOf": [{"pattern": "b$"}, {"maxLength": 2}]}},
+        {"json": {"type": "string", "pattern": "^[ab]{1,3}$",
+                  "anyOf": [{"pattern": "^a"}, {"maxLength": 1}]}},
         "beside 'anyOf'",
     ),
     ("whitespace_pattern", {"json": {"type": "object"}, "whitespace_pattern": "[ ]{0,2}"},
