@@ -337,13 +337,15 @@ _WALKED = [
      "additionalProperties": False, "anyOf": [{"required": ["p"]}, {"required": ["q"]}]},
     {"$defs": {"unused": {"oneOf": [{"type": "number"}, {"type": "integer"}]}},
      "type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    {"type": "string", "pattern": r"^(?!-)[a-z0-9-]{1,8}(?<!-)$"},
+    {"type": "string", "pattern": r"^(?=.*[a-z])(?=.*[0-9]).+$", "maxLength": 4},
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schema", _WALKED, ids=["objects", "ranges", "enum_vs_strings",
                                                  "not_enum", "all_of_if", "any_of_siblings",
-                                                 "unused_definition"])
+                                                 "unused_definition", "dns_label", "password"])
 def test_walks_through_rewritten_schemas_validate_with_both_backends(
     schema: dict[str, Any], backend: Any, guidance_backend: Any, tokenizer: Any,
     walk_vocab: Any,
@@ -385,6 +387,8 @@ _VERDICTS = [
     (4, '{"kind":"a","x":1}', True), (4, '{"kind":"a","y":true}', False),
     (4, '{"kind":"b","y":true}', True),
     (5, '{"p":1}', True), (5, '{}', False), (5, '{"p":1,"q":"s"}', True),
+    (7, '"a"', True), (7, '"a-b"', True), (7, '"-a"', False), (7, '"a-"', False),
+    (8, '"a1"', True), (8, '"1a"', True), (8, '"aa"', False), (8, '"a1b2c"', False),
 ]
 
 

@@ -60,6 +60,7 @@ from vllm.v1.structured_output.schema_merge import (
     pop_conditions,
 )
 from vllm.v1.structured_output.schema_one_of import rewrite_one_of
+from vllm.v1.structured_output.schema_patterns import rewrite_lookarounds
 from vllm.v1.structured_output.schema_refs import drop_unreferenced_definitions
 from vllm.v1.structured_output.schema_rewrites import (
     narrow_unique_items,
@@ -198,6 +199,7 @@ def _rewrite_node(
     node: dict[str, Any], root: dict[str, Any], path: str, no_extra: bool, coerce: bool
 ) -> None:
     """Every rewrite of one node, in the order they depend on each other."""
+    rewrite_lookarounds(node)
     rewrite_unevaluated_properties(node, root)  # reads the `allOf` members as they are
     conditions = merge_all_of(node, root, path)
     rewrite_dependencies(node)
