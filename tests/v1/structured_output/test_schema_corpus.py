@@ -1,6 +1,6 @@
 """The real-world schema corpus (tests/data/schema_corpus): structured outputs never lie.
 
-Every schema is compiled by the engine's default `auto` backend; at least 97 % must be
+Every schema is compiled by the engine's default `auto` backend; at least 98 % must be
 accepted, and each refusal must be a 400-kind error that names the keyword. Every accepted
 schema is then generated against once with the demo model at temperature 1.0: no request may
 fail, every token must pass the grammar oracle, and every output that finishes with `stop`
@@ -27,9 +27,9 @@ from vllm.v1.structured_output.backend_auto import create_backend
 from .conftest import EOS_IDS, VOCAB_SIZE
 
 CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "schema_corpus"
-# The acceptance this corpus reaches today (the goal is 0.97: see the README of the corpus for
-# what is still refused and why).
-MIN_ACCEPTED = 0.97
+# Below the acceptance this corpus reaches today (212 of 216; the issue's goal is 0.99: see
+# the README of the corpus for what is still refused and why).
+MIN_ACCEPTED = 0.98
 MAX_TOKENS = 64
 
 
