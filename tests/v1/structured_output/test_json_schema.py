@@ -78,6 +78,10 @@ def test_unsatisfiable_schemas_are_plain_grammar_errors() -> None:
         ({"type": "string", "format": "ipv4", "maxLength": 9}, "minLength/maxLength"),
         ({"type": "array", "minItems": 2, "uniqueItems": True}, "uniqueItems"),
         ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+        # xgrammar 0.2.9 accepted "..x" here (found by a corpus walk).
+        ({"type": "object", "patternProperties": {r"^\.(/.*)?$": {}},
+          "additionalProperties": False}, "optional group holding an unbounded repeat"),
+        ({"type": "string", "pattern": r"^a(?:x[a-z]+)?$"}, "optional group"),
         ({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "allOf"),
         ({"type": "object", "properties": {"a": {}}, "unevaluatedProperties": False,
           "dependentSchemas": {"a": {"properties": {"b": {}}}}}, "unevaluatedProperties"),
@@ -339,13 +343,16 @@ _WALKED = [
      "type": "array", "items": {"type": "boolean"}, "maxItems": 3},
     {"type": "string", "pattern": r"^(?!-)[a-z0-9-]{1,8}(?<!-)$"},
     {"type": "string", "pattern": r"^(?=.*[a-z])(?=.*[0-9]).+$", "maxLength": 4},
+    {"type": "object", "patternProperties": {r"^\.(/.*)?$": {"type": "null"}},
+     "additionalProperties": False},
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schema", _WALKED, ids=["objects", "ranges", "enum_vs_strings",
                                                  "not_enum", "all_of_if", "any_of_siblings",
-                                                 "unused_definition", "dns_label", "password"])
+                                                 "unused_definition", "dns_label", "password",
+                                                 "optional_group"])
 def test_walks_through_rewritten_schemas_validate_with_both_backends(
     schema: dict[str, Any], backend: Any, guidance_backend: Any, tokenizer: Any,
     walk_vocab: Any,
@@ -389,6 +396,7 @@ _VERDICTS = [
     (5, '{"p":1}', True), (5, '{}', False), (5, '{"p":1,"q":"s"}', True),
     (7, '"a"', True), (7, '"a-b"', True), (7, '"-a"', False), (7, '"a-"', False),
     (8, '"a1"', True), (8, '"1a"', True), (8, '"aa"', False), (8, '"a1b2c"', False),
+    (9, '{"..x":null}', False), (9, '{"./x":null}', True), (9, '{".":null}', True),
 ]
 
 

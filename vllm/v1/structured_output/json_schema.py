@@ -33,9 +33,10 @@
   the JSON Schema specification says, and is dropped. The result is labelled 2020-12, the
   draft its keywords are written in. Schemas no value can satisfy, and keywords of the wrong
   JSON type, are refused.
-- `check_xgrammar_support` (schema_xgrammar.py): raises UnsupportedConstraintError at the first keyword xgrammar
-  0.2.9 accepts but does not enforce (so an output could violate the schema), or refuses
-  wrongly (a property with the schema `false`); the `auto` backend then tries llguidance.
+- `check_xgrammar_support` (schema_xgrammar.py): raises UnsupportedConstraintError at the
+  first keyword xgrammar 0.2.9 accepts but does not enforce (so an output could violate the
+  schema), or refuses wrongly (a property with the schema `false`); the `auto` backend then
+  tries llguidance.
 
 Pure Python that imports neither xgrammar nor numpy.
 """

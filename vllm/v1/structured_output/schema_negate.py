@@ -218,7 +218,8 @@ def _negate_extra(
 
 def not_one_of(words: list[str]) -> str | None:
     """An anchored regex matching exactly the strings not in `words` (None when a character
-    cannot be written as a `\\uXXXX` escape)."""
+    cannot be written as a `\\uXXXX` escape). Written without optional groups (xgrammar
+    0.2.9 matches an optional group holding a repeat wrongly)."""
     trie: dict[str, Any] = {}
     for word in words:
         node = trie
@@ -226,9 +227,10 @@ def not_one_of(words: list[str]) -> str | None:
             node = node.setdefault(ch, {})
         node[""] = {}
     try:
-        return "^" + _not_in(trie) + "$"
+        body = "^(?:" + "|".join(_not_in(trie)) + ")$"
     except ValueError:
         return None
+    return body if "" in trie else body + "|^$"
 
 
 def _char(ch: str) -> str:
@@ -239,15 +241,16 @@ def _char(ch: str) -> str:
     return f"\\u{ord(ch):04x}"
 
 
-def _not_in(trie: dict[str, Any]) -> str:
-    """The suffixes that do not complete a word of `trie` (the words' end marked by "")."""
+def _not_in(trie: dict[str, Any]) -> list[str]:
+    """The non-empty suffixes that do not complete a word of `trie` (the words' end marked
+    by ""), as alternatives."""
     children = sorted(c for c in trie if c)
-    alternatives = []
-    if children:
-        alternatives.append("[^" + "".join(_char(c) for c in children) + "][\\s\\S]*")
-    else:
-        alternatives.append("[\\s\\S]+")
-    alternatives.extend(_char(c) + _not_in(trie[c]) for c in children)
-    body = "(?:" + "|".join(alternatives) + ")"
-    # The empty suffix is outside the set unless a word ends here.
-    return body if "" in trie else body + "?"
+    if not children:
+        return ["[\\s\\S]+"]
+    ways = ["[^" + "".join(_char(c) for c in children) + "][\\s\\S]*"]
+    for c in children:
+        below = trie[c]
+        if "" not in below:
+            ways.append(_char(c))  # the prefix itself is no word
+        ways.append(_char(c) + "(?:" + "|".join(_not_in(below)) + ")")
+    return ways

@@ -74,9 +74,11 @@ def _ends(pattern: str) -> str | None:
             ways.append(both)
         if high >= 2:
             ways.append(head + _repeat(cls, max(low - 2, 0), high - 2) + tail)
-        if low == 0:
-            ways.append("")
-        return "^(?:" + "|".join(ways) + ")$" if ways else None
+        if not ways:
+            return None
+        # The empty string too when the count allows it (an optional group, not an empty
+        # alternative, which not every regex engine takes).
+        return "^(?:" + "|".join(ways) + ")" + ("?" if low == 0 else "") + "$"
     edge = head if first else tail
     if high < 1:
         return "^$"

@@ -102,9 +102,43 @@ def _check_xgrammar_node(node: Any, path: str) -> None:
                 f"pattern {pattern!r} has a ranged repeat and a repeated or optional group, "
                 "which xgrammar 0.2.9 can match wrongly"
             )
+        if optional_group_with_repeat(pattern):
+            raise bad(
+                f"pattern {pattern!r} has an optional group holding an unbounded repeat, "
+                "which xgrammar 0.2.9 can match wrongly"
+            )
     if "minLength" in node or "maxLength" in node:
         for key in ("pattern", "format"):
             if key in node:
                 raise bad(f"{key!r} combined with minLength/maxLength is not supported")
     for sub, sub_path in subschemas(node, path):
         _check_xgrammar_node(sub, sub_path)
+
+
+def optional_group_with_repeat(pattern: str) -> bool:
+    """True when `pattern` has a group made optional (`(...)?`) that holds a `*` or `+`:
+    xgrammar 0.2.9 then also accepts strings that skip the group's first character
+    (`^a(x.*)?$` accepted "ay", `^\\.(/.*)?$` accepted "..x")."""
+    stack: list[bool] = []  # per open group: whether it holds an unbounded repeat
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            stack.append(False)
+        elif c in "*+" and stack:
+            stack[-1] = True
+        elif c == ")" and stack:
+            repeated = stack.pop()
+            if repeated and pattern[i + 1:i + 2] == "?":
+                return True
+            if repeated and stack:
+                stack[-1] = True  # the outer group holds it too
+        i += 1
+    return False
