@@ -82,6 +82,9 @@ def test_unsatisfiable_schemas_are_plain_grammar_errors() -> None:
         ({"type": "object", "patternProperties": {r"^\.(/.*)?$": {}},
           "additionalProperties": False}, "optional group holding an unbounded repeat"),
         ({"type": "string", "pattern": r"^a(?:x[a-z]+)?$"}, "optional group"),
+        # xgrammar 0.2.9 enforced the format alone: "ftp://a.b" passed.
+        ({"type": "string", "format": "uri", "pattern": "^https?://"},
+         "'pattern' combined with 'format'"),
         ({"allOf": [{"type": "string", "pattern": "^a"}, {"pattern": "b$"}]}, "allOf"),
         ({"type": "object", "properties": {"a": {}}, "unevaluatedProperties": False,
           "dependentSchemas": {"a": {"properties": {"b": {}}}}}, "unevaluatedProperties"),

@@ -90,6 +90,10 @@ def _check_xgrammar_node(node: Any, path: str) -> None:
                 raise bad(f"keywords beside {key!r} ({', '.join(others)}) are not supported")
     if isinstance(node.get("format"), str) and node["format"] not in XGRAMMAR_FORMATS:
         raise bad(f"format {node['format']!r} is not supported")
+    if "format" in node and "pattern" in node:
+        # xgrammar 0.2.9 enforces the format alone ("ftp://a" passed `^https?://` beside
+        # `format: uri`; found by a walk through the corpus).
+        raise bad("'pattern' combined with 'format' is not supported")
     patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
     if isinstance(node.get("patternProperties"), dict):
         patterns += list(node["patternProperties"])
