@@ -66,12 +66,17 @@ class ModelConfig:
     tokenizer_mode: str = "auto"
     # auto or hf: config.json is the only config format read here.
     config_format: str = "auto"
+    # --quantization: None follows the checkpoint's quantization_config; a name must agree
+    # with it ("fp8" also quantizes a full-precision checkpoint at load).
+    quantization: str | None = None
     # Resolved in __post_init__.
     model_dir: Path = field(init=False)
     hf_config: Any = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     device: torch.device = field(init=False)
     eos_token_ids: list[int] = field(init=False)
+    # The linear layers' quantization (layers/quantization), None for full precision.
+    quant_config: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         from vllm.transformers_utils.hub import resolve_model_path
@@ -109,6 +114,9 @@ class ModelConfig:
                 f"--attention-backend: {self.attention_backend!r} is not one of auto, torch, triton"
             )
         self.hf_config = _load_hf_config(self.model_dir)
+        from vllm.model_executor.layers.quantization import get_quantization_config
+
+        self.quant_config = get_quantization_config(self.hf_config, self.quantization)
         self.device = default_device()
         self.torch_dtype = self._resolve_dtype()
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048

@@ -88,6 +88,13 @@ class EngineArgs:
         default="auto",
         metadata=_help("auto, hf or safetensors (the checkpoint's *.safetensors), or dummy "
                        "(random weights; a hub id then fetches no weights)."))
+    quantization: str | None = field(
+        default=None,
+        metadata=_help("Quantized weights: compressed-tensors, gptq or awq (default: what the "
+                       "checkpoint's quantization_config says; a different value is an "
+                       "error), or fp8 to quantize a full-precision checkpoint at load "
+                       "(per-channel FP8).", aliases=("-q",)),
+    )
     enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
     attention_backend: str = field(default="auto", metadata=_help("auto, torch or triton."))
     served_model_name: str | None = field(default=None, metadata=_help("Model name in the API."))
@@ -256,6 +263,7 @@ class EngineArgs:
             download_dir=self.download_dir,
             tokenizer_mode=self.tokenizer_mode,
             config_format=self.config_format,
+            quantization=self.quantization,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             served_model_name=self.served_model_name,

@@ -370,21 +370,22 @@ class LlamaForCausalLM(nn.Module):
             if parts is not None:
                 # A module that stacks many checkpoint tensors (the experts) lists them.
                 for suffix, index in parts(param_name):
-                    ckpt_name = self._checkpoint_name(f"{module_name}.{suffix}")
+                    ckpt_name = self.checkpoint_name(f"{module_name}.{suffix}")
                     targets[ckpt_name] = (module_name, param_name, index)
                 continue
             stacked = [(f, c, i) for f, c, i in STACKED_PARAMS if f in name]
             for fused, ckpt, index in stacked:
-                targets[self._checkpoint_name(name.replace(fused, ckpt))] = (
+                targets[self.checkpoint_name(name.replace(fused, ckpt))] = (
                     module_name, param_name, index
                 )
             if not stacked:
-                targets[self._checkpoint_name(aliases.get(name, name))] = (
+                targets[self.checkpoint_name(aliases.get(name, name))] = (
                     module_name, param_name, None
                 )
         return targets
 
-    def _checkpoint_name(self, name: str) -> str:
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's spelling of one of this module's (dotted) names."""
         for ours, theirs in self.checkpoint_renames:
             name = name.replace(ours, theirs)
         return name
