@@ -60,11 +60,17 @@ def ct_scheme(kind: str, group_size: int = 32):
 def ct_checkpoint(name: str, path: Path, kind: str, seed: int, ignore: list[str] | None = None):
     """Writes a compressed-tensors checkpoint of a random tiny model; returns the
     transformers model holding the library's dequantization of its weights."""
+    return ct_write(tiny_hf(name, seed), path, kind, ignore)
+
+
+def ct_write(hf, path: Path, kind: str, ignore: list[str] | None = None):
+    """Writes transformers model ``hf`` as a compressed-tensors checkpoint of scheme
+    ``kind`` (see ct_scheme; ``hf`` itself is compressed); returns a copy of the original
+    model holding the library's dequantization of its weights."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    hf = tiny_hf(name, seed)
     oracle = copy.deepcopy(hf)
     config = QuantizationConfig(config_groups={"group_0": ct_scheme(kind)},
                                 ignore=["lm_head"] + (ignore or []))

@@ -122,19 +122,19 @@ def _main_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 def test_unknown_flag_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _main_error(capsys, "serve", MODEL, "--quantization", "fp8")
-    assert err.startswith("vllm serve: error: unsupported option --quantization: this engine "
+    err = _main_error(capsys, "serve", MODEL, "--cpu-offload-gb", "4")
+    assert err.startswith("vllm serve: error: unsupported option --cpu-offload-gb: this engine "
                           "does not implement it")
-    assert "--quantization fp8" in err
+    assert "--cpu-offload-gb 4" in err
     assert "vllm serve --help" in err
-    # With --model, argparse takes `fp8` for the positional MODEL; the flag is still refused.
-    err = _main_error(capsys, "serve", "--model", MODEL, "--quantization=fp8", "--foo_bar")
-    assert "unsupported options --quantization, --foo-bar" in err
+    # With --model, argparse takes `4` for the positional MODEL; the flag is still refused.
+    err = _main_error(capsys, "serve", "--model", MODEL, "--cpu-offload-gb=4", "--foo_bar")
+    assert "unsupported options --cpu-offload-gb, --foo-bar" in err
 
 
 def test_unknown_bench_flag_names_the_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _main_error(capsys, "bench", "serve", "--model", "m", "--quantization", "fp8")
-    assert err.startswith("vllm bench serve: error: unsupported option --quantization")
+    err = _main_error(capsys, "bench", "serve", "--model", "m", "--cpu-offload-gb", "4")
+    assert err.startswith("vllm bench serve: error: unsupported option --cpu-offload-gb")
 
 
 def test_bad_values_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:

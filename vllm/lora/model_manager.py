@@ -38,12 +38,12 @@ def _lora_layer(base: nn.Module, batch: LoRABatch, config: LoRAConfig, dtype: to
         kw["out_shards"] = list(base.shards)
     elif isinstance(base, RowParallelLinear):
         sizes = [base.output_size]
-        kw["in_shard"] = (base.input_start, int(base.weight.shape[1]))
+        kw["in_shard"] = (base.input_start, base.local_input_size)
         if base.parallel.tp_size > 1:
             kw["reduce"] = base.parallel.all_reduce
     else:
         raise TypeError(f"LoRA cannot wrap a {type(base).__name__}")
-    return LoRALinear(base, int(base.weight.shape[1]), sizes, batch, config.max_loras,
+    return LoRALinear(base, base.local_input_size, sizes, batch, config.max_loras,
                       config.max_lora_rank, dtype, device, **kw)
 
 

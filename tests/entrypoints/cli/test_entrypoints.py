@@ -60,11 +60,11 @@ def test_cli_main_module_is_the_vllm_command() -> None:
 
 def test_api_server_refuses_unknown_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        api_server.main(["--model", MODEL, "--quantization", "fp8"])
+        api_server.main(["--model", MODEL, "--cpu-offload-gb", "4"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m vllm.entrypoints.openai.api_server: error: unsupported "
-                          "option --quantization")
+                          "option --cpu-offload-gb")
     assert "usage:" not in err
 
 

@@ -236,3 +236,15 @@ def test_quantized_experts_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight_scale'.*quantized "
                                          r"mixture-of-experts experts are not supported"):
         get_model(_config(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["gptq_act_order", "ct_fp8_tensor"])
+def test_pipeline_stages_match_the_whole_model(name: str, checkpoints) -> None:
+    from tests.model_executor.models.utils_parallel import pp_context, run_workload
+
+    path, quantization = checkpoints[name][0], FORMATS[name][3]
+    whole = run_workload([_load(name, path)])
+    stages = [get_model(_config(path, quantization=quantization), pp_context(2, r))
+              for r in range(2)]
+    assert [m.num_layers for m in stages] == [1, 1]
+    assert torch.equal(run_workload(stages), whole)
