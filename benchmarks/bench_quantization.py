@@ -9,8 +9,8 @@ one scale per ``--group-size`` columns) written here with the compressed-tensors
 Each batch runs once to warm up and once measured; the table gives tok/s, the ratio to
 full precision and the loaded weight bytes. On a CPU every quantized layer dequantizes its
 weight in every forward, so expect ratios below 1 there; on a GPU, FP8 with
-torch._scaled_mm reads half the weight bytes of bf16 and decode (memory-bound) should gain
-up to that, while the 4-bit formats still dequantize in torch (no fused kernel yet).
+torch._scaled_mm reads half the weight bytes of bf16, and W4A16's Triton kernel about a
+quarter, so memory-bound decode should gain up to those factors (neither measured yet).
 """
 
 from __future__ import annotations

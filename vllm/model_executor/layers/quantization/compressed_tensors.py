@@ -59,6 +59,22 @@ class CompressedInt4Method(PackedInt4Method):
             return
         super().load(layer, name, tensor, shard)
 
+    def kernel_args(self, layer: nn.Module) -> dict[str, Any] | None:
+        """See PackedInt4Method.kernel_args: words [out, in / 8], scales [out, groups]."""
+        w, s = layer.weight_packed, layer.weight_scale
+        out_size, in_size = layer.packed_sizes
+        args: dict[str, Any] = {
+            "words": w, "word_strides": (w.stride(0), w.stride(1)),
+            "scales": s, "scale_strides": (s.stride(0), s.stride(1)),
+            "out_size": out_size, "group_size": self.group_size or in_size,
+            # Both the values and the zero points are stored offset by 8, which cancels.
+            "zero_bias": _INT4_OFFSET if self.symmetric else 0,
+        }
+        if not self.symmetric:
+            z = layer.weight_zero_point
+            args.update(zeros=z, zero_strides=(z.stride(0), z.stride(1)))
+        return args
+
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """See PackedInt4Method.dequantize."""
         q = unpack_int4(layer.weight_packed, 1) - _INT4_OFFSET

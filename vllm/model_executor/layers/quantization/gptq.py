@@ -82,6 +82,18 @@ class GptqLinearMethod(PackedInt4Method):
                 f"rows (group_size {self.group_size} from quantization_config)"
             )
 
+    def kernel_args(self, layer: nn.Module) -> dict[str, Any] | None:
+        """See PackedInt4Method.kernel_args: words [in / 8, out], scales [groups, out],
+        zeros [groups, out / 8], each input row's group from g_idx."""
+        w, s, z = layer.qweight, layer.scales, layer.qzeros
+        return {
+            "words": w, "word_strides": (w.stride(1), w.stride(0)),
+            "scales": s, "scale_strides": (s.stride(1), s.stride(0)),
+            "zeros": z, "zero_strides": (z.stride(1), z.stride(0)),
+            "out_size": layer.packed_sizes[0], "zero_bias": self.zero_offset,
+            "g_idx": layer.g_idx,
+        }
+
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """See PackedInt4Method.dequantize."""
         q = unpack_int4(layer.qweight, 0)  # [in, out]

@@ -5,6 +5,7 @@ columns, kept packed and dequantized to the activation dtype in every forward.""
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,18 @@ class PackedInt4Method(LinearMethod):
         device = next(iter(layer.parameters())).device
         return torch.arange(in_size, device=device) // size
 
+    def kernel_args(self, layer: nn.Module) -> dict[str, Any] | None:
+        """Arguments of int4_triton.int4_matmul (after x) for this layer; None when the
+        format's packing has no Triton kernel (the default)."""
+        return None
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """See LinearMethod.apply."""
+        """See LinearMethod.apply: the Triton kernel on CUDA where the format has one,
+        else the weight dequantized in torch."""
+        if x.device.type == "cuda":
+            args = self.kernel_args(layer)
+            if args is not None:
+                from vllm.model_executor.layers.quantization.int4_triton import int4_matmul
+
+                return int4_matmul(x, **args)
         return F.linear(x, self.dequantize(layer, x.dtype))
