@@ -100,7 +100,7 @@ def main() -> int:
             finally:
                 llm.shutdown()
     base_bytes, base = results["full precision"]
-    print(f"\nvariant              weight MiB  (x full)  " +
+    print("\nvariant              weight MiB  (x full)  " +
           "  ".join(f"b{b} tok/s (x full)" for b in batches))
     for label, (size, rates) in results.items():
         cells = "  ".join(f"{rates[b]:9.1f} ({rates[b] / base[b]:4.2f})" for b in batches)

@@ -121,6 +121,12 @@ def _main_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     return captured.err
 
 
+def test_quantization_flag_and_short_alias() -> None:
+    assert serve_args("--quantization", "gptq").quantization == "gptq"
+    assert serve_args("-q", "fp8").quantization == "fp8"
+    assert serve_args().quantization is None
+
+
 def test_unknown_flag_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     err = _main_error(capsys, "serve", MODEL, "--cpu-offload-gb", "4")
     assert err.startswith("vllm serve: error: unsupported option --cpu-offload-gb: this engine "

@@ -10,6 +10,7 @@ from tests.model_executor.layers.quantization.utils_layers import column_output,
 from vllm.model_executor.layers.quantization.fp8 import (
     FP8_MAX,
     Fp8LinearMethod,
+    _scaled_mm_ok,
     fp8_matmul,
     quantize_rows,
 )
@@ -53,3 +54,20 @@ def test_quantized_at_load_per_rank(tp: int) -> None:
     )
     torch.testing.assert_close(row_output(method, {"weight": w}, 64, 48, x, tp), want, rtol=0,
                                atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8 tensor cores")
+@pytest.mark.parametrize("per_token", [True, False])
+def test_scaled_mm_is_close_to_the_dequantized_matmul(per_token: bool) -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, scale = quantize_rows(torch.randn(64, 128, generator=gen))
+    q, scale = q.cuda(), scale.cuda()
+    x = torch.randn(2, 7, 128, generator=gen).cuda().bfloat16()
+    assert _scaled_mm_ok(x, q)
+    got = fp8_matmul(x, q, scale, per_token).float()
+    want = x.float() @ (q.float() * scale.unsqueeze(1)).t()
+    assert got.shape == (2, 7, 64)
+    # The activations are quantized to e4m3 too (3 mantissa bits): a few percent.
+    assert ((got - want).norm() / want.norm()).item() < 0.05

@@ -31,12 +31,13 @@ if not torch.cuda.is_available() and not isinstance(
                        "tests/conftest.py)")
 
 IN, OUT = 64, 40  # 40 outputs: a partial block of 32
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _layer(method, tensors: dict[str, torch.Tensor]):
-    with deferred_weights():
+    with deferred_weights(), torch.device(DEVICE):
         layer = RowParallelLinear(IN, OUT)
-    layer.materialize(method)
+        layer.materialize(method)
     for name, value in tensors.items():
         layer.load_weight(name, CheckpointTensor(value))
     return layer
@@ -49,7 +50,7 @@ def test_compressed_w4a16_kernel_matches_dequantized(symmetric: bool) -> None:
     method = CompressedInt4Method(16, symmetric)
     layer = _layer(method, tensors)
     x = torch.randn(5, IN, generator=gen)
-    got = int4_matmul(x, **method.kernel_args(layer))
+    got = int4_matmul(x.to(DEVICE), **method.kernel_args(layer)).cpu()
     torch.testing.assert_close(got, x @ w.t(), rtol=0, atol=1e-4)
 
 
@@ -61,5 +62,5 @@ def test_gptq_kernel_matches_dequantized(act_order: bool) -> None:
     method = GptqLinearMethod(16, act_order, zero_offset=1)
     layer = _layer(method, tensors)
     x = torch.randn(3, IN, generator=gen)
-    got = int4_matmul(x, **method.kernel_args(layer))
+    got = int4_matmul(x.to(DEVICE), **method.kernel_args(layer)).cpu()
     torch.testing.assert_close(got, x @ w.t(), rtol=0, atol=1e-4)
