@@ -12,6 +12,7 @@ error naming the key.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -164,6 +165,18 @@ def test_wrong_group_size_is_named(name: str, key: str, checkpoints, tmp_path: P
     edit_config(path, halve)
     with pytest.raises(ValueError, match=rf"'model\.layers\.0\.[a-z_.]+\.{key}': shape .* "
                                          r"\(group_size 16 from quantization_config\)"):
+        get_model(_config(path))
+
+
+@pytest.mark.parametrize("name,key,match", [
+    ("ct_fp8_channel", "model.layers.1.mlp.up_proj.weight", "not the FP8"),
+    ("awq", "model.layers.0.self_attn.q_proj.qweight", "not the packed integers"),
+])
+def test_full_precision_tensor_in_place_of_packed_is_named(name: str, key: str, match: str,
+                                                            checkpoints, tmp_path: Path) -> None:
+    path = _copy(checkpoints[name][0], tmp_path / "ckpt")
+    _edit_tensors(path, lambda t: t.__setitem__(key, t[key].float()))
+    with pytest.raises(ValueError, match=rf"'{re.escape(key)}': dtype torch.float32 is {match}"):
         get_model(_config(path))
 
 

@@ -65,6 +65,7 @@ class _QuantizableLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     quant_method: LinearMethod | None = None
+    _local_sizes: tuple[int, int]
 
     @property
     def local_input_size(self) -> int:
@@ -76,6 +77,8 @@ class _QuantizableLinear(nn.Module):
         default device and dtype: the dense ``weight`` (method None) or the method's
         packed ones. Raises ValueError when the method cannot pack this layer's size."""
         out_size, in_size = self.local_sizes
+        if not self.weight.is_meta:
+            raise RuntimeError("materialize: this layer was not built under deferred_weights()")
         del self.weight
         if method is None:
             self.weight = _empty(out_size, in_size)
@@ -86,7 +89,7 @@ class _QuantizableLinear(nn.Module):
     @property
     def local_sizes(self) -> tuple[int, int]:
         """(output rows, input columns) of this rank's weight."""
-        return int(self._local_sizes[0]), int(self._local_sizes[1])
+        return self._local_sizes
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant_method is None:

@@ -16,19 +16,28 @@ from torch import nn
 from vllm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
 from vllm.model_executor.layers.quantization.gptq import _int4_config, packed_layer_method
 from vllm.model_executor.layers.quantization.int4 import PACKED, PackedInt4Method, ParamSpec
-from vllm.model_executor.layers.quantization.packing import INT4_PER_INT32, Axis, unpack_int4
+from vllm.model_executor.layers.quantization.packing import INT4_PER_INT32, Axis
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # Column j of a word's 8 sits in slot _SLOT_OF[j].
 _SLOT_OF = tuple(AWQ_ORDER.index(j) for j in range(INT4_PER_INT32))
 
 
-def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
-    """[rows, cols / 8] AWQ words -> [rows, cols] values 0..15 in column order."""
-    raw = unpack_int4(packed, 1)
-    slots = torch.tensor(_SLOT_OF, device=packed.device)
-    rows = raw.shape[0]
-    return raw.view(rows, -1, INT4_PER_INT32).index_select(2, slots).view(rows, -1)
+def unpack_awq(packed: torch.Tensor, shifts: torch.Tensor | None = None) -> torch.Tensor:
+    """[rows, cols / 8] AWQ words -> [rows, cols] values 0..15 in column order.
+
+    ``shifts`` (int32 [8], bit offset of each column's slot: ``awq_shifts``) may be given
+    on the words' device, so that no tensor is created from host data in a forward pass
+    (which CUDA graph capture forbids)."""
+    if shifts is None:
+        shifts = awq_shifts(packed.device)
+    values = (packed.unsqueeze(-1) >> shifts).bitwise_and_(0xF)
+    return values.flatten(-2)
+
+
+def awq_shifts(device: torch.device) -> torch.Tensor:
+    """The bit offset of each of a word's 8 columns, in column order."""
+    return torch.tensor([4 * slot for slot in _SLOT_OF], dtype=torch.int32, device=device)
 
 
 class AwqLinearMethod(PackedInt4Method):
@@ -46,11 +55,16 @@ class AwqLinearMethod(PackedInt4Method):
             "scales": ((groups, Axis("out")), None, hint),
         }
 
+    def create(self, layer: nn.Module, out_size: int, in_size: int, in_full: int) -> None:
+        """See PackedInt4Method.create; also keeps the unpacking shifts on the device."""
+        super().create(layer, out_size, in_size, in_full)
+        layer.register_buffer("awq_shifts", awq_shifts(layer.qweight.device), persistent=False)
+
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         """See PackedInt4Method.dequantize."""
         groups = self.group_of_columns(layer)
-        q = unpack_awq(layer.qweight)  # [in, out]
-        zeros = unpack_awq(layer.qzeros)[groups]
+        q = unpack_awq(layer.qweight, layer.awq_shifts)  # [in, out]
+        zeros = unpack_awq(layer.qzeros, layer.awq_shifts)[groups]
         w = (q - zeros).to(dtype) * layer.scales.to(dtype)[groups]
         return w.t()
 

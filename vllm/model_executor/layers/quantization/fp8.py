@@ -88,7 +88,7 @@ class Fp8LinearMethod(LinearMethod):
 
     def load(self, layer: nn.Module, name: str, tensor: CheckpointTensor, shard: Shard) -> None:
         """See LinearMethod.load. Raises ValueError for a weight that is not FP8 in a
-        serialized checkpoint, or a scale of the wrong shape."""
+        serialized checkpoint (see read_shard), or a scale of the wrong shape."""
         if name == "weight":
             if not self.serialized:
                 self._quantize(layer, tensor, shard)

@@ -94,7 +94,8 @@ def read_shard(
     ``param`` (cast to param's dtype).
 
     Raises ValueError naming ``key`` for a wrong full shape (``hint`` says what sets it,
-    e.g. the group size) or a slice that the packing cannot split.
+    e.g. the group size), a slice that the packing cannot split, or a tensor whose dtype
+    cannot hold what param holds (floats for packed integers, anything but FP8 for FP8).
     """
     expected = full_shape(layout, shard, key)
     if tuple(tensor.shape) != expected:
@@ -124,8 +125,17 @@ def read_shard(
                 source = tensor.read().narrow(dim, start, length)
     if source is None:
         source = tensor.read()
+    _check_dtype(source.dtype, param.dtype)
     with torch.no_grad():
         target.copy_(source)
+
+
+def _check_dtype(got: torch.dtype, want: torch.dtype) -> None:
+    # Casting would silently turn a full-precision tensor into garbage codes.
+    if want == torch.float8_e4m3fn and got != want:
+        raise ValueError(f"dtype {got} is not the FP8 (float8_e4m3fn) the format stores")
+    if not want.is_floating_point and got.is_floating_point:
+        raise ValueError(f"dtype {got} is not the packed integers the format stores")
 
 
 def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
