@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -241,3 +242,41 @@ def checkpoint_bytes(path: Path) -> int:
             t = f.get_tensor(key)
             total += t.numel() * t.element_size()
     return total
+
+
+def fp8_moe_checkpoint(path: Path, seed: int, oracle_dir: Path):
+    """Writes a compressed-tensors FP8 (per-channel) tiny Qwen3-MoE checkpoint whose experts
+    are quantized too; returns transformers' model of the dequantized weights (saved at
+    oracle_dir and loaded back, so transformers stacks the experts itself).
+
+    compressed-tensors quantizes only nn.Linear modules and transformers holds the experts
+    as stacked tensors, so the tensors are written here by the format's rules: an
+    float8_e4m3fn ``weight`` and a float32 ``weight_scale`` [out, 1] per projection."""
+    import re
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    tiny_hf("qwen3_moe", seed).save_pretrained(path)
+    tensors = load_file(path / "model.safetensors")
+    dequantized = dict(tensors)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    pattern = re.compile(r".*\.(q|k|v|o|gate|up|down)_proj\.weight$")
+    for key in [k for k in tensors if pattern.match(k)]:
+        w = tensors[key]
+        scale = w.abs().amax(1, keepdim=True) / fp8_max
+        q = (w / scale).to(torch.float8_e4m3fn)
+        tensors[key], tensors[key + "_scale"] = q, scale
+        dequantized[key] = q.float() * scale
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(path, oracle_dir)
+    save_file(dequantized, oracle_dir / "model.safetensors", metadata={"format": "pt"})
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    edit_config(path, lambda c: c.__setitem__("quantization_config", {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": acts}},
+        "ignore": ["lm_head", "re:.*mlp\\.gate$"]}))
+    return AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.float32,
+                                                attn_implementation="eager").eval()

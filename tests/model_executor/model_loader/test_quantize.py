@@ -237,20 +237,51 @@ def test_dummy_weights_cannot_be_quantized(checkpoints) -> None:
         get_model(_config(checkpoints["gptq"][0], load_format="dummy"))
 
 
-def test_quantized_experts_are_refused(tmp_path: Path) -> None:
+def test_fp8_experts_equal_the_dequantized_model(tmp_path: Path) -> None:
+    from tests.utils_quant import fp8_moe_checkpoint
+
+    oracle = fp8_moe_checkpoint(tmp_path / "fp8", 50, tmp_path / "oracle")
+    model = get_model(_config(tmp_path / "fp8"))
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn
+    assert experts.w2_weight_scale.shape == (8, 64)
+    assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # ignored router
+    seqs = _sequences([11, 5], seed=2)
+    got = PagedRunner(model, seqs, block_size=4, seed=2).step({0: 11, 1: 5})
+    full = tiny_hf("qwen3_moe", 50)
+    for i, seq in enumerate(seqs):
+        want = _hf_logits(oracle, seq)
+        assert (got[i] - want).abs().max().item() < TOLERANCE
+        assert (want - _hf_logits(full, seq)).abs().max().item() > 10 * TOLERANCE
+    # Packed: the FP8 experts take about a quarter of their float32 bytes.
+    assert abs(weight_bytes(model) - checkpoint_bytes(tmp_path / "fp8")) <= 0.1 * \
+        checkpoint_bytes(tmp_path / "fp8")
+
+
+def _moe_with(tmp_path: Path, extra: dict[str, torch.Tensor], quant: dict) -> Path:
     from tests.utils_models import build_checkpoint
 
     build_checkpoint("qwen3_moe", tmp_path, seed=3)
-    _edit_tensors(tmp_path, lambda t: t.__setitem__(
-        "model.layers.0.mlp.experts.0.gate_proj.weight_scale", torch.ones(32, 1)))
-    edit_config(tmp_path, lambda c: c.__setitem__("quantization_config", {
-        "quant_method": "compressed-tensors", "format": "float-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "channel"}}},
-        "ignore": ["lm_head", "re:.*mlp.gate$"]}))
-    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.weight_scale'.*quantized "
-                                         r"mixture-of-experts experts are not supported"):
-        get_model(_config(tmp_path))
+    _edit_tensors(tmp_path, lambda t: t.update(extra))
+    edit_config(tmp_path, lambda c: c.__setitem__("quantization_config", quant))
+    return tmp_path
+
+
+def test_4bit_and_gptq_experts_are_refused(tmp_path: Path) -> None:
+    w4a16 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"targets": ["re:.*experts.*"], "weights": {
+                 "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}}}}
+    path = _moe_with(tmp_path / "ct", {}, w4a16)
+    with pytest.raises(ValueError, match=r"experts: only FP8 mixture-of-experts experts are "
+                                         r"supported, not 4-bit ones"):
+        get_model(_config(path))
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+    qweight = {"model.layers.0.mlp.experts.0.gate_proj.qweight": torch.zeros(8, 32,
+                                                                             dtype=torch.int32)}
+    path = _moe_with(tmp_path / "gptq", qweight, gptq)
+    with pytest.raises(ValueError, match=r"experts\.0\.gate_proj\.qweight'.*quantized "
+                                         r"mixture-of-experts experts are not supported for gptq"):
+        get_model(_config(path))
 
 
 @pytest.mark.parametrize("name", ["gptq_act_order", "ct_fp8_tensor"])

@@ -38,6 +38,11 @@ def deferred_weights(enabled: bool = True) -> Iterator[None]:
         _DEFER.reset(token)
 
 
+def weights_deferred() -> bool:
+    """Whether layers built now declare their weights without memory (deferred_weights)."""
+    return _DEFER.get()
+
+
 def _parameter(module: nn.Module, param_name: str) -> nn.Parameter:
     param = getattr(module, param_name, None)
     if not isinstance(param, nn.Parameter):
@@ -52,7 +57,7 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 def _weight(out_size: int, in_size: int) -> nn.Parameter:
-    if _DEFER.get():
+    if weights_deferred():
         # Shape only: materialize() replaces it once the quantization method is known.
         return nn.Parameter(torch.empty(out_size, in_size, device="meta"), requires_grad=False)
     return _empty(out_size, in_size)

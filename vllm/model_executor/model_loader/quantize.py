@@ -33,13 +33,15 @@ def quantize_layers(model: nn.Module, config: QuantizationConfig, keys: frozense
     the method ``config`` gives its checkpoint names, on the current default device and
     dtype.
 
-    Raises ValueError naming the layer when its method cannot pack it, its fused parts
-    disagree, or a mixture-of-experts layer has quantized experts (not implemented).
+    Mixture-of-experts experts are materialized as the config says (FP8 or full
+    precision). Raises ValueError naming the layer when its method cannot pack it, its
+    fused parts disagree, or its experts are quantized in a way that is not implemented.
     """
     rename = getattr(model, "checkpoint_name", None)
     for name, module in list(model.named_modules()):
         if isinstance(module, FusedMoE):
-            config.check_experts(layer_checkpoint_names(name, rename)[0], keys)
+            module.materialize(*config.expert_scheme(layer_checkpoint_names(name, rename)[0],
+                                                     keys))
             continue
         materialize = getattr(module, "materialize", None)
         if materialize is None:

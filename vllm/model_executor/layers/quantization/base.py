@@ -75,14 +75,16 @@ class QuantizationConfig(ABC):
         every checkpoint tensor. Raises ValueError when the parts of one fused layer are
         quantized differently."""
 
-    def check_experts(self, prefix: str, keys: frozenset[str]) -> None:
-        """Raises ValueError when the experts module ``prefix`` (checkpoint name) has
-        quantized tensors in the checkpoint: quantized experts are not implemented."""
+    def expert_scheme(self, prefix: str, keys: frozenset[str]) -> tuple[bool, bool]:
+        """(FP8, per-tensor scales) for the mixture-of-experts experts whose checkpoint
+        module is ``prefix``; by default they stay in full precision. Raises ValueError when
+        the checkpoint has quantized expert tensors this format cannot run."""
         marker = prefix + "."
         for key in keys:
             if key.startswith(marker) and not key.endswith(".weight"):
                 raise ValueError(
                     f"checkpoint tensor {key!r}: quantized mixture-of-experts experts are not "
-                    f"supported ({self.name}); only attention and dense MLP layers may be "
+                    f"supported for {self.name}; only attention and dense MLP layers may be "
                     "quantized"
                 )
+        return False, False

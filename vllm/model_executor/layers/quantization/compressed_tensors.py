@@ -176,6 +176,24 @@ class CompressedTensorsConfig(QuantizationConfig):
                 return method
         return None
 
+    def expert_scheme(self, prefix: str, keys: frozenset[str]) -> tuple[bool, bool]:
+        """See QuantizationConfig.expert_scheme: FP8 experts are supported (every expert
+        projection with the same scheme); 4-bit experts are refused."""
+        marker = prefix + "."
+        names = sorted({k[: -len(".weight")] for k in keys
+                        if k.startswith(marker) and k.endswith(".weight")})
+        methods = {id(m): m for m in (self._method_of(n) for n in names)}
+        if len(methods) > 1:
+            raise ValueError(f"quantization_config: the experts under {prefix} are quantized "
+                             "differently (config_groups / ignore)")
+        method = next(iter(methods.values()), None)
+        if method is None:
+            return False, False
+        if not isinstance(method, Fp8LinearMethod):
+            raise ValueError(f"quantization_config: {prefix}: only FP8 mixture-of-experts "
+                             "experts are supported, not 4-bit ones")
+        return True, method.per_tensor
+
     def linear_method(self, names: list[str], keys: frozenset[str]) -> LinearMethod | None:
         """See QuantizationConfig.linear_method."""
         methods = [self._method_of(n) for n in names]
