@@ -14,7 +14,11 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig
-from vllm.model_executor.layers.quantization.gptq import _int4_config, packed_layer_method
+from vllm.model_executor.layers.quantization.gptq import (
+    SCALE_DTYPE,
+    int4_group_size,
+    packed_layer_method,
+)
 from vllm.model_executor.layers.quantization.int4 import PACKED, PackedInt4Method, ParamSpec
 from vllm.model_executor.layers.quantization.packing import INT4_PER_INT32, Axis
 
@@ -52,7 +56,7 @@ class AwqLinearMethod(PackedInt4Method):
             "qweight": ((Axis("in"), packed_out), torch.int32,
                         "4-bit values packed 8 per int32 along the output"),
             "qzeros": ((groups, packed_out), torch.int32, hint),
-            "scales": ((groups, Axis("out")), None, hint),
+            "scales": ((groups, Axis("out")), SCALE_DTYPE, hint),
         }
 
     def create(self, layer: nn.Module, out_size: int, in_size: int, in_full: int) -> None:
@@ -77,7 +81,7 @@ class AwqConfig(QuantizationConfig):
     name = "awq"
 
     def __init__(self, config: dict[str, Any]) -> None:
-        group_size = _int4_config(config, "awq")
+        group_size = int4_group_size(config, "awq")
         version = str(config.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"quantization_config.version: {version!r} is not supported "

@@ -20,8 +20,12 @@ from vllm.model_executor.layers.quantization.base import LinearMethod, Quantizat
 from vllm.model_executor.layers.quantization.int4 import PACKED, PackedInt4Method, ParamSpec
 from vllm.model_executor.layers.quantization.packing import INT4_PER_INT32, Axis, unpack_int4
 
+# GPTQ and AWQ store float16 scales; a bfloat16 model keeps them as they are rather than
+# dropping three of their mantissa bits.
+SCALE_DTYPE = torch.float16
 
-def _int4_config(config: dict[str, Any], method: str) -> int | None:
+
+def int4_group_size(config: dict[str, Any], method: str) -> int | None:
     """Checks ``bits`` and returns the group size (None: one group per row)."""
     bits = config.get("bits", config.get("w_bit"))
     if bits != 4:
@@ -49,7 +53,7 @@ class GptqLinearMethod(PackedInt4Method):
             "qweight": ((Axis("in", INT4_PER_INT32, PACKED), Axis("out")), torch.int32,
                         "4-bit values packed 8 per int32 along the input"),
             "qzeros": ((groups, Axis("out", INT4_PER_INT32, PACKED)), torch.int32, hint),
-            "scales": ((groups, Axis("out")), None, hint),
+            "scales": ((groups, Axis("out")), SCALE_DTYPE, hint),
             "g_idx": ((Axis("in"),), torch.int32, "one group index per input row"),
         }
 
@@ -110,7 +114,7 @@ class GptqConfig(QuantizationConfig):
     name = "gptq"
 
     def __init__(self, config: dict[str, Any]) -> None:
-        group_size = _int4_config(config, "gptq")
+        group_size = int4_group_size(config, "gptq")
         fmt = config.get("checkpoint_format", "gptq") or "gptq"
         if fmt not in ("gptq", "gptq_v2"):
             raise ValueError(f"quantization_config.checkpoint_format: {fmt!r} is not supported "
