@@ -382,7 +382,9 @@ class StructuredOutputsConfig:
 
     # "auto": per request, the first backend (in the order of structured_output/registry.py:
     # xgrammar, then llguidance) that enforces every part of the constraint, else a 400
-    # naming what none enforces. A backend's name ("xgrammar", "guidance"): that one only.
+    # naming what none enforces; "outlines" and "lm-format-enforcer" only for requests that
+    # name them. A backend's name ("xgrammar", "guidance", "outlines",
+    # "lm-format-enforcer"): that one only.
     backend: str = "auto"
     # With "auto": use xgrammar only (a constraint it cannot enforce is refused).
     disable_fallback: bool = False

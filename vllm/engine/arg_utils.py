@@ -23,7 +23,11 @@ from vllm.config import (
 )
 from vllm.reasoning import PARSERS
 from vllm.v1.executor import registry
-from vllm.v1.structured_output.registry import BACKENDS
+from vllm.v1.structured_output.registry import (
+    backends_for,
+    request_only_for,
+    server_choices,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.executor.abstract import Executor
@@ -176,8 +180,10 @@ class EngineArgs:
         metadata=_help("JSON, e.g. '{\"backend\": \"xgrammar\"}'; or dotted flags "
                        "--structured-outputs-config.backend xgrammar. Options: backend, "
                        "compile_timeout_s (10; seconds of compiling, queueing not counted), "
-                       f"backend (auto: {', else '.join(BACKENDS)} when only it enforces "
-                       "the constraint), disable_fallback, disable_any_whitespace, max_whitespace "
+                       f"backend ({', '.join(server_choices())}; auto: "
+                       f"{', else '.join(backends_for('auto'))} when only it enforces the "
+                       f"constraint, {' and '.join(request_only_for('auto'))} when a request "
+                       "names it), disable_fallback, disable_any_whitespace, max_whitespace "
                        "(16; null: unbounded), one_of_as_any_of, compile_workers (half the CPUs, 2 to 8), "
                        "max_constraint_length (262144 characters), max_enum_values (8192, "
                        "enum values of a schema or choices), max_json_depth (128).",

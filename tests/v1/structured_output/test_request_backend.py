@@ -49,7 +49,7 @@ def test_a_backend_that_cannot_enforce_the_constraint_is_not_replaced(llm) -> No
     assert out.outputs[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("name", ["outlines", "lm-format-enforcer", ""])
+@pytest.mark.parametrize("name", ["bogus", "lm_format_enforcer", ""])
 def test_unknown_backends_are_named(name) -> None:
     with pytest.raises(InvalidRequestError, match="structured_outputs.backend"):
         StructuredOutputsParams(regex="a", backend=name)
