@@ -134,6 +134,49 @@ def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
         )
 
 
+def is_narrow(regex: str, max_class: int = 512) -> bool:
+    """True when `regex` parses (Python's syntax) and every character class in it is a
+    positive class of at most `max_class` characters (no `.`, negated classes, `\S`, `\W`,
+    `\D`): what a character-level parser can walk over a vocabulary in milliseconds."""
+    try:
+        parsed = sre_parse.parse(strip_anchors(regex))
+    except (re.error, RecursionError):
+        return False
+    sizes = {"CATEGORY_DIGIT": 10, "CATEGORY_WORD": 63}
+
+    def ok(items: Any) -> bool:
+        for op, arg in items:
+            name = str(op)
+            if name == "IN":
+                size = 0
+                for member_op, member in arg:
+                    member_name = str(member_op)
+                    if member_name == "LITERAL":
+                        size += 1
+                    elif member_name == "RANGE":
+                        size += member[1] - member[0] + 1
+                    elif member_name == "CATEGORY" and str(member) in sizes:
+                        size += sizes[str(member)]
+                    else:
+                        return False
+                if size > max_class:
+                    return False
+            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                if not ok(arg[2]):
+                    return False
+            elif name == "SUBPATTERN":
+                if not ok(arg[3]):
+                    return False
+            elif name == "BRANCH":
+                if not all(ok(alt) for alt in arg[1]):
+                    return False
+            elif name != "LITERAL":
+                return False
+        return True
+
+    return ok(parsed)
+
+
 def _json_safe(pattern: str) -> bool:
     """True when every string `pattern` matches needs no JSON escape: literals, positive
     classes, `\\d`/`\\w`, groups, alternations and repeats of safe characters only."""
