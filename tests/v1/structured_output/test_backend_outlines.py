@@ -138,3 +138,30 @@ def test_regex_classes_are_ascii(outlines_backend: Any, tokenizer: Any) -> None:
             grammar = outlines_backend.compile_grammar(StructuredOutputsParams(regex=regex))
             tokens = contract.encode(tokenizer, text) + [EOS_IDS[0]]
             assert grammar.accept_tokens("a", tokens) == ok, (regex, text)
+
+
+@pytest.mark.slow
+def test_compiles_run_in_the_killable_pool(demo_dir: Any) -> None:
+    """A request naming outlines on an `auto` server is checked in the compile pool like any
+    other: the worker builds the outlines vocabulary on first use (not counted against the
+    deadline), a quick constraint passes, and an index build past the limit (a free-form
+    object: seconds over 150k tokens) ends as a clear timeout error, its worker killed."""
+    from vllm.config import StructuredOutputsConfig
+    from vllm.v1.structured_output.compile_pool import (
+        BackendChecker,
+        CompileAbortedError,
+        CompileCheckPool,
+    )
+
+    checker = BackendChecker(str(demo_dir), VOCAB_SIZE, EOS_IDS, StructuredOutputsConfig())
+    pool = CompileCheckPool(checker, num_workers=1, timeout_s=1.0)
+    try:
+        quick = StructuredOutputsParams(choice=["red", "green"], backend="outlines")
+        assert pool.submit(quick, small=True).result(120) >= 0.0
+        slow = StructuredOutputsParams(json_object=True, backend="outlines")
+        with pytest.raises(CompileAbortedError, match="compile_timeout_s"):
+            pool.submit(slow, small=False).result(120)
+        # The pool goes on after the kill.
+        assert pool.submit(quick, small=True).result(120) >= 0.0
+    finally:
+        pool.shutdown()
