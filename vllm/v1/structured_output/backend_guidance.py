@@ -87,6 +87,7 @@ from vllm.v1.structured_output.backend_types import (
     tokenizer_vocab,
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text
+from vllm.v1.structured_output.structural_tag_lark import LarkWriter, parse_structural_tag
 from vllm.v1.structured_output.json_schema import (
     normalize_json_schema,
     spell_out_min_properties,
@@ -296,6 +297,9 @@ class _Vocab:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eos_tokens)
+        # Added tokens that are text (`<tool_call>`): llguidance reads them as special, so a
+        # structural tag names them by id (structural_tag_lark).
+        added = getattr(tokenizer, "get_added_vocab", lambda: {})()
         # Ordinary tokens: in the vocabulary and not special (the xgrammar backend's rule).
         control = control_token_ids(tokenizer)
         allowed = np.zeros(self.words * 32, dtype=bool)
@@ -303,6 +307,10 @@ class _Vocab:
             if 0 <= idx < vocab_size and idx not in control:
                 allowed[idx] = True
         self.ordinary = allowed[:vocab_size].copy()
+        self.added_tokens: dict[str, int] = {
+            text: idx for text, idx in added.items()
+            if 0 <= idx < vocab_size and self.ordinary[idx] and idx not in self.stop_ids
+        }
         for idx in self.stop_ids:
             allowed[idx] = True
         keep = np.packbits(allowed, bitorder="little").view(np.int32)
@@ -554,11 +562,33 @@ class GuidanceBackend(StructuredOutputBackend):
                 ) from e
             return llg.LLMatcher.grammar_from_lark(lark)
         if kind == "structural_tag":
-            raise UnsupportedConstraintError(
-                "structured_outputs.structural_tag",
-                "structural tags are not supported by llguidance",
+            fmt = parse_structural_tag(params.structural_tag)
+            writer = LarkWriter(
+                lambda schema: self._json_fragment(schema, params),
+                lambda pattern: "/" + llg.regex_to_lark(pattern, "dw") + "/",
+                self.vocab.added_tokens,
             )
+            return llg.LLMatcher.grammar_from_lark(writer.grammar(fmt))
         raise GrammarCompileError("structured_outputs", f"unknown constraint {kind!r}")
+
+    def _json_fragment(self, schema: Any, params: StructuredOutputsParams) -> str:
+        """A JSON schema inside a structural tag as a Lark `%json` expression: normalized,
+        checked and whitespace-bounded like a `json` constraint."""
+        schema = normalize_json_schema(
+            schema,
+            disable_additional_properties=params.disable_additional_properties,
+            one_of_as_any_of=self.options.one_of_as_any_of,
+        )
+        spell_out_min_properties(schema)
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise GrammarCompileError(
+                "structured_outputs.structural_tag", "a tag's schema accepts no value"
+            )
+        schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        schema["x-guidance"] = self._json_options(params)
+        return "%json " + json.dumps(schema, ensure_ascii=False)
 
     def _json_grammar(self, schema: Any, params: StructuredOutputsParams, kind: str) -> str:
         param = f"structured_outputs.{kind}"
@@ -573,6 +603,15 @@ class GuidanceBackend(StructuredOutputBackend):
         # llguidance reads options from a top-level "x-guidance" key; a request must not be
         # able to loosen enforcement (lenient) or change the separators.
         schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(
+                schema, overrides=self._json_options(params)
+            )
+        except (ValueError, TypeError) as e:
+            raise GrammarCompileError(param, _clean_error(str(e))) from e
+
+    def _json_options(self, params: StructuredOutputsParams) -> dict[str, Any]:
+        """llguidance's JSON options (separators, whitespace) for a request."""
         options: dict[str, Any] = {
             "item_separator": ",",
             "key_separator": ":",
@@ -588,10 +627,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 # Matched at most once at each place JSON allows whitespace, so a bound in
                 # the pattern bounds each run.
                 options["whitespace_pattern"] = pattern
-        try:
-            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
-        except (ValueError, TypeError) as e:
-            raise GrammarCompileError(param, _clean_error(str(e))) from e
+        return options
 
     def _whitespace_pattern(self, params: StructuredOutputsParams) -> str | None:
         pattern = params.whitespace_pattern
