@@ -19,6 +19,9 @@ Supported constraints (`StructuredOutputsParams`):
 - `choice`: the output is exactly one of the strings.
 - `grammar`: a Lark grammar with a `start` rule when the text has no `::=`; otherwise EBNF/GBNF
   (`root ::= ...`), converted to Lark by llguidance's `gbnf_to_lark`.
+- `structural_tag`: written as Lark by `structural_tag_lark.py` (free text with lazy
+  triggers, tags whose JSON schemas are normalized and bounded like `json` constraints;
+  added tokens such as `<tool_call>` match as the token or as text).
 
 Refused with UnsupportedConstraintError (another backend may enforce them; the message names
 the feature): JSON-schema keywords llguidance does not implement (`not`, `if`/`then`/`else`,
@@ -28,8 +31,9 @@ normalization leaves (`one_of_as_any_of` enforces it as `anyOf`), `minProperties
 `maxProperties` beside optional properties, lookarounds and backreferences, EBNF that
 llguidance cannot convert or compile, Lark grammars using llguidance-only features that
 would break the engine's guarantees (token-id references `<[...]>`, `%llguidance` options,
-`stop=`/`max_tokens=` rule attributes, which make rollback impossible), and every
-`structural_tag`. Invalid input (bad regex or grammar syntax, an invalid or unsatisfiable
+`stop=`/`max_tokens=` rule attributes, which make rollback impossible), and structural-tag
+formats other than those above (`any_text`, `tags_with_separator`, `grammar`, the `qwen_xml`
+JSON style). Invalid input (bad regex or grammar syntax, an invalid or unsatisfiable
 schema) raises GrammarCompileError naming the field.
 
 Tokens the model may never write inside a constraint (the tokenizer's special tokens other
