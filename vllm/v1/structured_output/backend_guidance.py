@@ -607,10 +607,9 @@ class GuidanceBackend(StructuredOutputBackend):
         # llguidance reads options from a top-level "x-guidance" key; a request must not be
         # able to loosen enforcement (lenient) or change the separators.
         schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        options = self._json_options(params)  # its InvalidRequestError names its own field
         try:
-            return llg.LLMatcher.grammar_from_json_schema(
-                schema, overrides=self._json_options(params)
-            )
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except (ValueError, TypeError) as e:
             raise GrammarCompileError(param, _clean_error(str(e))) from e
 

@@ -314,8 +314,9 @@ class OutlinesBackend(StructuredOutputBackend):
         if not isinstance(schema, dict):
             raise GrammarCompileError(param, "the schema `false` accepts no value")
         check_subset(schema, OUTLINES_SUBSET)
+        whitespace = self._whitespace(params)  # its InvalidRequestError names its own field
         try:
-            return build_regex_from_schema(json.dumps(schema), self._whitespace(params))
+            return build_regex_from_schema(json.dumps(schema), whitespace)
         except (ValueError, TypeError) as e:
             message = str(e).split("\n", 1)[0].strip()[:300]
             raise _unsupported(kind, message) from e
