@@ -203,3 +203,25 @@ def check_refusals(backend: Any) -> None:
         with pytest.raises(GrammarCompileError) as info:
             backend.compile_grammar(StructuredOutputsParams(**constraint))
         assert not isinstance(info.value, UnsupportedConstraintError), info.value
+
+
+def check_draft_rows(backend: Any, tokenizer: Any) -> None:
+    """Speculative decoding's rows (fill_draft_rows: accept each draft, fill, roll back):
+    each row equals a fresh grammar's mask after the same prefix, rows from a rejected draft
+    on allow everything, and the grammar ends as it was."""
+    from vllm.v1.structured_output.draft_rows import fill_draft_rows
+
+    params = StructuredOutputsParams(regex="[a-c]{2}-[0-9]{1,3}")
+    grammar = backend.compile_grammar(params)
+    assert grammar.accept_tokens("d", encode(tokenizer, "a"))
+    before = allowed(grammar)
+    drafts = [encode(tokenizer, c)[0] for c in "b-1"] + [encode(tokenizer, "z")[0], EOS_IDS[0]]
+    bitmask = np.zeros((1 + len(drafts), WORDS), dtype=np.int32)
+    grammar.fill_bitmask(bitmask, 0)
+    fill_draft_rows("d", grammar, drafts, bitmask, 0)
+    for j in range(1, 4):
+        fresh = backend.compile_grammar(params)
+        assert fresh.accept_tokens("d", encode(tokenizer, "a") + drafts[:j])
+        assert np.array_equal(bitmask[j], row_of(fresh)), j
+    assert (bitmask[4:] == -1).all()  # after the rejected "z"
+    assert grammar.num_processed_tokens == 1 and np.array_equal(allowed(grammar), before)

@@ -148,3 +148,7 @@ def test_whitespace(lmfe_backend: Any, tokenizer: Any) -> None:
     assert compact.accept_tokens("w", contract.encode(tokenizer, "{"))
     assert not {SPACE, NEWLINE} & set(contract.allowed(compact).tolist())
     assert not np.isin(contract.allowed(compact), EOS_IDS).any()
+
+
+def test_draft_rows(lmfe_backend: Any, tokenizer: Any) -> None:
+    contract.check_draft_rows(lmfe_backend, tokenizer)

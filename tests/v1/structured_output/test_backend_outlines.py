@@ -173,3 +173,7 @@ def test_compiles_run_in_the_killable_pool(demo_dir: Any) -> None:
         assert pool.submit(quick, small=True).result(120) >= 0.0
     finally:
         pool.shutdown()
+
+
+def test_draft_rows(outlines_backend: Any, tokenizer: Any) -> None:
+    contract.check_draft_rows(outlines_backend, tokenizer)

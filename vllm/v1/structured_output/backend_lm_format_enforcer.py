@@ -93,7 +93,9 @@ LMFE_SUBSET = SchemaSubset(
 
 
 def _unsupported(kind: str, what: str) -> UnsupportedConstraintError:
-    return UnsupportedConstraintError(f"structured_outputs.{kind}", f"{what} (unsupported by {NAME})")
+    return UnsupportedConstraintError(
+        f"structured_outputs.{kind}", f"{what} (unsupported by {NAME})"
+    )
 
 
 class _Vocab:

@@ -91,7 +91,9 @@ _NO_TRANSITIONS = re.compile(r"missing tokens corresponding to at least one of t
 
 
 def _unsupported(kind: str, what: str) -> UnsupportedConstraintError:
-    return UnsupportedConstraintError(f"structured_outputs.{kind}", f"{what} (unsupported by {NAME})")
+    return UnsupportedConstraintError(
+        f"structured_outputs.{kind}", f"{what} (unsupported by {NAME})"
+    )
 
 
 class _Vocab:
@@ -361,7 +363,9 @@ class OutlinesBackend(StructuredOutputBackend):
         return index
 
     @staticmethod
-    def _index_error(kind: str, params: StructuredOutputsParams, message: str) -> GrammarCompileError:
+    def _index_error(
+        kind: str, params: StructuredOutputsParams, message: str
+    ) -> GrammarCompileError:
         """Tells an invalid regex from one outlines cannot enforce (its errors do not)."""
         param = f"structured_outputs.{kind}"
         if _NO_TRANSITIONS.search(message):

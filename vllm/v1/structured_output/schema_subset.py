@@ -135,7 +135,7 @@ def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
 
 
 def is_narrow(regex: str, max_class: int = 512) -> bool:
-    """True when `regex` parses (Python's syntax) and every character class in it is a
+    r"""True when `regex` parses (Python's syntax) and every character class in it is a
     positive class of at most `max_class` characters (no `.`, negated classes, `\S`, `\W`,
     `\D`): what a character-level parser can walk over a vocabulary in milliseconds."""
     try:

@@ -4,10 +4,10 @@ The input is a structural tag as the engine accepts it (xgrammar's format,
 `{"type": "structural_tag", "format": {...}}`, or the legacy
 `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`), as a dict or JSON text.
 Format types written here: `const_string`, `json_schema` (JSON style only: xgrammar's
-`qwen_xml` style is refused), `regex`, `sequence`, `or`, `tag` and `triggered_tags` (free text until a trigger, then one of the tags that begin with it,
-then free text again; `at_least_one` and `stop_after_first` as in xgrammar). Other types
-(`grammar`, `any_text`, `tags_with_separator`, ...) raise UnsupportedConstraintError naming
-them.
+`qwen_xml` style is refused), `regex`, `sequence`, `or`, `tag` and `triggered_tags` (free
+text until a trigger, then one of the tags that begin with it, then free text again;
+`at_least_one` and `stop_after_first` as in xgrammar). Other types (`grammar`, `any_text`,
+`tags_with_separator`, ...) raise UnsupportedConstraintError naming them.
 
 Free text is llguidance's idiom for tool calls: a *lazy* lexeme `TEXT "<trigger"` ends at the
 first trigger, so text never holds a trigger that no tag follows. Literal text that is
@@ -126,7 +126,9 @@ class LarkWriter:
 
     def _node(self, node: Any) -> str:
         if not isinstance(node, dict) or not isinstance(node.get("type"), str):
-            raise GrammarCompileError(_FIELD, f"each format must be an object with a 'type': {node!r}"[:300])
+            raise GrammarCompileError(
+                _FIELD, f"each format must be an object with a 'type': {node!r}"[:300]
+            )
         kind = node["type"]
         try:
             if kind == "const_string":
