@@ -92,6 +92,11 @@ LMFE_SUBSET = SchemaSubset(
 )
 
 
+# Rows kept for prefixes shorter than the accepted tokens (a rollback of up to this many
+# tokens reuses them).
+_ROWS_BEHIND = 4
+
+
 def _unsupported(kind: str, what: str) -> UnsupportedConstraintError:
     return UnsupportedConstraintError(
         f"structured_outputs.{kind}", f"{what} (unsupported by {NAME})"
@@ -154,23 +159,37 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
     def _row(self, tokens: list[int]) -> np.ndarray:
         """The allowed next tokens after `tokens` as a boolean row; stops only where the
         parser may end (the library also allows them after an internal error)."""
-        key = len(tokens)
-        row = self._rows.get(key) if tokens == self._tokens[:key] else None
+        size = len(tokens)
+        mine = tokens == self._tokens[:size]
+        row = self._rows.get(size) if mine else None
         if row is not None:
             return row
-        allowed = self._enforcer.get_allowed_tokens(tokens).allowed_tokens
+        enforcer = self._enforcer
+        key = tuple(tokens)
+        state = enforcer.prefix_states.get(key)
+        if state is not None and state.allowed_tokens is None:
+            # Released below by an earlier call: the library recomputes it from the parser
+            # (a private method of lm-format-enforcer 0.11).
+            enforcer._compute_allowed_tokens(key, state)
+            allowed = state.allowed_tokens.allowed_tokens
+        else:
+            allowed = enforcer.get_allowed_tokens(tokens).allowed_tokens
+            state = enforcer.prefix_states[key]
         row = np.zeros(self._vocab.words * 32, dtype=bool)
         if allowed:
             row[np.fromiter(allowed, dtype=np.int64, count=len(allowed))] = True
-        stops = list(self._vocab.stop_ids)
-        state = self._enforcer.prefix_states.get(tuple(tokens))
-        row[stops] = state is not None and state.parser.can_end()
-        if state is not None:
-            shortcut = state.parser.shortcut_key()
-            if isinstance(shortcut, tuple) and shortcut[:1] == ("json_freetext",):
-                row &= ~self._vocab.string_unsafe
-        if tokens == self._tokens[:key]:
-            self._rows[key] = row
+        # The library keeps each prefix's list (up to the whole vocabulary in free text:
+        # about a megabyte per generated token); the row replaces it.
+        state.allowed_tokens = None
+        row[list(self._vocab.stop_ids)] = state.parser.can_end()
+        shortcut = state.parser.shortcut_key()
+        if isinstance(shortcut, tuple) and shortcut[:1] == ("json_freetext",):
+            row &= ~self._vocab.string_unsafe
+        if mine:
+            self._rows[size] = row
+            # Keep the rows around the current position only (drafts look ahead of it).
+            for old in [k for k in self._rows if k < len(self._tokens) - _ROWS_BEHIND]:
+                del self._rows[old]
         return row
 
     def _walk(self, tokens: Sequence[int]) -> tuple[int, bool]:
