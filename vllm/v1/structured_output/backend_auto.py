@@ -5,7 +5,8 @@ xgrammar is tried first (the faster matcher); when it refuses to enforce the con
 integer bound past 64 bits) llguidance compiles it instead; when both refuse, the request gets
 a 400 that quotes both refusals. Any other compile error (a syntax error, an unsatisfiable
 constraint) is final: no second backend is asked. Each backend is built on its first use, so a server whose requests
-all suit xgrammar never builds llguidance's vocabulary.
+all suit xgrammar never builds llguidance's vocabulary. Backends the registry offers only on
+request (outlines, lm-format-enforcer under `auto`) compile just the requests that name them.
 """
 
 from __future__ import annotations
