@@ -107,3 +107,22 @@ def test_reading_names_imports_no_backend() -> None:
     )
     assert modules_loaded_by(
         code, ["xgrammar", "llguidance", "outlines_core", "lmformatenforcer"]) == []
+
+
+def test_a_request_only_backend_as_the_server_choice(tokenizer: Any) -> None:
+    """`--structured-outputs-config.backend outlines` makes it every request's backend; under
+    `auto` it compiles only the requests that name it."""
+    from vllm.exceptions import UnsupportedConstraintError
+
+    pinned = create_backend(StructuredOutputsConfig(backend="outlines"), tokenizer, VOCAB_SIZE,
+                            EOS_IDS)
+    _, name, reason = pinned.compile_choosing(StructuredOutputsParams(choice=["a", "b"]))
+    assert (name, reason) == ("outlines", "first_choice")
+    with pytest.raises(UnsupportedConstraintError, match="grammar.*outlines"):
+        pinned.compile_choosing(StructuredOutputsParams(grammar='root ::= "a"'))
+    with pytest.raises(UnsupportedConstraintError, match="'xgrammar' is not enabled"):
+        pinned.compile_choosing(StructuredOutputsParams(regex="a", backend="xgrammar"))
+    auto = create_backend(StructuredOutputsConfig(), tokenizer, VOCAB_SIZE, EOS_IDS)
+    _, name, _ = auto.compile_choosing(StructuredOutputsParams(regex="a", backend="outlines"))
+    assert name == "outlines"
+    assert set(auto._built) == {"outlines"}  # nothing else was needed
