@@ -172,3 +172,20 @@ def test_memory_per_token_stays_small(lmfe_backend: Any, tokenizer: Any) -> None
     assert len(contract.allowed(grammar)) > 1000
     assert grammar.accept_tokens("m", tokens[-12:])
     assert np.array_equal(contract.allowed(grammar), before)
+
+
+def test_a_library_failure_fails_only_the_request(
+    lmfe_backend: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception inside the library mid-output must not escape the engine's bitmask
+    step: the row allows nothing, so the sampled token is rejected and the request fails."""
+    grammar = lmfe_backend.compile_grammar(StructuredOutputsParams(regex="[a-c]{1,5}"))
+    assert grammar.accept_tokens("f", contract.encode(tokenizer, "a"))
+
+    def boom(tokens: list[int]) -> Any:
+        raise RuntimeError("library bug")
+
+    monkeypatch.setattr(grammar._enforcer, "get_allowed_tokens", boom)
+    assert not contract.row_of(grammar).any()
+    assert not grammar.accept_tokens("f", contract.encode(tokenizer, "b"))
+    assert grammar.num_processed_tokens == 1

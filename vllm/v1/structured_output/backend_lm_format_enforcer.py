@@ -158,24 +158,20 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
 
     def _row(self, tokens: list[int]) -> np.ndarray:
         """The allowed next tokens after `tokens` as a boolean row; stops only where the
-        parser may end (the library also allows them after an internal error)."""
+        parser may end (the library also allows them after an internal error). Nothing is
+        allowed when the library fails (the request then fails on its next token)."""
         size = len(tokens)
         mine = tokens == self._tokens[:size]
         row = self._rows.get(size) if mine else None
         if row is not None:
             return row
-        enforcer = self._enforcer
-        key = tuple(tokens)
-        state = enforcer.prefix_states.get(key)
-        if state is not None and state.allowed_tokens is None:
-            # Released below by an earlier call: the library recomputes it from the parser
-            # (a private method of lm-format-enforcer 0.11).
-            enforcer._compute_allowed_tokens(key, state)
-            allowed = state.allowed_tokens.allowed_tokens
-        else:
-            allowed = enforcer.get_allowed_tokens(tokens).allowed_tokens
-            state = enforcer.prefix_states[key]
         row = np.zeros(self._vocab.words * 32, dtype=bool)
+        try:
+            allowed, state = self._library_allowed(tokens)
+        except Exception:  # the library's own errors must not reach the engine's step
+            # Nothing allowed: whatever is sampled is rejected and only this request fails.
+            logger.exception("lm-format-enforcer failed after %d tokens", len(tokens))
+            return row
         if allowed:
             row[np.fromiter(allowed, dtype=np.int64, count=len(allowed))] = True
         # The library keeps each prefix's list (up to the whole vocabulary in free text:
@@ -191,6 +187,19 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
             for old in [k for k in self._rows if k < len(self._tokens) - _ROWS_BEHIND]:
                 del self._rows[old]
         return row
+
+    def _library_allowed(self, tokens: list[int]) -> tuple[list[int], Any]:
+        """The library's allowed ids after `tokens` and its state for that prefix."""
+        enforcer = self._enforcer
+        key = tuple(tokens)
+        state = enforcer.prefix_states.get(key)
+        if state is not None and state.allowed_tokens is None:
+            # Released by an earlier `_row`: the library recomputes it from the parser (a
+            # private method of lm-format-enforcer 0.11).
+            enforcer._compute_allowed_tokens(key, state)
+            return state.allowed_tokens.allowed_tokens, state
+        allowed = enforcer.get_allowed_tokens(tokens).allowed_tokens
+        return allowed, enforcer.prefix_states[key]
 
     def _walk(self, tokens: Sequence[int]) -> tuple[int, bool]:
         """How many of `tokens` are acceptable and whether they end with a stop; no state
@@ -306,6 +315,10 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
         # TokenEnforcer replaces the parser's settings with its defaults; put ours back.
         parser.config = config
         grammar = LMFormatEnforcerGrammar(enforcer, self.vocab)
+        try:
+            grammar._library_allowed([])
+        except Exception as e:  # the library raises bare Exception for what it lacks
+            raise _unsupported(kind, f"the library failed on it: {str(e)[:200]}") from e
         first = grammar._row([]).copy()
         if kind in ("json", "json_object"):
             first[list(self.vocab.stop_ids)] = False  # an empty output is not JSON
