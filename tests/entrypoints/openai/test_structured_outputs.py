@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 MODEL = "demo-tiny"
@@ -274,3 +275,33 @@ def test_slow_compiles_do_not_block_other_structured_requests(impatient_server):
             assert "compile_timeout_s" in response.json()["error"]["message"]
     # The killed compiles hold nothing afterwards: a new structured request is served.
     assert _complete(server, {"regex": "[0-9]{2}"}).status_code == 200
+
+
+@pytest.mark.parametrize("backend", ["outlines", "lm-format-enforcer"])
+def test_upstream_compatibility_backends(client, backend):
+    """Upstream's other backend names through the server: the admission check and the engine
+    both use the named backend; what it cannot enforce is a 400 naming it."""
+    schema = {k: v for k, v in SCHEMA.items() if k != "properties"}
+    schema["properties"] = {**SCHEMA["properties"], "age": {"enum": ["young", "old"]}}
+    stopped = 0
+    for field, value, check in [
+        ("guided_json", schema, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+        ("guided_regex", REGEX, lambda t: re.fullmatch(REGEX, t) is not None),
+        ("guided_choice", CHOICES, lambda t: t in CHOICES),
+    ]:
+        out = client.completions.create(
+            model=MODEL, prompt="x", max_tokens=60, temperature=1.0, seed=3,
+            extra_body={field: value, "guided_decoding_backend": backend},
+        )
+        text = out.choices[0].text
+        if out.choices[0].finish_reason == "stop":
+            assert check(text), (field, text)
+            stopped += 1
+    assert stopped >= 2  # the regex and the choice are short
+    for field, value, fragment in [("guided_grammar", GRAMMAR, "grammar"),
+                                   ("guided_json", SCHEMA, "'minimum'")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={
+                field: value, "guided_decoding_backend": backend})
+        message = str(info.value)
+        assert fragment in message and backend in message, message
