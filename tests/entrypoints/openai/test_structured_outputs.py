@@ -277,6 +277,7 @@ def test_slow_compiles_do_not_block_other_structured_requests(impatient_server):
     assert _complete(server, {"regex": "[0-9]{2}"}).status_code == 200
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["outlines", "lm-format-enforcer"])
 def test_upstream_compatibility_backends(client, backend):
     """Upstream's other backend names through the server: the admission check and the engine
