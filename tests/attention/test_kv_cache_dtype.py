@@ -221,3 +221,18 @@ def test_structured_outputs_with_drafts_on_an_fp8_cache() -> None:
 def test_a_bad_value_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--kv-cache-dtype: 'fp16' is not supported"):
         LLM("demo-tiny", kv_cache_dtype="fp16")
+
+
+def test_old_gpus_are_refused_for_triton_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.attention.backends.torch_backend import TorchAttentionBackend
+    from vllm.attention.backends.triton_backend import TritonAttentionBackend
+    from vllm.attention.kv_cache_dtype import check_fp8_cache_device
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: .* 8.9 or newer.* is 8.0"):
+        check_fp8_cache_device(cuda, TritonAttentionBackend.fp8_min_capability)
+    check_fp8_cache_device(cuda, TorchAttentionBackend.fp8_min_capability)
+    check_fp8_cache_device(torch.device("cpu"), TritonAttentionBackend.fp8_min_capability)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    check_fp8_cache_device(cuda, TritonAttentionBackend.fp8_min_capability)

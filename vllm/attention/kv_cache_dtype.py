@@ -57,17 +57,16 @@ def check_kv_scale(value: float, what: str) -> float:
     return value
 
 
-def check_fp8_cache_device(device: torch.device, backend: str) -> None:
-    """Raises ValueError naming --kv-cache-dtype when `backend` (an attention backend class
-    name) cannot run an FP8 cache on `device`: Triton's e4m3 type needs a CUDA GPU of
-    compute capability 8.9 or newer (Ada, Hopper); the torch backend and the CPU need
-    nothing."""
-    if torch.device(device).type != "cuda" or "Triton" not in backend:
+def check_fp8_cache_device(device: torch.device, needed: tuple[int, int] | None) -> None:
+    """Raises ValueError naming --kv-cache-dtype when `device` is a CUDA GPU below the
+    compute capability `needed` by the attention backend for an FP8 cache (None, or a
+    device other than CUDA: nothing to check)."""
+    if needed is None or torch.device(device).type != "cuda":
         return
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
+    have = torch.cuda.get_device_capability(device)
+    if tuple(have) < needed:
         raise ValueError(
-            f"--kv-cache-dtype fp8: the Triton attention kernels need a GPU of compute "
-            f"capability 8.9 or newer for float8 e4m3, this one is {major}.{minor} (use "
-            "--attention-backend torch, or --kv-cache-dtype auto)"
+            f"--kv-cache-dtype fp8: this attention backend needs a GPU of compute capability "
+            f"{needed[0]}.{needed[1]} or newer for float8 e4m3, this one is "
+            f"{have[0]}.{have[1]} (use --attention-backend torch, or --kv-cache-dtype auto)"
         )

@@ -61,6 +61,8 @@ class AttentionBackend(ABC):
     # Whether a forward can be captured in a CUDA graph and replayed: it must make no host
     # sync and read only device tensors whose addresses stay fixed between steps.
     supports_cuda_graphs: ClassVar[bool] = False
+    # The CUDA compute capability an FP8 cache needs with this backend (None: any device).
+    fp8_min_capability: ClassVar[tuple[int, int] | None] = None
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         """Raises ValueError on non-positive sizes or when num_kv_heads does not divide

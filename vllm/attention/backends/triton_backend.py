@@ -24,6 +24,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     reads_host_lengths = False
     supports_cuda_graphs = True
+    # Triton's float8 e4m3 type exists from Ada / Hopper on.
+    fp8_min_capability = (8, 9)
 
     def __init__(
         self,

@@ -163,7 +163,7 @@ class GPUModelRunner:
 
         self.model = get_model(self.config.model_config, self.parallel)
         if is_fp8(self.kv_cache_dtype):
-            check_fp8_cache_device(self.device, self.model.attn_backend_cls.__name__)
+            check_fp8_cache_device(self.device, self.model.attn_backend_cls.fp8_min_capability)
             if self.parallel.layout.rank == 0:
                 source = ("the checkpoint's k_scale/v_scale"
                           if getattr(self.model, "kv_scales_from_checkpoint", False)
