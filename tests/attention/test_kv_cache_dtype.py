@@ -191,15 +191,23 @@ def test_drafts_and_sync_scheduling_change_no_output(
     checkpoint: Path, outputs: dict[str, list]
 ) -> None:
     """Multi-token verification steps, run synchronously, write and read the FP8 cache as
-    the single-token steps of async scheduling do."""
+    the single-token steps of async scheduling do; cached prefixes read back as computed."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     llm = make_llm(checkpoint, dtype="float32", kv_cache_dtype="fp8", speculative_config=spec,
                    async_scheduling=False)
     try:
         got = greedy(llm)
+        # Prompts that share 32 tokens, twice: the second pass reads its prefix from FP8
+        # blocks the first pass wrote, and must produce what the first did.
+        shared = [{"prompt_token_ids": [400 + k for k in range(32)] + p} for p in PROMPTS[:4]]
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        first, second = (llm.generate(shared, params, use_tqdm=False) for _ in range(2))
+        stats = llm.llm_engine.engine_core.make_stats()
     finally:
         llm.shutdown()
     assert [o.token_ids for o in got] == [o.token_ids for o in outputs["fp8"]]
+    assert stats.prefix_cache_hits >= 4 * 32, stats
+    assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first]
 
 
 def test_structured_outputs_with_drafts_on_an_fp8_cache() -> None:
