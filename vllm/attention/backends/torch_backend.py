@@ -53,9 +53,11 @@ def gather_kv(
     batch, nb = block_ids.shape
     ids = block_ids.long().flatten()
     flat = (batch, nb * kv_cache.shape[2], *kv_cache.shape[3:])
+    # Float8 blocks are copied as their bytes: not every device's index_select takes float8.
+    cache = kv_cache.view(torch.uint8) if is_fp8(kv_cache.dtype) else kv_cache
     # index_select copies whole blocks; advanced indexing is about twice as slow on CPU.
-    k = torch.index_select(kv_cache[0], 0, ids).view(flat)[:, :length]
-    v = torch.index_select(kv_cache[1], 0, ids).view(flat)[:, :length]
+    k = torch.index_select(cache[0], 0, ids).view(kv_cache.dtype).view(flat)[:, :length]
+    v = torch.index_select(cache[1], 0, ids).view(kv_cache.dtype).view(flat)[:, :length]
     return k, v
 
 
