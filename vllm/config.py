@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
 from vllm.reasoning import PARSERS
 from vllm.v1.structured_output.registry import server_choices
 
@@ -186,8 +187,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Overrides the computed number of blocks (tests use it to force preemption).
     num_gpu_blocks_override: int | None = None
+    # --kv-cache-dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (see
+    # vllm/attention/kv_cache_dtype.py); a smaller element fits more blocks in the budget.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"--block-size: must be a power of two up to 128, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -331,3 +331,19 @@ def test_scheduling_mode_is_described_for_the_startup_log() -> None:
     off = EngineArgs(model=MODEL, async_scheduling=False).create_engine_config().scheduling_mode()
     assert on.startswith("async scheduling: on") and "--no-async-scheduling" in on
     assert off.startswith("async scheduling: off")
+
+
+@pytest.mark.parametrize("flags", [["--kv-cache-dtype", "fp8"], ["--kv_cache_dtype=fp8_e4m3"]])
+def test_kv_cache_dtype_flag_reaches_the_cache_config(flags: list[str]) -> None:
+    args = serve_args(*flags)
+    assert args.kv_cache_dtype == flags[-1].rpartition("=")[2]
+    assert args.create_engine_config().cache_config.cache_dtype == args.kv_cache_dtype
+    assert serve_args().create_engine_config().cache_config.cache_dtype == "auto"
+
+
+def test_a_bad_kv_cache_dtype_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(capsys, "serve", MODEL, "--kv-cache-dtype", "fp16")
+    assert "--kv-cache-dtype" in err and "invalid choice: 'fp16'" in err
+    assert "auto" in err and "fp8_e4m3" in err
+    with pytest.raises(ValueError, match="--kv-cache-dtype: 'int8' is not supported"):
+        EngineArgs(model=MODEL, kv_cache_dtype="int8").create_engine_config()
