@@ -414,14 +414,23 @@ class StructuredOutputsConfig:
     # Deepest nesting of objects and arrays in a JSON constraint (a schema nested 64 levels
     # deep is about 128). Compile time grows quickly with depth.
     max_json_depth: int = 128
-    # Grammar fast-forward: the tokens a constrained request's grammar forces next (a JSON
-    # key, `": "`, a closing brace) enter the next forward pass together, verified like
-    # drafts, so outputs are exactly those without it. Implies speculative decoding with
-    # method "grammar" unless --speculative-config is given (whose drafts already start with
-    # the forced tokens).
-    fast_forward: bool = False
+    # Grammar fast-forward (vllm/v1/spec_decode/fast_forward.py): the tokens a constrained
+    # request's grammar forces next (a JSON key, `": "`, a closing brace) enter the next
+    # forward pass together. "exact": verified like drafts, outputs exactly those without it;
+    # "canonical": the forced text tokenized by the engine's tokenizer and kept unverified
+    # (valid, not token-identical); "off". true/false mean exact/off. Anything but off
+    # implies speculative decoding with method "grammar" unless --speculative-config is
+    # given (whose drafts then start with the forced tokens). It is also the most a
+    # request's own `structured_outputs.fast_forward` may ask for. Off by default: exact
+    # mode only pays when the model agrees with the grammar's tokenization, and canonical
+    # mode changes outputs, which only the operator may allow.
+    fast_forward: str = "off"
 
     def __post_init__(self) -> None:
+        from vllm.v1.spec_decode.fast_forward import parse_mode
+
+        self.fast_forward = parse_mode(
+            self.fast_forward, "--structured-outputs-config.fast_forward")
         if self.backend not in server_choices():
             raise ValueError(
                 f"--structured-outputs-config.backend: {self.backend!r} is not one of "
