@@ -88,8 +88,9 @@ class ConstraintChecker:
         already checked (by `check` or an earlier call) is not compiled again.
         Raises InvalidRequestError naming structured_outputs.fast_forward when the request
         asks for more fast-forward than the server allows, GrammarCompileError naming the
-        field when the constraint is over a configured limit, does not compile, is unsatisfiable, or is too slow to compile
-        (CompileAbortedError), and InvalidRequestError when it is malformed.
+        field when the constraint is over a configured limit, does not compile, is
+        unsatisfiable, or is too slow to compile (CompileAbortedError), and
+        InvalidRequestError when it is malformed.
         """
         check_request_mode(params.fast_forward, self._fast_forward)
         check_constraint_limits(params, self._config)

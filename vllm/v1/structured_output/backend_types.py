@@ -62,9 +62,10 @@ class StructuredOutputGrammar(ABC):
 
     Bitmask rows are int32 words; bit j of word w allows token 32 * w + j. The engine uses
     accept_tokens, fill_bitmask and is_terminated. validate_tokens, rollback,
-    jump_forward_tokens, forced_string and num_processed_tokens are for speculative decoding: truncating
-    drafts at the first token the grammar rejects, filling one bitmask row per draft position
-    by advancing through the drafts and rolling back, and drafting what the grammar forces.
+    jump_forward_tokens, forced_string and num_processed_tokens are for speculative
+    decoding: truncating drafts at the first token the grammar rejects, filling one bitmask
+    row per draft position by advancing through the drafts and rolling back, and drafting
+    what the grammar forces.
     """
 
     @abstractmethod
