@@ -6,7 +6,8 @@ fast_forward.py), on one server started with `canonical`:
 - a request's own `exact` gives the tokens and logprobs of its own `off` (greedy and
   seeded, sync and async);
 - with a reasoning parser, the thinking is token for token what it is without
-  fast-forward: nothing forced or pinned enters it (drafts are never scheduled inside it).
+  fast-forward: nothing forced or pinned enters it (drafts are never scheduled inside it);
+- canonical outputs are the same when requests are preempted and recomputed.
 
 The exact server mode against an engine without speculative decoding is checked in
 test_spec_decode_equivalence.py.
@@ -116,6 +117,21 @@ def test_canonical_outputs_are_valid(runs: dict, async_scheduling: bool) -> None
 def test_canonical_outputs_do_not_depend_on_scheduling(runs: dict) -> None:
     sync, async_ = runs[False]["outputs"]["canonical"], runs[True]["outputs"]["canonical"]
     assert [o.token_ids for o in async_] == [o.token_ids for o in sync]
+
+
+@pytest.mark.slow
+def test_canonical_outputs_survive_preemption(runs: dict) -> None:
+    # 32 blocks of 4 tokens (one max_model_len) cannot hold 6 requests of ~30 tokens.
+    llm = LLM("demo-tiny", max_model_len=128, max_num_seqs=NUM_PROMPTS, async_scheduling=True,
+              block_size=4, num_gpu_blocks_override=32, enable_prefix_caching=False,
+              structured_outputs_config={"fast_forward": "canonical"})
+    try:
+        outputs = _generate(llm, _params(None))
+        assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+    want = runs[False]["outputs"]["canonical"]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in want]
 
 
 @pytest.mark.slow
