@@ -598,8 +598,13 @@ class VllmConfig:
         if self.lora_config is not None:
             self._verify_lora()
         if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
+            # Fast-forward implies speculative decoding: name the option the user gave.
+            implied = (self.speculative_config.method == "grammar"
+                       and self.structured_outputs_config.fast_forward != "off")
+            flag = ("--structured-outputs-config.fast_forward" if implied
+                    else "--speculative-config")
             raise ValueError(
-                "--speculative-config: not supported with --pipeline-parallel-size above 1 "
+                f"{flag}: not supported with --pipeline-parallel-size above 1 "
                 "(the first stage learns tokens from the scheduler one step late)"
             )
         # The layout is checked in full before any process starts.
