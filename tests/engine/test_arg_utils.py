@@ -286,6 +286,26 @@ def test_fast_forward_flag_drafts_forced_tokens_only() -> None:
     assert EngineArgs(model=MODEL).create_engine_config().speculative_config is None
 
 
+@pytest.mark.parametrize("value, mode, drafts", [
+    ("canonical", "canonical", True), ("exact", "exact", True), ("off", "off", False),
+    ("false", "off", False),
+])
+def test_fast_forward_modes_from_the_command_line(value: str, mode: str, drafts: bool) -> None:
+    config = serve_args("--structured-outputs-config.fast_forward", value).create_engine_config()
+    assert config.structured_outputs_config.fast_forward == mode
+    assert (config.speculative_config is not None) == drafts
+    with pytest.raises(ValueError, match="fast_forward: must be one of off, exact, canonical"):
+        serve_args("--structured-outputs-config.fast_forward", "fastest").create_engine_config()
+
+
+def test_fast_forward_with_pipeline_stages_names_the_option() -> None:
+    # It drafts like speculative decoding, which pipeline stages do not support yet.
+    with pytest.raises(ValueError, match=r"^--structured-outputs-config.fast_forward: not "
+                                         r"supported with --pipeline-parallel-size"):
+        serve_args("--structured-outputs-config.fast_forward", "canonical",
+                   "--pipeline-parallel-size", "2").create_engine_config()
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"method": "eagle"}, r"--speculative-config.method: 'eagle' is not supported"),
     ({"method": "draft_model"}, r"--speculative-config.model: required with method"),

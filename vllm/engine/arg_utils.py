@@ -279,12 +279,13 @@ class EngineArgs:
                     f"--reasoning-parser {self.reasoning_parser} and "
                     f"--structured-outputs-config.reasoning_parser {given} disagree"
                 )
+        structured_config = StructuredOutputsConfig(**structured_options)
         speculative_config = None
         if self.speculative_config is not None:
             speculative_config = SpeculativeConfig(**_options(
                 "--speculative-config", _modern_speculative(self.speculative_config),
                 SpeculativeConfig))
-        elif structured_options.get("fast_forward"):
+        elif structured_config.fast_forward != "off":
             speculative_config = SpeculativeConfig(
                 method="grammar", num_speculative_tokens=FAST_FORWARD_TOKENS)
         return VllmConfig(
@@ -305,7 +306,7 @@ class EngineArgs:
                 max_n=self.max_n,
             ),
             parallel_config=parallel_config,
-            structured_outputs_config=StructuredOutputsConfig(**structured_options),
+            structured_outputs_config=structured_config,
             speculative_config=speculative_config,
             lora_config=LoRAConfig(
                 max_loras=self.max_loras,
