@@ -239,6 +239,21 @@ def test_unsatisfiable_or_oversized_constraints_are_400(server, structured_outpu
     assert fragment in error["message"], error
 
 
+@pytest.mark.parametrize("mode, fragment", [
+    ("canonical", "'canonical' is not enabled on this server"),  # the server's default: off
+    ("exact", "'exact' is not enabled on this server"),
+    ("fast", "must be one of off, exact, canonical, got 'fast'"),
+    (3, "must be one of off, exact, canonical, got 3"),
+], ids=["canonical", "exact", "unknown", "not_a_string"])
+def test_a_fast_forward_the_server_does_not_allow_is_400(server, mode, fragment):
+    response = _complete(server, {"regex": "[ab]{2}", "fast_forward": mode})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "structured_outputs.fast_forward", error
+    assert fragment in error["message"], error
+    assert _complete(server, {"regex": "[ab]{2}", "fast_forward": "off"}).status_code == 200
+
+
 # Passes the default limits (8,000 enum values, 255,000 characters) but takes xgrammar
 # seconds to compile (5-7 s on a 2-core machine: too close to the default 10 s limit, so
 # the server below allows 3 s, which still leaves a compile worker killed by the limit

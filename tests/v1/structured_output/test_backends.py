@@ -222,6 +222,39 @@ def test_jump_forward_tokens_spell_the_forced_text(any_backend: Any, tokenizer: 
     assert grammar.jump_forward_tokens() == []  # terminated
 
 
+def test_forced_string_is_the_forced_text_in_whole_characters(
+    any_backend: Any, tokenizer: Any
+) -> None:
+    schema = {"type": "object", "properties": {"title": {"type": "string"},
+                                               "größe": {"enum": ["éa", "èb"]}},
+              "required": ["title", "größe"], "additionalProperties": False}
+    grammar = any_backend.compile_grammar(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    assert grammar.accept_tokens("r", _encode(tokenizer, '{"title":"ab"'))
+    before = _allowed(grammar)
+    # Everything up to the enum's opening quote is forced; é and è share their first byte,
+    # which is not a whole character, so the text stops before it.
+    assert grammar.forced_string() == ',"größe":"'
+    assert np.array_equal(_allowed(grammar), before)
+    assert grammar.num_processed_tokens == len(_encode(tokenizer, '{"title":"ab"'))
+    free = any_backend.compile_grammar(StructuredOutputsParams(regex="[a-z]+"))
+    assert free.forced_string() == ""
+    assert grammar.accept_tokens("r", _encode(tokenizer, ',"größe":"éa"}') + [EOS_IDS[0]])
+    assert grammar.forced_string() == ""  # terminated
+
+
+@pytest.mark.parametrize(
+    "data, text",
+    [(b"ab", "ab"), ("aé".encode(), "aé"), ("aé".encode()[:2], "a"),
+     ("é".encode()[1:] + b"a", ""), (b"a\xffb", "a"), (b"", "")],
+    ids=["ascii", "whole", "cut_last", "starts_inside", "invalid", "empty"],
+)
+def test_guidance_forced_bytes_become_whole_characters(data: bytes, text: str) -> None:
+    from vllm.v1.structured_output.backend_guidance import _whole_characters
+
+    assert _whole_characters(data) == text
+
+
 def test_rejected_tokens_leave_the_state_unchanged(any_backend: Any, tokenizer: Any) -> None:
     # llguidance enters an unrecoverable error state when it consumes a token it rejects; a
     # rejection must never do that (nor change anything else).

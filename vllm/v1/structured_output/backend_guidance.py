@@ -343,6 +343,18 @@ class _Vocab:
         return 0 <= token < self.vocab_size and bool(self.ordinary[token])
 
 
+def _whole_characters(data: bytes) -> str:
+    """The longest prefix of `data` that is whole UTF-8 characters, as text ("" when `data`
+    starts with a continuation byte or is not UTF-8 at all)."""
+    if data[:1] and 0x80 <= data[0] < 0xC0:
+        return ""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # An incomplete last character is cut; an invalid one earlier cuts there too.
+        return data[: e.start].decode("utf-8")
+
+
 class GuidanceGrammar(StructuredOutputGrammar):
     """One request's llguidance matcher plus the bookkeeping the scheduler needs.
 
@@ -437,6 +449,13 @@ class GuidanceGrammar(StructuredOutputGrammar):
         if self._terminated:
             return []
         return self.validate_tokens(list(self.matcher.compute_ff_tokens()))
+
+    def forced_string(self) -> str:
+        """llguidance's forced bytes (`compute_ff_bytes`) as text: cut before an incomplete
+        last character, and "" when they start inside one (after a token that split it)."""
+        if self._terminated:
+            return ""
+        return _whole_characters(bytes(self.matcher.compute_ff_bytes()))
 
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` tokens. Raises ValueError past the start."""
