@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
 from vllm.reasoning import PARSERS
 from vllm.v1.structured_output.registry import server_choices
 
@@ -194,8 +195,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Overrides the computed number of blocks (tests use it to force preemption).
     num_gpu_blocks_override: int | None = None
+    # --kv-cache-dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (see
+    # vllm/attention/kv_cache_dtype.py); a smaller element fits more blocks in the budget.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"--block-size: must be a power of two up to 128, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -390,7 +395,9 @@ class StructuredOutputsConfig:
 
     # "auto": per request, the first backend (in the order of structured_output/registry.py:
     # xgrammar, then llguidance) that enforces every part of the constraint, else a 400
-    # naming what none enforces. A backend's name ("xgrammar", "guidance"): that one only.
+    # naming what none enforces; "outlines" and "lm-format-enforcer" only for requests that
+    # name them. A backend's name ("xgrammar", "guidance", "outlines",
+    # "lm-format-enforcer"): that one only.
     backend: str = "auto"
     # With "auto": use xgrammar only (a constraint it cannot enforce is refused).
     disable_fallback: bool = False
@@ -422,14 +429,23 @@ class StructuredOutputsConfig:
     # Deepest nesting of objects and arrays in a JSON constraint (a schema nested 64 levels
     # deep is about 128). Compile time grows quickly with depth.
     max_json_depth: int = 128
-    # Grammar fast-forward: the tokens a constrained request's grammar forces next (a JSON
-    # key, `": "`, a closing brace) enter the next forward pass together, verified like
-    # drafts, so outputs are exactly those without it. Implies speculative decoding with
-    # method "grammar" unless --speculative-config is given (whose drafts already start with
-    # the forced tokens).
-    fast_forward: bool = False
+    # Grammar fast-forward (vllm/v1/spec_decode/fast_forward.py): the tokens a constrained
+    # request's grammar forces next (a JSON key, `": "`, a closing brace) enter the next
+    # forward pass together. "exact": verified like drafts, outputs exactly those without it;
+    # "canonical": the forced text tokenized by the engine's tokenizer and kept unverified
+    # (valid, not token-identical); "off". true/false mean exact/off. Anything but off
+    # implies speculative decoding with method "grammar" unless --speculative-config is
+    # given (whose drafts then start with the forced tokens). It is also the most a
+    # request's own `structured_outputs.fast_forward` may ask for. Off by default: exact
+    # mode only pays when the model agrees with the grammar's tokenization, and canonical
+    # mode changes outputs, which only the operator may allow.
+    fast_forward: str = "off"
 
     def __post_init__(self) -> None:
+        from vllm.v1.spec_decode.fast_forward import parse_mode
+
+        self.fast_forward = parse_mode(
+            self.fast_forward, "--structured-outputs-config.fast_forward")
         if self.backend not in server_choices():
             raise ValueError(
                 f"--structured-outputs-config.backend: {self.backend!r} is not one of "
@@ -597,8 +613,13 @@ class VllmConfig:
         if self.lora_config is not None:
             self._verify_lora()
         if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
+            # Fast-forward implies speculative decoding: name the option the user gave.
+            implied = (self.speculative_config.method == "grammar"
+                       and self.structured_outputs_config.fast_forward != "off")
+            flag = ("--structured-outputs-config.fast_forward" if implied
+                    else "--speculative-config")
             raise ValueError(
-                "--speculative-config: not supported with --pipeline-parallel-size above 1 "
+                f"{flag}: not supported with --pipeline-parallel-size above 1 "
                 "(the first stage learns tokens from the scheduler one step late)"
             )
         # The layout is checked in full before any process starts.

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vllm.config import LoRAConfig
-from vllm.lora.layers import LoRABatch, LoRALinear
+from vllm.lora.layers import LoRABatch, LoRALinear, lora_backend
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.lora.peft_adapter import LoRAAdapter, load_adapter
 from vllm.lora.request import LoRARequest
@@ -64,7 +64,7 @@ class LoRAModelManager:
         self.model = model
         self.config = lora_config
         self.hf_config = model.config
-        self.batch = LoRABatch(to_device, min_rows)
+        self.batch = LoRABatch(to_device, min_rows, lora_config.max_loras, lora_backend())
         # (layer index, projection) -> (its LoRA layer, part index in it).
         self.targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
         self._wrap(device, dtype)

@@ -73,6 +73,8 @@ def test_api_server_reports_config_errors_like_serve(capsys: pytest.CaptureFixtu
     assert "--tensor-parallel-size 3: the model's 4 attention heads" in capsys.readouterr().err
     assert api_server.main(["--model", MODEL, "--max_model_len=-5", "--port", "0"]) == 2
     assert "--max-model-len" in capsys.readouterr().err
+    assert api_server.main(["--model", MODEL, "--send-timeout", "-1", "--port", "0"]) == 2
+    assert "--send-timeout: must be at least 0 seconds" in capsys.readouterr().err
 
 
 def _group_gone(pgid: int, timeout: float = 10.0) -> bool:

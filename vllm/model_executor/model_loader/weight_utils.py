@@ -35,7 +35,8 @@ class CheckpointTensor:
         """The whole tensor (on the CPU for a file-backed one)."""
         if isinstance(self._source, torch.Tensor):
             return self._source
-        return self._source[:]
+        # A 0-d tensor (a per-tensor scale) cannot be sliced; `...` reads it.
+        return self._source[:] if self.shape else self._source[...]
 
     def read_range(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) ``start:start + length`` of the tensor.
