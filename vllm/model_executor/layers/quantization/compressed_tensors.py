@@ -16,6 +16,7 @@ from vllm.model_executor.layers.quantization.base import LinearMethod, Quantizat
 from vllm.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 from vllm.model_executor.layers.quantization.int4 import PACKED, PackedInt4Method, ParamSpec
 from vllm.model_executor.layers.quantization.packing import INT4_PER_INT32, Axis, unpack_int4
+from vllm.model_executor.model_loader.weight_utils import CheckpointTensor
 
 # Unsigned storage of a signed 4-bit value adds this offset.
 _INT4_OFFSET = 8
@@ -45,7 +46,8 @@ class CompressedInt4Method(PackedInt4Method):
                 (Axis("out", INT4_PER_INT32, PACKED), groups), torch.int32, hint)
         return specs
 
-    def load(self, layer: nn.Module, name: str, tensor: Any, shard: Shard) -> None:
+    def load(self, layer: nn.Module, name: str, tensor: CheckpointTensor,
+             shard: Shard) -> None:
         """See LinearMethod.load; ``weight_shape`` is checked, not kept per part."""
         if name == "weight_shape":
             got = [int(v) for v in tensor.read().reshape(-1).tolist()]

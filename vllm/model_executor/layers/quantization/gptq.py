@@ -19,6 +19,7 @@ from torch import nn
 from vllm.model_executor.layers.quantization.base import LinearMethod, QuantizationConfig, Shard
 from vllm.model_executor.layers.quantization.int4 import PACKED, PackedInt4Method, ParamSpec
 from vllm.model_executor.layers.quantization.packing import INT4_PER_INT32, Axis, unpack_int4
+from vllm.model_executor.model_loader.weight_utils import CheckpointTensor
 
 # GPTQ and AWQ store float16 scales; a bfloat16 model keeps them as they are rather than
 # dropping three of their mantissa bits.
@@ -57,7 +58,8 @@ class GptqLinearMethod(PackedInt4Method):
             "g_idx": ((Axis("in"),), torch.int32, "one group index per input row"),
         }
 
-    def load(self, layer: nn.Module, name: str, tensor: Any, shard: Shard) -> None:
+    def load(self, layer: nn.Module, name: str, tensor: CheckpointTensor,
+             shard: Shard) -> None:
         """See LinearMethod.load. The parts of a fused layer (q/k/v, gate/up) share one
         g_idx: they see the same input, so GPTQ orders their rows alike; a part whose
         g_idx differs is refused."""
