@@ -1,12 +1,14 @@
 """Decode throughput at batch 1, 64 and 256, with and without CUDA graphs, in one run.
 
     python benchmarks/bench_decode.py [--model qwen3-1.7b] [--batch-sizes 1,64,256] \
-        [--output-len 128] [--json RESULT.json]
+        [--output-len 128] [--kv-cache-dtypes auto,fp8] [--json RESULT.json]
 
 The default model is the Qwen3-1.7B config (vllm/benchmarks/assets.py) with dummy weights
 and the demo tokenizer, bf16 on CUDA. Prompts are 8 tokens, so the time is decode time; each
 batch runs once to warm up (Triton compiles, graphs capture at engine start) and once measured.
 Needs CUDA unless --allow-cpu (then use a demo model, e.g. --model demo-tiny, to try it out).
+--kv-cache-dtypes auto,fp8 adds a CUDA-graphs run per other --kv-cache-dtype and its tok/s
+as a ratio to the full-precision cache's, measured in the same run.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,64,256")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--allow-cpu", action="store_true")
+    parser.add_argument("--kv-cache-dtypes", default="auto",
+                        help="comma list; each other than auto adds a CUDA-graphs run")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -54,10 +58,15 @@ def main() -> int:
         # A preset's model may be a bare config.json: prepare_model adds the demo tokenizer.
         model = prepare_model(preset, Path(workdir)).serve_arg if preset else args.model
         results: dict[str, dict[int, float]] = {}
-        for eager in (False, True):
+        extra = [d for d in args.kv_cache_dtypes.split(",") if d != "auto"]
+        runs = [(False, "auto"), (True, "auto")] + [(False, d) for d in extra]
+        for eager, cache_dtype in runs:
             label = "eager" if eager else "cuda-graphs"
+            if cache_dtype != "auto":
+                label += f"/kv-{cache_dtype}"
             llm = LLM(model, load_format="dummy", enforce_eager=eager,
-                      max_num_seqs=max(batches), max_model_len=1024)
+                      max_num_seqs=max(batches), max_model_len=1024,
+                      kv_cache_dtype=cache_dtype)
             try:
                 results[label] = {}
                 for batch in batches:
@@ -69,10 +78,15 @@ def main() -> int:
                         args.json.write_text(json.dumps(results, indent=2))
             finally:
                 llm.shutdown()
-    print("\nbatch   cuda-graphs tok/s   eager tok/s   graphs/eager")
+    head = "".join(f"   kv-{d} tok/s   kv-{d}/auto" for d in extra)
+    print(f"\nbatch   cuda-graphs tok/s   eager tok/s   graphs/eager{head}")
     for batch in batches:
         g, e = results["cuda-graphs"][batch], results["eager"][batch]
-        print(f"{batch:5d}   {g:17.1f}   {e:11.1f}   {g / e:12.2f}")
+        row = f"{batch:5d}   {g:17.1f}   {e:11.1f}   {g / e:12.2f}"
+        for d in extra:
+            x = results[f"cuda-graphs/kv-{d}"][batch]
+            row += f"   {x:{len(d) + 9}.1f}   {x / g:{len(d) + 8}.2f}"
+        print(row)
     return 0
 
 

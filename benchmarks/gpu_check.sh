@@ -48,11 +48,13 @@ done
 # Per-mode defaults; every one can be overridden from the environment (see the knobs above).
 # Every test that has a CUDA variant or exercises a CUDA-only path: Triton attention compiled
 # for real, graph capture, the device-side bitmask, the sampler's device ops, the runner's
-# lagging copies, async = sync (uni and mp) on the GPU, and the MoE families' torch path on
-# CUDA (decoded eagerly: they opt out of graph capture).
+# lagging copies, async = sync (uni and mp) on the GPU, the MoE families' torch path on
+# CUDA (decoded eagerly: they opt out of graph capture), and the quantized layers' CUDA
+# paths (torch._scaled_mm for FP8, the Triton 4-bit matmul).
 TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
             tests/model_executor/models/test_moe_models.py
             tests/model_executor/layers/test_fused_moe_triton.py
+            tests/model_executor/layers/quantization
             tests/v1/worker/test_gpu_model_runner.py tests/v1/worker/test_cuda_graph.py
             tests/v1/structured_output/test_utils.py tests/v1/sample/ops/test_race.py
             tests/v1/engine/test_async_sync_equivalence.py)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
 from vllm.reasoning import PARSERS
 from vllm.v1.structured_output.registry import server_choices
 
@@ -66,12 +67,17 @@ class ModelConfig:
     tokenizer_mode: str = "auto"
     # auto or hf: config.json is the only config format read here.
     config_format: str = "auto"
+    # --quantization: None follows the checkpoint's quantization_config; a name must agree
+    # with it ("fp8" also quantizes a full-precision checkpoint at load).
+    quantization: str | None = None
     # Resolved in __post_init__.
     model_dir: Path = field(init=False)
     hf_config: Any = field(init=False, repr=False)
     torch_dtype: torch.dtype = field(init=False)
     device: torch.device = field(init=False)
     eos_token_ids: list[int] = field(init=False)
+    # The linear layers' quantization (layers/quantization), None for full precision.
+    quant_config: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         from vllm.transformers_utils.hub import resolve_model_path
@@ -109,6 +115,9 @@ class ModelConfig:
                 f"--attention-backend: {self.attention_backend!r} is not one of auto, torch, triton"
             )
         self.hf_config = _load_hf_config(self.model_dir)
+        from vllm.model_executor.layers.quantization import get_quantization_config
+
+        self.quant_config = get_quantization_config(self.hf_config, self.quantization)
         self.device = default_device()
         self.torch_dtype = self._resolve_dtype()
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -186,8 +195,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     # Overrides the computed number of blocks (tests use it to force preemption).
     num_gpu_blocks_override: int | None = None
+    # --kv-cache-dtype: "auto" (the model's dtype) or "fp8"/"fp8_e4m3" (see
+    # vllm/attention/kv_cache_dtype.py); a smaller element fits more blocks in the budget.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.cache_dtype)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise ValueError(f"--block-size: must be a power of two up to 128, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -382,7 +395,9 @@ class StructuredOutputsConfig:
 
     # "auto": per request, the first backend (in the order of structured_output/registry.py:
     # xgrammar, then llguidance) that enforces every part of the constraint, else a 400
-    # naming what none enforces. A backend's name ("xgrammar", "guidance"): that one only.
+    # naming what none enforces; "outlines" and "lm-format-enforcer" only for requests that
+    # name them. A backend's name ("xgrammar", "guidance", "outlines",
+    # "lm-format-enforcer"): that one only.
     backend: str = "auto"
     # With "auto": use xgrammar only (a constraint it cannot enforce is refused).
     disable_fallback: bool = False
@@ -414,14 +429,23 @@ class StructuredOutputsConfig:
     # Deepest nesting of objects and arrays in a JSON constraint (a schema nested 64 levels
     # deep is about 128). Compile time grows quickly with depth.
     max_json_depth: int = 128
-    # Grammar fast-forward: the tokens a constrained request's grammar forces next (a JSON
-    # key, `": "`, a closing brace) enter the next forward pass together, verified like
-    # drafts, so outputs are exactly those without it. Implies speculative decoding with
-    # method "grammar" unless --speculative-config is given (whose drafts already start with
-    # the forced tokens).
-    fast_forward: bool = False
+    # Grammar fast-forward (vllm/v1/spec_decode/fast_forward.py): the tokens a constrained
+    # request's grammar forces next (a JSON key, `": "`, a closing brace) enter the next
+    # forward pass together. "exact": verified like drafts, outputs exactly those without it;
+    # "canonical": the forced text tokenized by the engine's tokenizer and kept unverified
+    # (valid, not token-identical); "off". true/false mean exact/off. Anything but off
+    # implies speculative decoding with method "grammar" unless --speculative-config is
+    # given (whose drafts then start with the forced tokens). It is also the most a
+    # request's own `structured_outputs.fast_forward` may ask for. Off by default: exact
+    # mode only pays when the model agrees with the grammar's tokenization, and canonical
+    # mode changes outputs, which only the operator may allow.
+    fast_forward: str = "off"
 
     def __post_init__(self) -> None:
+        from vllm.v1.spec_decode.fast_forward import parse_mode
+
+        self.fast_forward = parse_mode(
+            self.fast_forward, "--structured-outputs-config.fast_forward")
         if self.backend not in server_choices():
             raise ValueError(
                 f"--structured-outputs-config.backend: {self.backend!r} is not one of "
@@ -589,8 +613,13 @@ class VllmConfig:
         if self.lora_config is not None:
             self._verify_lora()
         if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
+            # Fast-forward implies speculative decoding: name the option the user gave.
+            implied = (self.speculative_config.method == "grammar"
+                       and self.structured_outputs_config.fast_forward != "off")
+            flag = ("--structured-outputs-config.fast_forward" if implied
+                    else "--speculative-config")
             raise ValueError(
-                "--speculative-config: not supported with --pipeline-parallel-size above 1 "
+                f"{flag}: not supported with --pipeline-parallel-size above 1 "
                 "(the first stage learns tokens from the scheduler one step late)"
             )
         # The layout is checked in full before any process starts.

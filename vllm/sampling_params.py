@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
+from vllm.v1.spec_decode.fast_forward import parse_request_mode
 from vllm.v1.structured_output import registry
 
 
@@ -143,6 +144,10 @@ class StructuredOutputsParams:
     # The backend that must enforce this constraint ("xgrammar" or "guidance"; None or
     # "auto": the server's choice). Upstream's per-request `guided_decoding_backend`.
     backend: str | None = None
+    # Grammar fast-forward for this request: "off", "exact" or "canonical" (true/false: exact
+    # /off); None: the server's --structured-outputs-config.fast_forward, which is also the
+    # most a request may ask for (vllm/v1/spec_decode/fast_forward.py).
+    fast_forward: str | None = None
 
     _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
@@ -190,6 +195,7 @@ class StructuredOutputsParams:
                     "must be a non-empty string"
                 )
         self.backend = _backend_name(self.backend)
+        self.fast_forward = parse_request_mode(self.fast_forward)
 
     @property
     def kind(self) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from tests.utils_attention import ReqStep, allocate_blocks, make_metadata
 from vllm.attention.backends.torch_backend import TorchAttentionBackend
+from vllm.attention.kv_cache_dtype import FP8_DTYPE, FP8_MAX, quantize_fp8
 from vllm.attention.selector import get_attn_backend_cls
 
 
@@ -134,3 +135,60 @@ def test_selector() -> None:
     assert get_attn_backend_cls("auto", cpu) is TorchAttentionBackend
     with pytest.raises(ValueError, match="attention_backend"):
         get_attn_backend_cls("flash", cpu)
+
+
+@pytest.mark.parametrize("k_scale,v_scale", [(1.0, 1.0), (0.05, 4.0)])
+def test_fp8_cache_stores_scaled_e4m3_and_attends_over_what_it_stored(
+    k_scale: float, v_scale: float
+) -> None:
+    """With a float8_e4m3fn cache, writes hold key / k_scale (saturated at ±448) and the
+    output is exact attention over the dequantized keys and values."""
+    rng = random.Random(11)
+    torch.manual_seed(11)
+    num_heads, num_kv_heads, head_size, block_size = 4, 2, 8, 4
+    reqs = CASES["mixed"]
+    totals = [c + n for c, n in reqs]
+    block_ids, num_blocks = allocate_blocks(totals, block_size, rng)
+    shape = TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    kv_cache = torch.zeros(shape, dtype=FP8_DTYPE)
+    hist_k = [3 * torch.randn(t, num_kv_heads, head_size) for t in totals]
+    hist_v = [torch.randn(t, num_kv_heads, head_size) for t in totals]
+    hist_k[0][2, 0, 0] = 1e4  # an outlier far past the e4m3 range: saturates, no NaN
+    for (cached, _), ids, k, v in zip(reqs, block_ids, hist_k, hist_v):
+        for p in range(cached):
+            kv_cache[0, ids[p // block_size], p % block_size] = quantize_fp8(k[p], k_scale)
+            kv_cache[1, ids[p // block_size], p % block_size] = quantize_fp8(v[p], v_scale)
+    meta, _ = make_metadata([ReqStep(c, n, ids) for (c, n), ids in zip(reqs, block_ids)],
+                            block_size)
+    key = torch.cat([k[c:] for (c, _), k in zip(reqs, hist_k)])
+    value = torch.cat([v[c:] for (c, _), v in zip(reqs, hist_v)])
+    query = torch.randn(meta.num_actual_tokens, num_heads, head_size)
+    backend = TorchAttentionBackend(num_heads, head_size, num_kv_heads, head_size**-0.5)
+    backend.set_kv_scales(k_scale, v_scale)
+
+    out = backend.forward(query, key, value, kv_cache, meta)
+
+    assert kv_cache.dtype == FP8_DTYPE and not kv_cache.float().isnan().any()
+    slot0 = block_ids[0][0] * block_size + 2
+    assert kv_cache[0].view(-1, num_kv_heads, head_size)[slot0, 0, 0].item() == FP8_MAX
+    start = 0
+    for (cached, new), k, v in zip(reqs, hist_k, hist_v):
+        k8 = quantize_fp8(k, k_scale).double() * k_scale
+        v8 = quantize_fp8(v, v_scale).double() * v_scale
+        want = naive_attention(query[start : start + new], k8, v8, cached, backend.scale)
+        torch.testing.assert_close(out[start : start + new].double(), want, rtol=1e-5,
+                                   atol=1e-5)
+        # And close to attention over the unquantized values (e4m3 keeps 3 mantissa bits).
+        if start > 0 and new:  # request 0 holds the saturated outlier
+            exact = naive_attention(query[start : start + new], k, v, cached, backend.scale)
+            assert (out[start : start + new].double() - exact).abs().max() < 0.25
+        start += new
+
+
+def test_kv_scales_must_be_finite_and_positive() -> None:
+    backend = TorchAttentionBackend(2, 4, 2, 0.5)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="k_scale"):
+            backend.set_kv_scales(k_scale=bad)
+    backend.set_kv_scales(v_scale=0.5)
+    assert (backend.k_scale, backend.v_scale) == (1.0, 0.5)

@@ -308,3 +308,119 @@ def test_backend_matches_torch_backend() -> None:
     n = md.num_actual_tokens
     assert rel_err(ours[:n], theirs[:n].double().cpu()) <= MAX_REL_ERR
     assert torch.equal(batch.kv_cache, torch_cache)
+
+
+def _to_fp8(batch: Batch, k_scale: float, v_scale: float) -> None:
+    """Turns batch's cache into an FP8 one holding its cached tokens quantized (k_scale for
+    keys, v_scale for values), and its dense K/V into what that cache dequantizes to."""
+    from vllm.attention.kv_cache_dtype import quantize_fp8
+
+    cache = batch.kv_cache.cpu()
+    batch.kv_cache = torch.stack(
+        [quantize_fp8(cache[0], k_scale), quantize_fp8(cache[1], v_scale)]
+    ).to(DEVICE)
+    batch.dense_k = [quantize_fp8(k, k_scale).double() * k_scale for k in batch.dense_k]
+    batch.dense_v = [quantize_fp8(v, v_scale).double() * v_scale for v in batch.dense_v]
+
+
+@pytest.mark.parametrize("splits", [1, 4], ids=["unsplit", "split4"])
+def test_fp8_cache_matches_torch_backend_with_fp8_cache(splits: int) -> None:
+    """Triton with a float8_e4m3fn cache and per-tensor scales: the bytes it writes and the
+    attention it computes over them match the torch backend on the same FP8 cache."""
+    from vllm.attention.backends.torch_backend import TorchAttentionBackend
+    from vllm.attention.kv_cache_dtype import FP8_DTYPE, FP8_MAX
+
+    k_scale, v_scale = 0.25, 2.0
+    batch = make_batch([3, 1, 1, 5], [3, 33, 70, 21], 4, 2, 64, 16, num_padding=2, seed=8)
+    batch.key[0, 0, 0] = 1e4  # saturates at 448 * k_scale rather than becoming NaN
+    _to_fp8(batch, k_scale, v_scale)
+    md = batch.metadata
+    torch_cache = batch.kv_cache.clone()
+    scale = 64**-0.5
+    ours = TritonAttentionBackend(4, 64, 2, scale, num_splits=splits)
+    theirs = TorchAttentionBackend(4, 64, 2, scale)
+    for backend in (ours, theirs):
+        backend.set_kv_scales(k_scale, v_scale)
+    out = ours.forward(batch.query, batch.key, batch.value, batch.kv_cache, md)
+    ref = theirs.forward(batch.query, batch.key, batch.value, torch_cache, md)
+
+    assert batch.kv_cache.dtype == FP8_DTYPE
+    written = batch.kv_cache.float().cpu()
+    assert not written.isnan().any()
+    assert written.view(2, -1, 2, 64)[0, md.slot_mapping[0].item(), 0, 0] == FP8_MAX
+    if DEVICE.type == "cpu":
+        assert torch.equal(written, torch_cache.float().cpu())
+    else:  # the GPU may round a division differently by one e4m3 step
+        torch.testing.assert_close(written, torch_cache.float().cpu(), rtol=0.07, atol=0.002)
+    n = md.num_actual_tokens
+    assert rel_err(out[:n], ref[:n].double().cpu()) <= MAX_REL_ERR
+    assert torch.equal(out[n:].cpu(), torch.zeros_like(out[n:].cpu()))
+
+
+def test_fp8_kernels_dequantize_with_the_scales() -> None:
+    """The kernels alone (write, then attend) against dense attention over the dequantized
+    keys and values, including a split-KV decode."""
+    batch = make_batch([4, 1, 1], [4, 150, 37], 4, 2, 64, 16, seed=9)
+    k_scale, v_scale = 0.5, 0.125
+    _to_fp8(batch, k_scale, v_scale)
+    # The new tokens are quantized by the kernel; the oracle sees them as it stores them.
+    ctx = [s - q for q, s in zip(batch.q_lens, batch.seq_lens)]
+    new_k = batch.key.cpu().split(batch.q_lens)
+    new_v = batch.value.cpu().split(batch.q_lens)
+    from vllm.attention.kv_cache_dtype import quantize_fp8
+
+    for i, c in enumerate(ctx):
+        batch.dense_k[i][c:] = quantize_fp8(new_k[i], k_scale).double() * k_scale
+        batch.dense_v[i][c:] = quantize_fp8(new_v[i], v_scale).double() * v_scale
+    md = batch.metadata
+    n = md.num_actual_tokens
+    for splits in (1, 2):
+        cache = batch.kv_cache.clone()
+        cache_ops.reshape_and_cache(batch.key, batch.value, cache, md.slot_mapping, n,
+                                    k_scale=k_scale, v_scale=v_scale)
+        out = torch.full_like(batch.query, float("nan"))
+        attn_ops.unified_attention(
+            batch.query, cache[0], cache[1], out, md.query_start_loc, md.seq_lens,
+            md.block_table, num_tokens=n, num_reqs=md.num_reqs, max_query_len=md.max_query_len,
+            max_seq_len=md.max_seq_len, scale=0.125, num_splits=splits, k_scale=k_scale,
+            v_scale=v_scale,
+        )
+        assert rel_err(out, reference(batch, 0.125)) <= MAX_REL_ERR, splits
+
+
+def test_fp8_cache_rejects_a_bad_scale() -> None:
+    batch = make_batch([2], [2], 2, 1, 64, 16)
+    _to_fp8(batch, 1.0, 1.0)
+    md = batch.metadata
+    with pytest.raises(ValueError, match="k_scale"):
+        cache_ops.reshape_and_cache(batch.key, batch.value, batch.kv_cache, md.slot_mapping,
+                                    k_scale=0.0)
+    with pytest.raises(ValueError, match="v_scale"):
+        attn_ops.unified_attention(
+            batch.query, batch.kv_cache[0], batch.kv_cache[1], torch.empty_like(batch.query),
+            md.query_start_loc, md.seq_lens, md.block_table, num_tokens=2, num_reqs=1,
+            max_query_len=2, max_seq_len=2, scale=0.125, v_scale=float("nan"),
+        )
+
+
+def test_fp8_write_rounds_like_torch_everywhere() -> None:
+    """Every e4m3 rounding case the write kernel meets (midpoints, where ties go to even,
+    just either side of them, carries into the next power of two, subnormals, saturation)
+    gives the value torch's own conversion gives."""
+    from vllm.attention.kv_cache_dtype import FP8_DTYPE, FP8_MAX
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = codes[codes.isfinite() & (codes >= 0)].unique()  # sorted, 0 .. 448
+    mids = (grid[1:] + grid[:-1]) / 2
+    nudge = (grid[1:] - grid[:-1]) / 64
+    g = torch.Generator().manual_seed(2)
+    wide = torch.exp(torch.empty(2048).uniform_(-12, 7, generator=g))  # 6e-6 .. 1100
+    values = torch.cat([grid, mids, mids - nudge, mids + nudge, wide])
+    values = torch.cat([values, -values])
+    values = torch.cat([values, values.new_zeros((-values.numel()) % 64)]).view(-1, 1, 64)
+    n = values.shape[0]
+    cache = torch.zeros(2, n, 1, 1, 64, dtype=FP8_DTYPE, device=DEVICE)
+    slots = torch.arange(n, dtype=torch.int64, device=DEVICE)
+    cache_ops.reshape_and_cache(values.to(DEVICE), values.to(DEVICE), cache, slots)
+    want = values.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    assert torch.equal(cache[0].cpu().view(torch.uint8), want.view(n, 1, 1, 64).view(torch.uint8))

@@ -121,20 +121,26 @@ def _main_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     return captured.err
 
 
+def test_quantization_flag_and_short_alias() -> None:
+    assert serve_args("--quantization", "gptq").quantization == "gptq"
+    assert serve_args("-q", "fp8").quantization == "fp8"
+    assert serve_args().quantization is None
+
+
 def test_unknown_flag_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _main_error(capsys, "serve", MODEL, "--quantization", "fp8")
-    assert err.startswith("vllm serve: error: unsupported option --quantization: this engine "
+    err = _main_error(capsys, "serve", MODEL, "--cpu-offload-gb", "4")
+    assert err.startswith("vllm serve: error: unsupported option --cpu-offload-gb: this engine "
                           "does not implement it")
-    assert "--quantization fp8" in err
+    assert "--cpu-offload-gb 4" in err
     assert "vllm serve --help" in err
-    # With --model, argparse takes `fp8` for the positional MODEL; the flag is still refused.
-    err = _main_error(capsys, "serve", "--model", MODEL, "--quantization=fp8", "--foo_bar")
-    assert "unsupported options --quantization, --foo-bar" in err
+    # With --model, argparse takes `4` for the positional MODEL; the flag is still refused.
+    err = _main_error(capsys, "serve", "--model", MODEL, "--cpu-offload-gb=4", "--foo_bar")
+    assert "unsupported options --cpu-offload-gb, --foo-bar" in err
 
 
 def test_unknown_bench_flag_names_the_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _main_error(capsys, "bench", "serve", "--model", "m", "--quantization", "fp8")
-    assert err.startswith("vllm bench serve: error: unsupported option --quantization")
+    err = _main_error(capsys, "bench", "serve", "--model", "m", "--cpu-offload-gb", "4")
+    assert err.startswith("vllm bench serve: error: unsupported option --cpu-offload-gb")
 
 
 def test_bad_values_are_one_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -286,6 +292,26 @@ def test_fast_forward_flag_drafts_forced_tokens_only() -> None:
     assert EngineArgs(model=MODEL).create_engine_config().speculative_config is None
 
 
+@pytest.mark.parametrize("value, mode, drafts", [
+    ("canonical", "canonical", True), ("exact", "exact", True), ("off", "off", False),
+    ("false", "off", False),
+])
+def test_fast_forward_modes_from_the_command_line(value: str, mode: str, drafts: bool) -> None:
+    config = serve_args("--structured-outputs-config.fast_forward", value).create_engine_config()
+    assert config.structured_outputs_config.fast_forward == mode
+    assert (config.speculative_config is not None) == drafts
+    with pytest.raises(ValueError, match="fast_forward: must be one of off, exact, canonical"):
+        serve_args("--structured-outputs-config.fast_forward", "fastest").create_engine_config()
+
+
+def test_fast_forward_with_pipeline_stages_names_the_option() -> None:
+    # It drafts like speculative decoding, which pipeline stages do not support yet.
+    with pytest.raises(ValueError, match=r"^--structured-outputs-config.fast_forward: not "
+                                         r"supported with --pipeline-parallel-size"):
+        serve_args("--structured-outputs-config.fast_forward", "canonical",
+                   "--pipeline-parallel-size", "2").create_engine_config()
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"method": "eagle"}, r"--speculative-config.method: 'eagle' is not supported"),
     ({"method": "draft_model"}, r"--speculative-config.model: required with method"),
@@ -331,3 +357,19 @@ def test_scheduling_mode_is_described_for_the_startup_log() -> None:
     off = EngineArgs(model=MODEL, async_scheduling=False).create_engine_config().scheduling_mode()
     assert on.startswith("async scheduling: on") and "--no-async-scheduling" in on
     assert off.startswith("async scheduling: off")
+
+
+@pytest.mark.parametrize("flags", [["--kv-cache-dtype", "fp8"], ["--kv_cache_dtype=fp8_e4m3"]])
+def test_kv_cache_dtype_flag_reaches_the_cache_config(flags: list[str]) -> None:
+    args = serve_args(*flags)
+    assert args.kv_cache_dtype == flags[-1].rpartition("=")[2]
+    assert args.create_engine_config().cache_config.cache_dtype == args.kv_cache_dtype
+    assert serve_args().create_engine_config().cache_config.cache_dtype == "auto"
+
+
+def test_a_bad_kv_cache_dtype_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _main_error(capsys, "serve", MODEL, "--kv-cache-dtype", "fp16")
+    assert "--kv-cache-dtype" in err and "invalid choice: 'fp16'" in err
+    assert "auto" in err and "fp8_e4m3" in err
+    with pytest.raises(ValueError, match="--kv-cache-dtype: 'int8' is not supported"):
+        EngineArgs(model=MODEL, kv_cache_dtype="int8").create_engine_config()

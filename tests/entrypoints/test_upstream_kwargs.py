@@ -88,6 +88,7 @@ def test_tokenizer_modes_accepted(mode: str) -> None:
     ({"tokenizer_mode": "mistral"}, "--tokenizer-mode: 'mistral'"),
     ({"config_format": "mistral"}, "--config-format: 'mistral'"),
     ({"load_format": "pt"}, "--load-format: 'pt'"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "--kv-cache-dtype: 'fp8_e5m2'"),
 ])
 def test_unsupported_values_name_the_option(kwargs: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):

@@ -4,18 +4,21 @@ deltas, base rows stay bit-identical, and a cleared slot adds nothing."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from vllm.lora.layers import LoRABatch, LoRALinear
+from vllm.lora.layers import LoRABatch, LoRALinear, lora_backend
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
 
-def test_fused_layer_gives_each_part_its_own_delta() -> None:
+# "triton" runs in Triton's interpreter without CUDA (tests/conftest.py turns it on).
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_layer_gives_each_part_its_own_delta(backend: str) -> None:
     gen = torch.Generator().manual_seed(0)
     base = MergedColumnParallelLinear(8, [6, 4])
     with torch.no_grad():
         base.weight.copy_(torch.randn(10, 8, generator=gen))
-    batch = LoRABatch(lambda a: torch.from_numpy(a), min_rows=4)
+    batch = LoRABatch(lambda a: torch.from_numpy(a), min_rows=4, num_slots=2, backend=backend)
     layer = LoRALinear(base, 8, [6, 4], batch, max_loras=2, max_rank=3,
                        dtype=torch.float32, device=torch.device("cpu"))
     # Slot 0: both parts (ranks 3 and 2); slot 1: only part 1 (rank 1).
@@ -43,3 +46,13 @@ def test_fused_layer_gives_each_part_its_own_delta() -> None:
     torch.testing.assert_close(layer(x)[slots == 0], plain[slots == 0])
     batch.clear()
     assert torch.equal(layer(x), plain)
+
+
+def test_the_environment_names_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_LORA_BACKEND", raising=False)
+    assert lora_backend() == "torch"
+    monkeypatch.setenv("VLLM_LORA_BACKEND", "Triton")
+    assert lora_backend() == "triton"
+    monkeypatch.setenv("VLLM_LORA_BACKEND", "punica")
+    with pytest.raises(ValueError, match="VLLM_LORA_BACKEND: 'punica' is not one of"):
+        lora_backend()

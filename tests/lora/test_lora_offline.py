@@ -198,3 +198,21 @@ def test_llama_subset_adapter_matches_merged(tmp_path, tokenizer_dir) -> None:
     for prompt, out in zip(prompts, outs):
         _check_against(merged, prompt, out, captured)
     llm.shutdown()
+
+
+def test_triton_backend_matches_merged_models(qwen3, tokenizer_dir, alone, monkeypatch) -> None:
+    """VLLM_LORA_BACKEND=triton (Triton's interpreter without CUDA): a batch mixing two
+    adapters and the base model gives each request its merged model's logits and greedy
+    tokens, and the tokens the torch backend gives it alone."""
+    path, hf, adapters = qwen3
+    monkeypatch.setenv("VLLM_LORA_BACKEND", "triton")
+    llm = _engine(path, tokenizer_dir, max_loras=2)
+    assert _runner(llm).lora.batch.backend == "triton"
+    captured = capture_logits(llm)
+    names = [None, "all", "attn_down", "all", None]
+    loras = [adapters[n][0] if n else None for n in names]
+    outs = llm.generate(_prompts(1), GREEDY, use_tqdm=False, lora_request=loras)
+    for i, (name, prompt, out) in enumerate(zip(names, _prompts(1), outs)):
+        _check_against(adapters[name][1] if name else hf, prompt, out, captured)
+        assert out.outputs[0].token_ids == alone[(name, i)], (name, i)
+    llm.shutdown()

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.attention.kv_cache_dtype import KV_CACHE_DTYPES
 from vllm.config import (
     FAST_FORWARD_TOKENS,
     CacheConfig,
@@ -23,7 +24,11 @@ from vllm.config import (
 )
 from vllm.reasoning import PARSERS
 from vllm.v1.executor import registry
-from vllm.v1.structured_output.registry import BACKENDS
+from vllm.v1.structured_output.registry import (
+    backends_for,
+    request_only_for,
+    server_choices,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.executor.abstract import Executor
@@ -88,6 +93,13 @@ class EngineArgs:
         default="auto",
         metadata=_help("auto, hf or safetensors (the checkpoint's *.safetensors), or dummy "
                        "(random weights; a hub id then fetches no weights)."))
+    quantization: str | None = field(
+        default=None,
+        metadata=_help("Quantized weights: compressed-tensors, gptq or awq (default: what the "
+                       "checkpoint's quantization_config says; a different value is an "
+                       "error), or fp8 to quantize a full-precision checkpoint at load "
+                       "(per-channel FP8).", aliases=("-q",)),
+    )
     enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
     attention_backend: str = field(default="auto", metadata=_help("auto, torch or triton."))
     served_model_name: str | None = field(default=None, metadata=_help("Model name in the API."))
@@ -96,6 +108,12 @@ class EngineArgs:
     kv_cache_memory: int | None = field(
         default=None, metadata=_help("KV cache size on CPU, e.g. 2GiB.", type=parse_bytes)
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_help("auto (the model's dtype), or fp8 / fp8_e4m3: keys and values stored "
+                       "as float8 e4m3 with a per-layer scale (the checkpoint's k_scale / "
+                       "v_scale, else 1.0), so the same memory holds 2x the tokens of a "
+                       "16-bit cache (4x of float32).", choices=KV_CACHE_DTYPES))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help("GPU memory fraction (CUDA)."))
     num_gpu_blocks_override: int | None = field(default=None, metadata=_help("Force the number of KV blocks."))
     max_num_seqs: int | None = field(
@@ -176,8 +194,10 @@ class EngineArgs:
         metadata=_help("JSON, e.g. '{\"backend\": \"xgrammar\"}'; or dotted flags "
                        "--structured-outputs-config.backend xgrammar. Options: backend, "
                        "compile_timeout_s (10; seconds of compiling, queueing not counted), "
-                       f"backend (auto: {', else '.join(BACKENDS)} when only it enforces "
-                       "the constraint), disable_fallback, disable_any_whitespace, max_whitespace "
+                       f"backend ({', '.join(server_choices())}; auto: "
+                       f"{', else '.join(backends_for('auto'))} when only it enforces the "
+                       f"constraint, {' and '.join(request_only_for('auto'))} when a request "
+                       "names it), disable_fallback, disable_any_whitespace, max_whitespace "
                        "(16; null: unbounded), one_of_as_any_of, compile_workers (half the CPUs, 2 to 8), "
                        "max_constraint_length (262144 characters), max_enum_values (8192, "
                        "enum values of a schema or choices), max_json_depth (128).",
@@ -256,6 +276,7 @@ class EngineArgs:
             download_dir=self.download_dir,
             tokenizer_mode=self.tokenizer_mode,
             config_format=self.config_format,
+            quantization=self.quantization,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             served_model_name=self.served_model_name,
@@ -272,12 +293,13 @@ class EngineArgs:
                     f"--reasoning-parser {self.reasoning_parser} and "
                     f"--structured-outputs-config.reasoning_parser {given} disagree"
                 )
+        structured_config = StructuredOutputsConfig(**structured_options)
         speculative_config = None
         if self.speculative_config is not None:
             speculative_config = SpeculativeConfig(**_options(
                 "--speculative-config", _modern_speculative(self.speculative_config),
                 SpeculativeConfig))
-        elif structured_options.get("fast_forward"):
+        elif structured_config.fast_forward != "off":
             speculative_config = SpeculativeConfig(
                 method="grammar", num_speculative_tokens=FAST_FORWARD_TOKENS)
         return VllmConfig(
@@ -288,6 +310,7 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self._max_num_seqs(),
@@ -297,7 +320,7 @@ class EngineArgs:
                 max_n=self.max_n,
             ),
             parallel_config=parallel_config,
-            structured_outputs_config=StructuredOutputsConfig(**structured_options),
+            structured_outputs_config=structured_config,
             speculative_config=speculative_config,
             lora_config=LoRAConfig(
                 max_loras=self.max_loras,

@@ -14,22 +14,56 @@ group before B, as the base layer sums its partial outputs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from vllm.lora.triton_ops import SlotPlan
+
+
+LORA_BACKENDS = ("torch", "triton")
+
+
+def lora_backend() -> str:
+    """The LoRA kernel VLLM_LORA_BACKEND names: 'torch' (default: a matmul pair per active
+    slot) or 'triton' (two grouped launches for all slots). Raises ValueError naming the
+    variable for any other value."""
+    backend = os.environ.get("VLLM_LORA_BACKEND", "torch").strip().lower() or "torch"
+    if backend not in LORA_BACKENDS:
+        raise ValueError(
+            f"VLLM_LORA_BACKEND: {backend!r} is not one of {', '.join(LORA_BACKENDS)}")
+    return backend
+
 
 class LoRABatch:
     """The token rows of one forward pass grouped by slot; shared by every LoRA layer of a
     model and set once per forward by the runner (no layer regroups)."""
 
-    def __init__(self, to_device: Callable[[np.ndarray], torch.Tensor], min_rows: int) -> None:
+    def __init__(
+        self,
+        to_device: Callable[[np.ndarray], torch.Tensor],
+        min_rows: int,
+        num_slots: int = 0,
+        backend: str = "torch",
+    ) -> None:
         """`to_device` copies a host array to the model's device without blocking the host
-        (the runner's InputBuffers.to_device: a step must not wait for the one before)."""
+        (the runner's InputBuffers.to_device: a step must not wait for the one before).
+        `backend` "triton" plans the rows of `num_slots` slots for triton_ops.apply_lora."""
         self.to_device = to_device
+        self.num_slots = num_slots
+        self.backend = backend
+        # The triton backend's plan of this forward's rows; None without adapter rows.
+        self.plan: SlotPlan | None = None
+        if backend == "triton":
+            # Imported only when chosen: triton is optional on a CPU-only install.
+            from vllm.lora import triton_ops
+            self.triton_ops = triton_ops
         # Gathered groups are padded to this many rows, so that a row's result does not
         # depend on how many rows share its adapter in this batch (CPU GEMMs on very few
         # rows round differently; see the runner's _CPU_MIN_ROWS).
@@ -41,7 +75,12 @@ class LoRABatch:
         """Groups the rows by slot: ``token_slots[i]`` is row i's slot, -1 for the base model
         (and for padding rows), which no LoRA layer touches."""
         slots = np.unique(token_slots[token_slots >= 0]).tolist()
+        self.plan = None
         if not slots:
+            self.groups = []
+            return
+        if self.backend == "triton":
+            self.plan = self.triton_ops.SlotPlan(self.to_device(token_slots.astype(np.int64)), self.num_slots)
             self.groups = []
             return
         parts: list[np.ndarray] = []
@@ -64,6 +103,7 @@ class LoRABatch:
     def clear(self) -> None:
         """Back to base-model-only rows."""
         self.groups = []
+        self.plan = None
 
 
 class LoRALinear(nn.Module):
@@ -134,6 +174,9 @@ class LoRALinear(nn.Module):
         """Maps [T, in] to [T, out]: the base output, plus for the rows of each active slot
         ``(x A^T) B^T``. Rows of the base model are left exactly as the base computed them."""
         y = self.base(x)
+        if self.batch.plan is not None:
+            return self.batch.triton_ops.apply_lora(
+                y, x, self.lora_a, self.lora_b, self.batch.plan, self.reduce)
         for slot, rows, n in self.batch.groups:
             xs = x.index_select(0, rows)
             shrunk = F.linear(xs, self.lora_a[slot])

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vllm.config import LoRAConfig
-from vllm.lora.layers import LoRABatch, LoRALinear
+from vllm.lora.layers import LoRABatch, LoRALinear, lora_backend
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.lora.peft_adapter import LoRAAdapter, load_adapter
 from vllm.lora.request import LoRARequest
@@ -38,12 +38,12 @@ def _lora_layer(base: nn.Module, batch: LoRABatch, config: LoRAConfig, dtype: to
         kw["out_shards"] = list(base.shards)
     elif isinstance(base, RowParallelLinear):
         sizes = [base.output_size]
-        kw["in_shard"] = (base.input_start, int(base.weight.shape[1]))
+        kw["in_shard"] = (base.input_start, base.local_input_size)
         if base.parallel.tp_size > 1:
             kw["reduce"] = base.parallel.all_reduce
     else:
         raise TypeError(f"LoRA cannot wrap a {type(base).__name__}")
-    return LoRALinear(base, int(base.weight.shape[1]), sizes, batch, config.max_loras,
+    return LoRALinear(base, base.local_input_size, sizes, batch, config.max_loras,
                       config.max_lora_rank, dtype, device, **kw)
 
 
@@ -64,7 +64,7 @@ class LoRAModelManager:
         self.model = model
         self.config = lora_config
         self.hf_config = model.config
-        self.batch = LoRABatch(to_device, min_rows)
+        self.batch = LoRABatch(to_device, min_rows, lora_config.max_loras, lora_backend())
         # (layer index, projection) -> (its LoRA layer, part index in it).
         self.targets: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
         self._wrap(device, dtype)

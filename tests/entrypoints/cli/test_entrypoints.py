@@ -60,11 +60,11 @@ def test_cli_main_module_is_the_vllm_command() -> None:
 
 def test_api_server_refuses_unknown_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        api_server.main(["--model", MODEL, "--quantization", "fp8"])
+        api_server.main(["--model", MODEL, "--cpu-offload-gb", "4"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m vllm.entrypoints.openai.api_server: error: unsupported "
-                          "option --quantization")
+                          "option --cpu-offload-gb")
     assert "usage:" not in err
 
 
@@ -73,6 +73,8 @@ def test_api_server_reports_config_errors_like_serve(capsys: pytest.CaptureFixtu
     assert "--tensor-parallel-size 3: the model's 4 attention heads" in capsys.readouterr().err
     assert api_server.main(["--model", MODEL, "--max_model_len=-5", "--port", "0"]) == 2
     assert "--max-model-len" in capsys.readouterr().err
+    assert api_server.main(["--model", MODEL, "--send-timeout", "-1", "--port", "0"]) == 2
+    assert "--send-timeout: must be at least 0 seconds" in capsys.readouterr().err
 
 
 def _group_gone(pgid: int, timeout: float = 10.0) -> bool:

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
 MODEL = "demo-tiny"
@@ -238,6 +239,21 @@ def test_unsatisfiable_or_oversized_constraints_are_400(server, structured_outpu
     assert fragment in error["message"], error
 
 
+@pytest.mark.parametrize("mode, fragment", [
+    ("canonical", "'canonical' is not enabled on this server"),  # the server's default: off
+    ("exact", "'exact' is not enabled on this server"),
+    ("fast", "must be one of off, exact, canonical, got 'fast'"),
+    (3, "must be one of off, exact, canonical, got 3"),
+], ids=["canonical", "exact", "unknown", "not_a_string"])
+def test_a_fast_forward_the_server_does_not_allow_is_400(server, mode, fragment):
+    response = _complete(server, {"regex": "[ab]{2}", "fast_forward": mode})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "structured_outputs.fast_forward", error
+    assert fragment in error["message"], error
+    assert _complete(server, {"regex": "[ab]{2}", "fast_forward": "off"}).status_code == 200
+
+
 # Passes the default limits (8,000 enum values, 255,000 characters) but takes xgrammar
 # seconds to compile (5-7 s on a 2-core machine: too close to the default 10 s limit, so
 # the server below allows 3 s, which still leaves a compile worker killed by the limit
@@ -274,3 +290,34 @@ def test_slow_compiles_do_not_block_other_structured_requests(impatient_server):
             assert "compile_timeout_s" in response.json()["error"]["message"]
     # The killed compiles hold nothing afterwards: a new structured request is served.
     assert _complete(server, {"regex": "[0-9]{2}"}).status_code == 200
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["outlines", "lm-format-enforcer"])
+def test_upstream_compatibility_backends(client, backend):
+    """Upstream's other backend names through the server: the admission check and the engine
+    both use the named backend; what it cannot enforce is a 400 naming it."""
+    schema = {k: v for k, v in SCHEMA.items() if k != "properties"}
+    schema["properties"] = {**SCHEMA["properties"], "age": {"enum": ["young", "old"]}}
+    stopped = 0
+    for field, value, check in [
+        ("guided_json", schema, lambda t: jsonschema.validate(json.loads(t), schema) is None),
+        ("guided_regex", REGEX, lambda t: re.fullmatch(REGEX, t) is not None),
+        ("guided_choice", CHOICES, lambda t: t in CHOICES),
+    ]:
+        out = client.completions.create(
+            model=MODEL, prompt="x", max_tokens=60, temperature=1.0, seed=3,
+            extra_body={field: value, "guided_decoding_backend": backend},
+        )
+        text = out.choices[0].text
+        if out.choices[0].finish_reason == "stop":
+            assert check(text), (field, text)
+            stopped += 1
+    assert stopped >= 2  # the regex and the choice are short
+    for field, value, fragment in [("guided_grammar", GRAMMAR, "grammar"),
+                                   ("guided_json", SCHEMA, "'minimum'")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={
+                field: value, "guided_decoding_backend": backend})
+        message = str(info.value)
+        assert fragment in message and backend in message, message

@@ -137,3 +137,41 @@ def test_bad_configs_and_tensors_are_named() -> None:
         layer.load_weight("w13_weight", CheckpointTensor(torch.zeros(INTER, HIDDEN)), 8)
     with pytest.raises(ValueError, match="bias"):
         layer.checkpoint_parts("bias")
+
+
+def _fp8(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 codes, checkpoint scale, dequantized weight) of a per-row or per-tensor FP8 w."""
+    amax = w.abs().amax() if per_tensor else w.abs().amax(1, keepdim=True)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    q = (w / scale).to(torch.float8_e4m3fn)
+    return q, scale.reshape(1) if per_tensor else scale, q.float() * scale
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_fp8_experts_shards_sum_to_the_dequantized_whole(per_tensor: bool) -> None:
+    from vllm.model_executor.layers.linear import deferred_weights
+
+    experts = _experts(4, seed=5)
+    quantized = [[_fp8(w, per_tensor) for w in expert] for expert in experts]
+    dequantized = [tuple(d for _, _, d in expert) for expert in quantized]
+    whole = _load(FusedMoE(4, 2, HIDDEN, INTER, True), dequantized)
+    x, logits = torch.randn(7, HIDDEN), torch.randn(7, 4)
+    weights, ids = select_experts(logits, 2, True)
+    partial_sum = torch.zeros(7, HIDDEN)
+    for rank in range(2):
+        with deferred_weights():
+            layer = FusedMoE(4, 2, HIDDEN, INTER, True, _ctx(2, rank))
+        assert layer.w13_weight.is_meta
+        layer.materialize(fp8=True, per_tensor_scales=per_tensor)
+        gate, up, down = layer.expert_names
+        named = {}
+        for e, expert in enumerate(quantized):
+            for name, (q, scale, _) in zip((gate, up, down), expert):
+                named.update({f"{e}.{name}.weight": q, f"{e}.{name}.weight_scale": scale})
+        for param_name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
+            for ckpt_name, part in layer.checkpoint_parts(param_name):
+                layer.load_weight(param_name, CheckpointTensor(named.pop(ckpt_name)), part)
+        assert not named and layer.w13_weight.dtype == torch.float8_e4m3fn
+        partial_sum += fused_experts(x, layer.w13_weight, layer.w2_weight, weights, ids,
+                                     layer.w13_weight_scale, layer.w2_weight_scale)
+    torch.testing.assert_close(partial_sum, whole(x, logits), atol=1e-5, rtol=1e-5)

@@ -14,10 +14,10 @@ from vllm.model_executor.layers.fused_moe import (  # noqa: E402
     fused_experts,
     select_experts,
 )
-from vllm.model_executor.layers.fused_moe_triton import (  # noqa: E402
+from vllm.model_executor.layers.fused_moe_triton import triton_fused_experts  # noqa: E402
+from vllm.model_executor.layers.triton_grouped_gemm import (  # noqa: E402
     _grouped_gemm_kernel,
     align_by_expert,
-    triton_fused_experts,
 )
 
 if DEVICE.type == "cpu" and not isinstance(

@@ -35,7 +35,26 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any], int]] = {
     "qwen3_moe": ("qwen3_moe", {}, {}, 1),
     # Routed experts and a shared expert, each all-reduced.
     "qwen2_moe": ("qwen2_moe", {}, {}, 1),
+    # Quantized checkpoints (see QUANTIZED): packed tensors sliced by rows or columns,
+    # GPTQ's scattered groups kept whole on the row-parallel ranks.
+    "gptq_act_order": ("qwen3", {}, {}, 1),
+    "ct_w4a16": ("qwen3", {}, {}, 1),
 }
+
+
+def _quantized(tag: str, path: Path, seed: int) -> Path:
+    from tests.utils_quant import ct_checkpoint, packed_checkpoint
+
+    path.mkdir(parents=True)
+    if tag == "gptq_act_order":
+        packed_checkpoint("qwen3", path, "gptq", seed, act_order=True, sym=False)
+    else:
+        ct_checkpoint("qwen3", path, "w4a16", seed)
+    return path
+
+
+# Checkpoints written by a quantization format rather than build_tiny.
+QUANTIZED = ("gptq_act_order", "ct_w4a16")
 # Per-expert intermediate size of the MoE cases (see tests/utils_models.py).
 MOE_INTERMEDIATE = 32
 
@@ -44,7 +63,8 @@ MOE_INTERMEDIATE = 32
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp_ckpt")
     return {
-        tag: build_tiny(arch, root / tag, seed=10 + i, **overrides)
+        tag: _quantized(tag, root / tag, 10 + i) if tag in QUANTIZED
+        else build_tiny(arch, root / tag, seed=10 + i, **overrides)
         for i, (tag, (arch, overrides, _, _)) in enumerate(CASES.items())
     }
 

@@ -130,7 +130,7 @@ def tp_worker(rank: int, tp_size: int, init_file: str, jobs: list[tuple[str, str
             result = {
                 "logits": run_workload([model]),
                 "num_kv_heads": model.num_kv_heads,
-                "qkv_rows": model.model.layers[0].self_attn.qkv_proj.weight.shape[0],
+                "qkv_rows": model.model.layers[0].self_attn.qkv_proj.local_sizes[0],
                 "vocab_rows": model.lm_head.weight.shape[0],
                 "w13_rows": _w13_rows(model),
             }

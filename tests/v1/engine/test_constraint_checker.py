@@ -24,6 +24,7 @@ from tests.v1.structured_output.manager_utils import (
     manager_sharing,
     wait_ready,
 )
+from vllm.exceptions import InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.engine.constraint_checker import ConstraintChecker
 from vllm.v1.structured_output.compile_pool import CompileAbortedError
@@ -54,6 +55,24 @@ def test_validate_then_engine_compile_hits_the_cache(
     manager.clear(request)
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         checker.validate(StructuredOutputsParams(regex="(a"))
+
+
+@pytest.mark.parametrize("server, refused", [
+    ("off", ["exact", "canonical"]), ("exact", ["canonical"]), ("canonical", [])])
+def test_a_request_may_not_ask_for_more_fast_forward_than_the_server(
+    manager: StructuredOutputManager, demo_dir: Path, server: str, refused: list  # noqa: F811
+) -> None:
+    checker = _checker(manager, demo_dir, fast_forward=server)
+    for mode in ("off", "exact", "canonical"):
+        params = StructuredOutputsParams(regex="[ab]", fast_forward=mode)
+        if mode in refused:
+            # Both entry points refuse it before anything compiles, naming the field.
+            for check in (checker.validate, checker.check):
+                with pytest.raises(InvalidRequestError, match="not enabled on this server") as e:
+                    check(params)
+                assert e.value.param == "structured_outputs.fast_forward"
+        else:
+            checker.validate(params)
 
 
 def test_validate_is_bounded_by_the_timeout(

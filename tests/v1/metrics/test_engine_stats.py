@@ -30,6 +30,9 @@ def _stats(**changes: object) -> EngineCoreStats:
         spec_decode_num_accepted_tokens=12,
         grammar_backends=[("guidance", "fallback", 4), ("xgrammar", "first_choice", 9)],
         timestamp=1_700_000_000.25,
+        fast_forward_forced_tokens=20,
+        fast_forward_kept_tokens=9,
+        fast_forward_requests=4,
     )
     return msgspec.structs.replace(stats, **changes)
 
@@ -89,8 +92,8 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
     rendered = {k: v for k, v in after.items() if k not in before}
     # One sample per field: a field added to the record must be rendered too (timestamp is
     # not rendered; grammar_backends is a labelled counter, checked below), plus the two
-    # speculative-decoding ratios derived from the counters.
-    assert len(rendered) == len(msgspec.structs.fields(EngineCoreStats)) - 2 + 2
+    # speculative-decoding ratios and the fast-forward mean derived from the counters.
+    assert len(rendered) == len(msgspec.structs.fields(EngineCoreStats)) - 2 + 3
     assert rendered == {
         "vllm:num_requests_running": ("gauge", 3.0),
         "vllm:num_requests_waiting": ("gauge", 5.0),
@@ -106,6 +109,10 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
         "vllm:spec_decode_num_accepted_tokens_total": ("counter", 12.0),
         "vllm:spec_decode_draft_acceptance_rate": ("gauge", 0.4),
         "vllm:spec_decode_mean_accepted_length": ("gauge", 1 + 12 / 11),
+        "vllm:fast_forward_forced_tokens_total": ("counter", 20.0),
+        "vllm:fast_forward_passes_saved_total": ("counter", 9.0),
+        "vllm:fast_forward_requests_total": ("counter", 4.0),
+        "vllm:fast_forward_tokens_per_request": ("gauge", 9 / 4),
     }
     # The decoded record renders exactly as the one the engine core built.
     from_wire = metrics.render()
@@ -120,6 +127,14 @@ def test_spec_decode_ratios_are_absent_before_any_draft() -> None:
     rendered = _samples(metrics)
     assert rendered["vllm:spec_decode_num_draft_tokens_total"] == ("counter", 0.0)
     assert "vllm:spec_decode_draft_acceptance_rate" not in rendered
+
+
+def test_fast_forward_mean_is_absent_before_any_fast_forwarded_request() -> None:
+    metrics = PrometheusMetrics(MODEL)
+    metrics.record_engine_stats(_stats(fast_forward_requests=0))
+    rendered = _samples(metrics)
+    assert rendered["vllm:fast_forward_requests_total"] == ("counter", 0.0)
+    assert "vllm:fast_forward_tokens_per_request" not in rendered
 
 
 def test_backend_choices_render_as_one_labelled_counter() -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tests.v1.core.sched_utils import GRAMMAR_END, FakeGrammar, make_request
+from tests.v1.spec_decode.test_fast_forward import constrained
+from tests.v1.spec_decode.text_grammar import Tokenizer
 from vllm.v1.request import Request
 from vllm.v1.spec_decode.drafting import Drafter, SpecDecodeStats, grammar_after
+from vllm.v1.spec_decode.fast_forward import FastForward
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.spec_decode.proposer import ForcedTokensOnly
 
@@ -101,3 +104,43 @@ def test_grammar_after_the_tokens_in_flight(jump_forward: bool) -> None:
     assert grammar_after("r", grammar, [2, 3, 4, GRAMMAR_END, 5]) == (
         [2, 3, 4, GRAMMAR_END], [])
     assert grammar.accepted == [1] and not grammar.is_terminated()
+
+
+def _forced_drafter(num_tokens: int = 8) -> Drafter:
+    return Drafter(ForcedTokensOnly(num_tokens), 100, FastForward("canonical", Tokenizer))
+
+
+@pytest.mark.parametrize("mode, drafts", [
+    ("canonical", [1, 2, 3]),  # the tokenizer's '{"' 'name' '":"'
+    ("exact", [5, 4, 6, 7]),  # the backend's spelling, one character per token
+    ("off", None),
+])
+def test_each_mode_drafts_its_forced_tokens(mode: str, drafts: list[int] | None) -> None:
+    drafter = _forced_drafter(num_tokens=4)
+    request = constrained(mode)
+    assert drafter.propose([(request, [])]).get("r") == drafts
+    assert drafter.num_forced.get("r") == (len(drafts) if drafts else None)
+
+
+def test_a_canonical_guess_of_the_sample_in_flight_is_dropped_from_the_forced_count() -> None:
+    drafter = _forced_drafter()
+    request = constrained("canonical")
+    request.num_output_placeholders = 1  # its sample in flight is forced: '{"'
+    assert drafter.propose([(request, [])]) == {"r": [2, 3]}
+    assert drafter.num_forced == {"r": 2}
+
+
+def test_forced_tokens_kept_are_counted_per_request() -> None:
+    drafter = _forced_drafter()
+    drafter.record("a", 4, 2, 3)  # 3 of 4 drafts forced, 2 kept
+    drafter.record("b", 2, 0, 2)  # nothing kept
+    stats = drafter.stats
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (6, 2)
+    assert (stats.num_forced_tokens, stats.num_forced_kept_tokens) == (5, 2)
+    drafter.release("a")
+    drafter.release("b")
+    drafter.release("a")  # a second release does not count it again
+    assert stats.num_fast_forwarded_requests == 1
+    assert stats.fast_forward_counters() == {
+        "fast_forward_forced_tokens": 5, "fast_forward_kept_tokens": 2,
+        "fast_forward_requests": 1}

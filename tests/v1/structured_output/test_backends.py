@@ -31,8 +31,8 @@ TOKENIZER_END = 151_669
 SPACE, NEWLINE, TAB = 220, 198, 197
 WORDS = (VOCAB_SIZE + 31) // 32
 
-# Cases both backends enforce (llguidance refuses propertyNames, minProperties beside optional
-# properties and structural tags), kept small so that each backend walks them in seconds.
+# Cases both backends enforce (llguidance refuses propertyNames and minProperties beside
+# optional properties), kept small so that each backend walks them in seconds.
 _WALK_NAMES = [
     "json_flat_person",
     "json_nested_address",
@@ -67,6 +67,8 @@ _WALK_NAMES = [
     "grammar_balanced",
     "grammar_csv_row",
     "grammar_lark_items",
+    "structural_tag_legacy_triggers",
+    "structural_tag_sequence_json_string",
 ]
 WALK_CASES = [c for c in ALL_CASES if c.name in _WALK_NAMES]
 WALK_MAX_WHITESPACE = 4
@@ -220,6 +222,39 @@ def test_jump_forward_tokens_spell_the_forced_text(any_backend: Any, tokenizer: 
     assert grammar.jump_forward_tokens() == []  # terminated
 
 
+def test_forced_string_is_the_forced_text_in_whole_characters(
+    any_backend: Any, tokenizer: Any
+) -> None:
+    schema = {"type": "object", "properties": {"title": {"type": "string"},
+                                               "größe": {"enum": ["éa", "èb"]}},
+              "required": ["title", "größe"], "additionalProperties": False}
+    grammar = any_backend.compile_grammar(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    assert grammar.accept_tokens("r", _encode(tokenizer, '{"title":"ab"'))
+    before = _allowed(grammar)
+    # Everything up to the enum's opening quote is forced; é and è share their first byte,
+    # which is not a whole character, so the text stops before it.
+    assert grammar.forced_string() == ',"größe":"'
+    assert np.array_equal(_allowed(grammar), before)
+    assert grammar.num_processed_tokens == len(_encode(tokenizer, '{"title":"ab"'))
+    free = any_backend.compile_grammar(StructuredOutputsParams(regex="[a-z]+"))
+    assert free.forced_string() == ""
+    assert grammar.accept_tokens("r", _encode(tokenizer, ',"größe":"éa"}') + [EOS_IDS[0]])
+    assert grammar.forced_string() == ""  # terminated
+
+
+@pytest.mark.parametrize(
+    "data, text",
+    [(b"ab", "ab"), ("aé".encode(), "aé"), ("aé".encode()[:2], "a"),
+     ("é".encode()[1:] + b"a", ""), (b"a\xffb", "a"), (b"", "")],
+    ids=["ascii", "whole", "cut_last", "starts_inside", "invalid", "empty"],
+)
+def test_guidance_forced_bytes_become_whole_characters(data: bytes, text: str) -> None:
+    from vllm.v1.structured_output.backend_guidance import _whole_characters
+
+    assert _whole_characters(data) == text
+
+
 def test_rejected_tokens_leave_the_state_unchanged(any_backend: Any, tokenizer: Any) -> None:
     # llguidance enters an unrecoverable error state when it consumes a token it rejects; a
     # rejection must never do that (nor change anything else).
@@ -364,7 +399,7 @@ def test_special_tokens_are_never_allowed(any_backend: Any, tokenizer: Any) -> N
 def test_added_tokens_that_are_not_special_are_text(backend: Any, tokenizer: Any) -> None:
     """<think> and <tool_call> decode to their text, so a string may hold them and a choice
     of that text may be written as the single token. (llguidance reads every added token as
-    special, so it never allows them: stricter, and it takes no structural tags anyway.)"""
+    special, so it never allows them there: stricter; a structural tag names them.)"""
     any_backend = backend
     grammar = any_backend.compile_grammar(
         StructuredOutputsParams(json={"type": "object", "properties": {"s": {"type": "string"}}}))
@@ -375,9 +410,10 @@ def test_added_tokens_that_are_not_special_are_text(backend: Any, tokenizer: Any
     assert choice.is_terminated()
 
 
-def test_structural_tag_triggers_on_the_tool_call_token(backend: Any, tokenizer: Any) -> None:
+def test_structural_tag_triggers_on_the_tool_call_token(any_backend: Any, tokenizer: Any) -> None:
     """Hermes tool calls: free text until the model writes the <tool_call> token, then the
     call's JSON, then free text again."""
+    backend = any_backend
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
     tag = {"structures": [{"begin": '<tool_call>\n{"name": "f", "arguments": ',
@@ -563,9 +599,12 @@ def test_engine_max_whitespace_and_request_override(
     assert _accepts_whole(any_backend, engine, tokenizer, "{" + " " * 40 + '"a": 1}')
 
 
-def test_structural_tag_schemas_are_bounded_and_exact(backend: Any, tokenizer: Any) -> None:
+def test_structural_tag_schemas_are_bounded_and_exact(
+    backend_name: str, any_backend: Any, tokenizer: Any
+) -> None:
     """A JSON schema inside a structural tag gets the whitespace bound and the exact-semantics
     checks of a plain `json` constraint (it used to get neither)."""
+    backend = any_backend
     def tag(schema: Any, **options: Any) -> StructuredOutputsParams:
         return StructuredOutputsParams(structural_tag={
             "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
@@ -576,9 +615,35 @@ def test_structural_tag_schemas_are_bounded_and_exact(backend: Any, tokenizer: A
                             (0, '<f>{"a":1}</f>', True), (0, '<f>{ "a":1}</f>', False)]:
         grammar = backend.compile_grammar(tag(schema, max_whitespace=limit))
         assert grammar.accept_tokens("t", _encode(tokenizer, text)) == ok, (limit, text)
-    # xgrammar cannot bound a pattern's length: refused, not silently weakened.
-    with pytest.raises(UnsupportedConstraintError):
-        backend.compile_grammar(tag({"type": "string", "pattern": "^a+$", "maxLength": 3}))
+    bounded = tag({"type": "string", "pattern": "^a+$", "maxLength": 3})
+    if backend_name == "xgrammar":
+        # xgrammar cannot bound a pattern's length: refused, not silently weakened.
+        with pytest.raises(UnsupportedConstraintError):
+            backend.compile_grammar(bounded)
+    else:
+        for text, ok in [('<f>"aaa"</f>', True), ('<f>"aaaa"</f>', False)]:
+            grammar = backend.compile_grammar(bounded)
+            assert grammar.accept_tokens("t", _encode(tokenizer, text)) == ok, text
+
+
+def test_structural_tag_text_never_holds_a_bare_trigger(
+    any_backend: Any, tokenizer: Any
+) -> None:
+    """Free text ends at a trigger written as characters too: the tag must follow it."""
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<f="],
+        "tags": [{"type": "tag", "begin": "<f=a>",
+                  "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+                  "end": "</f>"}]}}
+    for text, ok in [("hi <f=a>12</f> ok", True), ("hi <f=b>", False), ("hi <f=a>x", False),
+                     ("no tags at all", True)]:
+        grammar = any_backend.compile_grammar(StructuredOutputsParams(structural_tag=tag))
+        tokens = _encode(tokenizer, text) + [EOS_IDS[0]]
+        assert grammar.accept_tokens("t", tokens) == ok, text
+    stop_first = {**tag, "format": {**tag["format"], "stop_after_first": True}}
+    grammar = any_backend.compile_grammar(StructuredOutputsParams(structural_tag=stop_first))
+    assert grammar.accept_tokens("t", _encode(tokenizer, "x <f=a>1</f>"))
+    assert sorted(_allowed(grammar).tolist()) == sorted(EOS_IDS)
 
 
 def test_whitespace_pattern(guidance_backend: Any, tokenizer: Any) -> None:
@@ -671,7 +736,8 @@ def _message_is_clean(e: InvalidRequestError, field: str, *, one_line: bool = Tr
         ),
         ({"regex": "(?!x)a"}, "look-around"),
         ({"regex": r"(a)\1"}, "backreferences"),
-        ({"structural_tag": {"type": "structural_tag", "format": {}}}, "structural tags"),
+        ({"structural_tag": {"type": "structural_tag", "format": {"type": "any_text"}}},
+         "'any_text'"),
         ({"grammar": 'root ::= "a" (= "b")'}, "EBNF"),
         ({"grammar": 'start: "x" <[5]>'}, "<[...]>"),
         ({"grammar": '%llguidance {"allow_invalid_utf8": true}\nstart: "x"'}, "%llguidance"),

@@ -65,16 +65,23 @@ def test_every_registered_backend_is_a_backend() -> None:
 
 
 def test_names_come_from_the_registry() -> None:
-    assert registry.server_choices() == ("auto", "xgrammar", "guidance")
+    assert registry.server_choices() == (
+        "auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
     assert registry.request_names() == {
-        "xgrammar": "xgrammar", "guidance": "guidance", "llguidance": "guidance"}
+        "xgrammar": "xgrammar", "guidance": "guidance", "llguidance": "guidance",
+        "outlines": "outlines", "lm-format-enforcer": "lm-format-enforcer"}
+    # outlines and lm-format-enforcer add no coverage: auto offers them only when named.
     assert registry.backends_for("auto") == ["xgrammar", "guidance"]
+    assert registry.request_only_for("auto") == ["outlines", "lm-format-enforcer"]
     assert registry.backends_for("auto", disable_fallback=True) == ["xgrammar"]
     assert registry.backends_for("guidance") == ["guidance"]
+    assert registry.backends_for("outlines") == ["outlines"]
+    assert registry.request_only_for("outlines") == []
     with pytest.raises(KeyError):
         registry.backends_for("llguidance")
-    with pytest.raises(ValueError, match="is not one of auto, xgrammar, guidance"):
-        StructuredOutputsConfig(backend="outlines")
+    with pytest.raises(ValueError, match="is not one of auto, xgrammar, guidance, outlines"):
+        StructuredOutputsConfig(backend="bogus")
+    assert StructuredOutputsConfig(backend="lm-format-enforcer").backend == "lm-format-enforcer"
 
 
 def test_one_registry_line_makes_a_backend_usable(
@@ -98,4 +105,24 @@ def test_reading_names_imports_no_backend() -> None:
         "import vllm.config, vllm.v1.structured_output.registry as r\n"
         "r.server_choices(), r.request_names(), r.backends_for('auto')"
     )
-    assert modules_loaded_by(code, ["xgrammar", "llguidance"]) == []
+    assert modules_loaded_by(
+        code, ["xgrammar", "llguidance", "outlines_core", "lmformatenforcer"]) == []
+
+
+def test_a_request_only_backend_as_the_server_choice(tokenizer: Any) -> None:
+    """`--structured-outputs-config.backend outlines` makes it every request's backend; under
+    `auto` it compiles only the requests that name it."""
+    from vllm.exceptions import UnsupportedConstraintError
+
+    pinned = create_backend(StructuredOutputsConfig(backend="outlines"), tokenizer, VOCAB_SIZE,
+                            EOS_IDS)
+    _, name, reason = pinned.compile_choosing(StructuredOutputsParams(choice=["a", "b"]))
+    assert (name, reason) == ("outlines", "first_choice")
+    with pytest.raises(UnsupportedConstraintError, match="grammar.*outlines"):
+        pinned.compile_choosing(StructuredOutputsParams(grammar='root ::= "a"'))
+    with pytest.raises(UnsupportedConstraintError, match="'xgrammar' is not enabled"):
+        pinned.compile_choosing(StructuredOutputsParams(regex="a", backend="xgrammar"))
+    auto = create_backend(StructuredOutputsConfig(), tokenizer, VOCAB_SIZE, EOS_IDS)
+    _, name, _ = auto.compile_choosing(StructuredOutputsParams(regex="a", backend="outlines"))
+    assert name == "outlines"
+    assert set(auto._built) == {"outlines"}  # nothing else was needed

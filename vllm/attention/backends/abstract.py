@@ -5,6 +5,11 @@ The KV cache of one layer is a tensor of shape
 A batch is flat and variable-length: request i owns query tokens
 ``query_start_loc[i]:query_start_loc[i+1]`` and, after this step, ``seq_lens[i]`` tokens
 of context in the cache (the new tokens are the last ones of that context).
+
+The cache holds the model's dtype, or float8_e4m3fn under `--kv-cache-dtype fp8`: then a
+backend writes key / k_scale and value / v_scale saturated to the e4m3 range, and reads
+dequantize (vllm/attention/kv_cache_dtype.py). A backend tells the two apart by the dtype
+of the cache tensor it is given, so models need not know which cache they run on.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+from vllm.attention.kv_cache_dtype import check_kv_scale
 
 
 @dataclass
@@ -54,6 +61,8 @@ class AttentionBackend(ABC):
     # Whether a forward can be captured in a CUDA graph and replayed: it must make no host
     # sync and read only device tensors whose addresses stay fixed between steps.
     supports_cuda_graphs: ClassVar[bool] = False
+    # The CUDA compute capability an FP8 cache needs with this backend (None: any device).
+    fp8_min_capability: ClassVar[tuple[int, int] | None] = None
 
     def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
         """Raises ValueError on non-positive sizes or when num_kv_heads does not divide
@@ -71,6 +80,19 @@ class AttentionBackend(ABC):
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        # Per-tensor FP8 scales of this layer's keys and values (used only with an FP8
+        # cache); the loader sets them from the checkpoint through set_kv_scales.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    def set_kv_scales(self, k_scale: float | None = None, v_scale: float | None = None) -> None:
+        """Sets the FP8 cache scale of keys and/or values (None keeps the current one).
+
+        Raises ValueError for a scale that is not finite and positive."""
+        if k_scale is not None:
+            self.k_scale = check_kv_scale(k_scale, "k_scale")
+        if v_scale is not None:
+            self.v_scale = check_kv_scale(v_scale, "v_scale")
 
     @staticmethod
     def kv_cache_shape(

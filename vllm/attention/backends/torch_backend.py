@@ -8,22 +8,38 @@ import torch
 import torch.nn.functional as F
 
 from vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from vllm.attention.kv_cache_dtype import is_fp8, quantize_fp8
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Stores key/value [N, Hkv, D] at the flat cache slots given per token.
 
+    An FP8 cache gets key / k_scale and value / v_scale saturated to the e4m3 range; any
+    other cache gets them cast to its dtype (the scales are then unused).
     Side effect: modifies kv_cache in place; tokens whose slot is -1 are not written.
     """
     slots = slot_mapping.long()
     valid = slots >= 0
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
+    if is_fp8(kv_cache.dtype):
+        # index_copy_ has no float8 kernel: the quantized bytes are copied as uint8.
+        cache = kv_cache.view(torch.uint8)
+        key = quantize_fp8(key, k_scale).view(torch.uint8)
+        value = quantize_fp8(value, v_scale).view(torch.uint8)
+    else:
+        cache = kv_cache
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     num_kv_heads, head_size = kv_cache.shape[-2], kv_cache.shape[-1]
-    kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value.to(kv_cache.dtype))
+    cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slots, key)
+    cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slots, value)
 
 
 def gather_kv(
@@ -37,9 +53,11 @@ def gather_kv(
     batch, nb = block_ids.shape
     ids = block_ids.long().flatten()
     flat = (batch, nb * kv_cache.shape[2], *kv_cache.shape[3:])
+    # Float8 blocks are copied as their bytes: not every device's index_select takes float8.
+    cache = kv_cache.view(torch.uint8) if is_fp8(kv_cache.dtype) else kv_cache
     # index_select copies whole blocks; advanced indexing is about twice as slow on CPU.
-    k = torch.index_select(kv_cache[0], 0, ids).view(flat)[:, :length]
-    v = torch.index_select(kv_cache[1], 0, ids).view(flat)[:, :length]
+    k = torch.index_select(cache[0], 0, ids).view(kv_cache.dtype).view(flat)[:, :length]
+    v = torch.index_select(cache[1], 0, ids).view(kv_cache.dtype).view(flat)[:, :length]
     return k, v
 
 
@@ -118,7 +136,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """See AttentionBackend.cache_kv."""
         n = metadata.num_actual_tokens
-        write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n])
+        write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], self.k_scale,
+                 self.v_scale)
 
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -159,7 +178,10 @@ class TorchAttentionBackend(AttentionBackend):
             rows = torch.arange(query_len, device=q.device)[:, None] + context
             mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
         k, v = (t.transpose(1, 2).to(q.dtype) for t in (k, v))  # [1, Hkv, seq_len, D]
-        o = self._sdpa(q, k, v, mask, is_causal=mask is None)
+        score_scale, out_scale = self._read_scales(kv_cache)
+        o = self._sdpa(q, k, v, mask, is_causal=mask is None, scale=score_scale)
+        if out_scale != 1.0:
+            o = o * out_scale
         out[start : start + query_len] = o[0].transpose(0, 1)
 
     def _decode(
@@ -179,10 +201,21 @@ class TorchAttentionBackend(AttentionBackend):
             q, k, v = torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v])
         heads = range(self.num_kv_heads)
         scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in heads], 1)
-        scores = (scores * self.scale).masked_fill_(bucket.hidden, float("-inf"))
+        score_scale, out_scale = self._read_scales(kv_cache)
+        scores = (scores * score_scale).masked_fill_(bucket.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in heads], 1)[:batch]
+        if out_scale != 1.0:
+            o = o * out_scale
         out.index_copy_(0, bucket.token_idx, o.reshape(batch, self.num_heads, self.head_size))
+
+    def _read_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
+        """(score scale, output scale) for reading kv_cache. With an FP8 cache the keys'
+        scale folds into the score scale and the values' into the output (attention is
+        linear in each), so the gathered blocks need only a dtype conversion."""
+        if is_fp8(kv_cache.dtype):
+            return self.scale * self.k_scale, self.v_scale
+        return self.scale, 1.0
 
     def _sdpa(
         self,
@@ -191,6 +224,7 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         mask: torch.Tensor | None,
         is_causal: bool,
+        scale: float,
     ) -> torch.Tensor:
         return F.scaled_dot_product_attention(
             q,
@@ -198,6 +232,6 @@ class TorchAttentionBackend(AttentionBackend):
             v,
             attn_mask=mask,
             is_causal=is_causal,
-            scale=self.scale,
+            scale=scale,
             enable_gqa=self.num_kv_heads != self.num_heads,
         )

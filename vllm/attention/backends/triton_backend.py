@@ -24,6 +24,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     reads_host_lengths = False
     supports_cuda_graphs = True
+    # Triton's float8 e4m3 type exists from Ada / Hopper on.
+    fp8_min_capability = (8, 9)
 
     def __init__(
         self,
@@ -54,7 +56,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """See AttentionBackend.cache_kv. Makes no host-device sync."""
         reshape_and_cache(
-            key, value, kv_cache, metadata.slot_mapping, num_tokens=metadata.num_actual_tokens
+            key, value, kv_cache, metadata.slot_mapping, num_tokens=metadata.num_actual_tokens,
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )
 
     def attend(
@@ -79,6 +82,8 @@ class TritonAttentionBackend(AttentionBackend):
             scale=self.scale,
             num_splits=self.num_splits,
             num_sms=self._sm_count(query.device),
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         # Padding rows would otherwise hold uninitialised memory (possibly inf/nan) that
         # later layers would carry along.

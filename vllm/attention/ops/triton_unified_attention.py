@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from vllm.attention.kv_cache_dtype import check_kv_scale, is_fp8
+
 # Scores are kept in base-2 units so the kernel can use exp2.
 _LOG2E = 1.4426950408889634
 
@@ -64,6 +66,7 @@ def _unified_attention_kernel(
     num_heads,
     head_size,
     qk_scale,
+    v_scale,
     QPK: tl.constexpr,
     QPK_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -74,6 +77,7 @@ def _unified_attention_kernel(
     NUM_SEGS: tl.constexpr,
     SPLIT: tl.constexpr,
     F32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -141,6 +145,11 @@ def _unified_attention_kernel(
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        if KV_FP8:
+            # Exact: every e4m3 value is representable in the query's dtype. The scales are
+            # applied outside the loop (keys': in qk_scale; values': to the accumulator).
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if F32_DOT:
             s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
         else:
@@ -159,6 +168,8 @@ def _unified_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale
     if SPLIT:
         part = (tok * num_heads + head) * NUM_SEGS + seg
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
@@ -262,8 +273,15 @@ def _check_inputs(
             f"query: num_heads {query.shape[1]} is not a multiple of num_kv_heads "
             f"{key_cache.shape[2]}"
         )
-    if key_cache.dtype != query.dtype:
-        raise ValueError(f"key_cache: dtype {key_cache.dtype} != query dtype {query.dtype}")
+    if key_cache.dtype != query.dtype and not is_fp8(key_cache.dtype):
+        raise ValueError(
+            f"key_cache: dtype {key_cache.dtype} is neither the query's ({query.dtype}) nor "
+            "float8_e4m3fn"
+        )
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"value_cache: dtype {value_cache.dtype} != key_cache dtype {key_cache.dtype}"
+        )
     if out.shape != query.shape:
         raise ValueError(f"out: shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     if num_reqs < 0 or query_start_loc.shape[0] < num_reqs + 1 or seq_lens.shape[0] < num_reqs:
@@ -312,6 +330,8 @@ def unified_attention(
     scale: float,
     num_splits: int | None = None,
     num_sms: int = 132,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Writes causal paged attention for a flat varlen batch into out.
 
@@ -322,12 +342,19 @@ def unified_attention(
     max_query_len and max_seq_len are host ints (no device sync is made). num_splits: None
     lets choose_num_splits decide (num_sms sizes that choice), 1 forbids splitting, a power of
     two > 1 forces that many KV segments per sequence. Rows of out past num_tokens are left
-    untouched. Side effect: out is overwritten. Raises ValueError on malformed arguments.
+    untouched. The caches hold the query's dtype, or float8_e4m3fn values that are
+    dequantized on read with k_scale and v_scale (per-tensor; unused for other caches).
+    Side effect: out is overwritten. Raises ValueError on malformed arguments.
     """
     _check_inputs(
         query, key_cache, value_cache, out, query_start_loc, seq_lens, block_table,
         num_tokens, num_reqs, num_splits,
     )
+    kv_fp8 = is_fp8(key_cache.dtype)
+    if kv_fp8:
+        # Scores are linear in the keys: their scale joins the softmax scale.
+        scale *= check_kv_scale(k_scale, "k_scale")
+        v_scale = check_kv_scale(v_scale, "v_scale")
     if num_tokens == 0 or num_reqs == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -354,6 +381,7 @@ def unified_attention(
         query_start_loc, seq_lens, block_table,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
         block_table.stride(0), num_reqs, num_heads, head_size, scale * _LOG2E,
+        float(v_scale),
         QPK=qpk,
         QPK_PAD=qpk_pad,
         BLOCK_M=block_m,
@@ -364,6 +392,7 @@ def unified_attention(
         NUM_SEGS=num_splits,
         SPLIT=split,
         F32_DOT=f32_dot,
+        KV_FP8=kv_fp8,
         # float32 tiles are twice as large; fewer stages keep them within shared memory.
         num_stages=2 if query.element_size() == 4 else 3,
     )

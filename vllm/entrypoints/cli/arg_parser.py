@@ -11,7 +11,7 @@ It accepts flags as upstream vLLM users type them:
   every subcommand's parser).
 
 A parse error is one line on stderr naming the flag, then exit status 2, never a usage dump;
-a flag the engine does not implement (e.g. `--quantization fp8`) is reported as such.
+a flag the engine does not implement (e.g. `--cpu-offload-gb 4`) is reported as such.
 """
 
 from __future__ import annotations

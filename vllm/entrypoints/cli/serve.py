@@ -114,6 +114,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "requests (503 with Retry-After) and lets running requests finish for up "
                         "to this many seconds, then ends the rest with an error; a second signal "
                         "ends them at once (default: 5).")
+    parser.add_argument("--send-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="A client that reads nothing of its response for this long (its "
+                        "socket buffers full) is dropped: the response ends and its requests "
+                        "are aborted, freeing their KV cache (default: 60, as nginx's "
+                        "send_timeout; 0: never).")
     parser.add_argument("--ssl-keyfile", default=None, help="Serve HTTPS: the key file.")
     parser.add_argument("--ssl-certfile", default=None,
                         help="Serve HTTPS: the certificate file (with --ssl-keyfile).")
@@ -196,13 +201,16 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         root_path=args.root_path, max_waiting_requests=args.max_waiting_requests,
-        shutdown_timeout=args.shutdown_timeout,
+        shutdown_timeout=args.shutdown_timeout, send_timeout=args.send_timeout,
     )
     if options.max_waiting_requests is not None and options.max_waiting_requests < 0:
         print("error: --max-waiting-requests: must be at least 0", file=sys.stderr)
         return 2
     if not options.shutdown_timeout >= 0:
         print("error: --shutdown-timeout: must be at least 0 seconds", file=sys.stderr)
+        return 2
+    if not options.send_timeout >= 0:
+        print("error: --send-timeout: must be at least 0 seconds", file=sys.stderr)
         return 2
     if (options.ssl_keyfile is None) != (options.ssl_certfile is None):
         print("error: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)

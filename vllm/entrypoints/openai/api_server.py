@@ -43,6 +43,7 @@ from vllm.entrypoints.openai.serving_tokenization import (
     tokenize_request_class,
 )
 from vllm.entrypoints.openai.drain import DrainingServer
+from vllm.entrypoints.openai.stalled_send import StalledSendGuard
 from vllm.exceptions import clean_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
@@ -84,6 +85,9 @@ class ServerOptions:
     max_waiting_requests: int | None = None
     # Graceful shutdown: seconds the running requests may finish after SIGTERM/SIGINT.
     shutdown_timeout: float = 5.0
+    # A response write that cannot complete for this long (the client stopped reading) ends
+    # the response and aborts its requests (StalledSendGuard); 0: no bound.
+    send_timeout: float = 60.0
 
 
 # The one route open without the API key: load balancers and orchestrators probe it, and it
@@ -398,6 +402,8 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
     """
     app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes,
                     options.tool_call_parser, options.max_waiting_requests)
+    if options.send_timeout > 0:
+        app.add_middleware(StalledSendGuard, timeout_s=options.send_timeout)
     if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=options.allowed_origins,

@@ -116,6 +116,9 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     whitespace_pattern: str | None = None
     max_whitespace: int | None = None
     backend: str | None = None
+    # Grammar fast-forward for this request: off, exact or canonical (None: the server's).
+    # Checked by StructuredOutputsParams, whose message names the field.
+    fast_forward: Any = None
 
 
 class SamplingRequestFields(OpenAIBaseModel):

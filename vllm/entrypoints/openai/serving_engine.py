@@ -580,7 +580,7 @@ def structured_outputs_params(request: SamplingRequestFields) -> StructuredOutpu
         data = structured_outputs.model_dump(by_alias=True)
         for key in (
             "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
-            "max_whitespace", "backend",
+            "max_whitespace", "backend", "fast_forward",
         ):
             options[key] = data.pop(key)
         for key, value in data.items():

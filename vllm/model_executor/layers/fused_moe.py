@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.distributed.parallel_state import ParallelContext, shard_range
+from vllm.model_executor.layers.linear import weights_deferred
 from vllm.model_executor.model_loader.weight_utils import CheckpointTensor, check_shape
 
 # Per-expert checkpoint projections in the order gate, up, down.
@@ -58,12 +59,16 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Maps tokens [T, H] to sum_k weight[t, k] * expert_{id[t, k]}(hidden[t]), [T, H].
 
     Expert e computes w2[e] @ (silu(gate) * up) with [gate; up] = w13[e] @ x, where w13 is
     [E, 2 * I, H] (gate rows then up rows) and w2 is [E, H, I]. Under tensor parallelism I
     is this rank's slice and the result is this rank's partial sum (not yet all-reduced).
+    FP8 weights come with float32 row scales ``w13_scale`` [E, 2 * I] and ``w2_scale``
+    [E, H]; only the experts that have tokens are dequantized, one at a time.
     """
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(hidden)
@@ -86,12 +91,24 @@ def fused_experts(
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate_up = F.linear(x[rows], w13[expert])
+        gate_up = F.linear(x[rows], _expert_weight(w13, w13_scale, expert, x.dtype))
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        y[rows] = F.linear(act, w2[expert])
+        y[rows] = F.linear(act, _expert_weight(w2, w2_scale, expert, x.dtype))
         start += count
     y.mul_(topk_weights.reshape(-1)[order].to(y.dtype).unsqueeze(1))
     return out.index_add_(0, token_of, y)
+
+
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return w[expert]
+    return w[expert].to(dtype) * scale[expert].to(dtype).unsqueeze(1)
+
+
+# Checkpoint suffix of each stacked parameter's per-expert tensors.
+_SUFFIX = {"w13_weight": "weight", "w2_weight": "weight",
+           "w13_weight_scale": "weight_scale", "w2_weight_scale": "weight_scale"}
 
 
 class FusedMoE(nn.Module):
@@ -134,13 +151,43 @@ class FusedMoE(nn.Module):
             intermediate_size, self.parallel.tp_size, self.parallel.tp_rank
         )
         self.local_intermediate = local
-        # Uninitialized: the loader overwrites every parameter.
+        # FP8 experts (a compressed-tensors checkpoint): per-row scales, per tensor or not.
+        self.fp8 = False
+        self.per_tensor_scales = False
+        # Uninitialized: the loader overwrites every parameter. Built under quantization's
+        # deferred_weights(), only the shapes exist until materialize().
+        device = "meta" if weights_deferred() else None
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False
+            torch.empty(num_experts, 2 * local, hidden_size, device=device), requires_grad=False
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, local), requires_grad=False
+            torch.empty(num_experts, hidden_size, local, device=device), requires_grad=False
         )
+
+    def materialize(self, fp8: bool, per_tensor_scales: bool = False) -> None:
+        """Gives experts built under deferred_weights() their parameters on the current
+        default device and dtype: dense, or FP8 weights with float32 row scales
+        ``w13_weight_scale`` [E, 2 * I_local] and ``w2_weight_scale`` [E, H] (the
+        checkpoint's scales per output channel, or one per tensor when
+        ``per_tensor_scales``). Raises ValueError with fp8 on the Triton backend."""
+        if not self.w13_weight.is_meta:
+            raise RuntimeError("materialize: these experts were not built under "
+                               "deferred_weights()")
+        if fp8 and self.backend == "triton":
+            raise ValueError("VLLM_MOE_BACKEND=triton does not run FP8 experts; use torch")
+        dtype = torch.float8_e4m3fn if fp8 else None
+        shapes = {"w13_weight": self.w13_weight.shape, "w2_weight": self.w2_weight.shape}
+        for name, shape in shapes.items():
+            delattr(self, name)
+            self.register_parameter(
+                name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+        self.fp8, self.per_tensor_scales = fp8, per_tensor_scales
+        if fp8:
+            e, local, hidden = self.num_experts, self.local_intermediate, self.hidden_size
+            self.w13_weight_scale = nn.Parameter(
+                torch.empty(e, 2 * local, dtype=torch.float32), requires_grad=False)
+            self.w2_weight_scale = nn.Parameter(
+                torch.empty(e, hidden, dtype=torch.float32), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """Maps tokens [T, H] and router logits [T, E] to the experts' combined output [T, H].
@@ -154,7 +201,11 @@ class FusedMoE(nn.Module):
             from vllm.model_executor.layers.fused_moe_triton import triton_fused_experts
 
             experts = triton_fused_experts
-        out = experts(hidden, self.w13_weight, self.w2_weight, weights, ids)
+        if self.fp8:
+            out = fused_experts(hidden, self.w13_weight, self.w2_weight, weights, ids,
+                                self.w13_weight_scale, self.w2_weight_scale)
+        else:
+            out = experts(hidden, self.w13_weight, self.w2_weight, weights, ids)
         return self.parallel.all_reduce(out)
 
     def checkpoint_parts(self, param_name: str) -> list[tuple[str, int]]:
@@ -164,14 +215,15 @@ class FusedMoE(nn.Module):
         ``w2_weight`` is expert e's down projection.
         """
         gate, up, down = self.expert_names
-        if param_name == "w13_weight":
+        suffix = _SUFFIX.get(param_name)
+        if param_name.startswith("w13_") and suffix:
             return [
-                (f"{e}.{name}.weight", 2 * e + i)
+                (f"{e}.{name}.{suffix}", 2 * e + i)
                 for e in range(self.num_experts)
                 for i, name in enumerate((gate, up))
             ]
-        if param_name == "w2_weight":
-            return [(f"{e}.{down}.weight", e) for e in range(self.num_experts)]
+        if param_name.startswith("w2_") and suffix:
+            return [(f"{e}.{down}.{suffix}", e) for e in range(self.num_experts)]
         raise ValueError(f"this layer has no {param_name!r} parameter")
 
     def load_weight(
@@ -184,7 +236,15 @@ class FusedMoE(nn.Module):
         checkpoint tensor whose full shape is wrong.
         """
         local, start = self.local_intermediate, self.shard_start
-        if param_name == "w13_weight":
+        if param_name in ("w13_weight", "w2_weight") and self.fp8:
+            # Reading would cast anything to FP8; only FP8 codes match the scales.
+            dtype = tensor.read_range(0, 0, 0).dtype
+            if dtype != torch.float8_e4m3fn:
+                raise ValueError(f"dtype {dtype} is not the FP8 (float8_e4m3fn) of the "
+                                 "quantization_config")
+        if param_name.endswith("_scale"):
+            self._load_scale(param_name, tensor, part)
+        elif param_name == "w13_weight":
             if part is None or not 0 <= part < 2 * self.num_experts:
                 raise ValueError(f"w13_weight has no part {part}")
             expert, half = divmod(part, 2)
@@ -200,6 +260,31 @@ class FusedMoE(nn.Module):
                 self.w2_weight.data[part].copy_(tensor.read_range(1, start, local))
         else:
             raise ValueError(f"this layer has no {param_name!r} parameter")
+
+    def _load_scale(self, param_name: str, tensor: CheckpointTensor, part: int | None) -> None:
+        """Copies one expert projection's scales (per output row [rows, 1], or one value
+        per tensor) into its rows of a stacked scale parameter."""
+        local, start = self.local_intermediate, self.shard_start
+        param = getattr(self, param_name, None)
+        count = 2 * self.num_experts if param_name == "w13_weight_scale" else self.num_experts
+        if param is None or part is None or not 0 <= part < count:
+            raise ValueError(f"this layer has no {param_name!r} part {part}")
+        if param_name == "w13_weight_scale":
+            expert, half = divmod(part, 2)
+            rows, full = (half * local, local), self.intermediate_size
+        else:
+            expert, rows, full = part, (0, self.hidden_size), self.hidden_size
+        target = param.data[expert].narrow(0, *rows)
+        with torch.no_grad():
+            if self.per_tensor_scales:
+                if tensor.shape not in ((), (1,)):
+                    raise ValueError(f"shape {tuple(tensor.shape)} does not match expected "
+                                     "(1,) (strategy 'tensor' in quantization_config)")
+                target.fill_(float(tensor.read().reshape(-1)[0]))
+                return
+            check_shape(tensor, (full, 1))
+            first = start if param_name == "w13_weight_scale" else 0
+            target.copy_(tensor.read_range(0, first, rows[1]).reshape(-1))
 
     def extra_repr(self) -> str:
         return (

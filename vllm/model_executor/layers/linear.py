@@ -3,16 +3,44 @@
 Column-parallel layers keep a slice of the output rows (no communication); row-parallel
 layers keep a slice of the input columns and sum their partial outputs over the group.
 Every layer loads itself from full checkpoint tensors, reading only its own slice.
+
+With quantization, layers are built inside ``deferred_weights()``: each declares its weight
+without memory until the loader calls ``materialize`` with the layer's quantization method
+(or None for full precision); the method then owns the layer's packed parameters, their
+loading and the matmul (layers/quantization, docs/architecture.md §7).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm.distributed.parallel_state import ParallelContext, shard_range
+from vllm.model_executor.layers.quantization.base import LinearMethod, Shard
 from vllm.model_executor.model_loader.weight_utils import CheckpointTensor, check_shape
+
+_DEFER = ContextVar("defer_linear_weights", default=False)
+
+
+@contextmanager
+def deferred_weights(enabled: bool = True) -> Iterator[None]:
+    """Linear layers built inside this context (when ``enabled``) declare their weight on
+    the meta device, to be given real parameters by ``materialize``."""
+    token = _DEFER.set(enabled)
+    try:
+        yield
+    finally:
+        _DEFER.reset(token)
+
+
+def weights_deferred() -> bool:
+    """Whether layers built now declare their weights without memory (deferred_weights)."""
+    return _DEFER.get()
 
 
 def _parameter(module: nn.Module, param_name: str) -> nn.Parameter:
@@ -28,30 +56,90 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class Linear(nn.Module):
+def _weight(out_size: int, in_size: int) -> nn.Parameter:
+    if weights_deferred():
+        # Shape only: materialize() replaces it once the quantization method is known.
+        return nn.Parameter(torch.empty(out_size, in_size, device="meta"), requires_grad=False)
+    return _empty(out_size, in_size)
+
+
+class _QuantizableLinear(nn.Module):
+    """What every linear layer shares: a weight that a quantization method may own."""
+
+    input_size: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    quant_method: LinearMethod | None = None
+    _local_sizes: tuple[int, int]
+
+    @property
+    def local_input_size(self) -> int:
+        """Input columns this rank multiplies (the whole input unless row-parallel)."""
+        return self.local_sizes[1]
+
+    def materialize(self, method: LinearMethod | None) -> None:
+        """Gives a layer built under deferred_weights() its parameters, on the current
+        default device and dtype: the dense ``weight`` (method None) or the method's
+        packed ones. Raises ValueError when the method cannot pack this layer's size."""
+        out_size, in_size = self.local_sizes
+        if not self.weight.is_meta:
+            raise RuntimeError("materialize: this layer was not built under deferred_weights()")
+        del self.weight
+        if method is None:
+            self.weight = _empty(out_size, in_size)
+            return
+        method.create(self, out_size, in_size, self.input_size)
+        self.quant_method = method
+
+    @property
+    def local_sizes(self) -> tuple[int, int]:
+        """(output rows, input columns) of this rank's weight."""
+        return self._local_sizes
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        y = self.quant_method.apply(self, x)
+        return y if bias is None else y + bias
+
+    def _load_quantized(self, param_name: str, tensor: CheckpointTensor, shard: Shard) -> bool:
+        """Lets the quantization method load a tensor other than the bias; False when the
+        layer is not quantized or it is the bias."""
+        if self.quant_method is None or param_name == "bias":
+            return False
+        self.quant_method.load(self, param_name, tensor, shard)
+        return True
+
+
+class Linear(_QuantizableLinear):
     """A dense ``y = x W^T + b`` layer, the same on every rank."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = _empty(output_size, input_size)
+        self._local_sizes = (output_size, input_size)
+        self.weight = _weight(output_size, input_size)
         self.bias = _empty(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the layer to the last dimension of x."""
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
     def load_weight(
         self, param_name: str, tensor: CheckpointTensor, part: int | None = None
     ) -> None:
-        """Copies a whole checkpoint tensor into ``weight`` or ``bias``.
+        """Copies a whole checkpoint tensor into ``weight`` or ``bias`` (or, quantized,
+        into the method's parameter of that name).
 
         Raises ValueError for a part index (this layer is not fused), an unknown parameter
         or a wrong shape.
         """
         if part is not None:
             raise ValueError(f"this layer has no part {part}")
+        shard = Shard.whole(self.output_size, self.input_size)
+        if self._load_quantized(param_name, tensor, shard):
+            return
         param = _parameter(self, param_name)
         check_shape(tensor, tuple(param.shape))
         with torch.no_grad():
@@ -104,9 +192,13 @@ class MergedColumnParallelLinear(Linear):
             part = 0
         if part is None or not 0 <= part < len(self.shards):
             raise ValueError(f"part index {part} out of range for {len(self.shards)} parts")
+        start, length = self.shards[part]
+        shard = Shard(self.full_sizes[part], start, length, self.offsets[part],
+                      self.input_size, 0, self.input_size)
+        if self._load_quantized(param_name, tensor, shard):
+            return
         param = _parameter(self, param_name)
         check_shape(tensor, (self.full_sizes[part],) + tuple(param.shape[1:]))
-        start, length = self.shards[part]
         with torch.no_grad():
             target = param.data.narrow(0, self.offsets[part], length)
             target.copy_(tensor.read_range(0, start, length))
@@ -185,7 +277,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.num_kv_heads = shards[1][1] // head_dim
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_QuantizableLinear):
     """A linear layer whose input columns are split evenly among the tensor-parallel ranks.
 
     Takes this rank's slice of the input (the output of a column-parallel layer) and returns
@@ -207,7 +299,8 @@ class RowParallelLinear(nn.Module):
         self.input_start, local = shard_range(
             input_size, self.parallel.tp_size, self.parallel.tp_rank
         )
-        self.weight = _empty(output_size, local)
+        self._local_sizes = (output_size, local)
+        self.weight = _weight(output_size, local)
         self.bias = _empty(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,8 +310,8 @@ class RowParallelLinear(nn.Module):
         """
         if self.parallel.tp_size == 1:
             # Same kernel as an unsharded layer, so single-rank results are unchanged.
-            return F.linear(x, self.weight, self.bias)
-        y = self.parallel.all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        y = self.parallel.all_reduce(self._matmul(x, None))
         return y if self.bias is None else y.add_(self.bias)
 
     def load_weight(
@@ -230,6 +323,11 @@ class RowParallelLinear(nn.Module):
         """
         if part is not None:
             raise ValueError(f"this layer has no part {part}")
+        local = self.local_sizes[1]
+        shard = Shard(self.output_size, 0, self.output_size, 0,
+                      self.input_size, self.input_start, local)
+        if self._load_quantized(param_name, tensor, shard):
+            return
         param = _parameter(self, param_name)
         with torch.no_grad():
             if param_name == "bias":
@@ -241,6 +339,6 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"in={self.input_size} (from {self.input_start}: {self.weight.shape[1]}), "
+            f"in={self.input_size} (from {self.input_start}: {self.local_sizes[1]}), "
             f"out={self.output_size}, bias={self.bias is not None}"
         )

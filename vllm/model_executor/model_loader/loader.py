@@ -11,7 +11,10 @@ from torch import nn
 from vllm.attention.selector import get_attn_backend_cls
 from vllm.config import ModelConfig
 from vllm.distributed.parallel_state import ParallelContext
+from vllm.model_executor.layers.linear import deferred_weights
+from vllm.model_executor.model_loader.quantize import quantize_layers
 from vllm.model_executor.model_loader.weight_utils import (
+    checkpoint_keys,
     fill_dummy_weights,
     iterate_safetensors,
 )
@@ -36,16 +39,25 @@ def get_model(model_config: ModelConfig, parallel: ParallelContext | None = None
     ``parallel`` places the rank in the tensor x pipeline layout (None: a single rank, the
     whole model). load_format "auto"/"hf"/"safetensors" reads the checkpoint in model_dir, only
     the slices this rank keeps; "dummy" fills seeded random weights from model_config.seed
-    (see fill_dummy_weights). Raises ValueError for an unsupported architecture, a missing,
-    unknown or misshapen checkpoint tensor, a model that does not split into the layout,
-    or an unknown load format.
+    (see fill_dummy_weights). With model_config.quant_config, each linear layer gets its
+    quantization method before loading (see quantize_layers). Raises ValueError for an
+    unsupported architecture, a missing, unknown or misshapen checkpoint tensor, a model
+    that does not split into the layout, an unknown load format, or a quantized model
+    that cannot be loaded (dummy weights, a layer the format cannot pack).
     """
     hf_config = model_config.hf_config
     model_cls = get_model_class(list(getattr(hf_config, "architectures", None) or []))
     backend_cls = get_attn_backend_cls(model_config.attention_backend, model_config.device)
     parallel = parallel or ParallelContext.single()
+    quant_config = model_config.quant_config
+    if quant_config is not None and model_config.load_format == "dummy":
+        raise ValueError(f"--load-format dummy cannot be combined with quantization "
+                         f"({quant_config.name}): random weights have no packed form")
     with _default_dtype(model_config.torch_dtype), torch.device(model_config.device):
-        model = model_cls(hf_config, backend_cls, parallel)
+        with deferred_weights(quant_config is not None):
+            model = model_cls(hf_config, backend_cls, parallel)
+        if quant_config is not None:
+            quantize_layers(model, quant_config, checkpoint_keys(model_config.model_dir))
     if model_config.load_format == "dummy":
         aliases = model.weight_aliases() if hasattr(model, "weight_aliases") else {}
         fill_dummy_weights(model, model_config.seed, aliases=aliases)

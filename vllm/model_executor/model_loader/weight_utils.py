@@ -35,7 +35,8 @@ class CheckpointTensor:
         """The whole tensor (on the CPU for a file-backed one)."""
         if isinstance(self._source, torch.Tensor):
             return self._source
-        return self._source[:]
+        # A 0-d tensor (a per-tensor scale) cannot be sliced; `...` reads it.
+        return self._source[:] if self.shape else self._source[...]
 
     def read_range(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Rows (dim 0) or columns (dim 1) ``start:start + length`` of the tensor.
@@ -103,6 +104,39 @@ def iterate_safetensors(model_dir: Path) -> Iterator[tuple[str, CheckpointTensor
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, CheckpointTensor(f.get_slice(name))
+
+
+def checkpoint_keys(model_dir: Path) -> frozenset[str]:
+    """The names of every tensor in the checkpoint (read from the file headers only)."""
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys.update(f.keys())
+    return frozenset(keys)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and persistent buffers (a tensor shared by two
+    names, like a tied LM head, counted once): the memory its loaded weights take."""
+    seen: set[int] = set()
+    total = 0
+    tensors = list(model.parameters()) + [
+        buf for name, buf in model.named_buffers()
+        if name.rsplit(".", 1)[-1] not in _non_persistent(model, name)
+    ]
+    for tensor in tensors:
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _non_persistent(model: nn.Module, name: str) -> set[str]:
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return set(getattr(owner, "_non_persistent_buffers_set", ()))
 
 
 def dummy_seed(seed: int, name: str) -> int:

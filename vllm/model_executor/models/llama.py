@@ -26,6 +26,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from vllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.kv_scales import KVScaleLoader
 from vllm.model_executor.model_loader.weight_utils import (
     CheckpointTensor,
     as_checkpoint_tensor,
@@ -301,6 +302,8 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size: int = hf_config.vocab_size
         self.hidden_size: int = hf_config.hidden_size
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # Whether the checkpoint gave the FP8 KV cache its per-layer scales (load_weights).
+        self.kv_scales_from_checkpoint = False
         self.model = LlamaModel(hf_config, self._make_layer, self.parallel)
         self.num_layers: int = len(self.model.stage)
         first_layer = self.model.layers[self.model.stage.start]
@@ -370,21 +373,22 @@ class LlamaForCausalLM(nn.Module):
             if parts is not None:
                 # A module that stacks many checkpoint tensors (the experts) lists them.
                 for suffix, index in parts(param_name):
-                    ckpt_name = self._checkpoint_name(f"{module_name}.{suffix}")
+                    ckpt_name = self.checkpoint_name(f"{module_name}.{suffix}")
                     targets[ckpt_name] = (module_name, param_name, index)
                 continue
             stacked = [(f, c, i) for f, c, i in STACKED_PARAMS if f in name]
             for fused, ckpt, index in stacked:
-                targets[self._checkpoint_name(name.replace(fused, ckpt))] = (
+                targets[self.checkpoint_name(name.replace(fused, ckpt))] = (
                     module_name, param_name, index
                 )
             if not stacked:
-                targets[self._checkpoint_name(aliases.get(name, name))] = (
+                targets[self.checkpoint_name(aliases.get(name, name))] = (
                     module_name, param_name, None
                 )
         return targets
 
-    def _checkpoint_name(self, name: str) -> str:
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint's spelling of one of this module's (dotted) names."""
         for ours, theirs in self.checkpoint_renames:
             name = name.replace(ours, theirs)
         return name
@@ -404,15 +408,22 @@ class LlamaForCausalLM(nn.Module):
 
         Takes plain tensors or lazy CheckpointTensor handles; of each, only the slice this
         rank keeps is read. Tensors of other pipeline stages are skipped.
+        KV-cache scales (kv_scales.py) go to the attention layers.
         Side effect: overwrites parameters in place (cast to their dtype and device).
         Raises ValueError naming a tensor that is missing (for this rank), unknown, or has
         the wrong shape.
         """
         targets = self._checkpoint_targets()
+        kv_scales = KVScaleLoader(
+            {i: self.model.layers[i].self_attn.attn for i in self.model.stage},
+            self.config.num_hidden_layers,
+        )
         loaded: set[str] = set()
         for name, value in weights:
             if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
                 continue  # recomputed, or shared with the embedding
+            if kv_scales.take(name, as_checkpoint_tensor(value)):
+                continue
             target = targets.get(name)
             if target is None:
                 if self._held_elsewhere(name):
@@ -429,6 +440,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ValueError(f"checkpoint is missing tensor {missing[0]!r}{more}")
+        self.kv_scales_from_checkpoint = kv_scales.finish()
 
     def _load_one(self, target: tuple[str, str, int | None], tensor: CheckpointTensor) -> None:
         module_name, param_name, part = target

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.spec_decode.fast_forward import check_request_mode, server_mode
 from vllm.v1.structured_output.compile_pool import CompileAbortedError
 from vllm.v1.structured_output.limits import (
     SMALL_CONSTRAINT_LENGTH,
@@ -52,6 +53,8 @@ class ConstraintChecker:
         self._grammars = grammars or StructuredOutputManager(vllm_config, tokenizer)
         self._tokenizer_path = vllm_config.model_config.tokenizer
         self._config = vllm_config.structured_outputs_config
+        # The most fast-forward a request may ask for here.
+        self._fast_forward = server_mode(vllm_config)
         self._num_workers = self._config.num_compile_workers
         self._vocab_size = int(vllm_config.model_config.vocab_size)
         self._stop_token_ids = list(vllm_config.model_config.eos_token_ids)
@@ -83,10 +86,13 @@ class ConstraintChecker:
         compile past it is abandoned: its thread finishes it in the background, and the
         engine's own compile of the same constraint is then a cache hit). A constraint
         already checked (by `check` or an earlier call) is not compiled again.
-        Raises GrammarCompileError naming the field when the constraint is over a configured
-        limit, does not compile, is unsatisfiable, or is too slow to compile
-        (CompileAbortedError), and InvalidRequestError when it is malformed.
+        Raises InvalidRequestError naming structured_outputs.fast_forward when the request
+        asks for more fast-forward than the server allows, GrammarCompileError naming the
+        field when the constraint is over a configured limit, does not compile, is
+        unsatisfiable, or is too slow to compile (CompileAbortedError), and
+        InvalidRequestError when it is malformed.
         """
+        check_request_mode(params.fast_forward, self._fast_forward)
         check_constraint_limits(params, self._config)
         key = constraint_key(params)
         if self._recall(key):
@@ -112,7 +118,8 @@ class ConstraintChecker:
     def check(self, params: StructuredOutputsParams) -> Future[float]:
         """Starts checking `params` without blocking; returns a future of the compile's seconds.
 
-        Runs the limit checks now (raising GrammarCompileError naming the field), then
+        Runs the fast-forward and limit checks now (raising InvalidRequestError or
+        GrammarCompileError naming the field), then
         compiles in a killable worker process (on the lanes here where fork is missing). The
         future raises GrammarCompileError when the constraint does not compile, is
         unsatisfiable or too slow (CompileAbortedError), and RuntimeError when the compile
@@ -120,6 +127,7 @@ class ConstraintChecker:
         Cancelling it drops the check. A later `validate` of a passed constraint returns at
         once. Raises RuntimeError after shutdown.
         """
+        check_request_mode(params.fast_forward, self._fast_forward)
         length = check_constraint_limits(params, self._config)
         key = constraint_key(params)
         future: Future[float]

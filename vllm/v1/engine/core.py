@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from vllm.attention.kv_cache_dtype import kv_cache_torch_dtype
 from vllm.config import VllmConfig
 from vllm.exceptions import ErrorKind, error_kind_of
 from vllm.sampling_params import SamplingParams
@@ -45,6 +46,12 @@ class EngineCore:
             # KV blocks allocated (the startup handshake reports it to the client).
             self.num_blocks = num_blocks
             cache = vllm_config.cache_config
+            logger.info(
+                "KV cache: %d blocks of %d tokens, stored as %s (--kv-cache-dtype %s)",
+                num_blocks, cache.block_size,
+                kv_cache_torch_dtype(cache.cache_dtype, vllm_config.model_config.torch_dtype),
+                cache.cache_dtype,
+            )
             kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
             self.structured_output_manager = StructuredOutputManager(vllm_config, tokenizer)
             # Pipeline stages overlap steps even without --async-scheduling: a request

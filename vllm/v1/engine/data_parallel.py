@@ -80,6 +80,9 @@ def sum_stats(snapshots: list[EngineCoreStats]) -> EngineCoreStats:
         ),
         grammar_backends=[(b, r, n) for (b, r), n in sorted(backends.items())],
         timestamp=max(s.timestamp for s in snapshots),
+        fast_forward_forced_tokens=sum(s.fast_forward_forced_tokens for s in snapshots),
+        fast_forward_kept_tokens=sum(s.fast_forward_kept_tokens for s in snapshots),
+        fast_forward_requests=sum(s.fast_forward_requests for s in snapshots),
     )
 
 

@@ -65,6 +65,13 @@ class EngineCoreStats(msgspec.Struct, array_like=True):
     grammar_backends: list[tuple[str, str, int]]
     # Wall-clock time of the snapshot (time.time()), in the engine-core process.
     timestamp: float
+    # Grammar fast-forward (cumulative): drafted tokens the grammar forced (part of
+    # spec_decode_num_draft_tokens), those kept (each a forward pass its request did not
+    # need), and finished requests that kept at least one (forced tokens per fast-forwarded
+    # request = kept / requests).
+    fast_forward_forced_tokens: int = 0
+    fast_forward_kept_tokens: int = 0
+    fast_forward_requests: int = 0
 
     def same_as(self, other: EngineCoreStats | None) -> bool:
         """True when every field but the timestamp is equal (nothing new to send)."""

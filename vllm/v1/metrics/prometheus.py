@@ -142,6 +142,19 @@ class _EngineCollector(Collector):
                         "Tokens a verification step produced per request, on average "
                         "(1 + kept drafts).",
                         1 + s.spec_decode_num_accepted_tokens / s.spec_decode_num_steps)
+        yield counter("vllm:fast_forward_forced_tokens",
+                      "Drafted tokens that a grammar forced (grammar fast-forward).",
+                      s.fast_forward_forced_tokens)
+        yield counter("vllm:fast_forward_passes_saved",
+                      "Forced tokens kept: forward passes their requests did not need.",
+                      s.fast_forward_kept_tokens)
+        yield counter("vllm:fast_forward_requests",
+                      "Finished requests that kept at least one forced token.",
+                      s.fast_forward_requests)
+        if s.fast_forward_requests:
+            yield gauge("vllm:fast_forward_tokens_per_request",
+                        "Forced tokens kept per fast-forwarded request, since startup.",
+                        s.fast_forward_kept_tokens / s.fast_forward_requests)
         choices = CounterMetricFamily(
             "vllm:structured_output_backend",
             "Structured-output constraints compiled in the engine, by backend and reason "

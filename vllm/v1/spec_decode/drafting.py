@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.v1.request import Request
+from vllm.v1.spec_decode.fast_forward import CANONICAL, EXACT, OFF, FastForward
 from vllm.v1.spec_decode.proposer import ForcedTokensOnly, Proposer
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.step_builder import StepBuilder
 
 
 @dataclass
@@ -19,12 +26,31 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     # Drafted tokens the target model kept (and the stop checks let through).
     num_accepted_tokens: int = 0
+    # Grammar fast-forward: drafted tokens that the grammar forced (among num_draft_tokens),
+    # those of them kept (each one a forward pass its request did not need), and the
+    # finished requests that kept at least one.
+    num_forced_tokens: int = 0
+    num_forced_kept_tokens: int = 0
+    num_fast_forwarded_requests: int = 0
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        """Counts one verification of `num_drafts` drafts of which `num_accepted` were kept."""
+    def record(self, num_drafts: int, num_accepted: int, num_forced: int = 0) -> int:
+        """Counts one verification of `num_drafts` drafts, the first `num_forced` of them
+        forced, of which `num_accepted` were kept. Returns how many forced ones were kept."""
         self.num_steps += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        kept_forced = min(num_forced, num_accepted)
+        self.num_forced_tokens += num_forced
+        self.num_forced_kept_tokens += kept_forced
+        return kept_forced
+
+    def fast_forward_counters(self) -> dict[str, int]:
+        """The fast-forward counters by their EngineCoreStats field names."""
+        return {
+            "fast_forward_forced_tokens": self.num_forced_tokens,
+            "fast_forward_kept_tokens": self.num_forced_kept_tokens,
+            "fast_forward_requests": self.num_fast_forwarded_requests,
+        }
 
 
 @dataclass
@@ -42,6 +68,8 @@ class _Context:
     assumed: list[int] | None
     # True when the proposal's first token guesses the in-flight step's sample.
     guessed: bool
+    # Forced tokens among the drafts _finish returns (set there).
+    num_forced: int = field(default=0)
 
 
 class Drafter:
@@ -51,12 +79,27 @@ class Drafter:
     drafts are walked through its grammar as it stands after the tokens accepted so far
     (and, under async scheduling, the tokens assumed in flight), which only the scheduler's
     request state holds at that moment. `proposer` None drafts nothing (the stats stay 0).
+
+    `fast_forward` says which forced tokens a constrained request drafts (its mode, see
+    fast_forward.py); None drafts the backend's forced tokens for every one (exact).
     """
 
-    def __init__(self, proposer: Proposer | None, max_model_len: int) -> None:
+    def __init__(self, proposer: Proposer | None, max_model_len: int,
+                 fast_forward: FastForward | None = None) -> None:
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.fast_forward = fast_forward
         self.stats = SpecDecodeStats()
+        # Forced tokens among the drafts of the latest propose(), by request id.
+        self.num_forced: dict[str, int] = {}
+        # Forced tokens kept so far, by live request id (for num_fast_forwarded_requests).
+        self._kept_forced: dict[str, int] = {}
+
+    def mode(self, request: Request) -> str:
+        """The request's fast-forward mode (off for an unconstrained one)."""
+        if request.structured_output_request is None:
+            return OFF
+        return EXACT if self.fast_forward is None else self.fast_forward.mode(request)
 
     def may_draft(self, request: Request) -> bool:
         """True when drafts for `request` can be verified exactly: its sampling at each
@@ -96,8 +139,9 @@ class Drafter:
             return {}
         forced_only = isinstance(self.proposer, ForcedTokensOnly)
         contexts: dict[str, _Context] = {}
+        self.num_forced = {}
         for request, assumed in candidates:
-            if forced_only and request.structured_output_request is None:
+            if forced_only and self.mode(request) == OFF:
                 continue
             context = self._context(request, assumed) if self.may_draft(request) else None
             if context is not None:
@@ -110,10 +154,41 @@ class Drafter:
         for req_id, context in contexts.items():
             if tokens := _finish(context, proposed.get(req_id, [])):
                 drafts[req_id] = tokens
+                if context.num_forced:
+                    self.num_forced[req_id] = context.num_forced
         return drafts
 
+    def schedule(self, step: StepBuilder, candidates: list[tuple[Request, list[int]]],
+                 kv_cache_manager: KVCacheManager) -> None:
+        """Adds drafts for `candidates` (as `propose` takes them) to `step`, in order, each
+        cut to the budget left and only if its KV slots can be allocated (a draft that does
+        not fit is dropped: drafting never preempts)."""
+        drafts = self.propose(candidates)
+        for request, _ in candidates:
+            req_id = request.request_id
+            tokens = drafts.get(req_id)
+            if not tokens or step.budget <= 0:
+                continue
+            tokens = tokens[: step.budget]
+            new_blocks = kv_cache_manager.allocate_slots(
+                req_id, request.num_computed_tokens, step.num_scheduled[req_id] + len(tokens),
+                request.all_token_ids,
+            )
+            if new_blocks is not None:
+                step.add_drafts(req_id, tokens, new_blocks, self.num_forced.get(req_id, 0))
+
+    def record(self, req_id: str, num_drafts: int, num_accepted: int, num_forced: int) -> None:
+        """Counts the verification of a request's `num_drafts` drafts (the first
+        `num_forced` forced by its grammar), `num_accepted` of them kept."""
+        kept_forced = self.stats.record(num_drafts, num_accepted, num_forced)
+        if kept_forced:
+            self._kept_forced[req_id] = self._kept_forced.get(req_id, 0) + kept_forced
+
     def release(self, req_id: str) -> None:
-        """Forgets whatever the proposer keeps for a finished request."""
+        """Forgets whatever the proposer keeps for a finished request, and counts it if it
+        kept forced tokens."""
+        if self._kept_forced.pop(req_id, 0):
+            self.stats.num_fast_forwarded_requests += 1
         if self.proposer is not None:
             self.proposer.release(req_id)
 
@@ -135,7 +210,8 @@ class Drafter:
         if structured_req is not None:
             assert structured_req.grammar is not None
             # In-flight drafts past one the grammar now refutes will be rejected.
-            assumed, head = grammar_after(request.request_id, structured_req.grammar, assumed)
+            assumed, head = grammar_after(request.request_id, structured_req.grammar, assumed,
+                                          self._forced_tokens(request, limit + bool(pending)))
             grammar_assumed = assumed
         tokens = request.all_token_ids
         if pending:
@@ -150,6 +226,19 @@ class Drafter:
             tokens = tokens + head
         return _Context(request, tokens, limit - len(head), head, grammar_assumed, bool(pending))
 
+    def _forced_tokens(
+        self, request: Request, limit: int
+    ) -> Callable[[StructuredOutputGrammar], list[int]]:
+        """How `request` drafts what its grammar forces, by its fast-forward mode."""
+        mode = self.mode(request)
+        if mode == CANONICAL:
+            assert self.fast_forward is not None
+            forcer = self.fast_forward
+            return lambda grammar: forcer.canonical_tokens(grammar, limit)
+        if mode == OFF:
+            return lambda grammar: []
+        return _backend_forced
+
 
 def _finish(context: _Context, proposed: list[int]) -> list[int]:
     """The request's drafts: forced tokens then the proposal, cut at the first token its
@@ -162,23 +251,34 @@ def _finish(context: _Context, proposed: list[int]) -> list[int]:
         assert structured_req.grammar is not None and context.assumed is not None
         assumed = context.assumed
         tokens = structured_req.grammar.validate_tokens(assumed + tokens)[len(assumed):]
+    num_forced = min(len(context.forced), len(tokens))
     if context.guessed:
         tokens = tokens[1:]
+        num_forced = max(0, num_forced - 1)
+    context.num_forced = num_forced
     return tokens
 
 
+def _backend_forced(grammar: StructuredOutputGrammar) -> list[int]:
+    return grammar.jump_forward_tokens()
+
+
 def grammar_after(
-    req_id: str, grammar: StructuredOutputGrammar, assumed: list[int]
+    req_id: str,
+    grammar: StructuredOutputGrammar,
+    assumed: list[int],
+    forced: Callable[[StructuredOutputGrammar], list[int]] = _backend_forced,
 ) -> tuple[list[int], list[int]]:
     """The longest prefix of `assumed` that `grammar` accepts, and the tokens it forces
-    after that prefix (jump-forward). The grammar is left as it was."""
+    after that prefix (jump-forward; `forced` says how they are tokenized, the backend's
+    way by default). The grammar is left as it was."""
     assumed = grammar.validate_tokens(assumed)
     if not assumed:
-        return [], grammar.jump_forward_tokens()
+        return [], forced(grammar)
     before = grammar.num_processed_tokens
     grammar.accept_tokens(req_id, assumed)
     try:
-        return assumed, grammar.jump_forward_tokens()
+        return assumed, forced(grammar)
     finally:
         # By what it accepted: never past the confirmed tokens, even if the backend's
         # accept_tokens stopped short of what validate_tokens promised.

@@ -5,7 +5,8 @@ xgrammar is tried first (the faster matcher); when it refuses to enforce the con
 integer bound past 64 bits) llguidance compiles it instead; when both refuse, the request gets
 a 400 that quotes both refusals. Any other compile error (a syntax error, an unsatisfiable
 constraint) is final: no second backend is asked. Each backend is built on its first use, so a server whose requests
-all suit xgrammar never builds llguidance's vocabulary.
+all suit xgrammar never builds llguidance's vocabulary. Backends the registry offers only on
+request (outlines, lm-format-enforcer under `auto`) compile just the requests that name them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from vllm.v1.structured_output.backend_types import (
     StructuredOutputGrammar,
 )
 from vllm.v1.structured_output.json_schema import normalize_json_schema
-from vllm.v1.structured_output.registry import backend_class, backends_for
+from vllm.v1.structured_output.registry import (
+    backend_class,
+    backends_for,
+    request_only_for,
+)
 
 if TYPE_CHECKING:
     from vllm.config import StructuredOutputsConfig
@@ -66,17 +71,22 @@ class AutoBackend(StructuredOutputBackend):
         factories: Sequence[tuple[str, Callable[[], StructuredOutputBackend]]],
         *,
         one_of_as_any_of: bool = False,
+        on_request: Sequence[tuple[str, Callable[[], StructuredOutputBackend]]] = (),
     ) -> None:
         if not factories:
             raise ValueError("factories: at least one backend is needed")
         self.vocab_size = vocab_size
         self._factories = list(factories)
+        # Backends used only for requests that name them (registry.ON_REQUEST_ONLY).
+        self._on_request = list(on_request)
         self._one_of_as_any_of = one_of_as_any_of
         self._built: dict[str, StructuredOutputBackend] = {}
         # Guards _built and _owners, held only for lookups: a build holds its backend's
         # own lock, so compiles with built backends never wait behind it.
         self._lock = threading.Lock()
-        self._build_locks = {name: threading.Lock() for name, _ in self._factories}
+        self._build_locks = {
+            name: threading.Lock() for name, _ in self._factories + self._on_request
+        }
         # The backend of each grammar class this object has handed out (for fill_bitmasks).
         self._owners: dict[type, StructuredOutputBackend] = {}
 
@@ -109,7 +119,7 @@ class AutoBackend(StructuredOutputBackend):
 
     def backend_named(self, name: str) -> Any:
         """The backend called `name`, built now if it was not yet. KeyError if unknown."""
-        return self._backend(name, dict(self._factories)[name])
+        return self._backend(name, dict(self._factories + self._on_request)[name])
 
     def compile_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """Compiles `params` with the first backend that enforces it exactly (see
@@ -140,12 +150,14 @@ class AutoBackend(StructuredOutputBackend):
             )
         factories = self._factories
         if params.backend is not None:
-            factories = [(n, b) for n, b in factories if n == params.backend]
+            factories = [
+                (n, b) for n, b in self._factories + self._on_request if n == params.backend
+            ]
             if not factories:
                 raise UnsupportedConstraintError(
                     "structured_outputs.backend",
                     f"{params.backend!r} is not enabled on this server (it uses "
-                    f"{', '.join(n for n, _ in self._factories)})",
+                    f"{', '.join(n for n, _ in self._factories + self._on_request)})",
                 )
         refusals: list[tuple[str, UnsupportedConstraintError]] = []
         for name, build in factories:
@@ -229,7 +241,12 @@ def create_backend(
 
     names = backends_for(config.backend, config.disable_fallback)
     factories = [(name, functools.partial(build, name)) for name in names]
-    return AutoBackend(vocab_size, factories, one_of_as_any_of=config.one_of_as_any_of)
+    on_request = [
+        (name, functools.partial(build, name)) for name in request_only_for(config.backend)
+    ]
+    return AutoBackend(
+        vocab_size, factories, one_of_as_any_of=config.one_of_as_any_of, on_request=on_request
+    )
 
 
 def prepare_backends(

@@ -19,6 +19,9 @@ Supported constraints (`StructuredOutputsParams`):
 - `choice`: the output is exactly one of the strings.
 - `grammar`: a Lark grammar with a `start` rule when the text has no `::=`; otherwise EBNF/GBNF
   (`root ::= ...`), converted to Lark by llguidance's `gbnf_to_lark`.
+- `structural_tag`: written as Lark by `structural_tag_lark.py` (free text with lazy
+  triggers, tags whose JSON schemas are normalized and bounded like `json` constraints;
+  added tokens such as `<tool_call>` match as the token or as text).
 
 Refused with UnsupportedConstraintError (another backend may enforce them; the message names
 the feature): JSON-schema keywords llguidance does not implement (`not`, `if`/`then`/`else`,
@@ -28,8 +31,9 @@ normalization leaves (`one_of_as_any_of` enforces it as `anyOf`), `minProperties
 `maxProperties` beside optional properties, lookarounds and backreferences, EBNF that
 llguidance cannot convert or compile, Lark grammars using llguidance-only features that
 would break the engine's guarantees (token-id references `<[...]>`, `%llguidance` options,
-`stop=`/`max_tokens=` rule attributes, which make rollback impossible), and every
-`structural_tag`. Invalid input (bad regex or grammar syntax, an invalid or unsatisfiable
+`stop=`/`max_tokens=` rule attributes, which make rollback impossible), and structural-tag
+formats other than those above (`any_text`, `tags_with_separator`, `grammar`, the `qwen_xml`
+JSON style). Invalid input (bad regex or grammar syntax, an invalid or unsatisfiable
 schema) raises GrammarCompileError naming the field.
 
 Tokens the model may never write inside a constraint (the tokenizer's special tokens other
@@ -87,6 +91,7 @@ from vllm.v1.structured_output.backend_types import (
     tokenizer_vocab,
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text
+from vllm.v1.structured_output.structural_tag_lark import LarkWriter, parse_structural_tag
 from vllm.v1.structured_output.json_schema import (
     normalize_json_schema,
     spell_out_min_properties,
@@ -296,6 +301,9 @@ class _Vocab:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.stop_ids: frozenset[int] = frozenset(self.tokenizer.eos_tokens)
+        # Added tokens that are text (`<tool_call>`): llguidance reads them as special, so a
+        # structural tag names them by id (structural_tag_lark).
+        added = getattr(tokenizer, "get_added_vocab", lambda: {})()
         # Ordinary tokens: in the vocabulary and not special (the xgrammar backend's rule).
         control = control_token_ids(tokenizer)
         allowed = np.zeros(self.words * 32, dtype=bool)
@@ -303,6 +311,10 @@ class _Vocab:
             if 0 <= idx < vocab_size and idx not in control:
                 allowed[idx] = True
         self.ordinary = allowed[:vocab_size].copy()
+        self.added_tokens: dict[str, int] = {
+            text: idx for text, idx in added.items()
+            if 0 <= idx < vocab_size and self.ordinary[idx] and idx not in self.stop_ids
+        }
         for idx in self.stop_ids:
             allowed[idx] = True
         keep = np.packbits(allowed, bitorder="little").view(np.int32)
@@ -329,6 +341,18 @@ class _Vocab:
 
     def is_ordinary(self, token: int) -> bool:
         return 0 <= token < self.vocab_size and bool(self.ordinary[token])
+
+
+def _whole_characters(data: bytes) -> str:
+    """The longest prefix of `data` that is whole UTF-8 characters, as text ("" when `data`
+    starts with a continuation byte or is not UTF-8 at all)."""
+    if data[:1] and 0x80 <= data[0] < 0xC0:
+        return ""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # An incomplete last character is cut; an invalid one earlier cuts there too.
+        return data[: e.start].decode("utf-8")
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
@@ -425,6 +449,13 @@ class GuidanceGrammar(StructuredOutputGrammar):
         if self._terminated:
             return []
         return self.validate_tokens(list(self.matcher.compute_ff_tokens()))
+
+    def forced_string(self) -> str:
+        """llguidance's forced bytes (`compute_ff_bytes`) as text: cut before an incomplete
+        last character, and "" when they start inside one (after a token that split it)."""
+        if self._terminated:
+            return ""
+        return _whole_characters(bytes(self.matcher.compute_ff_bytes()))
 
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` tokens. Raises ValueError past the start."""
@@ -554,11 +585,33 @@ class GuidanceBackend(StructuredOutputBackend):
                 ) from e
             return llg.LLMatcher.grammar_from_lark(lark)
         if kind == "structural_tag":
-            raise UnsupportedConstraintError(
-                "structured_outputs.structural_tag",
-                "structural tags are not supported by llguidance",
+            fmt = parse_structural_tag(params.structural_tag)
+            writer = LarkWriter(
+                lambda schema: self._json_fragment(schema, params),
+                lambda pattern: "/" + llg.regex_to_lark(pattern, "dw") + "/",
+                self.vocab.added_tokens,
             )
+            return llg.LLMatcher.grammar_from_lark(writer.grammar(fmt))
         raise GrammarCompileError("structured_outputs", f"unknown constraint {kind!r}")
+
+    def _json_fragment(self, schema: Any, params: StructuredOutputsParams) -> str:
+        """A JSON schema inside a structural tag as a Lark `%json` expression: normalized,
+        checked and whitespace-bounded like a `json` constraint."""
+        schema = normalize_json_schema(
+            schema,
+            disable_additional_properties=params.disable_additional_properties,
+            one_of_as_any_of=self.options.one_of_as_any_of,
+        )
+        spell_out_min_properties(schema)
+        if schema is True:
+            schema = {}
+        if not isinstance(schema, dict):
+            raise GrammarCompileError(
+                "structured_outputs.structural_tag", "a tag's schema accepts no value"
+            )
+        schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        schema["x-guidance"] = self._json_options(params)
+        return "%json " + json.dumps(schema, ensure_ascii=False)
 
     def _json_grammar(self, schema: Any, params: StructuredOutputsParams, kind: str) -> str:
         param = f"structured_outputs.{kind}"
@@ -573,6 +626,14 @@ class GuidanceBackend(StructuredOutputBackend):
         # llguidance reads options from a top-level "x-guidance" key; a request must not be
         # able to loosen enforcement (lenient) or change the separators.
         schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        options = self._json_options(params)  # its InvalidRequestError names its own field
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        except (ValueError, TypeError) as e:
+            raise GrammarCompileError(param, _clean_error(str(e))) from e
+
+    def _json_options(self, params: StructuredOutputsParams) -> dict[str, Any]:
+        """llguidance's JSON options (separators, whitespace) for a request."""
         options: dict[str, Any] = {
             "item_separator": ",",
             "key_separator": ":",
@@ -588,10 +649,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 # Matched at most once at each place JSON allows whitespace, so a bound in
                 # the pattern bounds each run.
                 options["whitespace_pattern"] = pattern
-        try:
-            return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
-        except (ValueError, TypeError) as e:
-            raise GrammarCompileError(param, _clean_error(str(e))) from e
+        return options
 
     def _whitespace_pattern(self, params: StructuredOutputsParams) -> str | None:
         pattern = params.whitespace_pattern

@@ -62,9 +62,10 @@ class StructuredOutputGrammar(ABC):
 
     Bitmask rows are int32 words; bit j of word w allows token 32 * w + j. The engine uses
     accept_tokens, fill_bitmask and is_terminated. validate_tokens, rollback,
-    jump_forward_tokens and num_processed_tokens are for speculative decoding: truncating
-    drafts at the first token the grammar rejects, filling one bitmask row per draft position
-    by advancing through the drafts and rolling back, and drafting what the grammar forces.
+    jump_forward_tokens, forced_string and num_processed_tokens are for speculative
+    decoding: truncating drafts at the first token the grammar rejects, filling one bitmask
+    row per draft position by advancing through the drafts and rolling back, and drafting
+    what the grammar forces.
     """
 
     @abstractmethod
@@ -87,6 +88,15 @@ class StructuredOutputGrammar(ABC):
         verified, so this only affects how many are kept.
         """
         return []
+
+    def forced_string(self) -> str:
+        """The text the grammar forces next, whole UTF-8 characters only ("" when the next
+        character is a choice, or the backend cannot tell). No state change.
+
+        Canonical fast-forward tokenizes it with the engine's tokenizer, so its tokens are
+        checked with validate_tokens before they are used.
+        """
+        return ""
 
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:

@@ -318,6 +318,12 @@ class XgrammarGrammar(StructuredOutputGrammar):
             return []
         return self.validate_tokens(self.matcher.find_jump_forward_tokens())
 
+    def forced_string(self) -> str:
+        """xgrammar's jump-forward string: the forced text, whole characters only."""
+        if self._terminated:
+            return ""
+        return self.matcher.find_jump_forward_string()
+
     def rollback(self, num_tokens: int) -> None:
         """Undoes the last `num_tokens` tokens. Raises ValueError past the start."""
         if not 0 <= num_tokens <= len(self._states):

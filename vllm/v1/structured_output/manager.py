@@ -10,6 +10,7 @@ import numpy as np
 
 from vllm.reasoning import ReasoningParser
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.spec_decode.fast_forward import FastForward, server_mode
 from vllm.v1.structured_output.draft_rows import allow_think, fill_draft_rows
 from vllm.v1.structured_output.lanes import CompileLanes
 from vllm.v1.structured_output.request import StructuredOutputRequest
@@ -50,6 +51,8 @@ class StructuredOutputManager:
         self._live: dict[str, StructuredOutputRequest] = {}
         self._buffers: list[np.ndarray] = []
         self._next_buffer = 0
+        # Grammar fast-forward: the server's mode and canonical tokenization of forced text.
+        self.fast_forward = FastForward(server_mode(vllm_config), self._load_tokenizer)
         self.reasoning_parser: ReasoningParser | None = None
         if self._config.reasoning_parser is not None:
             self.reasoning_parser = ReasoningParser.create(

@@ -19,7 +19,14 @@ if TYPE_CHECKING:
 BACKENDS: dict[str, str] = {
     "xgrammar": "vllm.v1.structured_output.backend_xgrammar:XgrammarBackend",
     "guidance": "vllm.v1.structured_output.backend_guidance:GuidanceBackend",
+    "outlines": "vllm.v1.structured_output.backend_outlines:OutlinesBackend",
+    "lm-format-enforcer":
+        "vllm.v1.structured_output.backend_lm_format_enforcer:LMFormatEnforcerBackend",
 }
+
+# Backends "auto" never picks on its own: everything they enforce, xgrammar or llguidance
+# enforces too (and faster). A request may still name them, and a server may select one.
+ON_REQUEST_ONLY: frozenset[str] = frozenset({"outlines", "lm-format-enforcer"})
 
 # Upstream's names for ours, accepted where a request names its backend.
 ALIASES: dict[str, str] = {"llguidance": "guidance"}
@@ -46,11 +53,18 @@ def backend_class(name: str) -> type[StructuredOutputBackend]:
 
 
 def backends_for(name: str, disable_fallback: bool = False) -> list[str]:
-    """The backends a server option selects, in order of preference: all of them for
-    "auto" (only the first with `disable_fallback`), else that one. KeyError when unknown."""
+    """The backends a server option tries for a request that names none, in order of
+    preference: for "auto" every backend not in ON_REQUEST_ONLY (only the first with
+    `disable_fallback`), else that one. KeyError when unknown."""
     if name == AUTO:
-        names = list(BACKENDS)
+        names = [n for n in BACKENDS if n not in ON_REQUEST_ONLY]
         return names[:1] if disable_fallback else names
     if name not in BACKENDS:
         raise KeyError(name)
     return [name]
+
+
+def request_only_for(name: str) -> list[str]:
+    """The backends a server option offers only to requests that name them: the
+    ON_REQUEST_ONLY ones under "auto", none otherwise."""
+    return [n for n in BACKENDS if n in ON_REQUEST_ONLY] if name == AUTO else []

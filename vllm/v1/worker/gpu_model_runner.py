@@ -24,6 +24,7 @@ samples the same gathered logits; rank 0's tokens are broadcast so the ranks can
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from vllm.attention.backends.abstract import AttentionMetadata
+from vllm.attention.kv_cache_dtype import check_fp8_cache_device, is_fp8, kv_cache_torch_dtype
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -56,10 +58,20 @@ from vllm.v1.worker.sampling_inputs import SamplingInputs
 if TYPE_CHECKING:
     from vllm.lora.model_manager import LoRAModelManager
 
+logger = logging.getLogger(__name__)
+
 # CPU GEMMs give row results that depend on the row count below ~12 rows; padding every
 # matmul to at least this many rows makes a request's numbers independent of its batch, which
 # async = sync equivalence relies on.
 _CPU_MIN_ROWS = 16
+
+
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one KV block (keys and values of block_size tokens) across num_layers
+    layers when the cache stores `dtype`."""
+    return num_layers * block_size * 2 * num_kv_heads * head_dim * dtype.itemsize
 
 
 @dataclass
@@ -103,6 +115,10 @@ class GPUModelRunner:
         mc = vllm_config.model_config
         self.device = mc.device
         self.dtype = mc.torch_dtype
+        # What the paged KV cache stores (--kv-cache-dtype): the model's dtype or FP8.
+        self.kv_cache_dtype = kv_cache_torch_dtype(
+            vllm_config.cache_config.cache_dtype, self.dtype
+        )
         self.block_size = vllm_config.cache_config.block_size
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling
@@ -146,6 +162,13 @@ class GPUModelRunner:
         from vllm.model_executor.model_loader.loader import get_model
 
         self.model = get_model(self.config.model_config, self.parallel)
+        if is_fp8(self.kv_cache_dtype):
+            check_fp8_cache_device(self.device, self.model.attn_backend_cls.fp8_min_capability)
+            if self.parallel.layout.rank == 0:
+                source = ("the checkpoint's k_scale/v_scale"
+                          if getattr(self.model, "kv_scales_from_checkpoint", False)
+                          else "1.0 (the checkpoint has no k_scale/v_scale)")
+                logger.info("FP8 (e4m3) KV cache; per-layer scales: %s", source)
         if self.config.lora_config is not None:
             from vllm.lora.model_manager import LoRAModelManager
 
@@ -155,10 +178,13 @@ class GPUModelRunner:
             )
 
     def kv_cache_block_bytes(self) -> int:
-        """Bytes one KV block takes across all layers."""
+        """Bytes one KV block takes across all layers, in the cache's dtype (an FP8 cache's
+        blocks are half those of a 16-bit one, a quarter of float32's)."""
         assert self.model is not None
-        per_token = 2 * self.model.num_kv_heads * self.model.head_dim * self.dtype.itemsize
-        return self.model.num_layers * self.block_size * per_token
+        return kv_block_bytes(
+            self.model.num_layers, self.block_size, self.model.num_kv_heads,
+            self.model.head_dim, self.kv_cache_dtype,
+        )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates the paged KV cache (zeroed: padded attention reads must not see NaNs)."""
@@ -167,7 +193,7 @@ class GPUModelRunner:
             num_blocks, self.block_size, self.model.num_kv_heads, self.model.head_dim
         )
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(self.model.num_layers)
         ]
         if (

@@ -20,13 +20,17 @@ SAY = {"type": "object", "properties": {"text": {"type": "string"}}, "required":
 ARGS = {"add": {"a": 1, "b": 22}, "say": {"text": 'x}{"] <y>'}}
 
 
+# Test labels for a format's second way of writing calls: the parser name it uses.
+STYLES = {"mistral_args": "mistral"}
+
+
 def plan(parser: str, strict: bool = True, parallel: bool = True):
     tools = [{"type": "function", "function": {"name": name, "parameters": schema,
                                                 "strict": strict}}
              for name, schema in (("add", ADD), ("say", SAY))]
     r = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                               tools=tools, parallel_tool_calls=parallel)
-    return plan_tools(r.tools, r.tool_choice, r.parallel_tool_calls, parser)
+    return plan_tools(r.tools, r.tool_choice, r.parallel_tool_calls, STYLES.get(parser, parser))
 
 
 def written(parser: str, calls: list[tuple[str, dict]]) -> str:
@@ -41,13 +45,16 @@ def written(parser: str, calls: list[tuple[str, dict]]) -> str:
                        for n, a in calls)
     if parser == "mistral":
         return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in calls])
+    if parser == "mistral_args":  # tokenizer v11 and later
+        return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in calls)
     assert parser == "llama3_json"
     return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
 
 
 # (content before the calls, content after them) as each family writes a reply.
 FRAMES = {"hermes": ("I will add. ", " Done <tool_ca"), "qwen3_xml": ("Sure: ", "\n"),
-          "qwen3_coder": ("", ""), "mistral": ("Calling [TOOL_", ""), "llama3_json": ("", "")}
+          "qwen3_coder": ("", ""), "mistral": ("Calling [TOOL_", ""), "mistral_args": ("Calling [TOOL_", " done"),
+          "llama3_json": ("", "")}
 CALLS = [("add", ARGS["add"]), ("say", ARGS["say"])]
 
 
@@ -69,7 +76,7 @@ def replay(p, text: str, cut: list[int]) -> tuple[str, list[tuple[str, str]]]:
 
 
 def test_every_format_is_a_parser_choice() -> None:
-    assert set(FORMATS) == {"hermes", "mistral", "llama3_json", "qwen3_xml", "qwen3_coder"}
+    assert set(FORMATS) | set(STYLES) == set(FRAMES) == {"mistral_args","hermes", "mistral", "llama3_json", "qwen3_xml", "qwen3_coder"}
 
 
 @pytest.mark.parametrize("parser", sorted(FRAMES))
@@ -127,7 +134,8 @@ def accepts(tag: dict, text: str) -> bool:
     return _is_grammar_accept_string(xgr.Grammar.from_structural_tag(json.dumps(tag)), text)
 
 
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "mistral", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "mistral", "mistral_args",
+                                    "llama3_json"])
 def test_the_strict_tag_admits_valid_calls_only(parser) -> None:
     p = plan(parser)
     kind, tag = p.constraint()
@@ -142,7 +150,7 @@ def test_the_strict_tag_admits_valid_calls_only(parser) -> None:
     assert accepts(tag, "Free text without any call.")
 
 
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "llama3_json"])
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_xml", "mistral_args", "llama3_json"])
 def test_without_parallel_calls_the_tag_stops_after_one(parser) -> None:
     _, tag = plan(parser, parallel=False).constraint()
     one = written(parser, [("add", {"a": 1, "b": 2})])
@@ -155,3 +163,17 @@ def test_mistral_without_parallel_calls_allows_one_element() -> None:
     _, tag = plan("mistral", parallel=False).constraint()
     assert accepts(tag, written("mistral", [("add", {"a": 1, "b": 2})]))
     assert not accepts(tag, written("mistral", CALLS))
+
+
+def test_mistral_reads_a_call_id_and_text_between_calls() -> None:
+    text = ('[TOOL_CALLS]add[CALL_ID]a1b2c3d4e[ARGS]{"a": 1, "b": 2} and '
+            '[TOOL_CALLS][{"name": "say", "arguments": {"text": "t"}}]')
+    content, calls = parse_reply(plan("mistral"), text)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 1, "b": 2}), ("say", {"text": "t"})]
+    assert content == " and "
+
+
+def test_mistral_name_without_arguments_is_content() -> None:
+    text = "see [TOOL_CALLS]add and nothing else"
+    assert parse_reply(plan("mistral"), text) == (text, [])

@@ -91,6 +91,10 @@ class SchedulerOutput:
     # num_scheduled_tokens counts them after its one regular token; the runner verifies them
     # and samples one token past the last accepted one (docs/architecture.md §11).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Grammar fast-forward: how many of a request's drafts (the first ones) its grammar
+    # forced (absent: none). Canonical mode pins their bitmask rows to them; the stats
+    # count them.
+    num_forced_tokens: dict[str, int] = field(default_factory=dict)
     # Monotonic step counter (debugging and batch-queue bookkeeping).
     step_id: int = 0
 

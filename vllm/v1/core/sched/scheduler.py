@@ -96,7 +96,8 @@ class Scheduler:
         # request that ended meanwhile may belong to a new request by then.
         self._step_requests: dict[int, dict[str, Request]] = {}
         # Drafts for speculative decoding, and the counters of their verifications.
-        self.drafter = Drafter(proposer, self.max_model_len)
+        manager = structured_output_manager
+        self.drafter = Drafter(proposer, self.max_model_len, manager and manager.fast_forward)
 
     # ------------------------------------------------------------------ requests
 
@@ -308,19 +309,7 @@ class Scheduler:
             (request, self._assumed_in_flight(request))
             for request in step.decoding() if num_new_tokens(request) == 1
         ]
-        drafts = self.drafter.propose(candidates)
-        for request, _ in candidates:
-            req_id = request.request_id
-            tokens = drafts.get(req_id)
-            if not tokens or step.budget <= 0:
-                continue
-            tokens = tokens[: step.budget]
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                req_id, request.num_computed_tokens, step.num_scheduled[req_id] + len(tokens),
-                request.all_token_ids,
-            )
-            if new_blocks is not None:
-                step.add_drafts(req_id, tokens, new_blocks)
+        self.drafter.schedule(step, candidates, self.kv_cache_manager)
 
     def unschedule(self, output: SchedulerOutput) -> None:
         """Keeps the runner-facing news of a step that schedules no tokens and is never run:
@@ -422,7 +411,8 @@ class Scheduler:
             self._release_placeholders(request, 1 + len(drafts or ()))
             new_ids = append_output_tokens(request, token_ids, self.max_model_len)
             if drafts is not None:
-                self._verified(request, len(drafts), len(token_ids) - 1, len(new_ids))
+                forced = scheduler_output.num_forced_tokens.get(req_id, 0)
+                self._verified(request, len(drafts), len(token_ids) - 1, len(new_ids), forced)
             outputs.append(make_request_output(request, new_ids, logprobs, idx))
             if request.is_finished():
                 self._dequeue(request)
@@ -434,14 +424,16 @@ class Scheduler:
         its tokens."""
 
     def _verified(self, request: Request, num_drafts: int, num_accepted: int,
-                  num_appended: int) -> None:
+                  num_appended: int, num_forced: int = 0) -> None:
         """Counts a verification and forgets the KV of the rejected drafts: their positions
         are computed again, with the tokens that were kept, in the next steps; blocks that
         only they used are freed (the workers learn it with the next step).
 
-        `num_accepted` drafts matched the model; `num_appended` tokens were kept after the
-        stop checks, which is where the counted acceptance ends."""
-        self.drafter.stats.record(num_drafts, min(num_accepted, num_appended))
+        `num_accepted` drafts matched the model (the first `num_forced` were forced by the
+        grammar); `num_appended` tokens were kept after the stop checks, which is where the
+        counted acceptance ends."""
+        self.drafter.record(request.request_id, num_drafts, min(num_accepted, num_appended),
+                            num_forced)
         request.kept_all_drafts = num_accepted == num_drafts
         if request.status != RequestStatus.RUNNING:
             return  # finished (freed next), or preempted: it owns no blocks
@@ -482,4 +474,5 @@ class Scheduler:
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             grammar_backends=sorted((b, r, n) for (b, r), n in backend_choices.items()),
             timestamp=time.time(),
+            **spec.fast_forward_counters(),
         )

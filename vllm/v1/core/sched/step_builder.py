@@ -25,6 +25,8 @@ class StepBuilder:
     # Every scheduled request, running ones first, then admitted ones.
     scheduled: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Forced tokens among each request's drafts (grammar fast-forward), the first ones.
+    forced: dict[str, int] = field(default_factory=dict)
     # Running requests' new block ids, by id: the lists in `cached`, which drafts extend.
     _running_blocks: dict[str, list[int]] = field(default_factory=dict)
 
@@ -73,10 +75,14 @@ class StepBuilder:
         """The running requests scheduled so far (admitted and resumed ones excluded)."""
         return self.scheduled[: len(self._running_blocks)]
 
-    def add_drafts(self, req_id: str, drafts: list[int], new_blocks: list[int]) -> None:
-        """Adds drafts after a running request's scheduled token, with the blocks they took."""
+    def add_drafts(self, req_id: str, drafts: list[int], new_blocks: list[int],
+                   num_forced: int = 0) -> None:
+        """Adds drafts after a running request's scheduled token, with the blocks they took;
+        the first `num_forced` of them (at most all) are forced by its grammar."""
         self._running_blocks[req_id].extend(new_blocks)
         self.spec_tokens[req_id] = drafts
+        if num_forced:
+            self.forced[req_id] = min(num_forced, len(drafts))
         self.num_scheduled[req_id] += len(drafts)
         self.budget -= len(drafts)
 
@@ -104,6 +110,7 @@ class StepBuilder:
             sampled_req_ids=[r.request_id for r in sampled],
             num_kept_blocks=num_kept_blocks,
             scheduled_spec_decode_tokens=self.spec_tokens,
+            num_forced_tokens=self.forced,
             step_id=step_id,
         )
 

@@ -12,6 +12,8 @@ from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.canonical_rows import pin_canonical_rows
+from vllm.v1.spec_decode.fast_forward import CANONICAL
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
 if TYPE_CHECKING:
@@ -161,7 +163,8 @@ def make_grammar_output(
     manager: StructuredOutputManager, requests: dict[str, Request], step: SchedulerOutput
 ) -> GrammarOutput | None:
     """Bitmasks for the live constrained requests that sample in `step` outside a thinking
-    block, one row per verified position (1 + drafts); None when there are none."""
+    block, one row per verified position (1 + drafts); None when there are none. Rows of
+    positions that canonical fast-forward forces allow only their canonical token."""
     ids = [
         req_id
         for req_id in step.sampled_req_ids
@@ -173,5 +176,8 @@ def make_grammar_output(
         return None
     drafts = step.scheduled_spec_decode_tokens
     bitmask = manager.grammar_bitmask(requests, ids, drafts)
+    if manager.fast_forward.allowed == CANONICAL:
+        pin_canonical_rows(manager.fast_forward, requests, ids, drafts, step.num_forced_tokens,
+                           bitmask)
     rows = [req_id for req_id in ids for _ in range(1 + len(drafts.get(req_id, ())))]
     return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask.copy())

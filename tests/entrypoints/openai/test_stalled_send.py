@@ -1,0 +1,101 @@
+"""Tests for vllm/entrypoints/openai/stalled_send.py: a client that stops reading is dropped
+once a write has waited the send timeout, and its response's work ends; a reading client is
+never dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from vllm.entrypoints.openai.stalled_send import StalledSendGuard
+
+TIMEOUT_S = 0.05
+# A bound on how long a check may take before it counts as hung (not a speed requirement).
+HUNG_S = 30.0
+
+
+class Client:
+    """An ASGI client that reads `reads` body messages, then stops reading (its writes never
+    complete) but keeps the connection open (it never disconnects)."""
+
+    def __init__(self, reads: int | None) -> None:
+        self.reads = reads
+        self.bodies: list[bytes] = []
+
+    async def receive(self) -> dict:
+        await asyncio.Event().wait()  # the client sends nothing more and never leaves
+        raise AssertionError("unreachable")
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.body":
+            if self.reads is not None and len(self.bodies) >= self.reads:
+                await asyncio.Event().wait()
+            self.bodies.append(message.get("body", b""))
+
+
+SCOPE = {"type": "http", "path": "/v1/completions", "headers": [],
+         "asgi": {"version": "3.0", "spec_version": "2.3"}}
+
+
+def run(app, client: Client) -> None:
+    guarded = StalledSendGuard(app, timeout_s=TIMEOUT_S)
+    asyncio.run(asyncio.wait_for(guarded(dict(SCOPE), client.receive, client.send), HUNG_S))
+
+
+def endless_stream(state: dict) -> StreamingResponse:
+    async def events():
+        try:
+            while True:
+                state["sent"] += 1
+                yield b"data: {}\n\n"
+                await asyncio.sleep(0)
+        finally:
+            state["closed"] = True  # where the route aborts its engine requests
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def test_a_stream_to_a_client_that_stopped_reading_ends(caplog) -> None:
+    state = {"sent": 0, "closed": False}
+    client = Client(reads=3)
+    with caplog.at_level(logging.WARNING, logger="vllm.entrypoints.openai.stalled_send"):
+        run(endless_stream(state), client)
+    assert state["closed"]
+    assert len(client.bodies) == 3
+    assert any("read nothing" in r.getMessage() for r in caplog.records)
+
+
+def test_a_whole_response_to_a_client_that_never_reads_ends() -> None:
+    client = Client(reads=0)
+    run(JSONResponse({"x": "y" * 1000}), client)
+    assert client.bodies == []
+
+
+def test_a_reading_client_gets_everything() -> None:
+    async def chunks():
+        for i in range(50):
+            yield f"data: {i}\n\n".encode()
+
+    client = Client(reads=None)
+    run(StreamingResponse(chunks(), media_type="text/event-stream"), client)
+    assert b"".join(client.bodies) == b"".join(f"data: {i}\n\n".encode() for i in range(50))
+
+
+@pytest.mark.parametrize("scope_type", ["lifespan", "websocket"])
+def test_other_scopes_pass_through(scope_type) -> None:
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((scope["type"], receive, send))
+
+    async def receive():
+        return {}
+
+    async def send(message):
+        pass
+
+    asyncio.run(StalledSendGuard(app, TIMEOUT_S)({"type": scope_type}, receive, send))
+    assert seen == [(scope_type, receive, send)]

@@ -1,0 +1,130 @@
+"""Tests for vllm/v1/spec_decode/fast_forward.py: the modes, the admission rule, and the
+canonical tokenization of forced text."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.v1.core.sched_utils import make_request
+from tests.v1.spec_decode.text_grammar import TextGrammar, Tokenizer
+from vllm.config import StructuredOutputsConfig
+from vllm.exceptions import InvalidRequestError
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.request import Request
+from vllm.v1.spec_decode.fast_forward import (
+    FastForward,
+    check_request_mode,
+    parse_mode,
+    server_mode,
+)
+
+OPTIONS = ['{"name":"x"}', '{"name":"y"}']
+
+
+def constrained(mode: str | None, options: list[str] = OPTIONS) -> Request:
+    """A request with a TextGrammar over `options` asking for fast-forward `mode`."""
+    request = make_request("r", [1, 2, 3])
+    request.sampling_params.structured_outputs = StructuredOutputsParams(
+        regex="x", fast_forward=mode)
+    request = Request("r", [1, 2, 3], request.sampling_params)
+    assert request.structured_output_request is not None
+    request.structured_output_request.grammar = TextGrammar(options)
+    return request
+
+
+@pytest.mark.parametrize("value, mode", [
+    ("off", "off"), ("exact", "exact"), ("canonical", "canonical"),
+    (True, "exact"), (False, "off"), ("true", "exact"), ("false", "off"),
+])
+def test_modes_and_their_boolean_spellings(value: object, mode: str) -> None:
+    assert parse_mode(value, "f") == mode
+    assert StructuredOutputsConfig(fast_forward=value).fast_forward == mode
+    assert StructuredOutputsParams(json={}, fast_forward=value).fast_forward == mode
+
+
+@pytest.mark.parametrize("value", ["fast", "", 1, "Exact", ["exact"]])
+def test_a_bad_mode_is_refused_naming_the_field(value: object) -> None:
+    with pytest.raises(ValueError, match="--structured-outputs-config.fast_forward: must be"):
+        StructuredOutputsConfig(fast_forward=value)
+    with pytest.raises(InvalidRequestError, match="must be one of off, exact, canonical") as e:
+        StructuredOutputsParams(json={}, fast_forward=value)
+    assert e.value.param == "structured_outputs.fast_forward"
+
+
+def test_the_default_is_off_and_a_request_follows_the_server() -> None:
+    assert StructuredOutputsConfig().fast_forward == "off"
+    assert StructuredOutputsParams(json={}).fast_forward is None
+    forcer = FastForward("canonical", Tokenizer)
+    assert forcer.mode(constrained(None)) == "canonical"
+    assert forcer.mode(constrained("exact")) == "exact"
+    assert forcer.mode(constrained("off")) == "off"
+    assert forcer.mode(make_request("u", [1, 2])) == "off"  # unconstrained
+    # A mode above the server's is clamped (admission refuses it before it gets here).
+    assert FastForward("exact", Tokenizer).mode(constrained("canonical")) == "exact"
+
+
+def test_server_mode_counts_speculative_decoding_as_exact() -> None:
+    def config(mode: str, spec: object) -> SimpleNamespace:
+        return SimpleNamespace(structured_outputs_config=StructuredOutputsConfig(
+            fast_forward=mode), speculative_config=spec)
+
+    assert server_mode(config("off", None)) == "off"
+    assert server_mode(config("off", object())) == "exact"  # drafts start with forced tokens
+    assert server_mode(config("canonical", object())) == "canonical"
+
+
+@pytest.mark.parametrize("allowed, refused", [
+    ("off", ["exact", "canonical"]), ("exact", ["canonical"]), ("canonical", [])])
+def test_a_request_may_ask_for_at_most_the_servers_mode(allowed: str, refused: list) -> None:
+    for mode in (None, "off", "exact", "canonical"):
+        if mode in refused:
+            with pytest.raises(InvalidRequestError, match=f"'{mode}' is not enabled") as e:
+                check_request_mode(mode, allowed)
+            assert e.value.param == "structured_outputs.fast_forward"
+        else:
+            check_request_mode(mode, allowed)
+
+
+def test_canonical_tokens_are_the_tokenizers_spelling_of_the_forced_text() -> None:
+    grammar = TextGrammar(OPTIONS)
+    forcer = FastForward("canonical", Tokenizer)
+    # '{"name":"' longest match first; the backend's own spelling is one character each.
+    assert forcer.canonical_tokens(grammar, 8) == [1, 2, 3]
+    assert grammar.jump_forward_tokens()[:3] == [5, 4, 6]
+    assert forcer.canonical_tokens(grammar, 2) == [1, 2]
+    assert forcer.canonical_tokens(grammar, 0) == []
+    assert grammar.tokens == []  # left as it was
+    assert grammar.accept_tokens("r", [1, 2, 3, 11])
+    # After the choice only '"}' is forced.
+    assert forcer.canonical_tokens(grammar, 8) == [13]
+    grammar.accept_tokens("r", [13, 0])
+    assert forcer.canonical_tokens(grammar, 8) == []  # terminated
+
+
+def test_nothing_forced_gives_nothing() -> None:
+    grammar = TextGrammar(['{"a"', "}"])
+    assert FastForward("canonical", Tokenizer).canonical_tokens(grammar, 8) == []
+
+
+def test_a_spelling_the_grammar_refuses_falls_back_to_the_backends_tokens() -> None:
+    # A tokenizer that starts every encoding with a piece the grammar does not allow.
+    forcer = FastForward("canonical", lambda: Tokenizer(prefix=[15]))
+    grammar = TextGrammar(OPTIONS)
+    assert forcer.canonical_tokens(grammar, 4) == grammar.jump_forward_tokens()[:4]
+
+
+def test_the_tokenizer_is_loaded_once_and_only_when_needed() -> None:
+    loads = []
+
+    def load() -> Tokenizer:
+        loads.append(1)
+        return Tokenizer()
+
+    forcer = FastForward("canonical", load)
+    assert forcer.canonical_tokens(TextGrammar(["a", "b"]), 4) == []
+    assert loads == []
+    forcer.canonical_tokens(TextGrammar(OPTIONS), 4)
+    forcer.canonical_tokens(TextGrammar(OPTIONS), 4)
+    assert loads == [1]

@@ -1,0 +1,126 @@
+"""Grammar fast-forward: its modes, which one a request runs in, and canonical forced tokens.
+
+When a constrained request's grammar forces the next characters (a JSON key, `": "`, a
+closing brace), those tokens need no choice of the model. Fast-forward drafts them, so that
+many enter one forward pass (docs/architecture.md §11):
+
+- `exact`: the grammar backend's tokenization of the forced text is drafted and verified
+  like any draft, so outputs are exactly those without fast-forward.
+- `canonical`: the forced text is tokenized canonically with the engine's tokenizer (as
+  the tokenizer would encode that text alone) and each of those tokens is the only token its
+  position allows, so every one is kept. Outputs stay valid but are not token-identical to
+  free decoding: where the forced text ends, the model might have merged it with what
+  follows into a longer token. A trained model expects the canonical tokenization.
+- `off`: nothing forced is drafted.
+
+This module imports nothing heavy: the config and the API server use it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from vllm.exceptions import InvalidRequestError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+OFF, EXACT, CANONICAL = "off", "exact", "canonical"
+# In order of how far a mode departs from free decoding.
+MODES = (OFF, EXACT, CANONICAL)
+_RANK = {mode: i for i, mode in enumerate(MODES)}
+# Older spellings of the server option (it was a boolean).
+_ALIASES: dict[Any, str] = {True: EXACT, False: OFF, "true": EXACT, "false": OFF}
+
+
+def parse_mode(value: Any, field: str) -> str:
+    """`value` as one of MODES (true/false are accepted as exact/off). Raises ValueError
+    naming `field` for anything else."""
+    if isinstance(value, bool) or (isinstance(value, str) and value in _ALIASES):
+        return _ALIASES[value]
+    if isinstance(value, str) and value in _RANK:
+        return value
+    raise ValueError(f"{field}: must be one of {', '.join(MODES)}, got {value!r}")
+
+
+def parse_request_mode(value: Any) -> str | None:
+    """A request's `structured_outputs.fast_forward` (None: the server's mode). Raises
+    InvalidRequestError naming the field for anything but a mode, true or false."""
+    if value is None:
+        return None
+    try:
+        return parse_mode(value, "structured_outputs.fast_forward")
+    except ValueError as e:
+        raise InvalidRequestError(
+            "structured_outputs.fast_forward", str(e).split(": ", 1)[1]
+        ) from None
+
+
+def server_mode(config: VllmConfig) -> str:
+    """The most a request may ask for on this server. With --speculative-config and the
+    option off, drafts still start with the forced tokens (verified: exact)."""
+    mode = config.structured_outputs_config.fast_forward
+    if mode == OFF and config.speculative_config is not None:
+        return EXACT
+    return mode
+
+
+def check_request_mode(requested: str | None, allowed: str) -> None:
+    """Refuses a request mode above the server's `allowed` one: canonical changes outputs,
+    so only the operator may allow it, and without speculative decoding nothing drafts.
+    Raises InvalidRequestError naming structured_outputs.fast_forward."""
+    if requested is not None and _RANK[requested] > _RANK[allowed]:
+        raise InvalidRequestError(
+            "structured_outputs.fast_forward",
+            f"{requested!r} is not enabled on this server (it allows up to {allowed!r}; "
+            f"start it with --structured-outputs-config.fast_forward {requested})",
+        )
+
+
+class FastForward:
+    """The server's mode and the canonical tokenization of forced text, shared by the
+    drafter and the bitmask rows of one engine.
+
+    `load_tokenizer` is called on the first canonical tokenization (the engine's tokenizer
+    is loaded lazily by the structured-output manager).
+    """
+
+    def __init__(self, allowed: str, load_tokenizer: Callable[[], Any]) -> None:
+        self.allowed = allowed
+        self._load_tokenizer = load_tokenizer
+        self._encode: Callable[[str], list[int]] | None = None
+
+    def mode(self, request: Request) -> str:
+        """The request's mode: its own (admission checked it is allowed), else the
+        server's; `off` for an unconstrained request."""
+        structured_req = request.structured_output_request
+        if structured_req is None:
+            return OFF
+        requested = structured_req.params.fast_forward
+        if requested is None:
+            return self.allowed
+        # Clamped in case the request skipped the admission check (a direct engine call).
+        return min(requested, self.allowed, key=_RANK.__getitem__)
+
+    def canonical_tokens(self, grammar: StructuredOutputGrammar, limit: int) -> list[int]:
+        """At most `limit` tokens of the text `grammar` forces next, as the engine's tokenizer
+        encodes that text, cut at the first token the grammar refuses; when it refuses the
+        first (a tokenizer that adds a prefix, a token the grammar masks), the backend's own
+        forced tokens instead. [] when nothing is forced. The grammar is left as it was."""
+        if limit <= 0:
+            return []
+        text = grammar.forced_string()
+        if not text:
+            return []
+        if self._encode is None:
+            tokenizer = self._load_tokenizer()
+
+            def encode(text: str) -> list[int]:
+                return list(tokenizer.encode(text, add_special_tokens=False))
+
+            self._encode = encode
+        tokens = grammar.validate_tokens(self._encode(text)[:limit])
+        return tokens or grammar.jump_forward_tokens()[:limit]
