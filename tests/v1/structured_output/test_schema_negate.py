@@ -73,3 +73,13 @@ def test_not_of_what_has_no_schema_stays() -> None:
     # "a string not matching ^a" has no schema without `not`.
     schema = {"type": "string", "not": {"pattern": "^a"}}
     assert normalize_json_schema(schema)["not"] == {"pattern": "^a"}
+
+
+def test_none_of_too_many_words_is_a_limit() -> None:
+    from vllm.v1.structured_output.schema_negate import MAX_WORD_CHARACTERS
+
+    words = [f"w{i:05d}" for i in range(MAX_WORD_CHARACTERS // 6 + 1)]
+    assert not_one_of(words) is None
+    assert not_one_of(words[:10]) is not None
+    schema = {"type": "string", "not": {"enum": words}}
+    assert normalize_json_schema(schema)["not"] == {"enum": words}  # left for the backends

@@ -28,6 +28,8 @@ from vllm.v1.structured_output.schema_facts import (
     type_names,
 )
 
+# The most characters of listed strings written as one "none of these" regex.
+MAX_WORD_CHARACTERS = 4096
 # How deep property schemas are negated (a property of a property of ...).
 _MAX_DEPTH = 4
 # Keywords that only shape other keywords: they refuse nothing on their own here.
@@ -218,8 +220,11 @@ def _negate_extra(
 
 def not_one_of(words: list[str]) -> str | None:
     """An anchored regex matching exactly the strings not in `words` (None when a character
-    cannot be written as a `\\uXXXX` escape). Written without optional groups (xgrammar
-    0.2.9 matches an optional group holding a repeat wrongly)."""
+    cannot be written as a `\\uXXXX` escape, or when the words hold more than
+    MAX_WORD_CHARACTERS characters: the regex grows with them). Written without optional
+    groups (xgrammar 0.2.9 matches an optional group holding a repeat wrongly)."""
+    if sum(len(w) for w in words) > MAX_WORD_CHARACTERS:
+        return None
     trie: dict[str, Any] = {}
     for word in words:
         node = trie
