@@ -91,6 +91,7 @@ from vllm.v1.structured_output.backend_types import (
     tokenizer_vocab,
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text
+from vllm.v1.structured_output.guidance_patterns import find_escape_blind_pattern
 from vllm.v1.structured_output.structural_tag_lark import LarkWriter, parse_structural_tag
 from vllm.v1.structured_output.json_schema import (
     normalize_json_schema,
@@ -188,6 +189,16 @@ def _compile_error(kind: str, message: str) -> GrammarCompileError:
     if _is_unsupported(message):
         return UnsupportedConstraintError(param, f"{cleaned} (unsupported by llguidance)")
     return GrammarCompileError(param, cleaned)
+
+
+def _refuse_escape_blind_patterns(schema: dict[str, Any], param: str) -> None:
+    """Raises UnsupportedConstraintError for a pattern llguidance would not enforce exactly
+    (guidance_patterns.py), naming where it is."""
+    where = find_escape_blind_pattern(schema)
+    if where is not None:
+        raise UnsupportedConstraintError(
+            param, f"the pattern at {where} negates a class holding '\"' or a backslash, "
+            "which llguidance does not enforce on escaped characters")
 
 
 def check_whitespace_pattern(pattern: str) -> None:
@@ -610,6 +621,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 "structured_outputs.structural_tag", "a tag's schema accepts no value"
             )
         schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        _refuse_escape_blind_patterns(schema, "structured_outputs.structural_tag")
         schema["x-guidance"] = self._json_options(params)
         return "%json " + json.dumps(schema, ensure_ascii=False)
 
@@ -626,6 +638,7 @@ class GuidanceBackend(StructuredOutputBackend):
         # llguidance reads options from a top-level "x-guidance" key; a request must not be
         # able to loosen enforcement (lenient) or change the separators.
         schema = {k: v for k, v in schema.items() if k != "x-guidance"}
+        _refuse_escape_blind_patterns(schema, param)
         options = self._json_options(params)  # its InvalidRequestError names its own field
         try:
             return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
