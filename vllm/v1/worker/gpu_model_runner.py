@@ -46,7 +46,7 @@ from vllm.v1.spec_decode.verify import NO_TOKEN, verify_drafts
 from vllm.v1.worker.cuda_graph import DecodeGraphs, capture_decode_graphs
 from vllm.v1.worker.device_feedback import DeviceFeedback
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
-from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask
+from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, grammar_mask
 from vllm.v1.worker.input_buffers import InputBuffers
 from vllm.v1.worker.input_prep import StepInputs, prepare
 from vllm.v1.worker.prompt_logprobs import compute_prompt_logprobs
@@ -418,16 +418,22 @@ class GPUModelRunner:
         num_rows = step.num_rows
         self._settle_verified(step.sampled_states)
         first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
-        if grammar_output is not None:
-            apply_grammar_bitmask(
-                logits, grammar_output, dict(zip(step.sampled_req_ids, first_rows))
-            )
         states = step.sampled_states
         # A request with drafts samples every verified position: row j is its output
         # position num_output_tokens + j (docs/architecture.md §11).
         row_states = [s for s, n in zip(states, num_rows) for _ in range(n)]
         offsets = [j for n in num_rows for j in range(n)]
         metadata = self.sampling_inputs.build(row_states, offsets)
+        if grammar_output is not None:
+            to_row = dict(zip(step.sampled_req_ids, first_rows))
+            on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+            if on_cpu and logits.is_contiguous():
+                # The sampler reads the mask in its argmax pass (or applies it itself).
+                metadata.grammar_mask = grammar_mask(
+                    grammar_output, to_row, logits.shape[0]
+                )
+            else:
+                apply_grammar_bitmask(logits, grammar_output, to_row)
         result = self.sampler(logits, metadata)
         self.parallel.broadcast(result.sampled_token_ids)
         token_ids, last = verify_drafts(result.sampled_token_ids, num_rows, step.drafts)
