@@ -24,6 +24,7 @@ samples the same gathered logits; rank 0's tokens are broadcast so the ranks can
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,6 +50,7 @@ from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, grammar_mask
 from vllm.v1.worker.input_buffers import InputBuffers
 from vllm.v1.worker.input_prep import StepInputs, prepare
+from vllm.v1.worker.logits_buffers import LogitsBuffers
 from vllm.v1.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm.v1.worker.sampled_tokens import AsyncOutput, SampledTokens
 from vllm.v1.worker.sampling_inputs import SamplingInputs
@@ -83,6 +85,8 @@ class _Step:
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
     # Requests whose LoRA adapter failed to load this step -> why.
     failed: dict[str, str] = field(default_factory=dict)
+    # The pooled tensor `logits` is a view of (CPU), given back once the step is sampled.
+    logits_buffer: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> list[int]:
@@ -136,6 +140,8 @@ class GPUModelRunner:
             self.buffers.to_device, generator, self.vocab_size, self.device, self._in_flight
         )
         self.graphs: DecodeGraphs | None = None
+        # Reused logits memory (CPU models whose compute_logits takes `out`; see load_model).
+        self.logits_buffers: LogitsBuffers | None = None
         # LoRA slots of the model's layers (None: LoRA is off).
         self.lora: LoRAModelManager | None = None
 
@@ -146,6 +152,9 @@ class GPUModelRunner:
         from vllm.model_executor.model_loader.loader import get_model
 
         self.model = get_model(self.config.model_config, self.parallel)
+        takes_out = "out" in inspect.signature(self.model.compute_logits).parameters
+        if self.device.type == "cpu" and takes_out and self.parallel.layout.tp_size == 1:
+            self.logits_buffers = LogitsBuffers(self.vocab_size)
         if self.config.lora_config is not None:
             from vllm.lora.model_manager import LoRAModelManager
 
@@ -378,7 +387,12 @@ class GPUModelRunner:
             idx[:num_rows] = np.repeat(ends - counts, counts) + (
                 np.arange(num_rows) - np.repeat(np.cumsum(counts) - counts, counts)
             )
-            step.logits = self.model.compute_logits(hidden[self.buffers.to_device(idx)])
+            rows = hidden[self.buffers.to_device(idx)]
+            if self.logits_buffers is not None:
+                step.logits_buffer = self.logits_buffers.take(len(idx))
+                step.logits = self.model.compute_logits(rows, out=step.logits_buffer)
+            else:
+                step.logits = self.model.compute_logits(rows)
             step.logits = step.logits[:num_rows]
             if num_rows > len(pick):
                 # Read from the device: this forward's own positions may have been placed there.
@@ -434,7 +448,14 @@ class GPUModelRunner:
                 )
             else:
                 apply_grammar_bitmask(logits, grammar_output, to_row)
-        result = self.sampler(logits, metadata)
+        try:
+            result = self.sampler(logits, metadata)
+        finally:
+            del logits
+            step.logits = None
+            if step.logits_buffer is not None:
+                # Nothing reads the logits after sampling: the sampler's outputs are copies.
+                self.logits_buffers.give(step.logits_buffer)
         self.parallel.broadcast(result.sampled_token_ids)
         token_ids, last = verify_drafts(result.sampled_token_ids, num_rows, step.drafts)
         logprobs = result.logprobs
