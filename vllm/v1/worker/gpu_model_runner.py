@@ -443,9 +443,7 @@ class GPUModelRunner:
             on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
             if on_cpu and logits.is_contiguous():
                 # The sampler reads the mask in its argmax pass (or applies it itself).
-                metadata.grammar_mask = grammar_mask(
-                    grammar_output, to_row, logits.shape[0]
-                )
+                metadata.grammar_mask = grammar_mask(grammar_output, to_row, *logits.shape)
             else:
                 apply_grammar_bitmask(logits, grammar_output, to_row)
         try:

@@ -45,12 +45,18 @@ def reorder_bitmask(
 
 
 def grammar_mask(
-    grammar_output: GrammarOutput, req_id_to_row: dict[str, int], num_rows: int
+    grammar_output: GrammarOutput, req_id_to_row: dict[str, int], num_rows: int,
+    vocab_size: int,
 ) -> GrammarMask | None:
-    """The bitmask rows of `num_rows` logits rows for the sampler to apply (None: no row is
-    constrained). Same row rules and errors as apply_grammar_bitmask; reads, changes nothing."""
+    """The bitmasks of [num_rows, vocab_size] logits for the sampler to apply (None: no row
+    is constrained). Same row rules and errors as apply_grammar_bitmask; changes nothing."""
     if not grammar_output.structured_output_request_ids:
         return None
+    words = grammar_output.grammar_bitmask.shape[-1]
+    if words != (vocab_size + 31) // 32:
+        raise ValueError(
+            f"grammar_bitmask: {words} words per row cannot mask a vocabulary of {vocab_size}"
+        )
     bitmask, rows = reorder_bitmask(grammar_output, req_id_to_row)
     if not rows:
         return None
