@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import torch
 
-from vllm.v1.sample.metadata import SamplingMetadata
+from vllm import _custom_ops as ops
+from vllm.v1.sample.metadata import GrammarMask, SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
 
@@ -47,8 +49,41 @@ def cases(n: int, device: torch.device) -> dict[str, SamplingMetadata]:
     }
 
 
+def json_like_mask(n: int, vocab: int, seed: int = 0) -> GrammarMask:
+    """Masks shaped like a JSON grammar's: half the rows inside a string (nearly every token
+    allowed), half between values (a few dozen tokens allowed)."""
+    rng = np.random.default_rng(seed)
+    words = (vocab + 31) // 32
+    bits = np.zeros((n, words), dtype=np.int32)
+    bits[::2] = -1
+    bits[::2, rng.integers(0, words, words // 50)] = 0  # quotes, controls
+    words_view = bits.view(np.uint32)
+    for r in range(1, n, 2):
+        allowed = rng.integers(0, vocab, 40)
+        one_bits = np.left_shift(np.uint32(1), (allowed % 32).astype(np.uint32))
+        np.bitwise_or.at(words_view[r], allowed // 32, one_bits)
+    return GrammarMask(bits, np.arange(n, dtype=np.int64))
+
+
+class Reference:
+    """The greedy path before the fused kernel: the mask written as -inf into the logits
+    (in place: writing the same mask again costs the same and changes nothing), then
+    torch's argmax per chunk of ~4 MiB."""
+
+    def __init__(self, grammar: GrammarMask | None) -> None:
+        self.grammar = grammar
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        x = logits
+        if self.grammar is not None:
+            rows = self.grammar.rows
+            ops.apply_token_bitmask(x.numpy(), self.grammar.bitmask, rows, rows)
+        step = max(1, (1 << 20) // x.shape[1])
+        return torch.cat([x[lo : lo + step].argmax(dim=1) for lo in range(0, len(x), step)])
+
+
 def timed(
-    sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata, iters: int
+    sampler, logits: torch.Tensor, md: SamplingMetadata, iters: int
 ) -> tuple[float, float, float]:
     """(min wall, median wall, min process CPU) milliseconds of `iters` steps after one
     warm-up step. On a shared machine the minimum is the better estimate of the uncontended
@@ -91,6 +126,24 @@ def main() -> None:
     for name, md in cases(args.rows, device).items():
         best, median, cpu = timed(sampler, logits, md, args.iters)
         print(f"{name:>22}: {best:9.1f} {median:9.1f} {cpu:9.1f}")
+    if device.type == "cpu":
+        # Old and new greedy paths side by side (same run, same logits; the old one masks
+        # `logits` in place, so the fused one reads an unmasked copy).
+        grammar = json_like_mask(args.rows, args.vocab)
+        greedy = metadata(args.rows, device, temperature=None, all_greedy=True,
+                          all_random=False)
+        masked = metadata(args.rows, device, temperature=None, all_greedy=True,
+                          all_random=False, grammar_mask=grammar)
+        copy = logits.clone()
+        pairs = {
+            "greedy": (Reference(None), sampler, greedy),
+            "greedy + JSON mask": (Reference(grammar), sampler, masked),
+        }
+        for name, (old, new, md) in pairs.items():
+            old_ms = timed(old, logits, md, args.iters)[0]
+            new_ms = timed(new, copy, md, args.iters)[0]
+            print(f"{name:>22}: torch argmax {old_ms:7.1f}  fused {new_ms:7.1f}  "
+                  f"(min wall; {old_ms / new_ms:.1f}x)")
     few = min(8, args.rows)
     flat = torch.randn(few, args.vocab, generator=gen, device=device)
     md = metadata(few, device, top_p=torch.full((few,), 0.9, device=device))

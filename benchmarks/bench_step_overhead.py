@@ -1,7 +1,7 @@
 """The engine's own host cost per step, by phase, with a forward pass that costs nothing.
 
     .venv/bin/python benchmarks/bench_step_overhead.py [--model demo] \
-        [--batch-sizes 1,8,64,256] [--output-len 32] [--json RESULT.json]
+        [--batch-sizes 1,8,64,256] [--output-len 32] [--json RESULT.json] [--profile]
 
 The model's forward is replaced by one that returns zeros (the LM head still runs, on the
 real vocabulary, and is reported apart), so what remains per step is the engine: scheduling,
@@ -10,13 +10,19 @@ Each cell (batch x 0 / 100 % JSON x sync / async) runs once on the uni executor;
 timed by wrapping the engine's methods (wall time inside the calls; under async they may
 overlap, and `update` includes waiting for the step's result). A second table runs the real model at
 each batch under async and prints the fraction of the wall time the forward pass was busy.
+`--profile` adds, after each null-forward cell, the functions with the most own time
+(cProfile, in the engine's thread and in the worker's calls, which may run on another thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
+import io
 import json
+import pstats
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -90,8 +96,48 @@ def instrument(llm: LLM, null_model: bool) -> tuple[Timers, dict[str, int]]:
     return timers, counts
 
 
+class Profiles:
+    """cProfile of the calling thread (enable/disable) and of the worker's calls, which the
+    uni executor may run on its own thread, where a profiler must be enabled per call."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.main = cProfile.Profile()
+        self.worker = cProfile.Profile()
+        self.on = False
+        runner = llm.llm_engine.engine_core.model_executor.worker.model_runner
+        for name in ("execute_model", "sample_tokens"):
+            self._wrap(runner, name)
+
+    def _wrap(self, obj: Any, name: str) -> None:
+        original: Callable = getattr(obj, name)
+
+        @functools.wraps(original)
+        def profiled(*args, **kwargs):
+            if not self.on or threading.current_thread() is threading.main_thread():
+                return original(*args, **kwargs)  # the main thread's profiler sees it
+            self.worker.enable()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.worker.disable()
+
+        setattr(obj, name, profiled)
+
+    def summary(self, lines: int = 15) -> str:
+        """The top functions by own time, each profiler, and resets them."""
+        out = io.StringIO()
+        for name, profile in (("engine thread", self.main), ("worker calls", self.worker)):
+            if not profile.getstats():
+                continue
+            out.write(f"-- {name}\n")
+            pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(lines)
+        self.main, self.worker = cProfile.Profile(), cProfile.Profile()
+        return out.getvalue()
+
+
 def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, output_len: int,
-             structured: bool, null_model: bool) -> dict[str, float]:
+             structured: bool, null_model: bool,
+             profiles: Profiles | None = None) -> dict[str, float]:
     """Per-step milliseconds of every phase, and the forward's share of the wall time."""
     timers.seconds.clear()
     counts["steps"] = 0
@@ -111,10 +157,16 @@ def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, outpu
 
     detokenizer.IncrementalDetokenizer.update = timed_update
     try:
+        if profiles is not None:
+            profiles.on = True
+            profiles.main.enable()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
     finally:
+        if profiles is not None:
+            profiles.main.disable()
+            profiles.on = False
         detokenizer.IncrementalDetokenizer.update = update
     s = timers.seconds
     steps = max(counts["steps"], 1)
@@ -148,6 +200,8 @@ def main() -> int:
     parser.add_argument("--batch-sizes", default="1,8,64,256")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile", action="store_true",
+                        help="print a cProfile summary after each null-forward cell")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results: dict[str, Any] = {"null": {}, "real": {}}
@@ -158,13 +212,17 @@ def main() -> int:
         mode = "async" if async_scheduling else "sync"
         llm = _engine(args.model, async_scheduling, max(batches), args.output_len)
         timers, counts = instrument(llm, null_model=True)
+        profiles = Profiles(llm) if args.profile else None
         for structured in (False, True):
             for batch in batches:
-                row = run_cell(llm, timers, counts, batch, args.output_len, structured, True)
+                row = run_cell(llm, timers, counts, batch, args.output_len, structured, True,
+                               profiles)
                 results["null"][f"{mode}/{int(structured) * 100}/{batch}"] = row
                 cells = " | ".join(f"{row[p]:.2f}" for p in PHASES)
                 print(f"| {mode} | {int(structured) * 100}% | {batch} | {cells} | "
                       f"{row['host_total']:.2f} | {row['wall_per_step']:.2f} |")
+                if profiles is not None:
+                    print(profiles.summary())
         llm.shutdown()
     print("\nReal model, async: the forward pass's share of the wall time")
     print("| batch | forward busy | wall ms/step |")

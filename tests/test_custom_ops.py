@@ -405,3 +405,77 @@ def test_apply_token_bitmask_rejects_bad_arguments(impl: str) -> None:
     with pytest.raises(ValueError, match="row index"):
         fn(logits, mask, np.array([0, 2], dtype=np.int64), rows)
     assert not logits.any()
+
+
+ARGMAX_IMPLS = {name: pinned(ops.masked_argmax, t) for name, t in TABLES.items()}
+ARGMAX_IMPLS["dispatch"] = ops.masked_argmax
+
+
+def _tricky_logits(rng: np.random.Generator, rows: int, vocab: int) -> np.ndarray:
+    """Rows that exercise argmax's rules: few distinct values (ties), NaN, +-inf, -0.0."""
+    x = rng.standard_normal((rows, vocab)).astype(np.float32)
+    x[0] = np.round(x[0])  # many ties of the largest value
+    x[1] = -np.inf  # no finite value: index 0
+    if vocab > 3:
+        x[2, vocab // 3 :: 7] = np.nan  # NaN wins, the first one
+        x[3, vocab - 1] = np.inf
+    x[4] = 0.0
+    x[4, ::2] = -0.0  # -0.0 == 0.0: the first of them
+    return x
+
+
+@pytest.mark.parametrize("impl", sorted(ARGMAX_IMPLS))
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 255, 257, 1000, 4099])
+def test_masked_argmax_equals_torch_after_the_mask(impl: str, vocab: int) -> None:
+    import torch
+
+    rng = np.random.default_rng(vocab)
+    logits = _tricky_logits(rng, 8, vocab)
+    mask = _random_bitmask(rng, 3, vocab)
+    mask[1] = 0  # a row that allows nothing
+    mask_rows = np.array([-1, 0, 2, -1, 1, 0, -1, 2], dtype=np.int64)
+    want = torch.from_numpy(logits.copy())
+    masked = np.flatnonzero(mask_rows >= 0)
+    BITMASK_IMPLS["dispatch"](want.numpy(), mask, masked, mask_rows[masked])
+    got = np.full(8, -7, dtype=np.int64)
+    ARGMAX_IMPLS[impl](logits, mask, mask_rows, got)
+    assert got.tolist() == want.argmax(dim=1).tolist()
+    plain = np.full(8, -7, dtype=np.int64)
+    ARGMAX_IMPLS[impl](logits, None, None, plain)
+    assert plain.tolist() == torch.from_numpy(logits).argmax(dim=1).tolist()
+
+
+@pytest.mark.parametrize("impl", sorted(ARGMAX_IMPLS))
+def test_masked_argmax_reads_strided_rows_without_writing(impl: str) -> None:
+    rng = np.random.default_rng(0)
+    wide = rng.standard_normal((4, 300)).astype(np.float32)
+    view = wide[:, :257]  # rows 300 apart
+    before = wide.copy()
+    out = np.zeros(4, dtype=np.int64)
+    ARGMAX_IMPLS[impl](view, None, None, out)
+    assert out.tolist() == np.argmax(view, axis=1).tolist()
+    assert np.array_equal(wide, before)
+
+
+@pytest.mark.parametrize("impl", sorted(ARGMAX_IMPLS))
+def test_masked_argmax_rejects_bad_arguments(impl: str) -> None:
+    fn = ARGMAX_IMPLS[impl]
+    logits = np.zeros((2, 64), dtype=np.float32)
+    mask = np.zeros((2, 2), dtype=np.int32)
+    rows = np.array([0, 1], dtype=np.int64)
+    out = np.full(2, -1, dtype=np.int64)
+    with pytest.raises(ValueError, match="logits"):
+        fn(logits.astype(np.float64), mask, rows, out)
+    with pytest.raises(ValueError, match="logits"):
+        fn(np.asfortranarray(np.zeros((64, 2), dtype=np.float32)), None, None, out)
+    with pytest.raises(ValueError, match="bitmask"):
+        fn(logits, np.zeros((2, 1), dtype=np.int32), rows, out)
+    with pytest.raises(ValueError, match="bitmask"):
+        fn(logits, None, rows, out)
+    with pytest.raises(ValueError, match="mask_rows"):
+        fn(logits, mask, rows[:1], out)
+    with pytest.raises(ValueError, match="out"):
+        fn(logits, mask, rows, out[:1])
+    with pytest.raises(ValueError, match="row index"):
+        fn(logits, mask, np.array([0, 2], dtype=np.int64), out)
+    assert out.tolist() == [-1, -1]

@@ -113,7 +113,8 @@ def capture_logits(llm) -> dict[str, list[torch.Tensor]]:
         step = runner._steps[0] if runner._steps else None  # the oldest unsampled step
         if step is not None and step.logits is not None:
             for i, req_id in enumerate(step.sampled_req_ids):
-                captured.setdefault(req_id, []).append(step.logits[i].float().cpu())
+                # A copy: on the CPU the runner reuses logits memory for later steps.
+                captured.setdefault(req_id, []).append(step.logits[i].float().cpu().clone())
         return original(grammar_output)
 
     runner.sample_tokens = sample_tokens

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 # Must equal kAbiVersion in csrc/cpu/prepare_inputs.cpp; a library with another version is stale.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _STATUS_MESSAGES = {
     1: "req_indices: a request index is outside the block table's rows",
@@ -67,6 +67,8 @@ def load_library(path: Path) -> ctypes.CDLL | None:
         lib.vllm_prepare_positions.argtypes = [_P, _P, _I64, _P, _P, _I64]
         lib.vllm_apply_token_bitmask.restype = ctypes.c_int32
         lib.vllm_apply_token_bitmask.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64]
+        lib.vllm_masked_argmax.restype = ctypes.c_int32
+        lib.vllm_masked_argmax.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P]
     except (OSError, AttributeError) as exc:
         warnings.warn(f"ignoring native library {path}: {exc}", RuntimeWarning, stacklevel=2)
         return None
@@ -333,9 +335,79 @@ def _bitmask_native(
     )
 
 
+def masked_argmax(
+    logits: np.ndarray, bitmask: np.ndarray | None, mask_rows: np.ndarray | None, out: np.ndarray
+) -> None:
+    """Writes into out[r] the argmax of logits row r, reading each row once.
+
+    Where mask_rows[r] >= 0, the tokens that bitmask[mask_rows[r]] forbids count as -inf (the
+    logits are not written); mask_rows[r] < 0, or mask_rows None, means no mask. Ties and NaN
+    follow torch.argmax: the first largest value, else the first NaN; an all -inf row gives 0.
+    logits: float32 [R, V] (rows may be strided, columns contiguous); bitmask: int32
+    [M, ceil(V / 32)] or None; mask_rows: int64 [R] or None; out: int64 [R], writeable. Uses the
+    native library when HAS_NATIVE. Raises ValueError for a wrong dtype, shape or layout, or a
+    mask row out of range; out is untouched then.
+    """
+    impl = _ops()
+    if not isinstance(logits, np.ndarray) or logits.dtype != np.float32 or logits.ndim != 2:
+        raise ValueError("logits: expected a float32 numpy array with 2 dimensions")
+    if logits.strides[1] != 4 or logits.strides[0] % 4 or logits.strides[0] < 4 * logits.shape[1]:
+        raise ValueError("logits: rows must have contiguous, non-overlapping columns")
+    _check("out", out, np.int64, 1, writeable=True)
+    if out.shape[0] != logits.shape[0]:
+        raise ValueError(f"out: length {out.shape[0]} != logits rows {logits.shape[0]}")
+    if mask_rows is not None:
+        _check("mask_rows", mask_rows, np.int64, 1)
+        if mask_rows.shape[0] != logits.shape[0]:
+            raise ValueError(f"mask_rows: length {mask_rows.shape[0]} != logits rows "
+                             f"{logits.shape[0]}")
+        if bitmask is None:
+            raise ValueError("bitmask: required when mask_rows is given")
+        _check("bitmask", bitmask, np.int32, 2)
+        if bitmask.shape[1] * 32 < logits.shape[1]:
+            raise ValueError(
+                f"bitmask: {bitmask.shape[1]} words per row cannot mask {logits.shape[1]} tokens"
+            )
+    impl.masked_argmax(logits, bitmask, mask_rows, out)
+
+
+def _argmax_numpy(
+    logits: np.ndarray, bitmask: np.ndarray | None, mask_rows: np.ndarray | None, out: np.ndarray
+) -> None:
+    """masked_argmax's numpy implementation, on arguments it has checked."""
+    masked = [] if mask_rows is None else np.flatnonzero(mask_rows >= 0)
+    if len(masked) and mask_rows[masked].max() >= bitmask.shape[0]:
+        _raise_status(6)
+    result = np.argmax(logits, axis=1) if logits.shape[1] else np.zeros(len(out), np.int64)
+    vocab = logits.shape[1]
+    for r in masked:
+        bits = np.unpackbits(bitmask[mask_rows[r]].view(np.uint8), bitorder="little")
+        result[r] = np.argmax(np.where(bits[:vocab].astype(bool), logits[r], -np.inf))
+    out[:] = result
+
+
+def _argmax_native(
+    logits: np.ndarray, bitmask: np.ndarray | None, mask_rows: np.ndarray | None, out: np.ndarray
+) -> None:
+    """masked_argmax's native implementation, on arguments it has checked."""
+    _call_native(
+        "vllm_masked_argmax",
+        logits.ctypes.data,
+        logits.shape[0],
+        logits.strides[0] // 4,
+        logits.shape[1],
+        None if bitmask is None else bitmask.ctypes.data,
+        0 if bitmask is None else bitmask.shape[0],
+        0 if bitmask is None else bitmask.shape[1],
+        None if mask_rows is None else mask_rows.ctypes.data,
+        out.ctypes.data,
+    )
+
+
 SlotMappingFn = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], None]
 PreparePositionsFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 TokenBitmaskFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
+ArgmaxFn = Callable[[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray], None]
 
 
 @dataclass(frozen=True)
@@ -345,10 +417,13 @@ class _OpTable:
     compute_slot_mapping: SlotMappingFn
     prepare_positions: PreparePositionsFn
     apply_token_bitmask: TokenBitmaskFn
+    masked_argmax: ArgmaxFn
 
 
-_NATIVE_OPS = _OpTable(_slot_mapping_native, _positions_native, _bitmask_native)
-_NUMPY_OPS = _OpTable(_slot_mapping_numpy, _positions_numpy, _bitmask_numpy)
+_NATIVE_OPS = _OpTable(
+    _slot_mapping_native, _positions_native, _bitmask_native, _argmax_native
+)
+_NUMPY_OPS = _OpTable(_slot_mapping_numpy, _positions_numpy, _bitmask_numpy, _argmax_numpy)
 
 
 def _ops() -> _OpTable:

@@ -119,3 +119,20 @@ def test_single_rank_layers_are_plain() -> None:
     head.tie(emb)
     logits = head(torch.randn(2, 3, dtype=torch.float32))
     assert logits.shape == (2, 5) and logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 37])
+def test_lm_head_writes_into_out_with_the_same_values(rows: int) -> None:
+    head = ParallelLMHead(1000, 64)
+    head.load_weight("weight", CheckpointTensor(torch.randn(1000, 64)))
+    hidden = torch.randn(rows, 64)
+    want = head(hidden)
+    pool = torch.full((64, 1000), float("nan"))
+    got = head(hidden, pool[:rows])
+    assert got.data_ptr() == pool.data_ptr()
+    assert torch.equal(got, want)
+    # Where it cannot write there (wrong shape, dtype) it returns a new tensor and leaves out.
+    other = torch.zeros(rows + 1, 1000)
+    assert torch.equal(head(hidden, other), want) and not other.any()
+    half = torch.zeros(rows, 1000, dtype=torch.float64)
+    assert torch.equal(head(hidden, half), want) and not half.any()

@@ -10,7 +10,7 @@ from v1.sample.goodness_of_fit import chi_square_test
 
 from vllm.v1.sample import sampler as sampler_mod
 from vllm.v1.sample.ops import race
-from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.metadata import GrammarMask, SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
 INF = float("inf")
@@ -68,6 +68,75 @@ def test_greedy_is_argmax_with_lowest_id_on_ties() -> None:
     assert out.dtype == torch.int64
     assert out.tolist() == torch.argmax(logits, dim=1).tolist()
     assert int(out[3]) == 10 and int(out[4]) == 0
+
+
+def _grammar(n: int, vocab: int, seed: int) -> GrammarMask:
+    """Random masks (whole words allowed, forbidden or mixed) on every other row; one
+    constrained row allows nothing."""
+    g = torch.Generator().manual_seed(seed)
+    words = (vocab + 31) // 32
+    bits = torch.randint(-(2**31), 2**31 - 1, (n, words), generator=g, dtype=torch.int64)
+    bits[:, ::3] = 0
+    bits[:, 1::5] = -1
+    bits[1] = 0
+    rows = torch.arange(n)
+    rows[::2] = -1
+    return GrammarMask(bits.to(torch.int32).numpy(), rows.numpy())
+
+
+def _masked(logits: torch.Tensor, grammar: GrammarMask) -> torch.Tensor:
+    """Reference: the logits with -inf written over every forbidden token, bit by bit."""
+    out = logits.clone()
+    for r, m in enumerate(grammar.rows.tolist()):
+        if m < 0:
+            continue
+        for t in range(logits.shape[1]):
+            if not (int(grammar.bitmask[m, t // 32]) >> (t % 32)) & 1:
+                out[r, t] = -INF
+    return out
+
+
+def test_fused_greedy_argmax_reads_the_grammar_mask_without_writing() -> None:
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(10, 300, generator=g).round()  # rounded: many ties
+    logits[4, 7] = float("nan")
+    grammar = _grammar(10, 300, 5)
+    before = logits.clone()
+    md = make_md(10, temperature=None, all_greedy=True, all_random=False, grammar_mask=grammar)
+    out = Sampler()(logits, md).sampled_token_ids
+    assert out.tolist() == torch.argmax(_masked(logits, grammar), dim=1).tolist()
+    assert torch.equal(logits.isnan(), before.isnan())
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num())
+
+
+@pytest.mark.parametrize("logprobs", [None, 3])
+def test_grammar_mask_equals_masking_the_logits_first(logprobs: int | None) -> None:
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(10, 300, generator=g)
+    grammar = _grammar(10, 300, 6)
+    temp = torch.tensor([0.0, 1.0] * 5)
+    common = dict(temperature=temp, all_random=False, max_num_logprobs=logprobs)
+    got = Sampler(chunk_rows=3)(logits.clone(), make_md(10, grammar_mask=grammar, **common))
+    want = Sampler(chunk_rows=3)(_masked(logits, grammar), make_md(10, **common))
+    assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+    assert (got.logprobs is None) == (want.logprobs is None)
+    if want.logprobs is not None:
+        assert torch.equal(got.logprobs.token_ids, want.logprobs.token_ids)
+        # Bitwise, NaN included (the row that allows nothing has no distribution).
+        torch.testing.assert_close(got.logprobs.logprobs, want.logprobs.logprobs, rtol=0,
+                                   atol=0, equal_nan=True)
+        assert torch.equal(got.logprobs.ranks, want.logprobs.ranks)
+
+
+def test_grammar_mask_needs_contiguous_cpu_float32_logits() -> None:
+    grammar = _grammar(2, 64, 0)
+    md = make_md(2, temperature=None, all_greedy=True, all_random=False, grammar_mask=grammar)
+    with pytest.raises(ValueError, match="grammar_mask"):
+        Sampler()(torch.zeros(2, 64, dtype=torch.float64), md)
+    with pytest.raises(ValueError, match="grammar_mask"):
+        three_rows = _grammar(3, 64, 0)
+        Sampler()(torch.zeros(2, 64), make_md(
+            2, temperature=None, all_greedy=True, all_random=False, grammar_mask=three_rows))
 
 
 def test_mixed_batch_greedy_rows_take_argmax_and_input_is_untouched() -> None:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from vllm.v1.core.sched.output import GrammarOutput
-from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, reorder_bitmask
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, grammar_mask, reorder_bitmask
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -109,3 +111,32 @@ def test_repeated_ids_fill_consecutive_rows_from_the_requests_row() -> None:
     apply_grammar_bitmask(logits, GrammarOutput(["a", "s", "s", "s"], full), {"a": 0, "s": 2})
     allowed = [torch.isfinite(logits[r]).nonzero().flatten().tolist() for r in range(5)]
     assert allowed == [[0], list(range(64)), [1], [2], [3]]
+
+
+def test_sampler_with_grammar_mask_equals_masking_first() -> None:
+    rng = np.random.default_rng(11)
+    vocab, ids = 3_000, ["c", "a", "gone", "d"]
+    req_id_to_row = {"a": 0, "b": 1, "c": 4, "d": 2, "e": 3}
+    out = GrammarOutput(ids, _random_bitmask(rng, len(ids), vocab))
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
+    mask = grammar_mask(out, req_id_to_row, 5, vocab)
+    assert mask.rows.tolist() == [0, -1, 2, -1, 4]
+    greedy = SamplingMetadata.plain(torch.zeros(5), None, temperature=None, all_greedy=True,
+                                    all_random=False)
+    masked = logits.clone()
+    apply_grammar_bitmask(masked, out, req_id_to_row)
+    want = Sampler()(masked, greedy).sampled_token_ids
+    greedy.grammar_mask = mask
+    before = logits.clone()
+    assert torch.equal(Sampler()(logits, greedy).sampled_token_ids, want)
+    assert torch.equal(logits, before)  # the fused pass reads the mask, writes nothing
+
+
+def test_grammar_mask_errors_and_empty_cases() -> None:
+    bitmask = np.zeros((1, 2), dtype=np.int32)
+    assert grammar_mask(GrammarOutput([], np.zeros((0, 2), np.int32)), {"a": 0}, 1, 64) is None
+    assert grammar_mask(GrammarOutput(["b"], bitmask), {"a": 0}, 1, 64) is None
+    with pytest.raises(ValueError, match="words per row"):
+        grammar_mask(GrammarOutput(["a"], bitmask), {"a": 0}, 1, 100)
+    with pytest.raises(ValueError, match="outside logits"):
+        grammar_mask(GrammarOutput(["a"], bitmask), {"a": 5}, 2, 64)

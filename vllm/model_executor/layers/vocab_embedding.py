@@ -96,12 +96,19 @@ class ParallelLMHead(VocabShard):
             )
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Maps [N, hidden_size] to float32 logits [N, vocab_size], the full vocabulary on
         every tensor-parallel rank.
 
+        `out`, a contiguous float32 [N, vocab_size] tensor, receives the logits (and is
+        returned) when the product can be written there directly: one rank, float32 hidden
+        states and weight, all on the CPU, where a fresh vocabulary-sized tensor per step
+        costs page faults and unmapping. Otherwise it is ignored. Same values either way
+        (F.linear without bias is this very matrix product).
         Side effect (tp > 1): an all-gather over the tensor-parallel group.
         """
+        if out is not None and self._writes_into(hidden, out):
+            return torch.mm(hidden, self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight).float()
         if self.parallel.tp_size == 1:
             return logits
@@ -110,3 +117,16 @@ class ParallelLMHead(VocabShard):
             return full
         # Drop the padding rows' logits; contiguous so callers get an ordinary tensor.
         return full[..., : self.vocab_size].contiguous()
+
+    def _writes_into(self, hidden: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether forward can write the logits of `hidden` straight into `out`."""
+        w = self.weight
+        return (
+            self.parallel.tp_size == 1
+            and self.num_valid == self.vocab_size
+            and hidden.dim() == 2
+            and hidden.dtype == w.dtype == out.dtype == torch.float32
+            and hidden.device.type == w.device.type == out.device.type == "cpu"
+            and out.is_contiguous()
+            and tuple(out.shape) == (hidden.shape[0], self.vocab_size)
+        )

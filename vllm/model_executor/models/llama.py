@@ -347,12 +347,15 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Maps hidden states [N, hidden_size] to float32 logits [N, vocab_size] (the full
-        vocabulary on every tensor-parallel rank). Raises RuntimeError off the last stage."""
+        vocabulary on every tensor-parallel rank), written into `out` where the LM head can
+        (ParallelLMHead.forward). Raises RuntimeError off the last stage."""
         if self.lm_head is None:
             raise RuntimeError("compute_logits: only the last pipeline stage has the LM head")
-        return self.lm_head(hidden)
+        return self.lm_head(hidden, out)
 
     def weight_aliases(self) -> dict[str, str]:
         """Parameters that take their values from a checkpoint tensor of another name.

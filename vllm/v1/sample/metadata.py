@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 # Rows whose temperature is below this are sampled greedily (same cut as SamplingParams.greedy).
 GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class GrammarMask:
+    """Grammar bitmasks of a step's rows, on the host (CPU logits only)."""
+
+    # [M, ceil(V / 32)] int32: bit j of word w allows token 32 * w + j.
+    bitmask: np.ndarray
+    # [N] int64: the bitmask row of each logits row, -1 for an unconstrained row.
+    rows: np.ndarray
 
 
 @dataclass
@@ -59,6 +70,9 @@ class SamplingMetadata:
     # [N, W] int64 on the logits' device: each row's newest W output tokens, right-aligned,
     # -1 before its first; None when no bad word spans several tokens.
     recent_output_token_ids: torch.Tensor | None = None
+    # Grammar bitmasks the sampler applies itself (None: none, or already applied to the
+    # logits): greedy rows read them in their argmax pass instead of writing -inf first.
+    grammar_mask: GrammarMask | None = None
 
     @classmethod
     def plain(
@@ -135,6 +149,13 @@ class SamplingMetadata:
         for row in self.min_tokens:
             if not 0 <= row < num_rows:
                 raise bad("min_tokens", f"row {row} is outside the batch of {num_rows}")
+        g = self.grammar_mask
+        if g is not None:
+            if g.rows.shape != (num_rows,):
+                raise bad("grammar_mask", f"expected {num_rows} rows, got {g.rows.shape}")
+            if g.bitmask.ndim != 2 or g.bitmask.shape[1] * 32 < vocab_size:
+                raise bad("grammar_mask", f"bitmask of shape {g.bitmask.shape} cannot mask "
+                          f"{vocab_size} tokens")
         if self.max_num_logprobs is not None and not 0 <= self.max_num_logprobs <= vocab_size:
             raise bad(
                 "max_num_logprobs", f"must be in [0, {vocab_size}], got {self.max_num_logprobs}"

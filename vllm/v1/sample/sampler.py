@@ -1,8 +1,14 @@
 """The token sampler: greedy, temperature, top-k, top-p, min-p, seeds, penalties, logprobs.
 
-Order per row: allowed_token_ids -> bad words -> logit_bias -> min_tokens ban -> penalties ->
-greedy rows take the argmax -> random rows: temperature -> top-k -> top-p -> min-p ->
-exponential race (see ops/race.py).
+Order per row: grammar mask -> allowed_token_ids -> bad words -> logit_bias -> min_tokens ban ->
+penalties -> greedy rows take the argmax -> random rows: temperature -> top-k -> top-p ->
+min-p -> exponential race (see ops/race.py).
+
+Greedy argmax on CPU float32 logits is the native one-pass kernel (`_custom_ops.masked_argmax`,
+the same answer as torch.argmax, several times faster). A batch that is all greedy, without
+logprobs or token edits, is sampled by that kernel alone with the grammar mask read in the
+same pass: the logits are read once and never written. Otherwise the grammar mask is first
+written into the logits (-inf) and the rows go through the steps above.
 
 Rows are processed in chunks: on a CPU a few rows at a time so the vocabulary-sized
 temporaries stay in cache (large fresh tensors cost page faults and memory bandwidth), on
@@ -18,10 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
-from vllm.v1.sample.metadata import GREEDY_TEMPERATURE, SamplingMetadata
+from vllm import _custom_ops as ops
+from vllm.v1.sample.metadata import GREEDY_TEMPERATURE, GrammarMask, SamplingMetadata
 from vllm.v1.sample.ops.penalties import apply_penalties, ban_tokens, pad_token_lists
 from vllm.v1.sample.ops.race import race_blocks, race_candidates, seeded_key
 from vllm.v1.sample.ops.token_edits import add_bias, ban_completions, keep_only
@@ -90,10 +98,13 @@ class Sampler(nn.Module):
         self.chunk_rows = chunk_rows
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Samples a token per row; `logits` is not modified.
+        """Samples a token per row. `logits` is not modified, except that the grammar mask of
+        `metadata.grammar_mask` is written into its constrained rows (-inf) when the batch
+        is not sampled by the fused greedy pass.
 
-        Raises ValueError on a logits tensor that is not [N, V] floating point or on
-        metadata that does not match it."""
+        Raises ValueError on a logits tensor that is not [N, V] floating point, on metadata
+        that does not match it, or on a grammar mask with logits that are not contiguous
+        float32 on the CPU."""
         if logits.dim() != 2 or not logits.is_floating_point():
             raise ValueError(
                 "logits: expected a [N, V] floating tensor, "
@@ -102,8 +113,20 @@ class Sampler(nn.Module):
         n, vocab = logits.shape
         metadata.validate(n, vocab)
         dev = logits.device
-        keys = None if metadata.all_greedy else _noise_keys(metadata, n, dev)
         k = metadata.max_num_logprobs
+        bans = _bans(metadata, vocab)
+        grammar = metadata.grammar_mask
+        if grammar is not None and not _native_rows(logits, contiguous=True):
+            raise ValueError(
+                "grammar_mask: needs contiguous float32 CPU logits, got "
+                f"{logits.dtype} on {dev} (apply the mask to the logits instead)"
+            )
+        if metadata.all_greedy and k is None and not bans and not _edits(metadata):
+            # Nothing but the argmax reads the logits: one pass, the mask read on the way.
+            return SamplerOutput(_argmax(logits, grammar), None)
+        if grammar is not None:
+            _apply_grammar(logits, grammar)
+        keys = None if metadata.all_greedy else _noise_keys(metadata, n, dev)
         tokens = torch.empty(n, dtype=torch.int64, device=dev)
         lp = None
         if k is not None:
@@ -112,7 +135,6 @@ class Sampler(nn.Module):
                 torch.empty((n, k + 1), dtype=torch.float32, device=dev),
                 torch.empty(n, dtype=torch.int64, device=dev),
             )
-        bans = _bans(metadata, vocab)
         step = self._chunk_rows(n, vocab, dev)
         for lo in range(0, n, step):
             hi = min(n, lo + step)
@@ -154,10 +176,7 @@ class Sampler(nn.Module):
             single = [q[0] for q in seqs if len(q) == 1]
             ban_rows += [row] * len(single)
             ban_ids += single
-        penalize = not md.no_penalties and any(
-            t is not None
-            for t in (md.presence_penalties, md.frequency_penalties, md.repetition_penalties)
-        )
+        penalize = _penalize(md)
         if not ban_rows and not penalize and not allowed and not bias and not words:
             return raw
         x = raw.clone()
@@ -185,10 +204,10 @@ class Sampler(nn.Module):
     def _sample(self, x: torch.Tensor, rows: _Rows) -> torch.Tensor:
         """Token per row of the edited chunk logits x [n, V]."""
         if rows.inv_temperature is None:
-            return x.argmax(dim=1)
+            return _argmax(x)
         if rows.greedy is None:
             return self._random(x, rows)
-        greedy = x.argmax(dim=1)
+        greedy = _argmax(x)
         if not _maybe_any(~rows.greedy):
             return greedy
         return torch.where(rows.greedy, greedy, self._random(x, rows))
@@ -265,6 +284,50 @@ def _bans(md: SamplingMetadata, vocab: int) -> dict[int, list[int]]:
         if md.output_positions[row] < min_tokens and ids:
             bans[row] = ids
     return bans
+
+
+def _penalize(md: SamplingMetadata) -> bool:
+    """Whether any row of the batch has a penalty."""
+    return not md.no_penalties and any(
+        t is not None
+        for t in (md.presence_penalties, md.frequency_penalties, md.repetition_penalties)
+    )
+
+
+def _edits(md: SamplingMetadata) -> bool:
+    """Whether any row's logits are edited before sampling (besides the min_tokens ban)."""
+    return bool(md.allowed_token_ids or md.logit_bias or md.bad_words) or _penalize(md)
+
+
+def _native_rows(x: torch.Tensor, contiguous: bool = False) -> bool:
+    """Whether the native CPU kernels can read x [n, V] in place as float32 rows."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
+        return False
+    if contiguous:
+        return x.is_contiguous()
+    n, vocab = x.shape
+    return n > 0 and vocab > 0 and x.stride(1) == 1 and (n == 1 or x.stride(0) >= vocab)
+
+
+def _argmax(x: torch.Tensor, grammar: GrammarMask | None = None) -> torch.Tensor:
+    """x.argmax(dim=1) (first largest, NaN first), with the grammar's disallowed tokens
+    counted as -inf; the native one-pass kernel where it can read x."""
+    if not _native_rows(x):
+        return x.argmax(dim=1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if grammar is None:
+        ops.masked_argmax(x.numpy(), None, None, out.numpy())
+    else:
+        ops.masked_argmax(x.numpy(), grammar.bitmask, grammar.rows, out.numpy())
+    return out
+
+
+def _apply_grammar(logits: torch.Tensor, grammar: GrammarMask) -> None:
+    """Writes -inf over the tokens each constrained row's mask forbids (side effect: edits
+    `logits`, contiguous float32 on the CPU)."""
+    rows = np.flatnonzero(grammar.rows >= 0).astype(np.int64)
+    if rows.size:
+        ops.apply_token_bitmask(logits.numpy(), grammar.bitmask, rows, grammar.rows[rows])
 
 
 def _noise_keys(md: SamplingMetadata, n: int, dev: torch.device) -> torch.Tensor:

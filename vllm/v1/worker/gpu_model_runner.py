@@ -24,6 +24,7 @@ samples the same gathered logits; rank 0's tokens are broadcast so the ranks can
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,9 +49,10 @@ from vllm.v1.spec_decode.verify import NO_TOKEN, verify_drafts
 from vllm.v1.worker.cuda_graph import DecodeGraphs, capture_decode_graphs
 from vllm.v1.worker.device_feedback import DeviceFeedback
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
-from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask
+from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, grammar_mask
 from vllm.v1.worker.input_buffers import InputBuffers
 from vllm.v1.worker.input_prep import StepInputs, prepare
+from vllm.v1.worker.logits_buffers import LogitsBuffers
 from vllm.v1.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm.v1.worker.sampled_tokens import AsyncOutput, SampledTokens
 from vllm.v1.worker.sampling_inputs import SamplingInputs
@@ -95,6 +97,8 @@ class _Step:
     prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
     # Requests whose LoRA adapter failed to load this step -> why.
     failed: dict[str, str] = field(default_factory=dict)
+    # The pooled tensor `logits` is a view of (CPU), given back once the step is sampled.
+    logits_buffer: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> list[int]:
@@ -152,6 +156,8 @@ class GPUModelRunner:
             self.buffers.to_device, generator, self.vocab_size, self.device, self._in_flight
         )
         self.graphs: DecodeGraphs | None = None
+        # Reused logits memory (CPU models whose compute_logits takes `out`; see load_model).
+        self.logits_buffers: LogitsBuffers | None = None
         # LoRA slots of the model's layers (None: LoRA is off).
         self.lora: LoRAModelManager | None = None
 
@@ -169,6 +175,9 @@ class GPUModelRunner:
                           if getattr(self.model, "kv_scales_from_checkpoint", False)
                           else "1.0 (the checkpoint has no k_scale/v_scale)")
                 logger.info("FP8 (e4m3) KV cache; per-layer scales: %s", source)
+        takes_out = "out" in inspect.signature(self.model.compute_logits).parameters
+        if self.device.type == "cpu" and takes_out and self.parallel.layout.tp_size == 1:
+            self.logits_buffers = LogitsBuffers(self.vocab_size)
         if self.config.lora_config is not None:
             from vllm.lora.model_manager import LoRAModelManager
 
@@ -404,7 +413,12 @@ class GPUModelRunner:
             idx[:num_rows] = np.repeat(ends - counts, counts) + (
                 np.arange(num_rows) - np.repeat(np.cumsum(counts) - counts, counts)
             )
-            step.logits = self.model.compute_logits(hidden[self.buffers.to_device(idx)])
+            rows = hidden[self.buffers.to_device(idx)]
+            if self.logits_buffers is not None:
+                step.logits_buffer = self.logits_buffers.take(len(idx))
+                step.logits = self.model.compute_logits(rows, out=step.logits_buffer)
+            else:
+                step.logits = self.model.compute_logits(rows)
             step.logits = step.logits[:num_rows]
             if num_rows > len(pick):
                 # Read from the device: this forward's own positions may have been placed there.
@@ -444,17 +458,28 @@ class GPUModelRunner:
         num_rows = step.num_rows
         self._settle_verified(step.sampled_states)
         first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
-        if grammar_output is not None:
-            apply_grammar_bitmask(
-                logits, grammar_output, dict(zip(step.sampled_req_ids, first_rows))
-            )
         states = step.sampled_states
         # A request with drafts samples every verified position: row j is its output
         # position num_output_tokens + j (docs/architecture.md §11).
         row_states = [s for s, n in zip(states, num_rows) for _ in range(n)]
         offsets = [j for n in num_rows for j in range(n)]
         metadata = self.sampling_inputs.build(row_states, offsets)
-        result = self.sampler(logits, metadata)
+        if grammar_output is not None:
+            to_row = dict(zip(step.sampled_req_ids, first_rows))
+            on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
+            if on_cpu and logits.is_contiguous():
+                # The sampler reads the mask in its argmax pass (or applies it itself).
+                metadata.grammar_mask = grammar_mask(grammar_output, to_row, *logits.shape)
+            else:
+                apply_grammar_bitmask(logits, grammar_output, to_row)
+        try:
+            result = self.sampler(logits, metadata)
+        finally:
+            del logits
+            step.logits = None
+            if step.logits_buffer is not None:
+                # Nothing reads the logits after sampling: the sampler's outputs are copies.
+                self.logits_buffers.give(step.logits_buffer)
         self.parallel.broadcast(result.sampled_token_ids)
         token_ids, last = verify_drafts(result.sampled_token_ids, num_rows, step.drafts)
         logprobs = result.logprobs

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from vllm.v1.core.sched.output import GrammarOutput
+from vllm.v1.sample.metadata import GrammarMask
 
 
 def reorder_bitmask(
@@ -41,6 +42,29 @@ def reorder_bitmask(
     bitmask = np.empty((max(rows) + 1, source.shape[1]), dtype=np.int32)
     bitmask[rows] = source[src]
     return bitmask, rows
+
+
+def grammar_mask(
+    grammar_output: GrammarOutput, req_id_to_row: dict[str, int], num_rows: int,
+    vocab_size: int,
+) -> GrammarMask | None:
+    """The bitmasks of [num_rows, vocab_size] logits for the sampler to apply (None: no row
+    is constrained). Same row rules and errors as apply_grammar_bitmask; changes nothing."""
+    if not grammar_output.structured_output_request_ids:
+        return None
+    words = grammar_output.grammar_bitmask.shape[-1]
+    if words != (vocab_size + 31) // 32:
+        raise ValueError(
+            f"grammar_bitmask: {words} words per row cannot mask a vocabulary of {vocab_size}"
+        )
+    bitmask, rows = reorder_bitmask(grammar_output, req_id_to_row)
+    if not rows:
+        return None
+    if max(rows) >= num_rows:
+        raise ValueError(f"req_id_to_row: row {max(rows)} is outside logits ({num_rows} rows)")
+    mask_rows = np.full(num_rows, -1, dtype=np.int64)
+    mask_rows[rows] = rows
+    return GrammarMask(bitmask, mask_rows)
 
 
 def apply_grammar_bitmask(
