@@ -9,7 +9,6 @@ are rejected before the engine sees them, and a slow compile ends only its own r
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
