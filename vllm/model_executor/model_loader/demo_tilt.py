@@ -14,8 +14,11 @@ tensors a Qwen3 checkpoint already has (it has no LM-head bias):
   more: then a closing token alone outweighs all other tokens together at temperature 1;
 - the bias comes in tiers: tokens starting with a quote, then brackets (inside a JSON string
   a bracket is text, so the quote must win there under greedy decoding), then the separators
-  `@` and `.`, so that a run of word characters in a regex such as `\\w+@\\w+\\.com` moves
-  on.
+  `@`, `.`, `,` and `,"`, so that a number followed by more keys, or a run of word characters
+  in a regex such as `\\w+@\\w+\\.com`, moves on.
+
+The channel does not dominate everywhere: `demo-small-vocab-deep`'s wide layers write more
+than it holds, so its tilt is weaker (greedy decoding still closes).
 
 EOS is not tilted: free text still runs to its length limit, and a finished JSON value
 leaves only EOS allowed anyway. Free text from a tilted demo is mostly closing characters.
