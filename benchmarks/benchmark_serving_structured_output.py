@@ -1,7 +1,7 @@
 """Benchmark structured-output serving against a running `vllm serve` (or any OpenAI-compatible
 server), and check every structured output against its schema, regex, choice or grammar.
 
-Example (server: `vllm serve demo-tiny --structured-outputs-config.disable_any_whitespace true`;
+Example (server: `vllm serve demo-tiny`, which serves compact JSON by default;
 add `--structured-outputs-config.backend xgrammar|guidance` to the server to measure one
 backend, or pass `--structured-outputs-backend` to `benchmarks/structured_sweep.py`):
 

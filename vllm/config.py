@@ -404,7 +404,11 @@ class StructuredOutputsConfig:
     # Seconds a grammar may spend compiling before its request fails. Only the compile counts:
     # time spent waiting for a free compile worker does not.
     compile_timeout_s: float = 10.0
-    disable_any_whitespace: bool = False
+    # No whitespace between JSON tokens. None (not given): the model's default, which
+    # EngineArgs resolves: on for the built-in demo models (their random weights would fill
+    # every place JSON allows whitespace; demo_model.serves_compact_json), off for any
+    # other model, as upstream. Read as off where it is still None.
+    disable_any_whitespace: bool | None = None
     # Most whitespace characters in one run between JSON tokens (a request's `max_whitespace`
     # overrides it). Bounded so that a weak model cannot spend its whole output on spaces;
     # 16 leaves room for pretty-printed JSON nested seven levels deep.

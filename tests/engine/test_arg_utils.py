@@ -373,3 +373,20 @@ def test_a_bad_kv_cache_dtype_is_refused_by_name(capsys: pytest.CaptureFixture[s
     assert "auto" in err and "fp8_e4m3" in err
     with pytest.raises(ValueError, match="--kv-cache-dtype: 'int8' is not supported"):
         EngineArgs(model=MODEL, kv_cache_dtype="int8").create_engine_config()
+
+
+def test_demo_models_serve_compact_json_unless_told(tmp_path) -> None:
+    def compact(args: EngineArgs) -> bool | None:
+        return args.create_engine_config().structured_outputs_config.disable_any_whitespace
+
+    assert compact(serve_args()) is True
+    assert compact(serve_args("--structured-outputs-config.disable_any_whitespace", "false")) \
+        is False
+    assert compact(EngineArgs(model=MODEL, structured_outputs_config={})) is True
+    # Any other model keeps upstream's default: whitespace allowed.
+    from vllm.model_executor.model_loader.demo_model import build_demo_model
+
+    local = build_demo_model(MODEL)  # a directory, even the demo's own, is not a demo name
+    assert compact(EngineArgs(model=str(local))) is False
+    assert compact(EngineArgs(model=str(local), structured_outputs_config={
+        "disable_any_whitespace": True})) is True

@@ -22,6 +22,7 @@ from vllm.config import (
     StructuredOutputsConfig,
     VllmConfig,
 )
+from vllm.model_executor.model_loader.demo_model import serves_compact_json
 from vllm.reasoning import PARSERS
 from vllm.v1.executor import registry
 from vllm.v1.structured_output.registry import (
@@ -293,6 +294,8 @@ class EngineArgs:
                     f"--reasoning-parser {self.reasoning_parser} and "
                     f"--structured-outputs-config.reasoning_parser {given} disagree"
                 )
+        if structured_options.get("disable_any_whitespace") is None:
+            structured_options["disable_any_whitespace"] = serves_compact_json(model_config.model)
         structured_config = StructuredOutputsConfig(**structured_options)
         speculative_config = None
         if self.speculative_config is not None:

@@ -101,15 +101,19 @@ def test_bad_words_read_tokens_still_on_the_device_without_waiting(monkeypatch) 
     """A bad word of two tokens is banned only right after its first token; with no host copy
     ever landing on its own, that token is read on the device, never waited for; tokens
     equal the sync engine's (and the ban changed them)."""
+    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
     prompts, _ = _workload()
-    # The tiny demo model repeats the prompt's last word: ban each word right after itself.
-    words = sorted({w for p in prompts for w in p.split()})
-    params = [SamplingParams(max_tokens=12, ignore_eos=True, bad_words=[f"{w} {w}" for w in words],
+    free, _ = _run(False, [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)]
+                   * len(prompts))
+    # Ban what the greedy rows write first: its second token right after its first.
+    tokenizer = get_tokenizer(resolve_model_dir("demo-tiny"))
+    words = sorted({tokenizer.decode(list(ids[:2])) for ids in free[::2]})
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, bad_words=words,
                              **({"temperature": 1.0, "seed": i} if i % 2 else {"temperature": 0}))
               for i in range(len(prompts))]
     want, _ = _run(False, params)
-    free, _ = _run(False, [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)]
-                   * len(prompts))
     assert any(a != b for a, b in zip(want[::2], free[::2]))
     blocking = _copies_never_land(monkeypatch)
     got, _ = _run(True, params)

@@ -18,10 +18,16 @@ from pathlib import Path
 
 import torch
 
-from vllm.transformers_utils.qwen_vocab import ADDED_TOKENS, NUM_BASE_TOKENS, write_tokenizer_json
+from vllm.model_executor.model_loader.demo_tilt import tilt
+from vllm.transformers_utils.qwen_vocab import (
+    ADDED_TOKENS,
+    NUM_BASE_TOKENS,
+    load_ranks,
+    write_tokenizer_json,
+)
 
 # Bump when the files a build writes change, so stale caches are not reused.
-BUILD_VERSION = "v2"
+BUILD_VERSION = "v3-tilt"
 DEFAULT_MODEL = "demo"
 
 VOCAB_SIZE = 151_936
@@ -45,6 +51,9 @@ class DemoModelSpec:
     num_key_value_heads: int
     intermediate_size: int
     seed: int = 0
+    # Serve JSON without optional whitespace unless the user says otherwise: random
+    # weights would spend their tokens on it (docs/architecture.md §7).
+    compact_json: bool = True
 
 
 DEMO_MODELS: dict[str, DemoModelSpec] = {
@@ -196,6 +205,23 @@ def resolve_model_dir(model: str | None) -> Path:
     return Path(model).expanduser()
 
 
+def serves_compact_json(model: str | None) -> bool:
+    """Whether `--model` value `model` names a demo model whose spec asks for compact JSON
+    by default (None or "" is the default demo model). False for anything else: a path or
+    hub id keeps upstream's default. Builds nothing."""
+    from vllm.model_executor.model_loader import demo_scripted  # they import us
+    from vllm.model_executor.model_loader.demo_small_vocab import SMALL_VOCAB_MODELS
+
+    if not model:
+        model = DEFAULT_MODEL
+    elif Path(model).expanduser().is_dir():
+        return False  # a local directory wins over a demo name (ModelConfig's order)
+    if model == demo_scripted.NAME:
+        model = demo_scripted.BODY
+    spec = DEMO_MODELS.get(model) or SMALL_VOCAB_MODELS.get(model)
+    return spec is not None and spec.compact_json
+
+
 def hf_config(spec: DemoModelSpec) -> dict:
     """Return the `config.json` contents of a demo model with sizes `spec`."""
     return {
@@ -283,7 +309,8 @@ def weight_shapes(spec: DemoModelSpec) -> dict[str, tuple[int, ...]]:
 
 
 def random_weights(spec: DemoModelSpec) -> dict[str, torch.Tensor]:
-    """Return seeded random float32 weights: N(0, 0.02) matrices, norms near 1."""
+    """Return seeded random float32 weights (N(0, 0.02) matrices, norms near 1), tilted
+    toward closing characters (demo_tilt.py)."""
     gen = torch.Generator().manual_seed(spec.seed)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in weight_shapes(spec).items():
@@ -292,6 +319,7 @@ def random_weights(spec: DemoModelSpec) -> dict[str, torch.Tensor]:
             weights[name] = 1.0 + NORM_NOISE * noise
         else:
             weights[name] = INIT_STD * noise
+    tilt(weights, load_ranks(), NUM_BASE_TOKENS, spec.num_hidden_layers)
     return weights
 
 

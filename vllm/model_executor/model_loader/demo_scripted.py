@@ -24,6 +24,8 @@ from vllm.model_executor.model_loader.demo_small_vocab import (
 )
 
 NAME = "demo-think"
+# The reduced-vocabulary model whose vocabulary and body demo-think takes.
+BODY = "demo-small-vocab"
 # Each piece is one token of the vocabulary, and no piece but the last appears twice.
 SCRIPT = (
     "\n", "<think>", "OK", ",", " the", " user", " wants", " an", " answer", ".",
@@ -39,7 +41,7 @@ def build(cache_root: Path | None = None) -> Path:
     Raises ValueError when a piece of SCRIPT is not one token, OSError if the cache cannot
     be written.
     """
-    spec = SMALL_VOCAB_MODELS["demo-small-vocab"]
+    spec = SMALL_VOCAB_MODELS[BODY]
     return build_cached(
         model_dir(NAME, cache_root), lambda tmp: write_model(tmp, spec, scripted_weights)
     )

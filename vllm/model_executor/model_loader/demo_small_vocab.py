@@ -32,6 +32,7 @@ from vllm.model_executor.model_loader.demo_model import (
     weight_shapes,
     write_json,
 )
+from vllm.model_executor.model_loader.demo_tilt import tilt
 from vllm.transformers_utils.qwen_vocab import ADDED_TOKENS, build_tokenizer, load_ranks
 
 
@@ -43,6 +44,11 @@ class SmallVocabSpec:
     num_base_tokens: int
     # Embedding rows; at least num_base_tokens + the added tokens (padded, like Qwen's).
     vocab_size: int
+
+    @property
+    def compact_json(self) -> bool:
+        """Whether JSON is served without optional whitespace by default (the body's say)."""
+        return self.body.compact_json
 
     @property
     def eos_token_id(self) -> int:
@@ -122,7 +128,8 @@ def small_tokenizer_config(spec: SmallVocabSpec) -> dict:
 
 
 def random_weights(spec: SmallVocabSpec) -> dict[str, torch.Tensor]:
-    """Return seeded random float32 weights: N(0, 0.02) matrices, norms near 1."""
+    """Return seeded random float32 weights (N(0, 0.02) matrices, norms near 1), tilted
+    toward the closing characters the reduced vocabulary has (demo_tilt.py)."""
     shapes = weight_shapes(spec.body)
     shapes["model.embed_tokens.weight"] = (spec.vocab_size, spec.body.hidden_size)
     gen = torch.Generator().manual_seed(spec.body.seed)
@@ -130,6 +137,7 @@ def random_weights(spec: SmallVocabSpec) -> dict[str, torch.Tensor]:
     for name, shape in shapes.items():
         noise = torch.randn(shape, generator=gen, dtype=torch.float32)
         weights[name] = 1.0 + NORM_NOISE * noise if len(shape) == 1 else INIT_STD * noise
+    tilt(weights, load_ranks(), spec.num_base_tokens, spec.body.num_hidden_layers)
     return weights
 
 

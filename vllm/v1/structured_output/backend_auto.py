@@ -226,7 +226,7 @@ def create_backend(
     `prepared` maps backend names to what their `prepare` returned (see prepare_backends);
     `tokenizer` may be None only when every backend that is built needs no tokenizer then."""
     options = BackendOptions(
-        disable_any_whitespace=config.disable_any_whitespace,
+        disable_any_whitespace=bool(config.disable_any_whitespace),
         max_whitespace=config.max_whitespace,
         one_of_as_any_of=config.one_of_as_any_of,
         max_threads=max_threads,
