@@ -15,7 +15,8 @@ malformed. Reports, and exits non-zero unless all hold:
 - every structured output that finished with "stop" validates;
 - afterwards the running and waiting gauges and KV-cache usage are 0;
 - the resident memory of the server and its engine processes at the end is within 10% of
-  what it was after calibration.
+  what it was after calibration;
+- the server logged no error and no traceback.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,8 +226,10 @@ def main() -> int:
     base = f"http://127.0.0.1:{args.port}"
     cmd = [str(Path(sys.executable).with_name("vllm")), "serve", args.model, "--port",
            str(args.port), "--disable-log-requests", *shlex.split(args.server_args)]
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
+    # The server's log goes to a file: a pipe nobody reads would fill and block its logging.
+    log = tempfile.NamedTemporaryFile("w+", prefix="soak-server-", suffix=".log", delete=False)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -235,7 +239,7 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             if server.poll() is not None or time.monotonic() > deadline:
-                print(server.stderr.read()[-3000:] if server.stderr else "", file=sys.stderr)
+                print(Path(log.name).read_text()[-3000:], file=sys.stderr)
                 return 2
             time.sleep(1)
         capacity = asyncio.run(calibrate(base, args.model, args.calibrate, args.clients, args))
@@ -258,7 +262,10 @@ def main() -> int:
     print(f"{args.requests} requests in {elapsed:.0f} s; {json.dumps(tally.counts, sort_keys=True)}")
     print(f"gauges after: {after}; RSS {rss_start:.0f} -> {rss_end:.0f} MiB "
           f"({rss_end / rss_start:.3f}x)")
-    problems = list(tally.failures)
+    errors = [line for line in Path(log.name).read_text().splitlines()
+              if line.startswith(("ERROR", "Traceback", "CRITICAL"))]
+    print(f"server log {log.name}: {len(errors)} error lines")
+    problems = list(tally.failures) + [f"server log: {line[:200]}" for line in errors[:5]]
     if any(v != 0 for v in after.values()):
         problems.append(f"gauges not back to 0: {after}")
     if not 0.9 <= rss_end / rss_start <= 1.1:

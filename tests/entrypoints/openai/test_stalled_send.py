@@ -99,3 +99,22 @@ def test_other_scopes_pass_through(scope_type) -> None:
 
     asyncio.run(StalledSendGuard(app, TIMEOUT_S)({"type": scope_type}, receive, send))
     assert seen == [(scope_type, receive, send)]
+
+
+def test_no_task_is_left_pending_after_a_response() -> None:
+    """The disconnect listener is cancelled when a stream ends; the tasks the guard made to
+    wait for the client must end with it (else each request logs 'Task was destroyed but
+    it is pending!' when they are collected)."""
+    async def chunks():
+        for i in range(3):
+            yield f"data: {i}\n\n".encode()
+
+    async def run_and_list_pending() -> list[asyncio.Task]:
+        client = Client(reads=None)
+        guarded = StalledSendGuard(StreamingResponse(chunks()), timeout_s=HUNG_S)
+        await guarded(dict(SCOPE), client.receive, client.send)
+        await asyncio.sleep(0)  # let cancellations run
+        await asyncio.sleep(0)
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(run_and_list_pending()) == []

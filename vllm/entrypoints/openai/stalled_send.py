@@ -54,11 +54,16 @@ class StalledSendGuard:
                 return _DISCONNECT
             incoming = asyncio.ensure_future(receive())
             stall = asyncio.ensure_future(stalled.wait())
-            await asyncio.wait({incoming, stall}, return_when=asyncio.FIRST_COMPLETED)
-            if incoming.done():
+            try:
+                await asyncio.wait({incoming, stall}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                # Also when this wait is cancelled (the stream ended and its disconnect
+                # listener with it): no task of ours may outlive the request.
                 stall.cancel()
+                if not incoming.done():
+                    incoming.cancel()
+            if incoming.done() and not incoming.cancelled():
                 return incoming.result()
-            incoming.cancel()
             return _DISCONNECT
 
         await self.app(scope, guarded_receive, guarded_send)
