@@ -88,6 +88,7 @@ from vllm.v1.structured_output.backend_types import (
     BackendOptions,
     StructuredOutputBackend,
     StructuredOutputGrammar,
+    check_first_step,
     tokenizer_vocab,
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text
@@ -556,7 +557,8 @@ class GuidanceBackend(StructuredOutputBackend):
                 )
             raise _compile_error(kind, matcher.get_error())
         grammar = GuidanceGrammar(matcher, self.vocab)
-        self._check_first_step(grammar, kind)
+        check_first_step(grammar, self.vocab.words, self.vocab.stop_words,
+                         self.vocab.stop_bits, kind)
         return grammar
 
     def _grammar_text(self, params: StructuredOutputsParams, kind: str) -> str:
@@ -680,22 +682,6 @@ class GuidanceBackend(StructuredOutputBackend):
             )
         return r"[\x20\x0A\x0D\x09]{0,%d}" % limit
 
-    def _check_first_step(self, grammar: GuidanceGrammar, kind: str) -> None:
-        """Raises GrammarCompileError when the grammar allows no first token at all, or
-        (JSON) only a stop token: an empty output."""
-        row = np.zeros((1, self.vocab.words), dtype=np.int32)
-        grammar.fill_bitmask(row, 0)
-        if not row.any():
-            raise GrammarCompileError(
-                f"structured_outputs.{kind}", "the constraint accepts no output at all"
-            )
-        if kind in ("json", "json_object"):
-            row[0, self.vocab.stop_words] &= ~self.vocab.stop_bits
-            if not row.any():
-                raise GrammarCompileError(
-                    f"structured_outputs.{kind}",
-                    "the schema accepts only an empty output, which is not JSON",
-                )
 
     # ------------------------------------------------------------------ bitmasks
 

@@ -53,6 +53,7 @@ from vllm.v1.structured_output.backend_types import (
     BackendSetup,
     StructuredOutputBackend,
     StructuredOutputGrammar,
+    check_first_step,
 )
 from vllm.v1.structured_output.grammar_checks import find_lookaround
 from vllm.v1.structured_output.json_schema import normalize_json_schema
@@ -283,7 +284,8 @@ class OutlinesBackend(StructuredOutputBackend):
         kind = params.kind
         regex = self._regex(params, kind)
         grammar = OutlinesGrammar(self._index(regex, kind, params), self.vocab)
-        self._check_first_step(grammar, kind)
+        check_first_step(grammar, self.vocab.words, self.vocab.stop_words,
+                         self.vocab.stop_bits, kind)
         return grammar
 
     def _regex(self, params: StructuredOutputsParams, kind: str) -> str:
@@ -385,22 +387,6 @@ class OutlinesBackend(StructuredOutputBackend):
         first = message.split("\n", 1)[0].split(":", 1)[-1].strip()
         return _unsupported(kind, f"the regex cannot be compiled ({first[:200]})")
 
-    def _check_first_step(self, grammar: OutlinesGrammar, kind: str) -> None:
-        """Raises GrammarCompileError when the constraint allows no first token, or (JSON)
-        only a stop token."""
-        row = np.zeros((1, self.vocab.words), dtype=np.int32)
-        grammar.fill_bitmask(row, 0)
-        if not row.any():
-            raise GrammarCompileError(
-                f"structured_outputs.{kind}", "the constraint accepts no output at all"
-            )
-        if kind in ("json", "json_object"):
-            row[0, self.vocab.stop_words] &= ~self.vocab.stop_bits
-            if not row.any():
-                raise GrammarCompileError(
-                    f"structured_outputs.{kind}",
-                    "the schema accepts only an empty output, which is not JSON",
-                )
 
     def destroy(self) -> None:
         """Drops the index cache; grammars already compiled keep working."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm.exceptions import GrammarCompileError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.thread_policy import helper_threads
 
@@ -117,6 +118,31 @@ class StructuredOutputGrammar(ABC):
     @abstractmethod
     def num_processed_tokens(self) -> int:
         """How many tokens the grammar has accepted (and not rolled back)."""
+
+
+def check_first_step(
+    grammar: StructuredOutputGrammar,
+    words: int,
+    stop_words: np.ndarray,
+    stop_bits: np.ndarray,
+    kind: str,
+) -> None:
+    """Raises GrammarCompileError when a fresh `grammar` allows no first token, or (JSON)
+    only a stop token: an empty output. `words` is the bitmask's row width; the stop tokens
+    sit at bits `stop_bits` of words `stop_words`."""
+    row = np.zeros((1, words), dtype=np.int32)
+    grammar.fill_bitmask(row, 0)
+    if not row.any():
+        raise GrammarCompileError(
+            f"structured_outputs.{kind}", "the constraint accepts no output at all"
+        )
+    if kind in ("json", "json_object"):
+        row[0, stop_words] &= ~stop_bits
+        if not row.any():
+            raise GrammarCompileError(
+                f"structured_outputs.{kind}",
+                "the schema accepts only an empty output, which is not JSON",
+            )
 
 
 class StructuredOutputBackend(ABC):
