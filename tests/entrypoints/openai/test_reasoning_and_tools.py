@@ -3,7 +3,8 @@
 demo-think: a scripted model that thinks `OK, the user wants an answer.`, writes a blank line
 and `<tool_call>`, then tokens at random. A JSON schema or a tool call constrains only the
 answer after `</think>`; every answer that stops and every tool call's arguments are checked
-with jsonschema, and async replies must equal sync ones."""
+with jsonschema, and async replies must equal sync ones. A third server drafts the grammar's
+forced tokens (fast-forward, canonical mode): tool arguments stay valid, thoughts untouched."""
 
 from __future__ import annotations
 
