@@ -98,6 +98,7 @@ from vllm.v1.structured_output.json_schema import (
     normalize_json_schema,
     spell_out_min_properties,
 )
+from vllm.v1.structured_output.schema_facts import drop_fraction_branches
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +201,16 @@ def _refuse_escape_blind_patterns(schema: dict[str, Any], param: str) -> None:
         raise UnsupportedConstraintError(
             param, f"the pattern at {where} negates a class holding '\"' or a backslash, "
             "which llguidance does not enforce on escaped characters")
+
+
+def _refuse_fractions(schema: Any, param: str) -> None:
+    """Drops `anyOf` branches of numbers that are not integers where another branch remains
+    (narrower); raises UnsupportedConstraintError naming the place of one that stays."""
+    where = drop_fraction_branches(schema)
+    if where is not None:
+        raise UnsupportedConstraintError(
+            param, f"at {where}: a number that is not an integer (a 'oneOf' of 'integer' and "
+            "'number', or 'not' of 'integer') has no llguidance schema")
 
 
 def check_whitespace_pattern(pattern: str) -> None:
@@ -571,6 +582,7 @@ class GuidanceBackend(StructuredOutputBackend):
                     one_of_as_any_of=self.options.one_of_as_any_of,
                 )
                 spell_out_min_properties(schema)
+                _refuse_fractions(schema, "structured_outputs.json")
             else:
                 # OpenAI's json_object means an object, never a top-level array or scalar.
                 schema = {"type": "object"}
@@ -616,6 +628,7 @@ class GuidanceBackend(StructuredOutputBackend):
             one_of_as_any_of=self.options.one_of_as_any_of,
         )
         spell_out_min_properties(schema)
+        _refuse_fractions(schema, "structured_outputs.structural_tag")
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):

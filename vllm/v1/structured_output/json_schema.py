@@ -16,7 +16,11 @@
   - `if`/`then`/`else` becomes `anyOf [if and then, (not if) and else]` when `not if` can be
     written, also for the conditionals of merged `allOf` members;
   - `oneOf` becomes an `anyOf` of branches no two values share (schema_one_of.py): disjoint
-    branches stay as they are, overlapping ones each keep what the others refuse. No backend
+    branches stay as they are, overlapping ones each keep what the others refuse. "A number
+    that is not an integer" (`integer` beside `number`) is written `{type: number, not:
+    {type: integer}}` (`fraction_schema`): the xgrammar backend enforces it by a rule of its
+    own (schema_xgrammar.py), and a backend without one drops such `anyOf` branches where
+    another remains (`drop_fraction_branches`, narrower) or refuses them by place. No backend
     enforces "exactly one"; a `oneOf` that cannot be made exclusive is refused naming two
     branches, unless the server treats `oneOf` as `anyOf` by choice (`one_of_as_any_of`);
   - (schema_rewrites.py) `dependencies`/`dependentRequired`/`dependentSchemas` become

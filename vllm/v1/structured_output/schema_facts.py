@@ -77,6 +77,53 @@ def type_names(found: set[str] | frozenset[str]) -> list[str]:
     return names
 
 
+def fraction_schema() -> dict[str, Any]:
+    """A new schema of the numbers that are not integers (the kind "fraction"): no `type`
+    says it, so it is written with `not`; the xgrammar backend enforces this one shape
+    (schema_xgrammar.py), llguidance refuses it."""
+    return {"type": "number", "not": {"type": "integer"}}
+
+
+def is_fraction_schema(node: Any) -> bool:
+    """True for `fraction_schema()`, with annotations or numeric bounds beside it."""
+    if not isinstance(node, dict) or node.get("type") != "number":
+        return False
+    negated = node.get("not")
+    if not isinstance(negated, dict) or {k: v for k, v in negated.items()
+                                          if k not in ANNOTATIONS} != {"type": "integer"}:
+        return False
+    bounds = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+    return {k for k in node if k not in ANNOTATIONS} <= {"type", "not"} | bounds
+
+
+def drop_fraction_branches(schema: Any, path: str = "#") -> str | None:
+    """Removes, in place, the `anyOf` branches that hold a schema of numbers that are not
+    integers (`fraction_schema`, which a backend may not write), where another branch
+    remains: narrower, never wrong. Returns the location of a fraction schema that stays
+    (a sole branch, or outside any `anyOf`), else None. Leaves `not` and `if` alone, where
+    narrowing would widen the schema."""
+    if not isinstance(schema, dict):
+        return None
+    if is_fraction_schema(schema):
+        return path
+    found: str | None = None
+    done: set[int] = set()
+    branches = schema.get("anyOf")
+    if isinstance(branches, list) and len(branches) > 1:
+        stays = [drop_fraction_branches(b, f"{path}/anyOf/{i}") for i, b in enumerate(branches)]
+        kept = [b for b, where in zip(branches, stays) if where is None]
+        if kept:
+            schema["anyOf"] = kept
+        else:
+            found = stays[0]
+        done = {id(b) for b in branches}
+    for sub, sub_path in subschemas(schema, path):
+        if id(sub) not in done and not is_negated(schema, sub):
+            where = drop_fraction_branches(sub, sub_path)
+            found = found or where
+    return found
+
+
 def kinds_schema(found: set[str] | frozenset[str]) -> dict[str, Any]:
     """A schema of every value of the kinds `found` (see `type_names`)."""
     names = type_names(found)

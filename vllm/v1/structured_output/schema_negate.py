@@ -21,6 +21,7 @@ from vllm.v1.structured_output.schema_facts import (
     ANNOTATIONS,
     TYPE_KINDS,
     canonical,
+    fraction_schema,
     kind_of,
     kinds_schema,
     prune,
@@ -123,8 +124,10 @@ def _negate_type(value: Any, within: frozenset[str]) -> tuple[list[Any], bool]:
         return [], False
     allowed = {k for t in declared if isinstance(t, str) for k in TYPE_KINDS.get(t, ())}
     rest = set(within) - allowed
-    exact = not ("fraction" in rest and "integer" not in rest)  # "numbers but not integers"
-    return ([kinds_schema(rest)] if type_names(rest) else []), exact
+    pieces = [kinds_schema(rest)] if type_names(rest) else []
+    if "fraction" in rest and "integer" not in rest:
+        pieces.append(fraction_schema())  # "numbers but not integers"
+    return pieces, True
 
 
 def _negate_values(listed: list[Any], within: frozenset[str]) -> tuple[list[Any], bool]:
