@@ -1,6 +1,6 @@
 """The keyword rewrites of `normalize_json_schema` other than merging, negating and `oneOf`
 (docs/architecture.md section 5): `not`, conditionals, dependencies, `propertyNames`,
-`minProperties`, `unevaluatedProperties`, `contains`, `uniqueItems`. Each changes one node in
+`minProperties`, `unevaluatedProperties`, `contains`. Each changes one node in
 place and is exact unless its docstring says "stricter" (never admitting an invalid value).
 
 Pure Python.
@@ -24,22 +24,6 @@ from vllm.v1.structured_output.schema_facts import (
 )
 from vllm.v1.structured_output.schema_merge import intersect
 from vllm.v1.structured_output.schema_negate import negate
-
-
-def narrow_unique_items(node: dict[str, Any]) -> None:
-    """Enforces `uniqueItems: true` by allowing at most one item, when the schema allows that.
-
-    No grammar can say "all items differ"; an array of at most one item always satisfies it.
-    An array that must hold two or more items is left as is, for the backends to refuse.
-    """
-    if node.get("uniqueItems") is not True:
-        return
-    low = node.get("minItems", 0)
-    if is_number(low) and low > 1:
-        return
-    del node["uniqueItems"]
-    high = node.get("maxItems")
-    node["maxItems"] = min(high, 1) if is_number(high) else 1
 
 
 def rewrite_property_names(node: dict[str, Any]) -> None:
