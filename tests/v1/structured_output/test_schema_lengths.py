@@ -14,7 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm.v1.structured_output.schema_lengths import bounded_pattern, fold_lengths
+from vllm.v1.structured_output.schema_lengths import (
+    MAX_FOLDED_COUNT,
+    bounded_pattern,
+    fold_lengths,
+)
 
 _SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
                      suppress_health_check=list(HealthCheck))
@@ -46,6 +50,11 @@ def test_folded_patterns_never_widen_and_are_exact_with_one_count(
         assert not got or want, (folded, text)
         if exact:
             assert got == want, (folded, text)
+
+
+def test_large_bounds_are_capped() -> None:
+    assert bounded_pattern(r"^[^<>]+$", 0, 4096) == "^[^<>]{1,%d}$" % MAX_FOLDED_COUNT
+    assert bounded_pattern(r"^[a-z]+$", 1000, None) is None
 
 
 @pytest.mark.parametrize("pattern", [r"^(ab)+$", r"^a|b$", r"[a-z]+", r"^a+?$", r"^\1$",

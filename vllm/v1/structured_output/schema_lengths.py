@@ -42,6 +42,10 @@ _FORMAT_CLASSES = {
 }
 _QUANTIFIER = re.compile(r"\*|\+|\?|\{(\d+)\}|\{(\d+),(\d*)\}")
 _MAX_COUNT = 100_000
+# The largest count a folded atom gets: xgrammar unrolls a counted repeat, and its compile
+# time grows with the count (a path's `maxLength: 4096` took 90 s; 256 takes well under one).
+# A larger bound is capped here, which narrows the strings, never widening them.
+MAX_FOLDED_COUNT = 256
 
 
 def fold_lengths(schema: Any) -> None:
@@ -86,6 +90,8 @@ def _fold(node: dict[str, Any]) -> None:
         cls, longest = _FORMAT_CLASSES[fmt]
         if longest is not None:
             high = longest if high is None else min(high, longest)
+        if high is not None:
+            high = min(high, MAX_FOLDED_COUNT)  # narrower (see MAX_FOLDED_COUNT)
         if fmt == "hostname":
             low = max(low, 1)
         if high is not None and low > high:
@@ -111,8 +117,9 @@ def bounded_pattern(pattern: str, low: int, high: int | None) -> str | None:
     optional quantifier) with its counts narrowed so every match has between `low` and
     `high` characters, or None when the pattern has another shape or no count fits.
 
-    Exact when at most one atom has a variable count; otherwise each variable atom gets a
-    share of the room, which narrows the strings (never widening them)."""
+    Exact when at most one atom has a variable count and no count passes MAX_FOLDED_COUNT;
+    otherwise each variable atom gets a share of the room, and counts are capped, which
+    narrows the strings (never widening them)."""
     atoms = _atoms(pattern)
     if atoms is None:
         return None
@@ -144,6 +151,11 @@ def bounded_pattern(pattern: str, low: int, high: int | None) -> str | None:
                 room = share + (1 if n < extra else 0)
                 top = counts[i][0] + room
                 counts[i][1] = top if counts[i][1] is None else min(counts[i][1], top)
+    for count in counts:
+        if count[0] > MAX_FOLDED_COUNT:
+            return None
+        if high is not None and (count[1] is None or count[1] > MAX_FOLDED_COUNT):
+            count[1] = MAX_FOLDED_COUNT
     return "^" + "".join(atom + _count(a, b) for (atom, _, _), (a, b) in
                          zip(atoms, counts)) + "$"
 
