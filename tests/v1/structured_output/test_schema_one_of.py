@@ -210,3 +210,21 @@ def test_a_branch_of_listed_values_keeps_those_the_other_refuses() -> None:
     assert {"const": "b1"} in out["anyOf"] or {"enum": ["b1", 7]} in out["anyOf"]
     validator = jsonschema.Draft202012Validator(out)
     assert validator.is_valid("b1") and validator.is_valid(7) and not validator.is_valid("ab")
+
+
+@pytest.mark.parametrize("branches", [
+    [{"type": "array", "items": {"type": "string"}}, {"type": "array",
+                                                      "items": {"type": "integer"}}],
+    [{"type": "array", "prefixItems": [{"type": "string"}]},
+     {"type": "array", "items": {"type": "integer"}}],
+], ids=["items", "prefix_items"])
+def test_arrays_of_different_items_keep_the_arrays_only_one_accepts(
+    branches: list[Any]
+) -> None:
+    """The empty array matches both branches; an array holding an item one branch refuses
+    matches only the other (`items` negated as `contains`, narrowed to a leading item)."""
+    probes = PROBES + [["a", "b"], [1, 2], ["a", 1], [1, "a"], [2.5]]
+    out = compare({"oneOf": branches}, probes, exact=False)
+    assert out is not None
+    rewritten = jsonschema.Draft202012Validator(out)
+    assert rewritten.is_valid([1, 2]) and not rewritten.is_valid([])

@@ -204,6 +204,11 @@ def kinds(node: Any, root: dict[str, Any], depth: int = 0) -> frozenset[str]:
     if isinstance(node.get("allOf"), list):
         for b in node["allOf"]:
             found &= kinds(b, root, depth + 1)
+    negated = resolve(node.get("not"), root)
+    if isinstance(negated, dict) and isinstance(negated.get("type"), (str, list)) and not (
+        {k for k in negated if k not in ANNOTATIONS} - {"type"}
+    ):
+        found -= kinds(negated, root, depth + 1)  # `not` of types only: those kinds go
     return frozenset(found)
 
 
@@ -275,6 +280,9 @@ def check_satisfiable(node: dict[str, Any], path: str) -> None:
         if is_number(lo) and is_number(hi) and lo > hi:
             raise empty(f"{low} ({lo}) is greater than {high} ({hi})")
     check_numeric_range(node, empty)
+    if "contains" in node and node.get("minContains", 1) != 0 and not node.get("prefixItems"):
+        if not kinds(node.get("items", True), {}) & kinds(node["contains"], {}):
+            raise empty("no item the 'items' schema allows can match 'contains'")
     required = node.get("required")
     if not isinstance(required, list):
         return

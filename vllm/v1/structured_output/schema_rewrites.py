@@ -143,17 +143,22 @@ def rewrite_unevaluated_properties(node: dict[str, Any], root: dict[str, Any]) -
 
 
 def rewrite_contains(node: dict[str, Any], root: dict[str, Any]) -> None:
-    """`contains` (with `minContains` m, default 1) becomes m leading items that match it.
+    """`contains` (with `minContains` m, default 1) becomes m leading items that match it
+    (after the listed `prefixItems`, if any).
     With `maxContains`, the items after them must not match it, which is written when the
     item schema lists the values of the properties `contains` pins. Stricter than `contains`
     (the matches come first, and exactly m of them with `maxContains`), never wrong."""
     wanted = node.get("contains")
-    if wanted is None or "prefixItems" in node:
+    prefix = node.get("prefixItems", [])
+    if wanted is None or not isinstance(prefix, list):
         return
     low = node.get("minContains", 1)
     high = node.get("maxContains")
     if not isinstance(low, int) or isinstance(low, bool) or not 1 <= low <= 8:
         return
+    if prefix and (high is not None or (is_number(node.get("maxItems"))
+                                        and node["maxItems"] < len(prefix) + low)):
+        return  # with listed leading items, the matches go after them (when they fit)
     if high is not None and (not isinstance(high, int) or high < low):
         return
     items = node.get("items", True)
@@ -173,9 +178,9 @@ def rewrite_contains(node: dict[str, Any], root: dict[str, Any]) -> None:
     for key in ("contains", "minContains", "maxContains"):
         node.pop(key, None)
     match = wanted if items is True else {"allOf": [items, wanted]}
-    node["prefixItems"] = [copy.deepcopy(match) for _ in range(low)]
+    node["prefixItems"] = [*prefix, *(copy.deepcopy(match) for _ in range(low))]
     node["items"] = rest
-    node["minItems"] = max(node.get("minItems", 0), low)
+    node["minItems"] = max(node.get("minItems", 0), len(prefix) + low)
 
 
 def _absent(names: list[str]) -> dict[str, Any]:
