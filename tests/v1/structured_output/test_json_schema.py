@@ -342,7 +342,7 @@ _WALKED = [
          "else": {"required": ["y"]}}]},
     {"type": "object", "properties": {"p": {"type": "integer"}, "q": {"type": "string"}},
      "additionalProperties": False, "anyOf": [{"required": ["p"]}, {"required": ["q"]}]},
-    {"$defs": {"unused": {"oneOf": [{"type": "number"}, {"type": "integer"}]}},
+    {"$defs": {"unused": {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a"}]}},
      "type": "array", "items": {"type": "boolean"}, "maxItems": 3},
     {"type": "string", "pattern": r"^(?!-)[a-z0-9-]{1,8}(?<!-)$"},
     {"type": "string", "pattern": r"^(?=.*[a-z])(?=.*[0-9]).+$", "maxLength": 4},
