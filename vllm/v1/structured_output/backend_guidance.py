@@ -93,6 +93,7 @@ from vllm.v1.structured_output.backend_types import (
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text
 from vllm.v1.structured_output.guidance_patterns import find_escape_blind_pattern
+from vllm.v1.structured_output.regex_tree import plain_children
 from vllm.v1.structured_output.structural_tag_lark import LarkWriter, parse_structural_tag
 from vllm.v1.structured_output.json_schema import (
     normalize_json_schema,
@@ -243,17 +244,10 @@ def check_whitespace_pattern(pattern: str) -> None:
                     ):
                         continue
                     return False
-            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-                if not ok(arg[2]):
-                    return False
-            elif name == "SUBPATTERN":
-                if not ok(arg[3]):
-                    return False
-            elif name == "BRANCH":
-                if not all(ok(alt) for alt in arg[1]):
-                    return False
             else:
-                return False
+                parts = plain_children(op, arg)
+                if parts is None or not all(ok(part) for part in parts):
+                    return False
         return True
 
     if not ok(parsed):
