@@ -726,7 +726,8 @@ def _message_is_clean(e: InvalidRequestError, field: str, *, one_line: bool = Tr
         ({"json": {"type": "string", "not": {"pattern": "^a"}}}, "'not'"),
         ({"json": {"type": "array", "items": {"type": "string"},
                                 "contains": {"const": "x"}, "maxContains": 1}}, "'contains'"),
-        ({"json": {"type": "string", "format": "uri-template"}}, "'uri-template'"),
+        # (uri-reference and uri-template become a pattern of valid characters.)
+        ({"json": {"type": "string", "format": "json-pointer"}}, "'json-pointer'"),
         # A pattern and a length at once cannot become one patternProperties regex.
         ({"json": {"type": "object", "propertyNames": {"pattern": "^a", "maxLength": 3}}},
          "'propertyNames'"),

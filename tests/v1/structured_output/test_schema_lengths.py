@@ -18,6 +18,7 @@ from vllm.v1.structured_output.schema_lengths import (
     MAX_FOLDED_COUNT,
     bounded_pattern,
     fold_lengths,
+    spell_formats,
 )
 
 _SETTINGS = settings(max_examples=200, deadline=None, derandomize=True,
@@ -105,3 +106,31 @@ def test_walks_through_folded_schemas_validate(
                                       finish_after=6)
         assert stopped
         validate_json(json.loads(tokenizer.decode(tokens[:-1])), schema)
+
+
+def test_formats_llguidance_lacks_become_class_patterns() -> None:
+    schema = {"type": "object", "properties": {
+        "r": {"type": "string", "format": "uri-reference", "maxLength": 9},
+        "t": {"type": "string", "format": "uri-template"},
+        "p": {"type": "string", "format": "uri-reference", "pattern": "^/"},
+        "d": {"type": "string", "format": "date"}}}
+    spell_formats(schema, frozenset({"uri-reference", "uri-template"}))
+    props = schema["properties"]
+    assert props["r"] == {"type": "string", "pattern": "^[A-Za-z0-9._~!$&'*+,;=/()-]*$",
+                          "maxLength": 9}
+    assert "format" not in props["t"] and re.fullmatch(props["t"]["pattern"][1:-1], "/a/{b}") \
+        is None
+    assert props["p"]["format"] == "uri-reference"  # a pattern beside it: left as it is
+    assert props["d"] == {"type": "string", "format": "date"}
+
+
+def test_guidance_takes_uri_reference_as_a_pattern(
+    guidance_backend: Any, tokenizer: Any
+) -> None:
+    from vllm import StructuredOutputsParams
+
+    schema = {"type": "string", "format": "uri-reference", "minLength": 1}
+    for text, ok in [('"a/b.c"', True), ('"../x?y"', False), ('"a b"', False), ('""', False)]:
+        grammar = guidance_backend.compile_grammar(StructuredOutputsParams(json=schema))
+        ids = [i for ch in text for i in tokenizer.encode(ch, add_special_tokens=False)]
+        assert grammar.accept_tokens("t", ids + [guidance_backend.stop_token_ids[0]]) == ok, text

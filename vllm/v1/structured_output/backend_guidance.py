@@ -100,6 +100,8 @@ from vllm.v1.structured_output.json_schema import (
     spell_out_min_properties,
 )
 from vllm.v1.structured_output.schema_facts import drop_fraction_branches
+from vllm.v1.structured_output.schema_lengths import spell_formats
+from vllm.v1.structured_output.schema_xgrammar import GUIDANCE_FORMATS, XGRAMMAR_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +204,10 @@ def _refuse_escape_blind_patterns(schema: dict[str, Any], param: str) -> None:
         raise UnsupportedConstraintError(
             param, f"the pattern at {where} negates a class holding '\"' or a backslash, "
             "which llguidance does not enforce on escaped characters")
+
+
+# Formats llguidance does not know; those with a class of valid characters become a pattern.
+_MISSING_FORMATS = XGRAMMAR_FORMATS - GUIDANCE_FORMATS
 
 
 def _refuse_fractions(schema: Any, param: str) -> None:
@@ -576,6 +582,7 @@ class GuidanceBackend(StructuredOutputBackend):
                     one_of_as_any_of=self.options.one_of_as_any_of,
                 )
                 spell_out_min_properties(schema)
+                spell_formats(schema, _MISSING_FORMATS)
                 _refuse_fractions(schema, "structured_outputs.json")
             else:
                 # OpenAI's json_object means an object, never a top-level array or scalar.
@@ -622,6 +629,7 @@ class GuidanceBackend(StructuredOutputBackend):
             one_of_as_any_of=self.options.one_of_as_any_of,
         )
         spell_out_min_properties(schema)
+        spell_formats(schema, _MISSING_FORMATS)
         _refuse_fractions(schema, "structured_outputs.structural_tag")
         if schema is True:
             schema = {}

@@ -39,6 +39,9 @@ _FORMAT_CLASSES = {
     # ')' last: check_xgrammar_support's crude scan reads ")*" as a repeated group.
     "uri-reference": ("[A-Za-z0-9._~!$&'*+,;=/()-]", None),
     "hostname": ("[a-z0-9]", 63),
+    # RFC 6570's literal characters, without '%' (pct-encoding needs structure) and the
+    # characters of expressions.
+    "uri-template": ("[A-Za-z0-9._~!$&*+,;=/:?@#()-]", None),
 }
 _QUANTIFIER = re.compile(r"\*|\+|\?|\{(\d+)\}|\{(\d+),(\d*)\}")
 _MAX_COUNT = 100_000
@@ -99,6 +102,24 @@ def _fold(node: dict[str, Any]) -> None:
         node["pattern"] = "^" + cls + _count(low, high) + "$"
         del node["format"]
         _drop_lengths(node)
+
+
+def spell_formats(schema: Any, formats: frozenset[str]) -> None:
+    """Rewrites, in place and in every subschema, a string `format` among `formats` (with no
+    `pattern` beside it) as the pattern of its class above, which a backend lacking the
+    format enforces: stricter, never wrong. Length bounds stay beside it."""
+    if not isinstance(schema, dict):
+        return
+    fmt = schema.get("format")
+    if fmt in formats and fmt in _FORMAT_CLASSES and "pattern" not in schema:
+        cls, longest = _FORMAT_CLASSES[fmt]
+        schema["pattern"] = "^" + cls + ("+" if fmt == "hostname" else "*") + "$"
+        if longest is not None:
+            high = _bound(schema, "maxLength")
+            schema["maxLength"] = longest if high is None else min(high, longest)
+        del schema["format"]
+    for sub, _ in subschemas(schema, "#"):
+        spell_formats(sub, formats)
 
 
 def _drop_lengths(node: dict[str, Any]) -> None:
