@@ -342,12 +342,17 @@ _WALKED = [
          "else": {"required": ["y"]}}]},
     {"type": "object", "properties": {"p": {"type": "integer"}, "q": {"type": "string"}},
      "additionalProperties": False, "anyOf": [{"required": ["p"]}, {"required": ["q"]}]},
-    {"$defs": {"unused": {"oneOf": [{"type": "number"}, {"type": "integer"}]}},
+    {"$defs": {"unused": {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a"}]}},
      "type": "array", "items": {"type": "boolean"}, "maxItems": 3},
     {"type": "string", "pattern": r"^(?!-)[a-z0-9-]{1,8}(?<!-)$"},
     {"type": "string", "pattern": r"^(?=.*[a-z])(?=.*[0-9]).+$", "maxLength": 4},
     {"type": "object", "patternProperties": {r"^\.(/.*)?$": {"type": "null"}},
      "additionalProperties": False},
+    {"oneOf": [{"type": "array", "items": {"type": "string"}, "maxItems": 3},
+               {"type": "array", "items": {"type": "integer"}, "maxItems": 3}]},
+    {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"},
+                                                     {"type": "number"}]}},
+     "required": ["v"]},
 ]
 
 
@@ -355,7 +360,8 @@ _WALKED = [
 @pytest.mark.parametrize("schema", _WALKED, ids=["objects", "ranges", "enum_vs_strings",
                                                  "not_enum", "all_of_if", "any_of_siblings",
                                                  "unused_definition", "dns_label", "password",
-                                                 "optional_group"])
+                                                 "optional_group", "array_items",
+                                                 "integer_number"])
 def test_walks_through_rewritten_schemas_validate_with_both_backends(
     schema: dict[str, Any], backend: Any, guidance_backend: Any, tokenizer: Any,
     walk_vocab: Any,

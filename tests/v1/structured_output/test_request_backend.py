@@ -40,8 +40,9 @@ def test_the_named_backend_compiles_the_request(llm, backend) -> None:
 
 
 def test_a_backend_that_cannot_enforce_the_constraint_is_not_replaced(llm) -> None:
-    # xgrammar cannot bound a pattern's length; auto would hand it to llguidance.
-    schema = {"type": "string", "pattern": "^[a-z]+$", "maxLength": 6}
+    # xgrammar cannot bound the length of a pattern with a group; auto would hand it to
+    # llguidance.
+    schema = {"type": "string", "pattern": "^([a-z]b)+$", "maxLength": 6}
     with pytest.raises(InvalidRequestError, match="xgrammar|maxLength|pattern"):
         llm.generate(["x"], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
             json=schema, backend="xgrammar")), use_tqdm=False)

@@ -116,19 +116,20 @@ def test_object_branches_never_accept_what_one_of_refuses(branches: list[Any]) -
 @pytest.mark.parametrize(
     "branches, pair",
     [
-        ([{"type": "number"}, {"type": "integer"}], "#/oneOf/0 and #/oneOf/1"),
+        ([{"type": "string", "format": "date"}, {"type": "string"}],
+         "#/oneOf/0 and #/oneOf/1"),
         ([{"type": "null"}, {"type": "string"}, {"type": "string", "pattern": "^a"}],
          "#/oneOf/1 and #/oneOf/2"),
         ([{"$ref": "https://example.com/remote.json"}, {"type": "string"}],
          "#/oneOf/0 and #/oneOf/1"),
     ],
-    ids=["number_integer", "pattern", "remote_ref"],
+    ids=["format", "pattern", "remote_ref"],
 )
 def test_branches_that_cannot_be_made_exclusive_are_refused_by_name(
     branches: list[Any], pair: str
 ) -> None:
-    """A number that is not an integer, or a string that does not match a pattern, has no
-    schema: the error names the two branches; `one_of_as_any_of` accepts them as anyOf."""
+    """A string not of a format, or not matching a pattern, has no schema: the error names
+    the two branches; `one_of_as_any_of` accepts them as anyOf."""
     with pytest.raises(UnsupportedConstraintError, match="may overlap") as info:
         normalize_json_schema({"oneOf": branches})
     assert f"at #: 'oneOf' branches {pair}" in info.value.message
@@ -139,9 +140,24 @@ def test_branches_that_cannot_be_made_exclusive_are_refused_by_name(
 
 def test_nested_one_of_is_refused_with_its_location() -> None:
     schema = {"type": "object", "properties": {
-        "v": {"oneOf": [{"type": "number"}, {"type": "integer"}]}}}
+        "v": {"oneOf": [{"type": "string"}, {"type": "string", "pattern": "^a"}]}}}
     with pytest.raises(UnsupportedConstraintError, match="#/properties/v/oneOf/1"):
         normalize_json_schema(schema)
+
+
+@pytest.mark.parametrize("branches", [
+    [{"type": "number"}, {"type": "integer"}],
+    [{"type": "integer"}, {"type": "number", "minimum": 0}],
+    [{"type": "integer"}, {"type": "number"}, {"type": "string"}],
+], ids=["number_integer", "bounded", "with_string"])
+def test_integer_beside_number_keeps_the_numbers_that_are_not_integers(
+    branches: list[Any]
+) -> None:
+    """An integer matches both branches, so only the other numbers stay: written with
+    `not` of `integer` (fraction_schema), exactly."""
+    out = compare({"oneOf": branches}, PROBES + [0.5, -2.5, 1.0, 7.25, "x"], exact=True)
+    assert out is not None
+    assert {"type": "integer"} in [b.get("not") for b in out["anyOf"]]
 
 
 def test_many_overlapping_branches_keep_one_refusal_each() -> None:
@@ -194,3 +210,21 @@ def test_a_branch_of_listed_values_keeps_those_the_other_refuses() -> None:
     assert {"const": "b1"} in out["anyOf"] or {"enum": ["b1", 7]} in out["anyOf"]
     validator = jsonschema.Draft202012Validator(out)
     assert validator.is_valid("b1") and validator.is_valid(7) and not validator.is_valid("ab")
+
+
+@pytest.mark.parametrize("branches", [
+    [{"type": "array", "items": {"type": "string"}}, {"type": "array",
+                                                      "items": {"type": "integer"}}],
+    [{"type": "array", "prefixItems": [{"type": "string"}]},
+     {"type": "array", "items": {"type": "integer"}}],
+], ids=["items", "prefix_items"])
+def test_arrays_of_different_items_keep_the_arrays_only_one_accepts(
+    branches: list[Any]
+) -> None:
+    """The empty array matches both branches; an array holding an item one branch refuses
+    matches only the other (`items` negated as `contains`, narrowed to a leading item)."""
+    probes = PROBES + [["a", "b"], [1, 2], ["a", 1], [1, "a"], [2.5]]
+    out = compare({"oneOf": branches}, probes, exact=False)
+    assert out is not None
+    rewritten = jsonschema.Draft202012Validator(out)
+    assert rewritten.is_valid([1, 2]) and not rewritten.is_valid([])

@@ -93,11 +93,15 @@ from vllm.v1.structured_output.backend_types import (
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text
 from vllm.v1.structured_output.guidance_patterns import find_escape_blind_pattern
+from vllm.v1.structured_output.regex_tree import plain_children
 from vllm.v1.structured_output.structural_tag_lark import LarkWriter, parse_structural_tag
 from vllm.v1.structured_output.json_schema import (
     normalize_json_schema,
     spell_out_min_properties,
 )
+from vllm.v1.structured_output.schema_facts import drop_fraction_branches
+from vllm.v1.structured_output.schema_lengths import spell_formats
+from vllm.v1.structured_output.schema_xgrammar import GUIDANCE_FORMATS, XGRAMMAR_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +206,20 @@ def _refuse_escape_blind_patterns(schema: dict[str, Any], param: str) -> None:
             "which llguidance does not enforce on escaped characters")
 
 
+# Formats llguidance does not know; those with a class of valid characters become a pattern.
+_MISSING_FORMATS = XGRAMMAR_FORMATS - GUIDANCE_FORMATS
+
+
+def _refuse_fractions(schema: Any, param: str) -> None:
+    """Drops `anyOf` branches of numbers that are not integers where another branch remains
+    (narrower); raises UnsupportedConstraintError naming the place of one that stays."""
+    where = drop_fraction_branches(schema)
+    if where is not None:
+        raise UnsupportedConstraintError(
+            param, f"at {where}: a number that is not an integer (a 'oneOf' of 'integer' and "
+            "'number', or 'not' of 'integer') has no llguidance schema")
+
+
 def check_whitespace_pattern(pattern: str) -> None:
     """Raises InvalidRequestError unless every string `pattern` matches is JSON whitespace.
 
@@ -232,17 +250,10 @@ def check_whitespace_pattern(pattern: str) -> None:
                     ):
                         continue
                     return False
-            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-                if not ok(arg[2]):
-                    return False
-            elif name == "SUBPATTERN":
-                if not ok(arg[3]):
-                    return False
-            elif name == "BRANCH":
-                if not all(ok(alt) for alt in arg[1]):
-                    return False
             else:
-                return False
+                parts = plain_children(op, arg)
+                if parts is None or not all(ok(part) for part in parts):
+                    return False
         return True
 
     if not ok(parsed):
@@ -571,6 +582,8 @@ class GuidanceBackend(StructuredOutputBackend):
                     one_of_as_any_of=self.options.one_of_as_any_of,
                 )
                 spell_out_min_properties(schema)
+                spell_formats(schema, _MISSING_FORMATS)
+                _refuse_fractions(schema, "structured_outputs.json")
             else:
                 # OpenAI's json_object means an object, never a top-level array or scalar.
                 schema = {"type": "object"}
@@ -616,6 +629,8 @@ class GuidanceBackend(StructuredOutputBackend):
             one_of_as_any_of=self.options.one_of_as_any_of,
         )
         spell_out_min_properties(schema)
+        spell_formats(schema, _MISSING_FORMATS)
+        _refuse_fractions(schema, "structured_outputs.structural_tag")
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):

@@ -59,11 +59,9 @@ from lmformatenforcer.consts import (
 from vllm.exceptions import GrammarCompileError, InvalidRequestError, UnsupportedConstraintError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
-    BackendOptions,
-    BackendSetup,
-    StructuredOutputBackend,
     StructuredOutputGrammar,
 )
+from vllm.v1.structured_output.backend_vocab import VocabBackend
 from vllm.v1.structured_output.grammar_checks import find_lookaround
 from vllm.v1.structured_output.json_schema import normalize_json_schema
 from vllm.v1.structured_output.regex_dialect import (
@@ -263,7 +261,7 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
         return self._terminated
 
 
-class LMFormatEnforcerBackend(StructuredOutputBackend):
+class LMFormatEnforcerBackend(VocabBackend):
     """Compiles JSON schemas, regexes and choices with lm-format-enforcer for one engine.
 
     Raises ValueError when the tokenizer has no vocabulary, no stop token is in the
@@ -271,35 +269,7 @@ class LMFormatEnforcerBackend(StructuredOutputBackend):
     """
 
     name = NAME
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        vocab_size: int,
-        stop_token_ids: Sequence[int],
-        options: BackendOptions = BackendOptions(),
-        prepared: _Vocab | None = None,
-    ) -> None:
-        if options.max_whitespace is not None and options.max_whitespace < 0:
-            raise ValueError(f"max_whitespace: must be >= 0 or None, got {options.max_whitespace}")
-        self.options = options
-        self.vocab = prepared or self.prepare(tokenizer, vocab_size, stop_token_ids)
-        self.vocab_size = self.vocab.vocab_size
-        self.stop_token_ids = tuple(sorted(self.vocab.stop_ids))
-        self.masked_token_ids = self.vocab.masked_token_ids
-
-    @classmethod
-    def prepare(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> _Vocab:
-        """The vocabulary tree (seconds for 150k tokens), shared with forked workers."""
-        return _Vocab(VocabBytes.build(tokenizer, vocab_size, stop_token_ids))
-
-    @classmethod
-    def create(cls, setup: BackendSetup) -> LMFormatEnforcerBackend:
-        """Builds the backend, reusing `setup.prepared` when a parent process prepared it."""
-        if setup.tokenizer is None and setup.prepared is None:
-            raise RuntimeError(f"structured outputs: {cls.__name__} needs the tokenizer")
-        return cls(setup.tokenizer, setup.vocab_size, setup.stop_token_ids, setup.options,
-                   setup.prepared)
+    vocab_view = _Vocab
 
     def compile_grammar(self, params: StructuredOutputsParams) -> LMFormatEnforcerGrammar:
         """Compiles `params` into a fresh grammar.

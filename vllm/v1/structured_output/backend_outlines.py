@@ -50,11 +50,10 @@ from vllm.exceptions import GrammarCompileError, InvalidRequestError, Unsupporte
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backend_types import (
     BackendOptions,
-    BackendSetup,
-    StructuredOutputBackend,
     StructuredOutputGrammar,
     check_first_step,
 )
+from vllm.v1.structured_output.backend_vocab import VocabBackend
 from vllm.v1.structured_output.grammar_checks import find_lookaround
 from vllm.v1.structured_output.json_schema import normalize_json_schema
 from vllm.v1.structured_output.regex_dialect import (
@@ -231,7 +230,7 @@ class OutlinesGrammar(StructuredOutputGrammar):
         return self._terminated
 
 
-class OutlinesBackend(StructuredOutputBackend):
+class OutlinesBackend(VocabBackend):
     """Compiles regexes, choices and JSON schemas with outlines_core for one engine.
 
     Thread-safe. Raises ValueError when the tokenizer has no vocabulary, no stop token is in
@@ -239,6 +238,7 @@ class OutlinesBackend(StructuredOutputBackend):
     """
 
     name = NAME
+    vocab_view = _Vocab
 
     def __init__(
         self,
@@ -248,28 +248,9 @@ class OutlinesBackend(StructuredOutputBackend):
         options: BackendOptions = BackendOptions(),
         prepared: _Vocab | None = None,
     ) -> None:
-        if options.max_whitespace is not None and options.max_whitespace < 0:
-            raise ValueError(f"max_whitespace: must be >= 0 or None, got {options.max_whitespace}")
-        self.options = options
-        self.vocab = prepared or self.prepare(tokenizer, vocab_size, stop_token_ids)
-        self.vocab_size = self.vocab.vocab_size
-        self.stop_token_ids = tuple(sorted(self.vocab.stop_ids))
-        self.masked_token_ids = self.vocab.masked_token_ids
+        super().__init__(tokenizer, vocab_size, stop_token_ids, options, prepared)
         self._indexes: OrderedDict[str, oc.Index] = OrderedDict()
         self._lock = threading.Lock()
-
-    @classmethod
-    def prepare(cls, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> _Vocab:
-        """The vocabulary view (about a second for 150k tokens), shared with forked workers."""
-        return _Vocab(VocabBytes.build(tokenizer, vocab_size, stop_token_ids))
-
-    @classmethod
-    def create(cls, setup: BackendSetup) -> OutlinesBackend:
-        """Builds the backend, reusing `setup.prepared` when a parent process prepared it."""
-        if setup.tokenizer is None and setup.prepared is None:
-            raise RuntimeError(f"structured outputs: {cls.__name__} needs the tokenizer")
-        return cls(setup.tokenizer, setup.vocab_size, setup.stop_token_ids, setup.options,
-                   setup.prepared)
 
     # ------------------------------------------------------------------ compiling
 

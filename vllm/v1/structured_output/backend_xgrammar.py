@@ -74,6 +74,7 @@ from vllm.v1.structured_output.backend_types import (
 )
 from vllm.v1.structured_output.grammar_checks import check_grammar_text, find_lookaround
 from vllm.v1.structured_output.json_schema import check_xgrammar_support, normalize_json_schema
+from vllm.v1.structured_output.schema_xgrammar import adapt_for_xgrammar, write_fraction_rules
 from vllm.v1.structured_output.utf8_guard import Utf8Guard
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,9 @@ def has_xgrammar_unsupported_json_features(schema: dict[str, Any] | str | bool) 
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"schema: must be a JSON object or boolean, got {type(schema).__name__}")
     try:
-        check_xgrammar_support(normalize_json_schema(schema))
+        normalized = normalize_json_schema(schema)
+        adapt_for_xgrammar(normalized)
+        check_xgrammar_support(normalized)
     except UnsupportedConstraintError:
         return True
     except GrammarCompileError:
@@ -494,6 +497,7 @@ class XgrammarBackend(StructuredOutputBackend):
             disable_additional_properties=params.disable_additional_properties,
             one_of_as_any_of=self.options.one_of_as_any_of,
         )
+        adapt_for_xgrammar(schema)
         check_xgrammar_support(schema)
         return schema
 
@@ -509,11 +513,15 @@ class XgrammarBackend(StructuredOutputBackend):
     def _schema_ebnf(
         self, schema: str, compact: bool, max_whitespace: int | None
     ) -> tuple[str, bool]:
-        """The EBNF of a JSON schema, with strings that never hold raw control characters,
-        and whether that took a change to xgrammar's own conversion."""
+        """The EBNF of a JSON schema, with strings that never hold raw control characters and
+        the rules of marked numbers (`adapt_for_xgrammar`), and whether that took a change to
+        xgrammar's own conversion."""
         ebnf = str(xgr.Grammar.from_json_schema(schema, **self._style(compact, max_whitespace)))
         # Asked before replacing: xgrammar's output may hold the strict class already.
-        return ebnf.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR), _LOOSE_STRING_CHAR in ebnf
+        loose = _LOOSE_STRING_CHAR in ebnf
+        ebnf, fractions = write_fraction_rules(ebnf.replace(_LOOSE_STRING_CHAR,
+                                                            _STRICT_STRING_CHAR))
+        return ebnf, loose or fractions
 
     def _compile_schema(
         self, schema: str, compact: bool, max_whitespace: int | None

@@ -14,6 +14,8 @@ import re._constants as sre_constants
 import re._parser as sre_parse
 from typing import Any
 
+from vllm.v1.structured_output.regex_tree import children
+
 _ESCAPED = (ord('"'), ord("\\"))
 
 
@@ -62,7 +64,7 @@ def _has_blind_class(items: Any) -> bool:
         if op is sre_constants.IN and arg and arg[0][0] is sre_constants.NEGATE:
             if any(_excludes(code) for code in arg[1:]):
                 return True
-        for sub in _children(op, arg):
+        for sub in children(op, arg):
             if _has_blind_class(sub):
                 return True
     return False
@@ -80,20 +82,3 @@ def _excludes(code: tuple[Any, Any]) -> bool:
         return arg in (sre_constants.CATEGORY_NOT_WORD, sre_constants.CATEGORY_NOT_SPACE,
                        sre_constants.CATEGORY_NOT_DIGIT)
     return False
-
-
-def _children(op: Any, arg: Any) -> list[Any]:
-    """The sub-patterns of one parsed item."""
-    if op is sre_constants.SUBPATTERN:
-        return [arg[-1]]
-    if op in (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT):
-        return [arg[2]]
-    if op is sre_constants.BRANCH:
-        return list(arg[1])
-    if op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT):
-        return [arg[1]]
-    if op is sre_constants.ATOMIC_GROUP:
-        return [arg]
-    if op is sre_constants.GROUPREF_EXISTS:
-        return [a for a in arg[1:] if a is not None]
-    return []

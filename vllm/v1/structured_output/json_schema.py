@@ -16,7 +16,11 @@
   - `if`/`then`/`else` becomes `anyOf [if and then, (not if) and else]` when `not if` can be
     written, also for the conditionals of merged `allOf` members;
   - `oneOf` becomes an `anyOf` of branches no two values share (schema_one_of.py): disjoint
-    branches stay as they are, overlapping ones each keep what the others refuse. No backend
+    branches stay as they are, overlapping ones each keep what the others refuse. "A number
+    that is not an integer" (`integer` beside `number`) is written `{type: number, not:
+    {type: integer}}` (`fraction_schema`): the xgrammar backend enforces it by a rule of its
+    own (schema_xgrammar.py), and a backend without one drops such `anyOf` branches where
+    another remains (`drop_fraction_branches`, narrower) or refuses them by place. No backend
     enforces "exactly one"; a `oneOf` that cannot be made exclusive is refused naming two
     branches, unless the server treats `oneOf` as `anyOf` by choice (`one_of_as_any_of`);
   - (schema_rewrites.py) `dependencies`/`dependentRequired`/`dependentSchemas` become
@@ -25,9 +29,10 @@
     `unevaluatedProperties` beside an `allOf` of plain objects becomes
     `additionalProperties`.
   Stricter rules that never admit an invalid value: `uniqueItems: true` allows at most one
-  item (no grammar can express "all items differ"; an array that must hold two or more is
-  refused), `contains` puts its matches first, an overlapping `oneOf` branch whose exact
-  remainder has no schema or too many alternatives keeps part of it, and, for llguidance,
+  item, or distinct listed values in order, or strings in ascending first-character ranges
+  (schema_unique.py; no grammar can express "all items differ"), `contains` puts its matches
+  first, an overlapping `oneOf` branch whose exact remainder has no schema or too many
+  alternatives keeps part of it, and, for llguidance,
   `minProperties: 1` (`spell_out_min_properties`). None of these run inside `not` or `if`,
   where narrowing would widen the schema. A `format` no backend knows is an annotation, as
   the JSON Schema specification says, and is dropped. The result is labelled 2020-12, the
@@ -64,7 +69,6 @@ from vllm.v1.structured_output.schema_one_of import rewrite_one_of
 from vllm.v1.structured_output.schema_patterns import rewrite_lookarounds
 from vllm.v1.structured_output.schema_refs import drop_unreferenced_definitions
 from vllm.v1.structured_output.schema_rewrites import (
-    narrow_unique_items,
     rewrite_conditionals,
     rewrite_contains,
     rewrite_dependencies,
@@ -74,6 +78,7 @@ from vllm.v1.structured_output.schema_rewrites import (
     rewrite_unevaluated_properties,
     spell_out_min_properties,
 )
+from vllm.v1.structured_output.schema_unique import rewrite_unique_items
 from vllm.v1.structured_output.schema_xgrammar import KNOWN_FORMATS, check_xgrammar_support
 
 # What the backends import from here.
@@ -209,7 +214,7 @@ def _rewrite_node(
     rewrite_property_names(node)
     rewrite_min_properties(node)
     rewrite_contains(node, root)
-    narrow_unique_items(node)
+    rewrite_unique_items(node, root)
     if isinstance(node.get("oneOf"), list) and node["oneOf"]:
         rewrite_one_of(node, root, path, coerce)
     merge_all_of(node, root, path, conditions=False)  # the rules the rewrites added

@@ -77,6 +77,53 @@ def type_names(found: set[str] | frozenset[str]) -> list[str]:
     return names
 
 
+def fraction_schema() -> dict[str, Any]:
+    """A new schema of the numbers that are not integers (the kind "fraction"): no `type`
+    says it, so it is written with `not`; the xgrammar backend enforces this one shape
+    (schema_xgrammar.py), llguidance refuses it."""
+    return {"type": "number", "not": {"type": "integer"}}
+
+
+def is_fraction_schema(node: Any) -> bool:
+    """True for `fraction_schema()`, with annotations or numeric bounds beside it."""
+    if not isinstance(node, dict) or node.get("type") != "number":
+        return False
+    negated = node.get("not")
+    if not isinstance(negated, dict) or {k: v for k, v in negated.items()
+                                          if k not in ANNOTATIONS} != {"type": "integer"}:
+        return False
+    bounds = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+    return {k for k in node if k not in ANNOTATIONS} <= {"type", "not"} | bounds
+
+
+def drop_fraction_branches(schema: Any, path: str = "#") -> str | None:
+    """Removes, in place, the `anyOf` branches that hold a schema of numbers that are not
+    integers (`fraction_schema`, which a backend may not write), where another branch
+    remains: narrower, never wrong. Returns the location of a fraction schema that stays
+    (a sole branch, or outside any `anyOf`), else None. Leaves `not` and `if` alone, where
+    narrowing would widen the schema."""
+    if not isinstance(schema, dict):
+        return None
+    if is_fraction_schema(schema):
+        return path
+    found: str | None = None
+    done: set[int] = set()
+    branches = schema.get("anyOf")
+    if isinstance(branches, list) and len(branches) > 1:
+        stays = [drop_fraction_branches(b, f"{path}/anyOf/{i}") for i, b in enumerate(branches)]
+        kept = [b for b, where in zip(branches, stays) if where is None]
+        if kept:
+            schema["anyOf"] = kept
+        else:
+            found = stays[0]
+        done = {id(b) for b in branches}
+    for sub, sub_path in subschemas(schema, path):
+        if id(sub) not in done and not is_negated(schema, sub):
+            where = drop_fraction_branches(sub, sub_path)
+            found = found or where
+    return found
+
+
 def kinds_schema(found: set[str] | frozenset[str]) -> dict[str, Any]:
     """A schema of every value of the kinds `found` (see `type_names`)."""
     names = type_names(found)
@@ -157,6 +204,11 @@ def kinds(node: Any, root: dict[str, Any], depth: int = 0) -> frozenset[str]:
     if isinstance(node.get("allOf"), list):
         for b in node["allOf"]:
             found &= kinds(b, root, depth + 1)
+    negated = resolve(node.get("not"), root)
+    if isinstance(negated, dict) and isinstance(negated.get("type"), (str, list)) and not (
+        {k for k in negated if k not in ANNOTATIONS} - {"type"}
+    ):
+        found -= kinds(negated, root, depth + 1)  # `not` of types only: those kinds go
     return frozenset(found)
 
 
@@ -228,6 +280,9 @@ def check_satisfiable(node: dict[str, Any], path: str) -> None:
         if is_number(lo) and is_number(hi) and lo > hi:
             raise empty(f"{low} ({lo}) is greater than {high} ({hi})")
     check_numeric_range(node, empty)
+    if "contains" in node and node.get("minContains", 1) != 0 and not node.get("prefixItems"):
+        if not kinds(node.get("items", True), {}) & kinds(node["contains"], {}):
+            raise empty("no item the 'items' schema allows can match 'contains'")
     required = node.get("required")
     if not isinstance(required, list):
         return

@@ -5,7 +5,8 @@ A schema is the conjunction of its keywords, so the values it refuses are the un
 its keywords, of the values each keyword refuses: `not {type: string, maxLength: 3}` is
 "not a string, or a string of 4 or more characters". `negate` writes that union for the
 keywords whose refusals have a schema (a type, listed values, bounds, required names,
-property schemas, recursively) and says whether it wrote all of them; leaving a keyword out
+property and item schemas, recursively) and says whether it wrote all of them; leaving a
+keyword out
 only narrows the union, so the pieces never match a value the schema accepts.
 
 Pure Python.
@@ -21,6 +22,7 @@ from vllm.v1.structured_output.schema_facts import (
     ANNOTATIONS,
     TYPE_KINDS,
     canonical,
+    fraction_schema,
     kind_of,
     kinds_schema,
     prune,
@@ -61,8 +63,9 @@ def negate(
     object may carry besides those `schema` lists (used to negate `additionalProperties`).
     Pieces no value can match are left out."""
     if "fraction" in within:
-        # No schema says "a number but not an integer"; the caller intersects the pieces
-        # with a schema of the kinds `within`, so covering integers too changes nothing.
+        # Pieces are written with `type` names, and "number" covers both: the caller
+        # intersects them with a schema of the kinds `within`, so covering integers too
+        # changes nothing (and spares `fraction_schema`, which not every backend takes).
         within = within | {"integer"}
     schema = resolve(schema, root)
     if schema is True or schema == {}:
@@ -101,6 +104,12 @@ def negate(
         elif key == "properties" and isinstance(value, dict):
             if "object" in within:
                 got, ok = _negate_properties(value, root, depth)
+        elif key == "items" and "prefixItems" not in schema:
+            if "array" in within:
+                got, ok = _negate_items(value, root, depth)
+        elif key == "prefixItems" and isinstance(value, list):
+            if "array" in within:
+                got, ok = _negate_prefix(value, root, depth)
         elif key == "additionalProperties":
             got, ok = _negate_extra(schema, value, root, within, names, depth)
         elif key == "patternProperties" and schema.get("additionalProperties") is None:
@@ -123,8 +132,10 @@ def _negate_type(value: Any, within: frozenset[str]) -> tuple[list[Any], bool]:
         return [], False
     allowed = {k for t in declared if isinstance(t, str) for k in TYPE_KINDS.get(t, ())}
     rest = set(within) - allowed
-    exact = not ("fraction" in rest and "integer" not in rest)  # "numbers but not integers"
-    return ([kinds_schema(rest)] if type_names(rest) else []), exact
+    pieces = [kinds_schema(rest)] if type_names(rest) else []
+    if "fraction" in rest and "integer" not in rest:
+        pieces.append(fraction_schema())  # "numbers but not integers"
+    return pieces, True
 
 
 def _negate_values(listed: list[Any], within: frozenset[str]) -> tuple[list[Any], bool]:
@@ -195,6 +206,27 @@ def _negate_properties(
         got, ok = negate(sub, root, ALL_KINDS, (), depth + 1)
         exact = exact and ok
         pieces.extend({"type": "object", "required": [name], "properties": {name: p}}
+                      for p in got)
+    return pieces, exact
+
+
+def _negate_items(items: Any, root: dict[str, Any], depth: int) -> tuple[list[Any], bool]:
+    """Arrays holding an item that `items` refuses (`contains`, which the rewrites narrow
+    to a leading item later)."""
+    got, ok = negate(items, root, ALL_KINDS, (), depth + 1)
+    return [{"type": "array", "contains": p} for p in got], ok
+
+
+def _negate_prefix(
+    prefix: list[Any], root: dict[str, Any], depth: int
+) -> tuple[list[Any], bool]:
+    """Arrays whose item at some listed position is refused by that position's schema."""
+    pieces: list[Any] = []
+    exact = True
+    for i, sub in enumerate(prefix):
+        got, ok = negate(sub, root, ALL_KINDS, (), depth + 1)
+        exact = exact and ok
+        pieces.extend({"type": "array", "minItems": i + 1, "prefixItems": [{}] * i + [p]}
                       for p in got)
     return pieces, exact
 

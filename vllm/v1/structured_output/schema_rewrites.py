@@ -1,6 +1,6 @@
 """The keyword rewrites of `normalize_json_schema` other than merging, negating and `oneOf`
 (docs/architecture.md section 5): `not`, conditionals, dependencies, `propertyNames`,
-`minProperties`, `unevaluatedProperties`, `contains`, `uniqueItems`. Each changes one node in
+`minProperties`, `unevaluatedProperties`, `contains`. Each changes one node in
 place and is exact unless its docstring says "stricter" (never admitting an invalid value).
 
 Pure Python.
@@ -24,22 +24,6 @@ from vllm.v1.structured_output.schema_facts import (
 )
 from vllm.v1.structured_output.schema_merge import intersect
 from vllm.v1.structured_output.schema_negate import negate
-
-
-def narrow_unique_items(node: dict[str, Any]) -> None:
-    """Enforces `uniqueItems: true` by allowing at most one item, when the schema allows that.
-
-    No grammar can say "all items differ"; an array of at most one item always satisfies it.
-    An array that must hold two or more items is left as is, for the backends to refuse.
-    """
-    if node.get("uniqueItems") is not True:
-        return
-    low = node.get("minItems", 0)
-    if is_number(low) and low > 1:
-        return
-    del node["uniqueItems"]
-    high = node.get("maxItems")
-    node["maxItems"] = min(high, 1) if is_number(high) else 1
 
 
 def rewrite_property_names(node: dict[str, Any]) -> None:
@@ -159,17 +143,22 @@ def rewrite_unevaluated_properties(node: dict[str, Any], root: dict[str, Any]) -
 
 
 def rewrite_contains(node: dict[str, Any], root: dict[str, Any]) -> None:
-    """`contains` (with `minContains` m, default 1) becomes m leading items that match it.
+    """`contains` (with `minContains` m, default 1) becomes m leading items that match it
+    (after the listed `prefixItems`, if any).
     With `maxContains`, the items after them must not match it, which is written when the
     item schema lists the values of the properties `contains` pins. Stricter than `contains`
     (the matches come first, and exactly m of them with `maxContains`), never wrong."""
     wanted = node.get("contains")
-    if wanted is None or "prefixItems" in node:
+    prefix = node.get("prefixItems", [])
+    if wanted is None or not isinstance(prefix, list):
         return
     low = node.get("minContains", 1)
     high = node.get("maxContains")
     if not isinstance(low, int) or isinstance(low, bool) or not 1 <= low <= 8:
         return
+    if prefix and (high is not None or (is_number(node.get("maxItems"))
+                                        and node["maxItems"] < len(prefix) + low)):
+        return  # with listed leading items, the matches go after them (when they fit)
     if high is not None and (not isinstance(high, int) or high < low):
         return
     items = node.get("items", True)
@@ -189,9 +178,9 @@ def rewrite_contains(node: dict[str, Any], root: dict[str, Any]) -> None:
     for key in ("contains", "minContains", "maxContains"):
         node.pop(key, None)
     match = wanted if items is True else {"allOf": [items, wanted]}
-    node["prefixItems"] = [copy.deepcopy(match) for _ in range(low)]
+    node["prefixItems"] = [*prefix, *(copy.deepcopy(match) for _ in range(low))]
     node["items"] = rest
-    node["minItems"] = max(node.get("minItems", 0), low)
+    node["minItems"] = max(node.get("minItems", 0), len(prefix) + low)
 
 
 def _absent(names: list[str]) -> dict[str, Any]:

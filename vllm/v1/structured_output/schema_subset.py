@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm.exceptions import UnsupportedConstraintError
 from vllm.v1.structured_output.regex_dialect import strip_anchors
+from vllm.v1.structured_output.regex_tree import plain_children
 
 _FIELD = "structured_outputs.json"
 
@@ -161,17 +162,10 @@ def is_narrow(regex: str, max_class: int = 512) -> bool:
                         return False
                 if size > max_class:
                     return False
-            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-                if not ok(arg[2]):
-                    return False
-            elif name == "SUBPATTERN":
-                if not ok(arg[3]):
-                    return False
-            elif name == "BRANCH":
-                if not all(ok(alt) for alt in arg[1]):
-                    return False
             elif name != "LITERAL":
-                return False
+                parts = plain_children(op, arg)
+                if parts is None or not all(ok(part) for part in parts):
+                    return False
         return True
 
     return ok(parsed)
@@ -205,17 +199,10 @@ def _json_safe(pattern: str) -> bool:
                     ):
                         continue
                     return False  # negation, \s, \W, ...
-            elif name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
-                if not ok(arg[2]):
-                    return False
-            elif name == "SUBPATTERN":
-                if not ok(arg[3]):
-                    return False
-            elif name == "BRANCH":
-                if not all(ok(alt) for alt in arg[1]):
-                    return False
             else:
-                return False  # `.`, anchors inside, lookarounds, backreferences
+                parts = plain_children(op, arg)  # None: `.`, anchors, lookarounds, backrefs
+                if parts is None or not all(ok(part) for part in parts):
+                    return False
         return True
 
     return ok(parsed)

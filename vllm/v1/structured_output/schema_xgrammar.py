@@ -1,13 +1,16 @@
-"""xgrammar's gaps in JSON Schema (docs/architecture.md section 5): `check_xgrammar_support`
-refuses, with UnsupportedConstraintError, what xgrammar 0.2.9 accepts but would not enforce
-(so an output could violate the schema) or refuses wrongly; the `auto` backend then tries
-llguidance. Reads schemas already normalized by `normalize_json_schema`.
+"""xgrammar's gaps in JSON Schema (docs/architecture.md section 5): `adapt_for_xgrammar`
+writes what xgrammar 0.2.9 takes only in another form (length bounds beside a pattern or
+format, numbers that are not integers); `check_xgrammar_support` then refuses, with
+UnsupportedConstraintError, what xgrammar accepts but would not enforce (so an output could
+violate the schema) or refuses wrongly; the `auto` backend then tries llguidance. Both read
+schemas already normalized by `normalize_json_schema`.
 
 Pure Python.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -16,9 +19,12 @@ from vllm.v1.structured_output.grammar_checks import find_lookaround
 from vllm.v1.structured_output.schema_facts import (
     ANNOTATIONS,
     FIELD,
+    drop_fraction_branches,
+    is_fraction_schema,
     is_number,
     subschemas,
 )
+from vllm.v1.structured_output.schema_lengths import fold_lengths
 
 
 # xgrammar accepts these keywords but does not enforce them.
@@ -48,6 +54,61 @@ _REPEATED_GROUP = re.compile(r"\)[?*+{]")
 _XGRAMMAR_MAX_BOUND = 2**63 - 1
 
 
+# "A number that is not an integer" (`fraction_schema`) has no xgrammar keyword: the node
+# becomes a string constant holding this mark and a sign, and the string's rule in the EBNF
+# xgrammar writes becomes `_FRACTION_RULE`: at most 7 digits before the point and 8 after it,
+# no exponent, the last digit not 0. Stricter than the schema, never wrong: such a number is
+# not an integer, and with at most 15 digits its double is not one either (DBL_DIG).
+_FRACTION_MARK = "vllm:fraction:"
+_FRACTION_LIMIT = 10**7
+_FRACTION_RULE = '(("0" | [1-9] [0-9]{0,6}) "." [0-9]{0,7} [1-9])'
+_FRACTION_SIGNS = {"both": '"-"? ', "negative": '"-" ', "positive": ""}
+
+
+def adapt_for_xgrammar(schema: dict[str, Any] | bool) -> None:
+    """Rewrites, in place, the parts of a normalized schema xgrammar takes only in another
+    form: length bounds beside a pattern or format (schema_lengths.py) and numbers that are
+    not integers (a marked constant that `write_fraction_rules` turns into a rule)."""
+    if not isinstance(schema, dict):
+        return
+    fold_lengths(schema)
+    if _FRACTION_MARK not in json.dumps(schema):  # a request cannot forge a mark
+        _mark_fractions(schema)
+    drop_fraction_branches(schema)  # those left unmarked, where another branch remains
+
+
+def _mark_fractions(node: Any) -> None:
+    if not isinstance(node, dict):
+        return
+    if is_fraction_schema(node):
+        lows = [node[k] for k in ("minimum", "exclusiveMinimum") if k in node]
+        highs = [node[k] for k in ("maximum", "exclusiveMaximum") if k in node]
+        if not all(is_number(v) for v in lows + highs):
+            return
+        # Positive fractions lie in (0, limit), negative ones in (-limit, 0).
+        positive = all(v <= 0 for v in lows) and all(v >= _FRACTION_LIMIT for v in highs)
+        negative = all(v <= -_FRACTION_LIMIT for v in lows) and all(v >= 0 for v in highs)
+        if positive or negative:
+            sign = "both" if positive and negative else "positive" if positive else "negative"
+            node.clear()
+            node["const"] = _FRACTION_MARK + sign
+        return  # else its `not` stays, for the check to refuse
+    for sub, _ in subschemas(node, "#"):
+        _mark_fractions(sub)
+
+
+def write_fraction_rules(ebnf: str) -> tuple[str, bool]:
+    """`ebnf` (xgrammar's conversion of a schema `adapt_for_xgrammar` marked) with each
+    marked constant replaced by the number rule; whether there was one."""
+    changed = False
+    for sign, prefix in _FRACTION_SIGNS.items():
+        literal = '"\\"' + _FRACTION_MARK + sign + '\\""'
+        if literal in ebnf:
+            ebnf = ebnf.replace(literal, "(" + prefix + _FRACTION_RULE + ")")
+            changed = True
+    return ebnf, changed
+
+
 def check_xgrammar_support(schema: dict[str, Any] | bool) -> None:
     """Raises UnsupportedConstraintError at the first keyword xgrammar would not enforce.
 
@@ -64,6 +125,12 @@ def _check_xgrammar_node(node: Any, path: str) -> None:
     def bad(why: str) -> UnsupportedConstraintError:
         return UnsupportedConstraintError(FIELD, f"at {path}: {why} (unsupported by xgrammar)")
 
+    if is_fraction_schema(node):
+        raise bad(
+            "a number that is not an integer (a 'oneOf' of 'integer' and 'number', or 'not' "
+            "of 'integer') is supported only without bounds, or with bounds that admit every "
+            f"positive or every negative one of magnitude below {_FRACTION_LIMIT}"
+        )
     for key in _XGRAMMAR_UNENFORCED:
         if key in node:
             raise bad(f"the {key!r} keyword is not supported")
