@@ -10,6 +10,10 @@ Each cell (batch x 0 / 100 % JSON x sync / async) runs once on the uni executor;
 timed by wrapping the engine's methods (wall time inside the calls; under async they may
 overlap, and `update` includes waiting for the step's result). A second table runs the real model at
 each batch under async and prints the fraction of the wall time the forward pass was busy.
+JSON requests follow bench_offline.py's `structured_schema`, whose minimum string length keeps
+even the tilted demo models writing all output_len tokens, so a JSON cell's batch stays full
+to the end like a plain one's; a cell whose requests stop early is flagged (its steps ran a
+smaller batch) and the script exits with status 1.
 `--profile` adds, after each null-forward cell, the functions with the most own time
 (cProfile, in the engine's thread and in the worker's calls, which may run on another thread).
 """
@@ -30,11 +34,9 @@ from typing import Any, Callable
 
 import torch
 
+from bench_offline import shortfall, structured_schema  # the sibling script
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils import detokenizer
-
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-          "required": ["name", "n"]}
 PHASES = ("schedule", "prepare", "lm_head", "sample", "bitmask", "update", "output", "detok")
 
 
@@ -141,7 +143,8 @@ def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, outpu
     """Per-step milliseconds of every phase, and the forward's share of the wall time."""
     timers.seconds.clear()
     counts["steps"] = 0
-    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if structured else None
+    so = (StructuredOutputsParams(json=structured_schema(output_len), disable_any_whitespace=True)
+          if structured else None)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=not structured,
                             structured_outputs=so)
     prompts = [[100 + i, 200, 300, 400] for i in range(batch)]
@@ -161,7 +164,7 @@ def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, outpu
             profiles.on = True
             profiles.main.enable()
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
     finally:
         if profiles is not None:
@@ -180,6 +183,7 @@ def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, outpu
     row["wall_per_step"] = 1000 * wall / steps
     row["forward_busy"] = s["forward"] / wall if wall else 0.0
     row["steps"] = steps
+    row["tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
     return row
 
 
@@ -187,7 +191,7 @@ def _engine(model: str, async_scheduling: bool, max_num_seqs: int, output_len: i
     """An engine warmed up on plain and JSON requests (the grammar compiled before timing)."""
     llm = LLM(model, async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
               max_model_len=256)
-    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    so = StructuredOutputsParams(json=structured_schema(output_len), disable_any_whitespace=True)
     llm.generate(["warm up"] * 2, [SamplingParams(max_tokens=output_len),
                                    SamplingParams(max_tokens=output_len, structured_outputs=so)],
                  use_tqdm=False)
@@ -205,6 +209,7 @@ def main() -> int:
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results: dict[str, Any] = {"null": {}, "real": {}}
+    short: list[str] = []
     print(f"Host milliseconds per step (null forward; LM head apart), output {args.output_len}")
     print("| mode | JSON | batch | " + " | ".join(PHASES) + " | host total | wall/step |")
     print("|---" * (len(PHASES) + 5) + "|")
@@ -217,7 +222,12 @@ def main() -> int:
             for batch in batches:
                 row = run_cell(llm, timers, counts, batch, args.output_len, structured, True,
                                profiles)
-                results["null"][f"{mode}/{int(structured) * 100}/{batch}"] = row
+                key = f"{mode}/{int(structured) * 100}/{batch}"
+                results["null"][key] = row
+                warning = shortfall(row["tokens"], batch, args.output_len)
+                if warning is not None:
+                    short.append(f"{key}: {warning}")
+                    print(f"!! {key}: {warning}")
                 cells = " | ".join(f"{row[p]:.2f}" for p in PHASES)
                 print(f"| {mode} | {int(structured) * 100}% | {batch} | {cells} | "
                       f"{row['host_total']:.2f} | {row['wall_per_step']:.2f} |")
@@ -237,7 +247,9 @@ def main() -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    for line in short:
+        print(f"!! {line}")
+    return 1 if short else 0
 
 
 if __name__ == "__main__":
