@@ -30,13 +30,14 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from bench_offline import shortfall, structured_schema  # the sibling script
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils import detokenizer
+
+if TYPE_CHECKING:
+    import torch
 PHASES = ("schedule", "prepare", "lm_head", "sample", "bitmask", "update", "output", "detok")
 
 
@@ -62,6 +63,11 @@ class Timers:
 
 
 def _null_forward(hidden_size: int, dtype: torch.dtype):
+    # Imported here, once the engine is built: torch loaded before it would start OpenMP
+    # without the engine's thread policy, and its idle threads would spin on the cores the
+    # engine's Python threads need (vllm/thread_policy.py), inflating every async phase.
+    import torch
+
     def forward(input_ids, positions, kv_caches, metadata, intermediate=None):
         return torch.zeros(input_ids.shape[0], hidden_size, dtype=dtype, device=input_ids.device)
     return forward
@@ -206,6 +212,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", action="store_true",
                         help="print a cProfile summary after each null-forward cell")
+    parser.add_argument("--modes", default="sync,async",
+                        help="comma-separated scheduling modes of the null-forward table")
+    parser.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the real model's forward-busy table")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results: dict[str, Any] = {"null": {}, "real": {}}
@@ -213,8 +223,11 @@ def main() -> int:
     print(f"Host milliseconds per step (null forward; LM head apart), output {args.output_len}")
     print("| mode | JSON | batch | " + " | ".join(PHASES) + " | host total | wall/step |")
     print("|---" * (len(PHASES) + 5) + "|")
-    for async_scheduling in (False, True):
-        mode = "async" if async_scheduling else "sync"
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if any(m not in ("sync", "async") for m in modes):
+        parser.error("--modes: each mode must be sync or async")
+    for mode in modes:
+        async_scheduling = mode == "async"
         llm = _engine(args.model, async_scheduling, max(batches), args.output_len)
         timers, counts = instrument(llm, null_model=True)
         profiles = Profiles(llm) if args.profile else None
@@ -234,6 +247,8 @@ def main() -> int:
                 if profiles is not None:
                     print(profiles.summary())
         llm.shutdown()
+    if not args.real:
+        return _finish(args.json, results, short)
     print("\nReal model, async: the forward pass's share of the wall time")
     print("| batch | forward busy | wall ms/step |")
     print("|---|---|---|")
@@ -244,9 +259,15 @@ def main() -> int:
         results["real"][str(batch)] = row
         print(f"| {batch} | {row['forward_busy']:.0%} | {row['wall_per_step']:.2f} |")
     llm.shutdown()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return _finish(args.json, results, short)
+
+
+def _finish(path: Path | None, results: dict[str, Any], short: list[str]) -> int:
+    """Writes the results to `path` if given, repeats the short cells' warnings; the exit
+    status (1 when a cell generated fewer tokens than asked)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
     for line in short:
         print(f"!! {line}")
     return 1 if short else 0
