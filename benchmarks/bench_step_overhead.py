@@ -5,7 +5,8 @@
 
 The model's forward is replaced by one that returns zeros (the LM head still runs, on the
 real vocabulary, and is reported apart), so what remains per step is the engine: scheduling,
-input preparation, the sampler, the grammar bitmask, output processing and detokenization.
+input preparation, the sampler, the grammar bitmask, output processing, detokenization and
+the per-request metrics.
 Each cell (batch x 0 / 100 % JSON x sync / async) runs once on the uni executor; phases are
 timed by wrapping the engine's methods (wall time inside the calls; under async they may
 overlap, and `update` includes waiting for the step's result). A second table runs the real model at
@@ -38,7 +39,8 @@ from vllm.transformers_utils import detokenizer
 
 if TYPE_CHECKING:
     import torch
-PHASES = ("schedule", "prepare", "lm_head", "sample", "bitmask", "update", "output", "detok")
+PHASES = ("schedule", "prepare", "lm_head", "sample", "bitmask", "update", "output", "detok",
+          "metrics")
 
 
 class Timers:
@@ -89,6 +91,7 @@ def instrument(llm: LLM, null_model: bool) -> tuple[Timers, dict[str, int]]:
     timers.wrap(model, "forward", "forward")
     timers.wrap(runner.sampler, "forward", "sample")
     timers.wrap(engine.output_processor, "process_outputs", "output")
+    timers.wrap(engine, "_record_outputs", "metrics")  # request stats and token metrics
     execute = runner.execute_model
 
     def counted(scheduler_output):
