@@ -19,12 +19,13 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from vllm import LLM, SamplingParams
+from bench_decode import measure  # the same timing as the decode benchmark
+
+from vllm import LLM
 from vllm.model_executor.model_loader.demo_small_vocab import resolve
 from vllm.model_executor.model_loader.weight_utils import weight_bytes
 
@@ -59,18 +60,6 @@ def write_w4a16(src: Path, dst: Path, group_size: int) -> None:
     compressor.compress_model(hf)
     hf.save_pretrained(dst)
     compressor.update_config(str(dst))
-
-
-def measure(llm: LLM, batch: int, output_len: int) -> float:
-    """Generated tokens per second for ``batch`` requests of ``output_len`` tokens."""
-    prompts = [[100 + i, 200, 300, 400, 500, 600, 700, 800] for i in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # warm up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
 def main() -> int:

@@ -616,16 +616,6 @@ class VllmConfig:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
         if self.lora_config is not None:
             self._verify_lora()
-        if self.speculative_config is not None and self.parallel_config.pipeline_parallel_size > 1:
-            # Fast-forward implies speculative decoding: name the option the user gave.
-            implied = (self.speculative_config.method == "grammar"
-                       and self.structured_outputs_config.fast_forward != "off")
-            flag = ("--structured-outputs-config.fast_forward" if implied
-                    else "--speculative-config")
-            raise ValueError(
-                f"{flag}: not supported with --pipeline-parallel-size above 1 "
-                "(the first stage learns tokens from the scheduler one step late)"
-            )
         # The layout is checked in full before any process starts.
         self.parallel_config.verify_with_model_config(self.model_config)
         self.parallel_config.verify_devices(self.model_config.device)

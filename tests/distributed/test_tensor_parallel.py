@@ -8,7 +8,7 @@ of `-tp 2` must equal `-tp 1`'s up to the first step where `-tp 1`'s top two log
 within NEAR_TIE of each other (and there only a token of that tie may be taken instead);
 the logprobs must be within 1e-4 at every step compared. `-tp 2 -pp 2` (four ranks on
 however many cores) must give the same greedy tokens by the same rule and serve structured
-requests, and a killed rank must end in an error, not a hang.
+requests (with grammar fast-forward), and a killed rank must end in an error, not a hang.
 """
 
 from __future__ import annotations
@@ -93,8 +93,11 @@ def test_four_ranks_agree_with_one_and_serve_structured_requests(one_rank: list)
     )
     plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     structured = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=constraint)
+    # Grammar fast-forward too: constrained requests draft their forced tokens across the
+    # ranks; unconstrained ones never draft, so their tokens stay comparable.
     llm = LLM("demo-tiny", max_model_len=128, tensor_parallel_size=2,
-              pipeline_parallel_size=2, async_scheduling=True)
+              pipeline_parallel_size=2, async_scheduling=True,
+              structured_outputs_config={"fast_forward": "canonical"})
     try:
         assert len(llm.llm_engine.engine_core.model_executor.worker_pids) == 4
         params = [plain, structured] * (len(DEMO_PROMPTS) // 2)
@@ -107,6 +110,8 @@ def test_four_ranks_agree_with_one_and_serve_structured_requests(one_rank: list)
                 check_structured_output(p.structured_outputs, o.outputs[0], llm.get_tokenizer())
             else:
                 assert len(o.outputs[0].token_ids) == 16
+        stats = llm.llm_engine.engine_core.scheduler.drafter.stats
+        assert stats.num_forced_kept_tokens > 0
     finally:
         llm.shutdown()
 

@@ -304,12 +304,13 @@ def test_fast_forward_modes_from_the_command_line(value: str, mode: str, drafts:
         serve_args("--structured-outputs-config.fast_forward", "fastest").create_engine_config()
 
 
-def test_fast_forward_with_pipeline_stages_names_the_option() -> None:
-    # It drafts like speculative decoding, which pipeline stages do not support yet.
-    with pytest.raises(ValueError, match=r"^--structured-outputs-config.fast_forward: not "
-                                         r"supported with --pipeline-parallel-size"):
-        serve_args("--structured-outputs-config.fast_forward", "canonical",
-                   "--pipeline-parallel-size", "2").create_engine_config()
+@pytest.mark.usefixtures("many_gpus")
+@pytest.mark.parametrize("flags", [("--structured-outputs-config.fast_forward", "canonical"),
+                                   ("--speculative-config", '{"method": "ngram"}')])
+def test_drafts_with_pipeline_stages(flags: tuple[str, str]) -> None:
+    config = serve_args(*flags, "--pipeline-parallel-size", "2").create_engine_config()
+    assert config.parallel_config.pipeline_parallel_size == 2
+    assert config.speculative_config is not None
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -325,14 +326,6 @@ def test_fast_forward_with_pipeline_stages_names_the_option() -> None:
 def test_bad_speculative_configs_name_the_option(spec: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=MODEL, speculative_config=spec).create_engine_config()
-
-
-@pytest.mark.usefixtures("many_gpus")
-def test_speculative_decoding_refuses_pipeline_stages() -> None:
-    with pytest.raises(ValueError, match="--speculative-config: not supported with "
-                                         "--pipeline-parallel-size"):
-        EngineArgs(model=MODEL, pipeline_parallel_size=2,
-                   speculative_config={"method": "ngram"}).create_engine_config()
 
 
 def _async_mode(engine_args: EngineArgs) -> bool:

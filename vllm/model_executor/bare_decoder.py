@@ -3,7 +3,9 @@ and the draft model of speculative decoding (docs/architecture.md §11).
 
 No scheduler, no paging, no sampler, no detokenizer: the embedding, each decoder layer with a
 contiguous KV cache and `scaled_dot_product_attention`, the final norm, the LM head and an
-argmax, for a whole batch at once. Each prompt is prefilled on its own, then every step
+argmax, for a whole batch at once. To be an honest ceiling it uses the fastest primitives the
+engine has: decode steps read the cache through views (no copy), the CPU LM head writes into
+one reused buffer, and the CPU argmax is the engine's one-pass kernel. Each prompt is prefilled on its own, then every step
 decodes one token of every sequence. Whatever the engine spends beyond this loop is its own
 overhead (docs/architecture.md §9). Qwen3, Qwen2 and Llama checkpoints without RoPE scaling.
 """
@@ -16,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+from vllm import _custom_ops as ops
 
 
 class BareDecoder:
@@ -79,12 +83,18 @@ class BareDecoder:
                             device=self.device) for _ in range(2 * self.num_layers)]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: list[torch.Tensor],
-                rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Runs tokens [B, T] at positions [B, T] for cache rows `rows`; returns the last
-        position's logits [B, vocab]. With `mask` None the T tokens attend causally to each
-        other only (a prefill from position 0); else mask [B, 1, T, L] selects cache slots.
-        Side effect: the tokens' keys and values are written to the cache at their positions."""
+                rows: torch.Tensor | None, mask: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs tokens [B, T] at positions [B, T] for cache rows `rows` (None: rows 0..B-1,
+        read through views instead of a gathered copy); returns the last position's logits
+        [B, vocab], written into `out` (float32 [B, vocab]) when given. With `mask` None the T
+        tokens attend causally to each other only (a prefill from position 0); else mask
+        [B, 1, T, L] selects cache slots. Side effect: the tokens' keys and values are written
+        to the cache at their positions."""
         b, t = tokens.shape
+        first_rows = rows is None
+        if first_rows:
+            rows = torch.arange(b, device=self.device)
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
@@ -102,19 +112,33 @@ class BareDecoder:
             k_cache[where] = k
             v_cache[where] = v
             if mask is None:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             else:
                 length = mask.shape[-1]
-                out = F.scaled_dot_product_attention(
-                    q, k_cache[rows, :, :length], v_cache[rows, :, :length], attn_mask=mask,
-                    enable_gqa=True)
-            x = x + self._linear(out.transpose(1, 2).reshape(b, t, -1), p + "self_attn.o_proj")
+                if first_rows:
+                    keys, values = k_cache[:b, :, :length], v_cache[:b, :, :length]
+                else:
+                    keys, values = k_cache[rows, :, :length], v_cache[rows, :, :length]
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                      enable_gqa=True)
+            x = x + self._linear(attn.transpose(1, 2).reshape(b, t, -1), p + "self_attn.o_proj")
             h = self._norm(x, self.w[p + "post_attention_layernorm.weight"])
             gate = self._linear(h, p + "mlp.gate_proj")
             x = x + self._linear(F.silu(gate) * self._linear(h, p + "mlp.up_proj"),
                                  p + "mlp.down_proj")
         last = self._norm(x[:, -1], self.w["model.norm.weight"])
-        return F.linear(last, self.head).float()
+        if out is not None and last.dtype == torch.float32:
+            return torch.matmul(last, self.head.t(), out=out)
+        logits = F.linear(last, self.head).float()
+        return logits if out is None else out.copy_(logits)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The greedy token of every row of float32 logits [B, vocab]."""
+        if logits.device.type != "cpu":
+            return logits.argmax(-1)
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+        ops.masked_argmax(logits.numpy(), None, None, tokens.numpy())
+        return tokens
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -128,16 +152,16 @@ class BareDecoder:
             ids = torch.tensor([prompt], device=self.device)
             positions = torch.arange(len(prompt), device=self.device)[None]
             rows = torch.tensor([r], device=self.device)
-            next_tokens.append(self.forward(ids, positions, cache, rows, None).argmax(-1))
+            next_tokens.append(self._argmax(self.forward(ids, positions, cache, rows, None)))
         tokens = torch.cat(next_tokens)
-        out = [tokens]
-        all_rows = torch.arange(n, device=self.device)
+        steps = [tokens]
         slots = torch.arange(capacity, device=self.device)
+        logits = torch.empty(n, self.head.shape[0], dtype=torch.float32, device=self.device)
         for step in range(max_new_tokens - 1):
             positions = lengths + step  # where this step's input token goes
             length = int(positions.max()) + 1
             mask = (slots[None, :length] <= positions[:, None])[:, None, None, :]
-            tokens = self.forward(tokens[:, None], positions[:, None], cache, all_rows,
-                                   mask).argmax(-1)
-            out.append(tokens)
-        return torch.stack(out, dim=1).tolist()
+            self.forward(tokens[:, None], positions[:, None], cache, None, mask, out=logits)
+            tokens = self._argmax(logits)
+            steps.append(tokens)
+        return torch.stack(steps, dim=1).tolist()

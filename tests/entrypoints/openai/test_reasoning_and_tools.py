@@ -3,7 +3,8 @@
 demo-think: a scripted model that thinks `OK, the user wants an answer.`, writes a blank line
 and `<tool_call>`, then tokens at random. A JSON schema or a tool call constrains only the
 answer after `</think>`; every answer that stops and every tool call's arguments are checked
-with jsonschema, and async replies must equal sync ones."""
+with jsonschema, and async replies must equal sync ones. A third server drafts the grammar's
+forced tokens (fast-forward, canonical mode): tool arguments stay valid, thoughts untouched."""
 
 from __future__ import annotations
 
@@ -306,3 +307,41 @@ def test_bad_tool_requests_are_400s_naming_the_field(servers, kwargs, param) -> 
     with pytest.raises(openai.BadRequestError) as e:
         chat(servers["sync"], **kwargs)
     assert e.value.body["param"] == param, e.value.body
+
+
+# ------------------------------------------------------- tools with grammar fast-forward
+
+
+@pytest.fixture(scope="module")
+def canonical_server(start_server):
+    """Async, with forced tokens drafted in canonical mode (the mode that changes the most)."""
+    return start_server("demo-think", "--max-model-len", "1024", "--reasoning-parser", "qwen3",
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        "--async-scheduling",
+                        "--structured-outputs-config.fast_forward", "canonical")
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
+def test_fast_forward_keeps_strict_tool_arguments_valid(canonical_server, choice, sampling):
+    before = canonical_server.metrics().get("vllm:fast_forward_forced_tokens_total", 0.0)
+    reply = chat(canonical_server, tools=tools(strict=True), tool_choice=CHOICES[choice],
+                 parallel_tool_calls=False, **sampling)
+    c = reply.choices[0]
+    # Nothing is forced while thinking: the thought is the model's own, token for token.
+    assert c.message.reasoning_content == THOUGHT
+    pairs = call_pairs(c.message)
+    assert pairs and c.finish_reason == "tool_calls"
+    if choice == "named":
+        assert [name for name, _ in pairs] == ["get_weather"]
+    # The arguments' keys and punctuation are forced text: fast-forward did the writing.
+    after = canonical_server.wait_idle()["vllm:fast_forward_forced_tokens_total"]
+    assert after > before
+
+
+def test_fast_forward_constrains_only_the_answer(canonical_server) -> None:
+    reply = chat(canonical_server, response_format=JSON_FORMAT, temperature=1.0, seed=3)
+    choice = reply.choices[0]
+    assert choice.message.reasoning_content == THOUGHT
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)

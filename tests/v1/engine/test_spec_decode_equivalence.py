@@ -7,7 +7,8 @@ position). The workload mixes greedy and seeded requests, requests that never dr
 proposer runs sync and async on the uni executor, async on mp (the sync mp transport is the
 async one's), with forced preemption, and async with chunked prefill (the scheduler tests
 cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
-async on uni with chunked prefill, and async on mp with forced preemption. Every structured output must pass the grammar
+async on uni with chunked prefill, and async on mp with forced preemption; with two pipeline
+stages, n-gram drafts with forced preemption and grammar fast-forward. Every structured output must pass the grammar
 oracle, and drafts must have been kept; under async scheduling some, of constrained requests
 too, must have been drafted while the request's previous step was still in flight.
 """
@@ -70,12 +71,14 @@ def _params(ratio: float) -> list[SamplingParams]:
 
 
 def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str):
+    """executor: "uni", "mp", or "pp2" (mp with two pipeline stages)."""
     llm = LLM(
         "demo-tiny",
         max_model_len=160,
         max_num_seqs=16,
         async_scheduling=async_scheduling,
-        distributed_executor_backend=executor,
+        distributed_executor_backend="mp" if executor == "pp2" else executor,
+        pipeline_parallel_size=2 if executor == "pp2" else 1,
         speculative_config=SPECS[spec] if spec else None,
         **CONDITIONS[condition],
     )
@@ -132,6 +135,7 @@ def reference():
         ("draft", False, "uni", "plain"),
         ("draft", True, "uni", "chunked"),
         ("draft", True, "mp", "preemption"),
+        ("ngram", True, "pp2", "preemption"),
     ],
 )
 def test_drafts_change_no_output(reference, spec, async_scheduling, executor, condition) -> None:
@@ -139,12 +143,14 @@ def test_drafts_change_no_output(reference, spec, async_scheduling, executor, co
         spec, async_scheduling, executor, condition)
     assert_same(got, reference, RATIOS)
     # Async: drafting requests, constrained ones too, do not wait for their previous step's
-    # tokens.
-    assert bool(stale) == async_scheduling
-    assert bool(stale_constrained) == async_scheduling
+    # tokens. Pipeline stages run a request in one batch at a time, so they never draft
+    # ahead of a step in flight.
+    overlapped = async_scheduling and executor != "pp2"
+    assert bool(stale) == overlapped
+    assert bool(stale_constrained) == overlapped
     # Some of those stale constrained drafts turned out wrong for the grammar (the outputs
-    # above stay exact); synchronous drafts never are.
-    assert bool(refuted) == async_scheduling
+    # above stay exact); drafts made with every token known never are.
+    assert bool(refuted) == overlapped
     assert scheduler.drafter.stats.num_accepted_tokens > 0
     assert scheduler.drafter.stats.num_draft_tokens > scheduler.drafter.stats.num_accepted_tokens  # random rows reject
     if condition == "preemption":
@@ -154,7 +160,8 @@ def test_drafts_change_no_output(reference, spec, async_scheduling, executor, co
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "async_scheduling, executor, condition",
-    [(False, "uni", "plain"), (True, "uni", "plain"), (True, "mp", "preemption")],
+    [(False, "uni", "plain"), (True, "uni", "plain"), (True, "mp", "preemption"),
+     (True, "pp2", "plain")],
 )
 def test_fast_forward_changes_no_output(reference, async_scheduling, executor, condition) -> None:
     """Grammar fast-forward drafts only forced tokens, for constrained requests only, and the

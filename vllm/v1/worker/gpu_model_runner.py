@@ -271,6 +271,10 @@ class GPUModelRunner:
                 if new_tokens:
                     state.output_token_ids.extend(new_tokens)
                     batch.append_tokens(row, new_tokens)
+                    # Pipeline stages: no step of this request is in flight (it runs in one
+                    # batch at a time), so these are all its outputs, the drafts its last
+                    # verification kept included; its seeds' positions count them.
+                    state.num_output_tokens = len(state.output_token_ids)
 
     def _remove_row(self, req_id: str) -> None:
         moved = self.input_batch.remove(req_id)
