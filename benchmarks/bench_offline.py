@@ -17,8 +17,11 @@ every round, and every cell is also printed as a fraction of it (engine / bare;
 `--no-ceiling` skips it).
 
 Plain requests are greedy with ignore_eos; structured ones follow a JSON schema whose string
-field lets a random model write all output_len tokens, so every configuration generates the
-same number of tokens. Also reports the median grammar-bitmask fill time per request per step
+field must hold at least CHARS_PER_TOKEN x output_len characters (`structured_schema`), so
+even the demo models, whose weights are tilted toward closing JSON, write all output_len tokens
+and every configuration generates the same number of tokens. A cell that generates fewer is
+flagged where it prints and in the summary, and the script exits with status 1: its tok/s
+would not be comparable. Also reports the median grammar-bitmask fill time per request per step
 (measured in the engine process, where the scheduler fills it). Prints tokens/s and the ratios
 that matter: async/sync, and 100 % / 0 % structured.
 """
@@ -33,11 +36,34 @@ from pathlib import Path
 
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"title": {"type": "string"}, "score": {"type": "integer"}},
-    "required": ["title", "score"],
-}
+# Characters the structured requests' string must hold per output token. The tilted demo
+# models write 1-3 character closing tokens inside a string (their quote is masked until the
+# minimum is reached); 8 leaves room for longer tokens of other models, and the shortfall
+# check below catches a model that still closes early.
+CHARS_PER_TOKEN = 8
+
+
+def structured_schema(output_len: int) -> dict:
+    """A JSON schema no response can satisfy in fewer than output_len tokens of up to
+    CHARS_PER_TOKEN characters each: one string with that minimum length, then an integer."""
+    return {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "minLength": CHARS_PER_TOKEN * output_len},
+            "score": {"type": "integer"},
+        },
+        "required": ["title", "score"],
+    }
+
+
+def shortfall(tokens: int, num_prompts: int, output_len: int) -> str | None:
+    """A warning when a cell generated fewer than num_prompts x output_len tokens (its tok/s
+    then measures a smaller workload than the other cells), else None."""
+    expected = num_prompts * output_len
+    if tokens >= expected:
+        return None
+    return (f"generated {tokens} of {expected} tokens: its requests stopped early, so its "
+            "tok/s is not comparable with the other cells")
 
 
 def make_prompts(n: int) -> list[str]:
@@ -53,7 +79,8 @@ def run(model: str, async_scheduling: bool, backend: str, prompts: list[str], ou
               structured_outputs_config={"backend": grammar_backend})
     try:
         constraint = (
-            StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if structured else None
+            StructuredOutputsParams(json=structured_schema(output_len), disable_any_whitespace=True)
+            if structured else None
         )
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
                                 structured_outputs=constraint)
@@ -148,6 +175,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {key: [] for key in keys}
     if args.ceiling:
         runs["bare"] = []
+    short: dict[str, str] = {}
     for round_ in range(1, args.repeats + 1):
         for key, (config, grammar_backend) in zip(keys, cells):
             mode, backend = config.split("/")
@@ -157,6 +185,10 @@ def main() -> None:
             print(f"[round {round_}] {key:28s} {r['tok_per_s']:8.1f} tok/s  ({r['tokens']} "
                   f"tokens in {r['seconds']:.1f} s; fill {r['fill_us_per_request_median']:.1f} "
                   "us/req)", flush=True)
+            warning = shortfall(int(r["tokens"]), len(prompts), args.output_len)
+            if warning is not None:
+                short[key] = warning
+                print(f"[round {round_}] !! {key}: {warning}", flush=True)
         if args.ceiling:
             bare = ceiling(args.model, prompts, args.output_len)
             runs["bare"].append(bare)
@@ -192,6 +224,10 @@ def main() -> None:
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
+    if short:
+        for key, warning in short.items():
+            print(f"!! {key}: {warning}")
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

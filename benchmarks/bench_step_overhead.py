@@ -5,11 +5,16 @@
 
 The model's forward is replaced by one that returns zeros (the LM head still runs, on the
 real vocabulary, and is reported apart), so what remains per step is the engine: scheduling,
-input preparation, the sampler, the grammar bitmask, output processing and detokenization.
+input preparation, the sampler, the grammar bitmask, output processing, detokenization and
+the per-request metrics.
 Each cell (batch x 0 / 100 % JSON x sync / async) runs once on the uni executor; phases are
 timed by wrapping the engine's methods (wall time inside the calls; under async they may
 overlap, and `update` includes waiting for the step's result). A second table runs the real model at
 each batch under async and prints the fraction of the wall time the forward pass was busy.
+JSON requests follow bench_offline.py's `structured_schema`, whose minimum string length keeps
+even the tilted demo models writing all output_len tokens, so a JSON cell's batch stays full
+to the end like a plain one's; a cell whose requests stop early is flagged (its steps ran a
+smaller batch) and the script exits with status 1.
 `--profile` adds, after each null-forward cell, the functions with the most own time
 (cProfile, in the engine's thread and in the worker's calls, which may run on another thread).
 """
@@ -26,16 +31,16 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-
+from bench_offline import shortfall, structured_schema  # the sibling script
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 from vllm.transformers_utils import detokenizer
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-          "required": ["name", "n"]}
-PHASES = ("schedule", "prepare", "lm_head", "sample", "bitmask", "update", "output", "detok")
+if TYPE_CHECKING:
+    import torch
+PHASES = ("schedule", "prepare", "lm_head", "sample", "bitmask", "update", "output", "detok",
+          "metrics")
 
 
 class Timers:
@@ -60,6 +65,11 @@ class Timers:
 
 
 def _null_forward(hidden_size: int, dtype: torch.dtype):
+    # Imported here, once the engine is built: torch loaded before it would start OpenMP
+    # without the engine's thread policy, and its idle threads would spin on the cores the
+    # engine's Python threads need (vllm/thread_policy.py), inflating every async phase.
+    import torch
+
     def forward(input_ids, positions, kv_caches, metadata, intermediate=None):
         return torch.zeros(input_ids.shape[0], hidden_size, dtype=dtype, device=input_ids.device)
     return forward
@@ -81,6 +91,7 @@ def instrument(llm: LLM, null_model: bool) -> tuple[Timers, dict[str, int]]:
     timers.wrap(model, "forward", "forward")
     timers.wrap(runner.sampler, "forward", "sample")
     timers.wrap(engine.output_processor, "process_outputs", "output")
+    timers.wrap(engine, "_record_outputs", "metrics")  # request stats and token metrics
     execute = runner.execute_model
 
     def counted(scheduler_output):
@@ -141,7 +152,8 @@ def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, outpu
     """Per-step milliseconds of every phase, and the forward's share of the wall time."""
     timers.seconds.clear()
     counts["steps"] = 0
-    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if structured else None
+    so = (StructuredOutputsParams(json=structured_schema(output_len), disable_any_whitespace=True)
+          if structured else None)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=not structured,
                             structured_outputs=so)
     prompts = [[100 + i, 200, 300, 400] for i in range(batch)]
@@ -161,7 +173,7 @@ def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, outpu
             profiles.on = True
             profiles.main.enable()
         start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
     finally:
         if profiles is not None:
@@ -180,6 +192,7 @@ def run_cell(llm: LLM, timers: Timers, counts: dict[str, int], batch: int, outpu
     row["wall_per_step"] = 1000 * wall / steps
     row["forward_busy"] = s["forward"] / wall if wall else 0.0
     row["steps"] = steps
+    row["tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
     return row
 
 
@@ -187,7 +200,7 @@ def _engine(model: str, async_scheduling: bool, max_num_seqs: int, output_len: i
     """An engine warmed up on plain and JSON requests (the grammar compiled before timing)."""
     llm = LLM(model, async_scheduling=async_scheduling, max_num_seqs=max_num_seqs,
               max_model_len=256)
-    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    so = StructuredOutputsParams(json=structured_schema(output_len), disable_any_whitespace=True)
     llm.generate(["warm up"] * 2, [SamplingParams(max_tokens=output_len),
                                    SamplingParams(max_tokens=output_len, structured_outputs=so)],
                  use_tqdm=False)
@@ -202,14 +215,22 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile", action="store_true",
                         help="print a cProfile summary after each null-forward cell")
+    parser.add_argument("--modes", default="sync,async",
+                        help="comma-separated scheduling modes of the null-forward table")
+    parser.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the real model's forward-busy table")
     args = parser.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results: dict[str, Any] = {"null": {}, "real": {}}
+    short: list[str] = []
     print(f"Host milliseconds per step (null forward; LM head apart), output {args.output_len}")
     print("| mode | JSON | batch | " + " | ".join(PHASES) + " | host total | wall/step |")
     print("|---" * (len(PHASES) + 5) + "|")
-    for async_scheduling in (False, True):
-        mode = "async" if async_scheduling else "sync"
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if any(m not in ("sync", "async") for m in modes):
+        parser.error("--modes: each mode must be sync or async")
+    for mode in modes:
+        async_scheduling = mode == "async"
         llm = _engine(args.model, async_scheduling, max(batches), args.output_len)
         timers, counts = instrument(llm, null_model=True)
         profiles = Profiles(llm) if args.profile else None
@@ -217,13 +238,20 @@ def main() -> int:
             for batch in batches:
                 row = run_cell(llm, timers, counts, batch, args.output_len, structured, True,
                                profiles)
-                results["null"][f"{mode}/{int(structured) * 100}/{batch}"] = row
+                key = f"{mode}/{int(structured) * 100}/{batch}"
+                results["null"][key] = row
+                warning = shortfall(row["tokens"], batch, args.output_len)
+                if warning is not None:
+                    short.append(f"{key}: {warning}")
+                    print(f"!! {key}: {warning}")
                 cells = " | ".join(f"{row[p]:.2f}" for p in PHASES)
                 print(f"| {mode} | {int(structured) * 100}% | {batch} | {cells} | "
                       f"{row['host_total']:.2f} | {row['wall_per_step']:.2f} |")
                 if profiles is not None:
                     print(profiles.summary())
         llm.shutdown()
+    if not args.real:
+        return _finish(args.json, results, short)
     print("\nReal model, async: the forward pass's share of the wall time")
     print("| batch | forward busy | wall ms/step |")
     print("|---|---|---|")
@@ -234,10 +262,18 @@ def main() -> int:
         results["real"][str(batch)] = row
         print(f"| {batch} | {row['forward_busy']:.0%} | {row['wall_per_step']:.2f} |")
     llm.shutdown()
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    return _finish(args.json, results, short)
+
+
+def _finish(path: Path | None, results: dict[str, Any], short: list[str]) -> int:
+    """Writes the results to `path` if given, repeats the short cells' warnings; the exit
+    status (1 when a cell generated fewer tokens than asked)."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+    for line in short:
+        print(f"!! {line}")
+    return 1 if short else 0
 
 
 if __name__ == "__main__":

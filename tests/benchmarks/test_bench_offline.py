@@ -20,3 +20,19 @@ def test_ratios_pair_cells_of_the_same_round() -> None:
     assert bench_offline.paired_ratios(engine, bare) == [0.9, 0.9, 0.9]
     with pytest.raises(ValueError):
         bench_offline.paired_ratios(engine, bare[:2])  # a missing round is an error
+
+
+def test_structured_schema_is_sized_from_the_output_length() -> None:
+    # The tilted demo models close a JSON string as soon as the grammar lets them: the
+    # string's minimum length is what keeps structured cells as long as plain ones.
+    short, long = (bench_offline.structured_schema(n) for n in (16, 128))
+    title = long["properties"]["title"]
+    assert title["minLength"] == bench_offline.CHARS_PER_TOKEN * 128
+    assert short["properties"]["title"]["minLength"] < title["minLength"]
+    assert long["required"] == ["title", "score"]
+
+
+def test_shortfall_flags_cells_with_fewer_tokens() -> None:
+    assert bench_offline.shortfall(64 * 128, 64, 128) is None
+    warning = bench_offline.shortfall(832, 64, 128)
+    assert warning is not None and "832 of 8192" in warning

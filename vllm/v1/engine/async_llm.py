@@ -358,12 +358,16 @@ class AsyncLLM:
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         now = time.monotonic()
         if self.metrics is not None:
-            for out in outputs.outputs:
-                parent = self._child_to_parent.get(out.request_id)
-                if parent is None:
-                    continue
-                self.metrics.record_output(self._requests[parent].stats,
-                                           out.first_scheduled_time, len(out.new_token_ids), now)
+            parents = self._child_to_parent
+            self.metrics.record_outputs(
+                [
+                    (self._requests[parent].stats, out.first_scheduled_time,
+                     len(out.new_token_ids))
+                    for out in outputs.outputs
+                    if (parent := parents.get(out.request_id)) is not None
+                ],
+                now,
+            )
         results, to_abort = self.output_processor.process_outputs(outputs.outputs)
         if to_abort:
             self.engine_core.abort_requests(to_abort)

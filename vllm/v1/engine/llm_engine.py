@@ -126,13 +126,15 @@ class LLMEngine:
 
     def _record_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         """Feeds one step's outputs to the request timing stats and token metrics."""
-        now = time.monotonic()
-        for out in outputs:
-            parent = self._child_to_parent.get(out.request_id)
-            if parent is None:
-                continue
-            self.metrics.record_output(self._stats[parent], out.first_scheduled_time,
-                                       len(out.new_token_ids), now)
+        parents = self._child_to_parent
+        self.metrics.record_outputs(
+            [
+                (self._stats[parent], out.first_scheduled_time, len(out.new_token_ids))
+                for out in outputs
+                if (parent := parents.get(out.request_id)) is not None
+            ],
+            time.monotonic(),
+        )
 
     def _forget(self, request_id: str, finish_reason: str) -> None:
         """Records a request's end in the metrics and drops its tracking."""
