@@ -77,7 +77,7 @@ class _DecodeTile:
     token_idx: torch.Tensor
     # [rows, num_blocks] int64: their block ids. Ids past a request's end may be stale or
     # invalid (clamped to 0): those positions are masked. Padding rows (a tile of one
-    # request is padded to two, see _decode) repeat one block, which stays in cache.
+    # request is padded to two, see _decode_tile) repeat one block, which stays in cache.
     block_ids: torch.Tensor
     # [rows, 1, 1, num_blocks * block_size] bool: positions past each request's context.
     hidden: torch.Tensor
@@ -106,8 +106,8 @@ def _tiling(num_blocks: int, block_size: int, token_bytes: int) -> tuple[int, in
     """(blocks per chunk, requests per tile) for decode contexts of num_blocks blocks.
 
     A chunk depends only on the shapes (never on the batch), so a request's reductions run
-    in the same order in any batch. A tile holds at least two requests (see _decode) and
-    about _TILE_BYTES of keys."""
+    in the same order in any batch. A tile holds at least two requests (see _decode_tile)
+    and about _TILE_BYTES of keys (more when one block of two requests is already more)."""
     per_block = block_size * token_bytes
     chunk_blocks = max(1, min(num_blocks, _TILE_BYTES // (2 * per_block)))
     rows = max(2, _TILE_BYTES // (chunk_blocks * per_block))
@@ -160,7 +160,8 @@ class TorchAttentionBackend(AttentionBackend):
     """Paged causal attention with grouped-query support, built on scaled_dot_product_attention.
 
     Decode requests (one new token) run together in padded, masked batches by context-length
-    bucket; other requests run one at a time. A request's result never depends on its batch.
+    bucket, read from the paged cache in tiles (see _decode_tile); other requests run one at a
+    time. A request's result never depends on its batch.
     """
 
     def cache_kv(
