@@ -107,9 +107,11 @@ def run(model: str, grid: list[tuple[int, int]], output_len: int) -> list[dict]:
                     "context": length, "batch": batch,
                     "engine_step_ms": 1e3 * e_step, "bare_step_ms": 1e3 * b_step,
                     "overhead_step_ms": 1e3 * (e_step - b_step),
-                    "engine_tok_s": batch / e_step if e_step else float("inf"),
-                    "bare_tok_s": batch / b_step if b_step else float("inf"),
-                    "engine_over_bare": b_step / e_step if e_step else float("inf"),
+                    # A step of 0 s means the one-token run took as long as the full one:
+                    # the decode drowned in noise, so the cell has no throughput (a gap).
+                    "engine_tok_s": batch / e_step if e_step else math.nan,
+                    "bare_tok_s": batch / b_step if b_step else math.nan,
+                    "engine_over_bare": b_step / e_step if e_step and b_step else math.nan,
                 }
                 records.append(record)
                 print(f"context {length:6d} batch {batch:4d}: engine "
