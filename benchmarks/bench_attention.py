@@ -1,29 +1,47 @@
-"""Times TritonAttentionBackend against TorchAttentionBackend on CUDA.
+"""Times the attention backends: Triton against torch on CUDA, and on the CPU the torch
+backend's tiled decode against the whole-context gather it replaced.
 
-Run: `.venv/bin/python benchmarks/bench_attention.py`. Uses Qwen3-1.7B-like attention (16
-query heads, 8 KV heads, head size 128), block size 16, bf16: decode batches of 1, 64 and
-256 requests at contexts 512-2048, and a mixed batch of prefills, a prefill chunk over
-cached context and decodes. Prints milliseconds per forward (median, one layer) and the
-speedup; forward includes writing the new K/V into the cache. Without CUDA it says so and
-exits 0.
+Run: `.venv/bin/python benchmarks/bench_attention.py [--cpu] [--iters N]`.
+
+On CUDA: Qwen3-1.7B-like attention (16 query heads, 8 KV heads, head size 128), block size
+16, bf16: decode batches of 1, 64 and 256 requests at contexts 512-2048, and a mixed batch of
+prefills, a prefill chunk over cached context and decodes. Prints milliseconds per forward
+(median, one layer) and the speedup; forward includes writing the new K/V into the cache.
+
+With `--cpu` (the default without CUDA): the demo model's attention (4 query heads, 2 KV
+heads, head size 64; `--heads 16,8,128` for another), block size 16, float32, decode batches
+of 1, 16 and 64 at contexts 128, 1k, 4k and 8k (cells over `--max-cell-tokens` are
+skipped), with a float8 cache at 4k. "gather" copies every request's whole paged context
+into one tensor per layer before multiplying (the torch backend until the tiled decode);
+"tiled" is TorchAttentionBackend. The two alternate within each cell; the fastest forward
+of each is kept (the CPU may be shared), and the ratio gather ÷ tiled is printed with the
+largest output difference.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 
 from vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
+from vllm.attention.backends.torch_backend import TorchAttentionBackend, gather_kv
+from vllm.attention.kv_cache_dtype import FP8_DTYPE
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 16, 8, 128, 16
 
 
 def make_inputs(
-    q_lens: list[int], seq_lens: list[int], device: torch.device, dtype: torch.dtype
+    q_lens: list[int], seq_lens: list[int], device: torch.device, dtype: torch.dtype,
+    heads: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE),
+    cache_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Random query/key/value, a filled paged cache and metadata for one batch."""
+    """Random query/key/value, a filled paged cache (of cache_dtype, default dtype) and
+    metadata for one batch; heads: (query heads, KV heads, head size)."""
+    num_heads, num_kv_heads, head_size = heads
     g = torch.Generator(device="cpu").manual_seed(0)
     blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks)
@@ -38,10 +56,10 @@ def make_inputs(
         pos = torch.arange(seq_len - q_len, seq_len)
         slots.append(ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
     num_tokens = sum(q_lens)
-    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype,
-                           device=device)
-    query = torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=device)
-    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=device)
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype,
+                           device=device).to(cache_dtype or dtype)
+    query = torch.randn(num_tokens, num_heads, head_size, dtype=dtype, device=device)
+    key = torch.randn(num_tokens, num_kv_heads, head_size, dtype=dtype, device=device)
     value = torch.randn_like(key)
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
@@ -83,7 +101,6 @@ def time_ms(backend: AttentionBackend, inputs: tuple, iters: int) -> tuple[float
 
 def run_case(name: str, q_lens: list[int], seq_lens: list[int], iters: int) -> None:
     """Prints the Triton and torch times for one batch and their output difference."""
-    from vllm.attention.backends.torch_backend import TorchAttentionBackend
     from vllm.attention.backends.triton_backend import TritonAttentionBackend
 
     device = torch.device("cuda")
@@ -105,13 +122,132 @@ def run_case(name: str, q_lens: list[int], seq_lens: list[int], iters: int) -> N
     print(row, flush=True)
 
 
+@dataclass
+class _Bucket:
+    """Decode requests of one padded context length (the gather baseline's plan)."""
+
+    token_idx: torch.Tensor
+    block_ids: torch.Tensor
+    length: int
+    hidden: torch.Tensor
+
+
+class GatherAttentionBackend(TorchAttentionBackend):
+    """The torch backend with the decode it had before tiling: per bucket of requests padded
+    to the same context length, every request's whole context is gathered into one tensor,
+    then multiplied per KV head. Prefills are the torch backend's. The baseline of --cpu."""
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """See AttentionBackend.attend."""
+        out = torch.zeros_like(query)
+        starts = metadata.query_start_loc_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        buckets: dict[int, list[int]] = {}
+        for i in range(metadata.num_reqs):
+            query_len = starts[i + 1] - starts[i]
+            if query_len == 1:
+                buckets.setdefault(-(-seq_lens[i] // 64) * 64, []).append(i)
+            elif query_len > 1:
+                self._prefill(query, kv_cache, metadata, out, i, starts[i], query_len,
+                              seq_lens[i])
+        block_size = kv_cache.shape[2]
+        for longest, reqs in buckets.items():
+            num_blocks = min(-(-longest // block_size), metadata.block_table.shape[1])
+            length = min(longest, num_blocks * block_size)
+            lens = torch.tensor([seq_lens[i] for i in reqs])
+            visible = torch.arange(length)[None, :] < lens[:, None]
+            bucket = _Bucket(torch.tensor([starts[i] for i in reqs]),
+                             metadata.block_table[reqs, :num_blocks].clamp(min=0).long(),
+                             length, ~visible[:, None, None, :])
+            self._gather_decode(query, kv_cache, out, bucket)
+        return out
+
+    def _gather_decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bucket: _Bucket
+    ) -> None:
+        k, v = gather_kv(kv_cache, bucket.block_ids, bucket.length)
+        batch, group = len(bucket.token_idx), self.num_heads // self.num_kv_heads
+        q = query[bucket.token_idx].view(batch, self.num_kv_heads, group, self.head_size)
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if batch == 1:
+            q, k, v = torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v])
+        heads = range(self.num_kv_heads)
+        scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in heads], 1)
+        score_scale, out_scale = self._read_scales(kv_cache)
+        scores = (scores * score_scale).masked_fill_(bucket.hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in heads], 1)[:batch]
+        if out_scale != 1.0:
+            o = o * out_scale
+        out.index_copy_(0, bucket.token_idx, o.reshape(batch, self.num_heads, self.head_size))
+
+
+def run_cpu_case(batch: int, context: int, heads: tuple[int, int, int], iters: int,
+                 cache_dtype: torch.dtype = torch.float32) -> float:
+    """Prints gather and tiled times of one decode batch; returns gather ÷ tiled."""
+    inputs = make_inputs([1] * batch, [context] * batch, torch.device("cpu"), torch.float32,
+                         heads, cache_dtype)
+    query, key, value, kv_cache, metadata = inputs
+    num_heads, num_kv_heads, head_size = heads
+    backends = {
+        "gather": GatherAttentionBackend(num_heads, head_size, num_kv_heads, head_size**-0.5),
+        "tiled": TorchAttentionBackend(num_heads, head_size, num_kv_heads, head_size**-0.5),
+    }
+    best = {name: float("inf") for name in backends}
+    outs = {}
+    for i in range(iters + 1):
+        for name, backend in backends.items():
+            metadata.backend_plans.clear()  # the plan is made once per forward pass
+            start = time.perf_counter()
+            outs[name] = backend.forward(query, key, value, kv_cache, metadata)
+            if i:  # the first round warms up
+                best[name] = min(best[name], 1e3 * (time.perf_counter() - start))
+    diff = (outs["gather"] - outs["tiled"]).abs().max().item()
+    ratio = best["gather"] / best["tiled"]
+    dtype = "fp8 " if cache_dtype == FP8_DTYPE else ""
+    print(f"decode {dtype}batch {batch:3d} context {context:5d}  gather {best['gather']:8.3f} ms"
+          f"  tiled {best['tiled']:8.3f} ms  gather/tiled {ratio:5.2f}x  max|diff| {diff:.2g}",
+          flush=True)
+    return ratio
+
+
+def run_cpu(heads: tuple[int, int, int], iters: int, max_cell_tokens: int) -> None:
+    """The --cpu table: every (batch, context) cell within max_cell_tokens, then fp8."""
+    print(f"CPU, {torch.get_num_threads()} threads: heads {heads[0]}/{heads[1]}, head_size "
+          f"{heads[2]}, block {BLOCK_SIZE}, float32; one layer's forward, fastest of {iters}")
+    ratios = []
+    for context in (128, 1024, 4096, 8192):
+        for batch in (1, 16, 64):
+            if batch * context <= max_cell_tokens:
+                ratios.append(run_cpu_case(batch, context, heads, iters))
+    for batch in (1, 16):
+        ratios.append(run_cpu_case(batch, 4096, heads, iters, FP8_DTYPE))
+    geo = torch.tensor(ratios).log().mean().exp().item()
+    print(f"geometric mean gather/tiled over {len(ratios)} cells: {geo:.2f}x")
+
+
 def main() -> int:
     """Runs every case; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20, help="timed forwards per case")
+    parser.add_argument("--cpu", action="store_true", help="the CPU table (default without CUDA)")
+    parser.add_argument("--heads", default="4,2,64",
+                        help="--cpu: query heads, KV heads, head size")
+    parser.add_argument("--max-cell-tokens", type=int, default=1 << 19,
+                        help="--cpu: skip cells whose batch × context exceeds this")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="--cpu: torch threads (default torch's; 1 is steadier on a "
+                        "shared machine)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_attention.py needs a CUDA device; none found, nothing to do.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.cpu or not torch.cuda.is_available():
+        heads = tuple(int(x) for x in args.heads.split(","))
+        if len(heads) != 3:
+            parser.error(f"--heads: expected three integers, got {args.heads!r}")
+        run_cpu(heads, args.iters, args.max_cell_tokens)  # type: ignore[arg-type]
         return 0
     print(f"{torch.cuda.get_device_name()}: heads {NUM_HEADS}/{NUM_KV_HEADS}, head_size "
           f"{HEAD_SIZE}, block {BLOCK_SIZE}, bf16; triton = heuristic split-KV, nosplit = never")

@@ -2,14 +2,18 @@
 engine and for the bare decode loop over the same checkpoint, in one run, with a PNG chart.
 
     .venv/bin/python benchmarks/bench_scaling.py [--model demo] [--batch-sizes 1,4,16,64] \
-        [--context-lens 128,1024] [--output-len 32] [--png results/scaling.png] [--json F]
+        [--context-lens 128,1024] [--output-len 32] [--max-cell-tokens N] \
+        [--png results/scaling.png] [--json F]
 
 On a GPU, e.g. `--batch-sizes 1,8,32,128,256 --context-lens 128,1024,8192`. Prompts are
 seeded random token ids of exactly the context length; outputs are greedy with ignore_eos.
 Each cell runs the full output and a one-token output (the prefill); the difference divided
 by the remaining steps is the time per decode step. The engine's own cost per step is its
 step time minus the bare loop's; the benchmark prints how that overhead grows with the
-batch (the exponent of a power law through the smallest and largest batch: 1.0 is linear).
+batch (the exponent of a power law through the smallest and largest batch: 1.0 is linear),
+and engine ÷ bare throughput per cell. `--max-cell-tokens` skips the cells whose batch times
+context exceeds it (on a CPU, e.g. 65536 keeps batch 256 at context 128 and batch 8 at 8k);
+skipped cells are gaps in the chart.
 """
 
 from __future__ import annotations
@@ -60,15 +64,24 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def run(model: str, batches: list[int], lengths: list[int], output_len: int) -> list[dict]:
-    """One record per (context length, batch): engine and bare step times and throughputs."""
+def cells(batches: list[int], lengths: list[int], max_tokens: int | None) -> list[tuple[int, int]]:
+    """The (context length, batch) pairs to run: every pair whose batch × context is at most
+    max_tokens (None: every pair), by context then batch."""
+    return [(n, b) for n in sorted(lengths) for b in sorted(batches)
+            if max_tokens is None or n * b <= max_tokens]
+
+
+def run(model: str, grid: list[tuple[int, int]], output_len: int) -> list[dict]:
+    """One record per (context length, batch) of grid: engine and bare step times and
+    throughputs."""
     model_dir = resolve_model_dir(model)
     cuda = torch.cuda.is_available()
     bare = BareDecoder(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
                        device="cuda" if cuda else "cpu")
     vocab = bare.head.shape[0] - 1024  # stay below Qwen's added tokens and the padding
     records = []
-    for length in lengths:
+    for length in sorted({n for n, _ in grid}):
+        batches = [b for n, b in grid if n == length]
         # Synchronous steps: the engine's own cost per step is what this measures, and async
         # scheduling would hide part of it behind the forward pass.
         llm = LLM(model, max_model_len=length + output_len + 16, max_num_seqs=max(batches),
@@ -94,28 +107,34 @@ def run(model: str, batches: list[int], lengths: list[int], output_len: int) -> 
                     "context": length, "batch": batch,
                     "engine_step_ms": 1e3 * e_step, "bare_step_ms": 1e3 * b_step,
                     "overhead_step_ms": 1e3 * (e_step - b_step),
-                    "engine_tok_s": batch / e_step if e_step else float("inf"),
-                    "bare_tok_s": batch / b_step if b_step else float("inf"),
+                    # A step of 0 s means the one-token run took as long as the full one:
+                    # the decode drowned in noise, so the cell has no throughput (a gap).
+                    "engine_tok_s": batch / e_step if e_step else math.nan,
+                    "bare_tok_s": batch / b_step if b_step else math.nan,
+                    "engine_over_bare": b_step / e_step if e_step and b_step else math.nan,
                 }
                 records.append(record)
                 print(f"context {length:6d} batch {batch:4d}: engine "
                       f"{record['engine_step_ms']:8.2f} ms/step "
                       f"({record['engine_tok_s']:8.1f} tok/s), bare "
                       f"{record['bare_step_ms']:8.2f} ms/step ({record['bare_tok_s']:8.1f} tok/s),"
-                      f" overhead {record['overhead_step_ms']:7.2f} ms/step", flush=True)
+                      f" overhead {record['overhead_step_ms']:7.2f} ms/step, engine/bare "
+                      f"{record['engine_over_bare']:5.2f}", flush=True)
         finally:
             llm.shutdown()
     return records
 
 
 def chart(records: list[dict], path: Path) -> Path:
-    """Tokens/s against batch size: one engine line and one bare line per context length."""
+    """Tokens/s against batch size: one engine line and one bare line per context length
+    (a batch not run at a context is a gap)."""
     batches = sorted({r["batch"] for r in records})
     series: dict[str, list[float]] = {}
     for length in sorted({r["context"] for r in records}):
         rows = {r["batch"]: r for r in records if r["context"] == length}
         for who in ("engine", "bare"):
-            series[f"{who}, context {length}"] = [rows[b][f"{who}_tok_s"] for b in batches]
+            series[f"{who}, context {length}"] = [
+                rows[b][f"{who}_tok_s"] if b in rows else math.nan for b in batches]
     return line_chart_png(path, "decode throughput against batch size", batches, series,
                           xlabel="batch size", ylabel="output tokens/s", log_x=True)
 
@@ -126,14 +145,16 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,4,16,64")
     parser.add_argument("--context-lens", default="128,1024")
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--max-cell-tokens", type=int, default=None,
+                        help="skip cells whose batch × context exceeds this")
     parser.add_argument("--png", type=Path, default=Path("results/scaling.png"))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     batches = sorted(int(b) for b in args.batch_sizes.split(","))
     lengths = sorted(int(n) for n in args.context_lens.split(","))
-    records = run(args.model, batches, lengths, args.output_len)
+    records = run(args.model, cells(batches, lengths, args.max_cell_tokens), args.output_len)
     print()
-    for length in lengths:
+    for length in sorted({r["context"] for r in records}):
         rows = [r for r in records if r["context"] == length]
         k = growth_exponent([r["batch"] for r in rows], [r["overhead_step_ms"] for r in rows])
         shape = "at most linear" if k is not None and k <= 1.05 else "FASTER than linear"

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from tests.utils_attention import ReqStep, allocate_blocks, make_metadata
+from tests.benchmarks.scripts import load_script
+from vllm.attention.backends import torch_backend
 from vllm.attention.backends.torch_backend import TorchAttentionBackend
 from vllm.attention.kv_cache_dtype import FP8_DTYPE, FP8_MAX, quantize_fp8
 from vllm.attention.selector import get_attn_backend_cls
@@ -87,11 +89,16 @@ def test_matches_naive_attention(
         start += new
 
 
+@pytest.mark.parametrize("tile_bytes", [None, 2048])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 8), (6, 1)])
 def test_a_decode_is_bit_identical_alone_and_in_any_batch(
-    num_heads: int, num_kv_heads: int
+    num_heads: int, num_kv_heads: int, tile_bytes: int | None, monkeypatch
 ) -> None:
-    """The backend's promise: a request's result never depends on its batch (decode path)."""
+    """The backend's promise: a request's result never depends on its batch (decode path),
+    with the default tiles and with tiles of a few requests and blocks (then the probe's
+    tile partners and the number of tiles change with the batch)."""
+    if tile_bytes is not None:
+        monkeypatch.setattr(torch_backend, "_TILE_BYTES", tile_bytes)
     rng = random.Random(num_heads * 10 + num_kv_heads)
     torch.manual_seed(0)
     head_size, block_size = 16, 16
@@ -192,3 +199,66 @@ def test_kv_scales_must_be_finite_and_positive() -> None:
             backend.set_kv_scales(k_scale=bad)
     backend.set_kv_scales(v_scale=0.5)
     assert (backend.k_scale, backend.v_scale) == (1.0, 0.5)
+
+
+def _decode_step(
+    lens: list[int], num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+    cache_dtype: torch.dtype, seed: int,
+) -> tuple:
+    """(query, key, value, cache, metadata) of one decode step over contexts `lens`, the
+    cache filled with random values on shuffled blocks (float8: quantized at scale 1)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    block_ids, num_blocks = allocate_blocks(lens, block_size, rng)
+    shape = TorchAttentionBackend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    kv_cache = torch.randn(shape).to(cache_dtype)
+    meta, _ = make_metadata([ReqStep(n - 1, 1, ids) for n, ids in zip(lens, block_ids)],
+                            block_size)
+    query = torch.randn(len(lens), num_heads, head_size)
+    key, value = torch.randn(2, len(lens), num_kv_heads, head_size)
+    return query, key, value, kv_cache, meta
+
+
+# Contexts: one token, a block's end and the next block's start, 64-token bucket edges,
+# partial last blocks, and a few chunks' worth.
+DECODE_LENS = [1, 4, 5, 16, 17, 63, 64, 65, 100, 127, 128, 129, 3, 250, 31, 2]
+
+
+@pytest.mark.parametrize("tile_bytes", [None, 4096, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tiled_decode_equals_the_whole_context_gather(
+    tile_bytes: int | None, num_heads: int, num_kv_heads: int, block_size: int, fp8: bool,
+    monkeypatch,
+) -> None:
+    """The tiled decode gives what gathering every whole context first gave (the backend
+    before tiling, kept as the benchmark's baseline), float32 to rounding, with ragged
+    contexts, tiles of two requests and chunks of one block, and float8 caches with scales."""
+    if tile_bytes is not None:
+        monkeypatch.setattr(torch_backend, "_TILE_BYTES", tile_bytes)
+    gather_cls = load_script("bench_attention").GatherAttentionBackend
+    head_size = 8
+    query, key, value, kv_cache, meta = _decode_step(
+        DECODE_LENS, num_heads, num_kv_heads, head_size, block_size,
+        FP8_DTYPE if fp8 else torch.float32, seed=block_size * 10 + num_heads + num_kv_heads)
+    outs = []
+    for cls in (TorchAttentionBackend, gather_cls):
+        backend = cls(num_heads, head_size, num_kv_heads, head_size**-0.5)
+        if fp8:
+            backend.set_kv_scales(0.5, 3.0)
+        outs.append(backend.forward(query, key, value, kv_cache.clone(), meta))
+    assert not outs[0].isnan().any()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+def test_decode_tiles_span_whole_blocks_and_hold_two_requests_at_least() -> None:
+    """Chunks depend on the shapes only (so never on the batch), cover whole blocks, and a
+    tile's keys stay near the byte budget; a long context still gets two rows per tile."""
+    budget = torch_backend._TILE_BYTES
+    for num_blocks, block_size, token_bytes in [(512, 16, 512), (4, 16, 512), (2048, 16, 4096),
+                                               (8, 1, 64), (3, 128, 65536)]:
+        chunk_blocks, rows = torch_backend._tiling(num_blocks, block_size, token_bytes)
+        assert 1 <= chunk_blocks <= num_blocks and rows >= 2
+        tile = rows * chunk_blocks * block_size * token_bytes
+        assert tile <= budget or chunk_blocks == 1

@@ -35,3 +35,18 @@ def test_chart_has_an_engine_and_a_bare_line_per_context(tmp_path: Path) -> None
     ]
     path = bench.chart(records, tmp_path / "s.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cells_skip_pairs_past_the_token_limit() -> None:
+    assert bench.cells([8, 1], [1024, 128], None) == [(128, 1), (128, 8), (1024, 1), (1024, 8)]
+    assert bench.cells([1, 8, 64], [128, 1024], 8192) == [(128, 1), (128, 8), (128, 64),
+                                                          (1024, 1), (1024, 8)]
+
+
+def test_chart_leaves_a_gap_for_a_cell_not_run(tmp_path: Path) -> None:
+    records = [
+        {"context": c, "batch": b, "engine_tok_s": 10.0 * b, "bare_tok_s": 12.0 * b}
+        for c, b in bench.cells([1, 4], [128, 1024], 1024)
+    ]
+    path = bench.chart(records, tmp_path / "s.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

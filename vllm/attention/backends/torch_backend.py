@@ -63,6 +63,24 @@ def gather_kv(
 
 # Decode context lengths are padded up to a multiple of this.
 _DECODE_BUCKET = 64
+# Bytes of keys (or values, in the compute dtype) one decode tile reads: a tile is gathered,
+# multiplied and dropped while it is still in a core's cache, so the paged KV crosses memory
+# once per step instead of being copied out in full first (docs/architecture.md §6).
+_TILE_BYTES = 1 << 20
+
+
+@dataclass
+class _DecodeTile:
+    """Up to `rows` decode requests of one bucket, attended together chunk by chunk."""
+
+    # [n] int64: the query rows of the real requests (n <= rows).
+    token_idx: torch.Tensor
+    # [rows, num_blocks] int64: their block ids. Ids past a request's end may be stale or
+    # invalid (clamped to 0): those positions are masked. Padding rows (a tile of one
+    # request is padded to two, see _decode_tile) repeat one block, which stays in cache.
+    block_ids: torch.Tensor
+    # [rows, 1, 1, num_blocks * block_size] bool: positions past each request's context.
+    hidden: torch.Tensor
 
 
 @dataclass
@@ -70,15 +88,9 @@ class _DecodeBucket:
     """Decode requests whose context pads to the same length, and what every layer needs of
     them: derived once per forward pass, since all layers share the metadata."""
 
-    # [b] int64: the query rows of the requests.
-    token_idx: torch.Tensor
-    # [b, num_blocks] int64: their block ids; rows of shorter requests may hold stale or
-    # invalid ids past their end (clamped to 0): those positions are masked.
-    block_ids: torch.Tensor
-    # Padded context length (at most num_blocks * block_size).
-    length: int
-    # [b, 1, 1, length] bool: positions past each request's context.
-    hidden: torch.Tensor
+    tiles: list[_DecodeTile]
+    # Blocks per chunk: a request's context is read in chunks of this many whole blocks.
+    chunk_blocks: int
 
 
 @dataclass
@@ -90,8 +102,21 @@ class _Plan:
     decodes: list[_DecodeBucket]
 
 
-def _plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
-    """Splits the batch into prefills and decode buckets (once per metadata, see forward)."""
+def _tiling(num_blocks: int, block_size: int, token_bytes: int) -> tuple[int, int]:
+    """(blocks per chunk, requests per tile) for decode contexts of num_blocks blocks.
+
+    A chunk depends only on the shapes (never on the batch), so a request's reductions run
+    in the same order in any batch. A tile holds at least two requests (see _decode_tile)
+    and about _TILE_BYTES of keys (more when one block of two requests is already more)."""
+    per_block = block_size * token_bytes
+    chunk_blocks = max(1, min(num_blocks, _TILE_BYTES // (2 * per_block)))
+    rows = max(2, _TILE_BYTES // (chunk_blocks * per_block))
+    return chunk_blocks, rows
+
+
+def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int) -> _Plan:
+    """Splits the batch into prefills and tiled decode buckets (once per metadata, see
+    forward). token_bytes: bytes of one token's keys in the compute dtype."""
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
     prefills: list[tuple[int, int, int, int]] = []
@@ -108,18 +133,26 @@ def _plan(metadata: AttentionMetadata, block_size: int) -> _Plan:
     decodes = []
     for longest, reqs in buckets.items():
         num_blocks = min(-(-longest // block_size), metadata.block_table.shape[1])
-        length = min(longest, num_blocks * block_size)
-        req_idx = torch.tensor(reqs, dtype=torch.long).to(device)
-        lens = torch.tensor([seq_lens[i] for i in reqs], dtype=torch.long).to(device)
-        visible = torch.arange(length, device=device)[None, :] < lens[:, None]
-        decodes.append(
-            _DecodeBucket(
-                token_idx=torch.tensor([starts[i] for i in reqs], dtype=torch.long).to(device),
-                block_ids=metadata.block_table[req_idx, :num_blocks].clamp(min=0).long(),
-                length=length,
-                hidden=~visible[:, None, None, :],
-            )
-        )
+        chunk_blocks, rows = _tiling(num_blocks, block_size, token_bytes)
+        req_idx = torch.tensor(reqs, dtype=torch.long)
+        ids = metadata.block_table[req_idx.to(device), :num_blocks].clamp(min=0).long()
+        lens = torch.tensor([seq_lens[i] for i in reqs], dtype=torch.long, device=device)
+        token_idx = torch.tensor([starts[i] for i in reqs], dtype=torch.long, device=device)
+        positions = torch.arange(num_blocks * block_size, device=device)
+        tiles = []
+        for first in range(0, len(reqs), rows):
+            last = min(first + rows, len(reqs))
+            tile_ids, tile_lens = ids[first:last], lens[first:last]
+            if last - first == 1:
+                # A padding row over the request's first block: its scores are discarded.
+                tile_ids = torch.cat([tile_ids, tile_ids[:, :1].expand(1, num_blocks)])
+                tile_lens = torch.cat([tile_lens, tile_lens])
+            tiles.append(_DecodeTile(
+                token_idx=token_idx[first:last],
+                block_ids=tile_ids.contiguous(),
+                hidden=(positions[None, :] >= tile_lens[:, None])[:, None, None, :],
+            ))
+        decodes.append(_DecodeBucket(tiles, chunk_blocks))
     return _Plan(prefills, decodes)
 
 
@@ -127,7 +160,8 @@ class TorchAttentionBackend(AttentionBackend):
     """Paged causal attention with grouped-query support, built on scaled_dot_product_attention.
 
     Decode requests (one new token) run together in padded, masked batches by context-length
-    bucket; other requests run one at a time. A request's result never depends on its batch.
+    bucket, read from the paged cache in tiles (see _decode_tile); other requests run one at a
+    time. A request's result never depends on its batch.
     """
 
     def cache_kv(
@@ -148,7 +182,8 @@ class TorchAttentionBackend(AttentionBackend):
         plan = metadata.backend_plans.get(TorchAttentionBackend)
         if plan is None:
             plan = metadata.backend_plans[TorchAttentionBackend] = _plan(
-                metadata, kv_cache.shape[2]
+                metadata, kv_cache.shape[2], self.num_kv_heads * self.head_size
+                * query.element_size()
             )
         for req, start, query_len, seq_len in plan.prefills:
             self._prefill(query, kv_cache, metadata, out, req, start, query_len, seq_len)
@@ -187,27 +222,71 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bucket: _DecodeBucket
     ) -> None:
-        k, v = gather_kv(kv_cache, bucket.block_ids, bucket.length)
-        batch, group = len(bucket.token_idx), self.num_heads // self.num_kv_heads
-        # Plain matmuls rather than SDPA: SDPA's CPU kernel rounds differently with the batch
-        # size, these compute every (request, head) on its own. One bmm per KV head reads the
-        # gathered keys in place (rows Hkv * D apart); a single matmul over all heads would
-        # first copy them into head-major order, which cost more than the products.
-        q = query[bucket.token_idx].view(batch, self.num_kv_heads, group, self.head_size)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        if batch == 1:
-            # torch multiplies a batch of one with its plain matmul kernel, which can round
-            # differently from the batched one (seen with 6 heads per KV head): pad to two.
-            q, k, v = torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v])
-        heads = range(self.num_kv_heads)
-        scores = torch.stack([torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)) for h in heads], 1)
         score_scale, out_scale = self._read_scales(kv_cache)
-        scores = (scores * score_scale).masked_fill_(bucket.hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.stack([torch.bmm(probs[:, h], v[:, :, h]) for h in heads], 1)[:batch]
-        if out_scale != 1.0:
-            o = o * out_scale
-        out.index_copy_(0, bucket.token_idx, o.reshape(batch, self.num_heads, self.head_size))
+        for tile in bucket.tiles:
+            o = self._decode_tile(query, kv_cache, tile, bucket.chunk_blocks, score_scale)
+            if out_scale != 1.0:
+                o = o * out_scale
+            n = len(tile.token_idx)
+            out.index_copy_(0, tile.token_idx, o[:n].reshape(n, self.num_heads, self.head_size))
+
+    def _decode_tile(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, tile: _DecodeTile, chunk_blocks: int,
+        score_scale: float,
+    ) -> torch.Tensor:
+        """Attention of one tile's rows: [rows, num_kv_heads, group, head_size].
+
+        Two passes over the context, a chunk of blocks at a time: the scores of every chunk,
+        one exact softmax over each whole row, then the values of every chunk weighted and
+        summed. A chunk is gathered, multiplied and dropped while it is in cache; only the
+        scores (heads × context per request, small beside the keys) span the whole context.
+        """
+        rows, num_blocks = tile.block_ids.shape
+        block_size, kv_heads = kv_cache.shape[2], self.num_kv_heads
+        group = self.num_heads // kv_heads
+        q = query[tile.token_idx].view(-1, kv_heads, group, self.head_size)
+        if len(q) < rows:
+            q = torch.cat([q, q[:1].expand(rows - len(q), -1, -1, -1)])
+        # Requests and KV heads fold into one batch of products; it is never a batch of one
+        # (a tile has two rows at least): torch multiplies a batch of one with its plain
+        # matmul kernel, which can round differently (seen with 6 heads per KV head).
+        q = q.reshape(rows * kv_heads, group, self.head_size)
+        scores = torch.empty(rows * kv_heads, group, num_blocks * block_size, dtype=q.dtype,
+                             device=q.device)
+        spans = [(first * block_size, min(num_blocks, first + chunk_blocks) * block_size)
+                 for first in range(0, num_blocks, chunk_blocks)]
+        for start, end in spans:
+            k = self._gather_chunk(kv_cache[0], tile.block_ids, start, end, q.dtype)
+            scores[..., start:end] = torch.bmm(q, k.transpose(1, 2))
+        scores = scores.view(rows, kv_heads, group, -1)
+        scores.mul_(score_scale).masked_fill_(tile.hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(rows * kv_heads, group, -1)
+        o = None
+        for start, end in spans:
+            v = self._gather_chunk(kv_cache[1], tile.block_ids, start, end, q.dtype)
+            part = torch.bmm(probs[..., start:end], v)
+            o = part if o is None else o.add_(part)
+        assert o is not None
+        return o.view(rows, kv_heads, group, self.head_size)
+
+    @staticmethod
+    def _gather_chunk(
+        cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Positions start:end (whole blocks) of the keys or values of block_ids [rows, nb],
+        from one half of the cache, as a head-major copy [rows * Hkv, end - start, D] in dtype.
+        """
+        block_size, kv_heads, head_size = cache.shape[1:]
+        ids = block_ids[:, start // block_size : end // block_size]
+        rows, n = ids.shape
+        # Float8 blocks are copied as their bytes: not every device's index_select takes float8.
+        raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+        chunk = torch.index_select(raw, 0, ids.flatten()).view(cache.dtype)
+        chunk = chunk.view(rows, n * block_size, kv_heads, head_size).transpose(1, 2)
+        # One copy makes the chunk head-major and converts it: rows of head_size elements move
+        # whole, and the products then read each head contiguously.
+        out = torch.empty(chunk.shape, dtype=dtype, device=cache.device)
+        return out.copy_(chunk).view(rows * kv_heads, n * block_size, head_size)
 
     def _read_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
         """(score scale, output scale) for reading kv_cache. With an FP8 cache the keys'
