@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench_offline import SCHEMA, make_prompts
+from bench_offline import make_prompts, structured_schema
 
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 
@@ -109,7 +109,8 @@ def main() -> None:
             for name in workloads:
                 prompts = WORKLOADS[name](args.num_prompts)
                 for share in ("0%", "100%"):
-                    constraint = (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+                    constraint = (StructuredOutputsParams(json=structured_schema(args.output_len),
+                                                          disable_any_whitespace=True)
                                   if share == "100%" else None)
                     params = SamplingParams(temperature=0.0, max_tokens=args.output_len,
                                             ignore_eos=True, structured_outputs=constraint)
