@@ -1,8 +1,9 @@
 """Grammar fast-forward: its modes, which one a request runs in, and canonical forced tokens.
 
 When a constrained request's grammar forces the next characters (a JSON key, `": "`, a
-closing brace), those tokens need no choice of the model. Fast-forward drafts them, so that
-many enter one forward pass (docs/architecture.md §11):
+closing brace), those tokens need no choice of the model. Fast-forward drafts them as
+certain tokens, so that many enter one forward pass and none is sampled
+(docs/architecture.md §11):
 
 - `exact`: the tokens the grammar allows one at a time, each the only token its position
   allows (a bitmask row with a single bit), are appended without sampling. Sampling there
@@ -67,7 +68,7 @@ def parse_request_mode(value: Any) -> str | None:
 
 def server_mode(config: VllmConfig) -> str:
     """The most a request may ask for on this server. With --speculative-config and the
-    option off, drafts still start with the forced tokens (verified: exact)."""
+    option off, drafts still start with the tokens positions allow alone (exact)."""
     mode = config.structured_outputs_config.fast_forward
     if mode == OFF and config.speculative_config is not None:
         return EXACT
