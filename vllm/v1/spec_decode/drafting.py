@@ -68,7 +68,7 @@ class _Context:
     assumed: list[int] | None
     # True when the proposal's first token guesses the in-flight step's sample.
     guessed: bool
-    # True when the forced tokens are certain (exact fast-forward, nothing uncertain before).
+    # True when the forced tokens are certain (nothing uncertain in flight before them).
     certain: bool = False
     # Forced tokens among the drafts _finish returns (set there).
     num_forced: int = field(default=0)
@@ -93,7 +93,7 @@ class Drafter:
         self.fast_forward = fast_forward
         self.stats = SpecDecodeStats()
         # Forced tokens among the drafts of the latest propose(), by request id, and the
-        # certain ones among those (exact fast-forward: never sampled).
+        # certain ones among those (fast-forward tokens: never sampled).
         self.num_forced: dict[str, int] = {}
         self.num_fast_forward: dict[str, int] = {}
         # Forced tokens kept so far, by live request id (for num_fast_forwarded_requests).

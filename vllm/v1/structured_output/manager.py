@@ -160,7 +160,7 @@ class StructuredOutputManager:
         """Returns int32 [rows, ceil(vocab/32)] masks for the next tokens of `req_ids`, in
         order: one row per request, or 1 + len(drafts[id]) - skip[id] consecutive rows for a
         request with drafts (row j masks the token after its (skip[id] + j)-th draft). The
-        first skip[id] drafts are exact fast-forward tokens, each the only token its position
+        first skip[id] drafts are fast-forward tokens, each the only token its position
         allows: the runner samples nothing there, so they get no row.
 
         A terminated grammar's row allows every token; the row of a reply that may still open

@@ -90,8 +90,9 @@ class _Step:
     drafts: list[list[int]]
     # [sum(num_sampled_rows), vocab] float32: a row per sampled position.
     logits: torch.Tensor | None
-    # Per sampling request, how many of its first drafts are exact fast-forward tokens:
-    # certain, so their positions get no logits and no sample (docs/architecture.md §11).
+    # Per sampling request, how many of its first drafts are fast-forward tokens (each the
+    # only token its position allows): the positions before them get no logits and no
+    # sample (docs/architecture.md §11).
     skipped: list[int] = field(default_factory=list)
     # Steps with drafts: [len(drafts)] int64 on the device, the position of each sampling
     # request's last input before its drafts (where its newest kept token goes from).
