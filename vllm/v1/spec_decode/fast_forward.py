@@ -166,9 +166,10 @@ class FastForward:
 
 def only_token(words: np.ndarray) -> int | None:
     """The id of the one token a bitmask row (int32 words) allows, None unless exactly one."""
-    nonzero = np.flatnonzero(words)
-    if len(nonzero) != 1:
+    # Counting first: most rows allow many tokens, and counting needs no index array.
+    if np.count_nonzero(words) != 1:
         return None
+    nonzero = np.flatnonzero(words)
     word = int(words[nonzero[0]]) & 0xFFFFFFFF
     if word & (word - 1):
         return None
