@@ -150,8 +150,11 @@ def test_drafts_change_no_output(reference, spec, async_scheduling, executor, co
     assert bool(stale) == async_scheduling
     assert bool(stale_constrained) == async_scheduling
     # Some of those stale constrained drafts turned out wrong for the grammar (the outputs
-    # above stay exact); synchronous drafts never are.
-    assert bool(refuted) == async_scheduling
+    # above stay exact); synchronous drafts never are. The draft model's constrained drafts
+    # are mostly what the grammar allows alone (the random model's own guesses rarely pass
+    # the grammar), so only the lookup's are sure to be refuted now and then.
+    if spec == "ngram" or not async_scheduling:
+        assert bool(refuted) == async_scheduling
     assert scheduler.drafter.stats.num_accepted_tokens > 0
     assert scheduler.drafter.stats.num_draft_tokens > scheduler.drafter.stats.num_accepted_tokens  # random rows reject
     if condition == "preemption":
