@@ -198,7 +198,7 @@ class StructuredOutputManager:
             row += 1 + len(drafts.get(req_id, ())) - skip.get(req_id, 0)
         bitmask = self._take_buffer()[:num_rows]
         # Fast-forward tokens are certain: the first row masks the position after them.
-        advanced = [skip_forced(req_id, g, drafts.get(req_id, ())[: skip.get(req_id, 0)])
+        advanced = [skip_forced(req_id, g, drafts.get(req_id, [])[: skip.get(req_id, 0)])
                     for req_id, g in zip(req_ids, grammars)]
         try:
             self.backend.fill_bitmasks(grammars, bitmask, rows)
