@@ -435,14 +435,16 @@ class StructuredOutputsConfig:
     max_json_depth: int = 128
     # Grammar fast-forward (vllm/v1/spec_decode/fast_forward.py): the tokens a constrained
     # request's grammar forces next (a JSON key, `": "`, a closing brace) enter the next
-    # forward pass together. "exact": verified like drafts, outputs exactly those without it;
-    # "canonical": the forced text tokenized by the engine's tokenizer and kept unverified
-    # (valid, not token-identical); "off". true/false mean exact/off. Anything but off
-    # implies speculative decoding with method "grammar" unless --speculative-config is
-    # given (whose drafts then start with the forced tokens). It is also the most a
-    # request's own `structured_outputs.fast_forward` may ask for. Off by default: exact
-    # mode only pays when the model agrees with the grammar's tokenization, and canonical
-    # mode changes outputs, which only the operator may allow.
+    # forward pass together. "exact": the tokens a position allows alone, never sampled,
+    # outputs exactly those without it; "canonical": the forced text tokenized by the
+    # engine's tokenizer, each token the only one its position allows (valid, not
+    # token-identical); "off". true/false mean exact/off. Anything but off implies
+    # speculative decoding with method "grammar" unless --speculative-config is given (whose
+    # drafts then start with the exact tokens). It is also the most a request's own
+    # `structured_outputs.fast_forward` may ask for. Off by default (docs/architecture.md
+    # §11): exact mode appends few tokens with a byte-level BPE vocabulary and turns decode
+    # steps into multi-token steps (no decode graph on CUDA), and canonical mode changes
+    # outputs, which only the operator may allow.
     fast_forward: str = "off"
 
     def __post_init__(self) -> None:

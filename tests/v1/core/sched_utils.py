@@ -185,8 +185,9 @@ def spec_workload() -> list[Request]:
         make_request("a", prompt, max_tokens=14),
         make_request("x1", prompt, max_tokens=17, ignore_eos=True),
         make_request("short", prompt, max_tokens=2),
-        # The grammar follows the cycle, then leaves it: drafts past the turn are cut.
-        make_request("g", prompt, max_tokens=12, grammar="300 301 302 303 300 301 7 8"),
+        # The grammar follows the cycle, then leaves it: drafts past the turn are cut (it
+        # may stop anywhere, so nothing is fast-forwarded before its end).
+        make_request("g", prompt, max_tokens=12, grammar="?300 301 302 303 300 301 7 8"),
         make_request("x2", prompt[:6], max_tokens=9),
     ]
 
@@ -220,7 +221,8 @@ class FakeRunner:
 
     Output k of a request is `policy(req_id, k)`, except that a request named in the step's
     GrammarOutput gets the lowest token its bitmask row allows, and `force[(req_id, k)]`
-    overrides both. Counting k continues across preemption (it is the index of the output
+    overrides both; fast-forward tokens (the step's num_fast_forward_tokens) are output as
+    drafted. Counting k continues across preemption (it is the index of the output
     token). Drafts are verified as the real runner does: the output at each drafted position
     is chosen the same way, and drafts are kept while they equal it. Raises AssertionError when a SchedulerOutput contradicts what the runner was told
     before (computed-token counts, block counts, unknown requests).
@@ -314,13 +316,18 @@ class FakeRunner:
                 continue
             k = self.num_sampled.get(req_id, 0)
             drafts = spec.get(req_id, [])
+            # Fast-forward tokens are kept as they are, and have no bitmask row.
+            certain = scheduler_output.num_fast_forward_tokens.get(req_id, 0)
             kept: list[int] = []
             for j in range(len(drafts) + 1):
-                if (req_id, k + j) in self.force:
+                if j < certain:
+                    token = drafts[j]
+                elif (req_id, k + j) in self.force:
                     token = self.force[(req_id, k + j)]
                 elif req_id in rows:
                     assert grammar_output is not None
-                    token = first_allowed(grammar_output.grammar_bitmask, rows[req_id] + j)
+                    token = first_allowed(grammar_output.grammar_bitmask,
+                                          rows[req_id] + j - certain)
                 else:
                     token = self.policy(req_id, k + j)
                 kept.append(token)
@@ -351,14 +358,17 @@ class FakeRunner:
 
 class FakeGrammar(StructuredOutputGrammar):
     """Accepts exactly `seq` followed by one stop token; rejects anything else. With
-    `jump_forward`, it reports the rest of `seq` as forced tokens."""
+    `jump_forward`, it reports the rest of `seq` as forced tokens. With `may_stop`, a stop
+    token is also allowed before the end of `seq` (so no position but the last allows a
+    single token: exact fast-forward appends nothing before it)."""
 
     def __init__(self, seq: list[int], stop_ids: list[int], vocab_size: int,
-                 jump_forward: bool = False) -> None:
+                 jump_forward: bool = False, may_stop: bool = False) -> None:
         self.seq = seq
         self.stop_ids = stop_ids
         self.vocab_size = vocab_size
         self.jump_forward = jump_forward
+        self.may_stop = may_stop
         self.accepted: list[int] = []
         self.terminated = False
 
@@ -370,7 +380,7 @@ class FakeGrammar(StructuredOutputGrammar):
         if self.terminated:
             return False
         if pos < len(self.seq):
-            return token == self.seq[pos]
+            return token == self.seq[pos] or (self.may_stop and token in self.stop_ids)
         return token in self.stop_ids
 
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
@@ -378,14 +388,15 @@ class FakeGrammar(StructuredOutputGrammar):
         for token in tokens:
             if not self._ok(token):
                 return False
-            if len(self.accepted) == len(self.seq):
+            if len(self.accepted) == len(self.seq) or token in self.stop_ids:
                 self.terminated = True
             self.accepted.append(token)
         return True
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
         """The longest acceptable prefix of `tokens`."""
-        probe = FakeGrammar(self.seq, self.stop_ids, self.vocab_size)
+        probe = FakeGrammar(self.seq, self.stop_ids, self.vocab_size,
+                            may_stop=self.may_stop)
         probe.accepted, probe.terminated = list(self.accepted), self.terminated
         out: list[int] = []
         for token in tokens:
@@ -409,7 +420,9 @@ class FakeGrammar(StructuredOutputGrammar):
             return
         bitmask[row] = 0
         pos = len(self.accepted)
-        allowed = [self.seq[pos]] if pos < len(self.seq) else self.stop_ids
+        allowed = [self.seq[pos]] if pos < len(self.seq) else list(self.stop_ids)
+        if self.may_stop and pos < len(self.seq):
+            allowed += self.stop_ids
         view = bitmask[row].view(np.uint32)
         for token in allowed:
             view[token // 32] |= np.uint32(1 << (token % 32))
@@ -424,7 +437,7 @@ class FakeGrammar(StructuredOutputGrammar):
 
 class FakeBackend(StructuredOutputBackend):
     """Compiles `regex` specs of space-separated token ids into FakeGrammars ("!" first:
-    one that reports its forced tokens).
+    one that reports its forced tokens; "?" first: one that may stop anywhere).
 
     The spec "fail" raises ValueError, like an invalid constraint.
     """
@@ -437,9 +450,9 @@ class FakeBackend(StructuredOutputBackend):
         spec = params.regex or ""
         if spec == "fail":
             raise ValueError("structured_outputs.regex: the fake backend refuses 'fail'")
-        forced = spec.startswith("!")
-        return FakeGrammar([int(t) for t in spec.lstrip("!").split()], self.stop_ids,
-                           self.vocab_size, jump_forward=forced)
+        forced, may_stop = spec.startswith("!"), spec.startswith("?")
+        return FakeGrammar([int(t) for t in spec.lstrip("!?").split()], self.stop_ids,
+                           self.vocab_size, jump_forward=forced, may_stop=may_stop)
 
 
 class FakeStructuredOutputManager(StructuredOutputManager):

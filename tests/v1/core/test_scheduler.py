@@ -484,8 +484,9 @@ def test_drafts_change_no_token_and_save_steps(make: MakeHarness, condition: str
 
 def test_grammar_cuts_drafts_at_the_first_rejected_token(make: MakeHarness) -> None:
     h = make(policy=cyclic, num_speculative_tokens=4)
-    # After "300 301" the lookup drafts 302 303 300 301; the grammar allows only 7 next.
-    h.add(make_request("g", CYCLE * 3, max_tokens=12, grammar="300 301 7 300"))
+    # After "300 301" the lookup drafts 302 303 300 301; the grammar allows only 7 (or a
+    # stop) next.
+    h.add(make_request("g", CYCLE * 3, max_tokens=12, grammar="?300 301 7 300"))
     h.run()
     assert h.tokens["g"] == [300, 301, 7, 300, GRAMMAR_END]
     drafts = [s.scheduled_spec_decode_tokens.get("g") for s in h.runner.steps]

@@ -7,7 +7,8 @@ fast_forward.py), on one server started with `canonical`:
   seeded, sync and async);
 - with a reasoning parser, the thinking is token for token what it is without
   fast-forward: nothing forced or pinned enters it (drafts are never scheduled inside it);
-- canonical outputs are the same when requests are preempted and recomputed.
+- canonical outputs are the same when requests are preempted and recomputed;
+- exact mode needs only bitmasks: a compat backend (outlines) has it too.
 
 The exact server mode against an engine without speculative decoding is checked in
 test_spec_decode_equivalence.py.
@@ -146,6 +147,32 @@ def test_exact_per_request_is_off(runs: dict, async_scheduling: bool) -> None:
     # Canonical spells forced text its own way: shorter than the random model's spelling.
     assert sum(map(len, (o.token_ids for o in outputs["canonical"]))) < sum(
         map(len, (o.token_ids for o in outputs["off"])))
+
+
+@pytest.mark.slow
+def test_exact_needs_only_bitmasks_so_a_compat_backend_has_it() -> None:
+    """Exact mode reads nothing but bitmask rows, so every backend has it: on outlines,
+    a request's exact outputs are its off outputs, and single-token runs were appended."""
+    from tests.v1.engine.test_spec_decode_equivalence import FORCED_RUN
+
+    llm = LLM("demo-tiny", max_model_len=256, max_num_seqs=4,
+              structured_outputs_config={"fast_forward": "exact", "backend": "outlines"})
+    prompts = [f"Record {i}: reply in the format." for i in range(4)]
+
+    def generate(mode: str | None) -> list:
+        params = [SamplingParams(max_tokens=32, structured_outputs=dataclasses.replace(
+            FORCED_RUN, fast_forward=mode), **(dict(temperature=0.0) if i % 2 else dict(
+                temperature=0.9, seed=7 + i))) for i in range(len(prompts))]
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    try:
+        exact, off = generate(None), generate("off")
+        stats = llm.llm_engine.engine_core.scheduler.drafter.stats
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in exact] == [o.token_ids for o in off]
+    assert all(o.finish_reason == "stop" for o in exact)
+    assert stats.num_forced_kept_tokens == stats.num_forced_tokens > 0
 
 
 @pytest.mark.slow

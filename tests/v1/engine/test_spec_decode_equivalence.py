@@ -3,7 +3,8 @@
 Greedy requests must give the tokens they give without drafts, and so must seeded random
 ones (each kept token is the target's own sample at its position, and the seed mixes in the
 position). The workload mixes greedy and seeded requests, requests that never draft
-(penalties, logprobs), a stop string, and 0, 50 or 100 % structured requests. The n-gram
+(penalties, logprobs), a stop string, and 0, 50 or 100 % structured requests (one
+constraint forces runs of single-token positions, which exact fast-forward appends). The n-gram
 proposer runs sync and async on the uni executor, async on mp (the sync mp transport is the
 async one's), with forced preemption, and async with chunked prefill (the scheduler tests
 cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
@@ -27,7 +28,7 @@ from tests.v1.engine.test_async_sync_equivalence import (
     generate_all,
 )
 import vllm.v1.structured_output.manager as structured_output
-from vllm import LLM, SamplingParams
+from vllm import LLM, SamplingParams, StructuredOutputsParams
 
 NUM_PROMPTS = 16
 MAX_TOKENS = 24
@@ -39,6 +40,12 @@ SPECS = {
     # Grammar fast-forward: only what a constrained request's grammar forces is drafted.
     "grammar": {"method": "grammar", "num_speculative_tokens": 8},
 }
+
+
+# Text that the demo vocabulary spells one token per character, with no other token
+# fitting: each of its positions allows a single token (exact fast-forward runs of six).
+FORCED_RUN = StructuredOutputsParams(regex=r"[a-z]{1,3}=\^`\^`\^`")
+SPEC_CONSTRAINTS = [*CONSTRAINTS, FORCED_RUN]
 
 
 def _prompts() -> list[str]:
@@ -63,7 +70,7 @@ def _params(ratio: float) -> list[SamplingParams]:
         if i == 2:
             kwargs.update(repetition_penalty=1.3, logprobs=2)  # never drafts
         if i < num_structured:
-            kwargs.update(structured_outputs=CONSTRAINTS[i % len(CONSTRAINTS)])
+            kwargs.update(structured_outputs=SPEC_CONSTRAINTS[i % len(SPEC_CONSTRAINTS)])
         elif i % 4 == 0:
             kwargs.update(stop=["e"])  # may end inside a verification's kept tokens
         out.append(SamplingParams(**kwargs))
@@ -149,8 +156,12 @@ def test_drafts_change_no_output(reference, spec, async_scheduling, executor, co
     assert bool(stale) == overlapped
     assert bool(stale_constrained) == overlapped
     # Some of those stale constrained drafts turned out wrong for the grammar (the outputs
-    # above stay exact); drafts made with every token known never are.
-    assert bool(refuted) == overlapped
+    # above stay exact); drafts made with every token known never are. The draft model's
+    # constrained drafts are mostly what the grammar allows alone (the random model's own
+    # guesses rarely pass the grammar), so only the lookup's are sure to be refuted now and
+    # then.
+    if spec == "ngram" or not overlapped:
+        assert bool(refuted) == overlapped
     assert scheduler.drafter.stats.num_accepted_tokens > 0
     assert scheduler.drafter.stats.num_draft_tokens > scheduler.drafter.stats.num_accepted_tokens  # random rows reject
     if condition == "preemption":
@@ -164,12 +175,15 @@ def test_drafts_change_no_output(reference, spec, async_scheduling, executor, co
      (True, "pp2", "plain")],
 )
 def test_fast_forward_changes_no_output(reference, async_scheduling, executor, condition) -> None:
-    """Grammar fast-forward drafts only forced tokens, for constrained requests only, and the
-    outputs are exactly those without it."""
+    """Grammar fast-forward (exact) appends only tokens that their position allows alone,
+    for constrained requests only, never sampled, and the outputs are exactly those
+    without it; every one of them is kept."""
     got, scheduler, stale, stale_constrained, _ = _run(
         "grammar", async_scheduling, executor, condition)
     assert_same(got, reference, RATIOS)
-    assert scheduler.drafter.stats.num_accepted_tokens > 0
+    stats = scheduler.drafter.stats
+    assert stats.num_accepted_tokens > 0
+    assert stats.num_forced_kept_tokens == stats.num_forced_tokens == stats.num_draft_tokens
     assert stale == stale_constrained  # unconstrained requests never draft
     if condition == "preemption":
         assert scheduler.num_preemptions > 0

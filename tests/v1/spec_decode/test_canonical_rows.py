@@ -28,11 +28,13 @@ def test_pin_allows_exactly_one_token(token: int) -> None:
     assert _allowed(bitmask, 0) == list(range(64))  # other rows untouched
 
 
-def _rows(requests: dict, drafts: dict, forced: dict) -> tuple[np.ndarray, int]:
-    num_rows = sum(1 + len(drafts.get(r, ())) for r in requests)
+def _rows(requests: dict, drafts: dict, forced: dict, skip: dict | None = None
+          ) -> tuple[np.ndarray, int]:
+    skip = skip or {}
+    num_rows = sum(1 + len(drafts.get(r, ())) - skip.get(r, 0) for r in requests)
     bitmask = np.full((num_rows, WORDS), -1, dtype=np.int32)
     pinned = pin_canonical_rows(FastForward("canonical", Tokenizer), requests, list(requests),
-                                drafts, forced, bitmask)
+                                drafts, forced, bitmask, skip)
     return bitmask, pinned
 
 
@@ -81,3 +83,17 @@ def test_a_reply_that_may_open_a_thinking_block_is_not_pinned() -> None:
     request.structured_output_request.reasoning = ReasoningState.ENDED
     bitmask, pinned = _rows({"c": request}, {}, {})
     assert pinned == 1 and _allowed(bitmask, 0) == [1]
+
+
+def test_certain_drafts_have_no_row_and_the_rows_after_them_are_pinned() -> None:
+    """Forced drafts scheduled as certain (fast-forward tokens) get no bitmask row: the
+    runner samples nothing there. The rows that remain keep their pins, shifted up."""
+    canonical = constrained("canonical")
+    exact = constrained("exact")
+    requests = {"e": exact, "c": canonical}
+    bitmask, pinned = _rows(requests, {"e": [1], "c": [1, 2]}, {"e": 1, "c": 2},
+                            {"e": 1, "c": 1})
+    assert bitmask.shape[0] == 1 + 2
+    assert _allowed(bitmask, 0) == list(range(VOCAB_SIZE))  # e's row after its draft
+    assert [_allowed(bitmask, r) for r in (1, 2)] == [[2], [3]]  # c: 'name', then '":"'
+    assert pinned == 2

@@ -3,6 +3,7 @@ cuts drafts, and the grammar walk of tokens in flight."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.v1.core.sched_utils import GRAMMAR_END, FakeGrammar, make_request
@@ -18,8 +19,15 @@ from vllm.v1.spec_decode.proposer import ForcedTokensOnly
 PROMPT = [1, 2, 3, 1, 2]
 
 
-def _drafter(max_model_len: int = 100, num_tokens: int = 3) -> Drafter:
-    return Drafter(NgramProposer(1, 2, num_tokens), max_model_len)
+def _exact() -> FastForward:
+    """Exact fast-forward with rows wide enough for FakeGrammar's stop token."""
+    return FastForward("exact", Tokenizer,
+                       lambda: np.zeros((1, GRAMMAR_END // 32 + 1), dtype=np.int32))
+
+
+def _drafter(max_model_len: int = 100, num_tokens: int = 3, mode: str = "exact") -> Drafter:
+    forcer = _exact() if mode == "exact" else FastForward(mode, Tokenizer)
+    return Drafter(NgramProposer(1, 2, num_tokens), max_model_len, forcer)
 
 
 def _constrained(seq: list[int], jump_forward: bool = False, **params: object) -> Request:
@@ -68,17 +76,21 @@ def test_a_step_in_flight_is_followed_by_a_dropped_guess() -> None:
 
 def test_constrained_drafts_start_with_forced_tokens_and_stop_at_a_rejected_one() -> None:
     drafter = _drafter()
-    # The grammar forces all of 3 1 7: they fill the drafts, the lookup adds nothing.
-    request = _constrained([3, 1, 7], jump_forward=True)
+    # The grammar allows 3, then 1, then 7 alone: they fill the drafts, certain (nothing
+    # in flight), and the lookup adds nothing.
+    request = _constrained([3, 1, 7])
     assert drafter.propose([(request, [])]) == {"g": [3, 1, 7]}
+    assert drafter.num_fast_forward == {"g": 3} == drafter.num_forced
+    drafter = _drafter(mode="off")
     request = _constrained([3, 1, 9])
     assert drafter.propose([(request, [])]) == {"g": [3, 1]}  # lookup 3 1 2: 2 refused
+    assert drafter.num_fast_forward == {}
     grammar = request.structured_output_request.grammar
     assert grammar.accepted == [] and not grammar.is_terminated()  # left as it was
 
 
 def test_forced_tokens_only_drafts_for_constrained_requests() -> None:
-    drafter = Drafter(ForcedTokensOnly(3), 100)
+    drafter = Drafter(ForcedTokensOnly(3), 100, _exact())
     plain = make_request("r", PROMPT)
     constrained = _constrained([4, 5, 6], jump_forward=True)
     assert drafter.propose([(plain, []), (constrained, [])]) == {"g": [4, 5, 6]}
@@ -98,21 +110,28 @@ def test_grammar_after_the_tokens_in_flight(jump_forward: bool) -> None:
     grammar = FakeGrammar([1, 2, 3, 4], [GRAMMAR_END], 64, jump_forward=jump_forward)
     assert grammar.accept_tokens("r", [1])
     forced = [3, 4] if jump_forward else []
-    assert grammar_after("r", grammar, [2]) == ([2], forced)
-    assert grammar_after("r", grammar, [2, 9, 3]) == ([2], forced)  # 9 is refuted
-    assert grammar_after("r", grammar, [7]) == ([], [2, 3, 4] if jump_forward else [])
-    assert grammar_after("r", grammar, [2, 3, 4, GRAMMAR_END, 5]) == (
+
+    def forcer(g: FakeGrammar) -> list[int]:
+        return g.jump_forward_tokens()
+
+    assert grammar_after("r", grammar, [2], forcer) == ([2], forced)
+    assert grammar_after("r", grammar, [2, 9, 3], forcer) == ([2], forced)  # 9 is refuted
+    assert grammar_after("r", grammar, [7], forcer) == ([], [2, 3, 4] if jump_forward else [])
+    assert grammar_after("r", grammar, [2, 3, 4, GRAMMAR_END, 5], forcer) == (
         [2, 3, 4, GRAMMAR_END], [])
     assert grammar.accepted == [1] and not grammar.is_terminated()
 
 
 def _forced_drafter(num_tokens: int = 8) -> Drafter:
-    return Drafter(ForcedTokensOnly(num_tokens), 100, FastForward("canonical", Tokenizer))
+    return Drafter(ForcedTokensOnly(num_tokens), 100, FastForward(
+        "canonical", Tokenizer, lambda: np.zeros((1, 1), dtype=np.int32)))
 
 
 @pytest.mark.parametrize("mode, drafts", [
     ("canonical", [1, 2, 3]),  # the tokenizer's '{"' 'name' '":"'
-    ("exact", [5, 4, 6, 7]),  # the backend's spelling, one character per token
+    # Every forced character has two spellings here ('{"' or '{', 'name' or 'n', ...): no
+    # position allows a single token, so exact mode has nothing to append.
+    ("exact", None),
     ("off", None),
 ])
 def test_each_mode_drafts_its_forced_tokens(mode: str, drafts: list[int] | None) -> None:
@@ -128,6 +147,20 @@ def test_a_canonical_guess_of_the_sample_in_flight_is_dropped_from_the_forced_co
     request.num_output_placeholders = 1  # its sample in flight is forced: '{"'
     assert drafter.propose([(request, [])]) == {"r": [2, 3]}
     assert drafter.num_forced == {"r": 2}
+
+
+def test_exact_tokens_after_a_sample_in_flight_are_certain_only_after_certain_drafts() -> None:
+    """Async: the in-flight sample is guessed by the same chain that pins nothing (its row
+    allows one token), so fast-forward tokens after it are certain; after a proposer's
+    in-flight drafts, which a verification may reject, they are only forced."""
+    request = _constrained([3, 1, 7])
+    request.num_output_placeholders = 1
+    drafter = Drafter(ForcedTokensOnly(3), 100, _exact())
+    assert drafter.propose([(request, [])]) == {"g": [1, 7, GRAMMAR_END]}  # 3 is the guess
+    assert drafter.num_fast_forward == {"g": 3}
+    drafter = _drafter()
+    assert drafter.propose([(request, [])]) == {"g": [1, 7, GRAMMAR_END]}
+    assert drafter.num_forced == {"g": 3} and drafter.num_fast_forward == {}
 
 
 def test_forced_tokens_kept_are_counted_per_request() -> None:

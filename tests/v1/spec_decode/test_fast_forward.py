@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
-from tests.v1.core.sched_utils import make_request
+from tests.v1.core.sched_utils import GRAMMAR_END, FakeGrammar, make_request
 from tests.v1.spec_decode.text_grammar import TextGrammar, Tokenizer
 from vllm.config import StructuredOutputsConfig
 from vllm.exceptions import InvalidRequestError
@@ -16,6 +17,7 @@ from vllm.v1.request import Request
 from vllm.v1.spec_decode.fast_forward import (
     FastForward,
     check_request_mode,
+    only_token,
     parse_mode,
     server_mode,
 )
@@ -128,3 +130,34 @@ def test_the_tokenizer_is_loaded_once_and_only_when_needed() -> None:
     forcer.canonical_tokens(TextGrammar(OPTIONS), 4)
     forcer.canonical_tokens(TextGrammar(OPTIONS), 4)
     assert loads == [1]
+
+
+def test_only_token_reads_a_single_bit_row() -> None:
+    row = np.zeros(3, dtype=np.int32)
+    assert only_token(row) is None
+    row[2] = np.int32(-(2**31))  # bit 31 of word 2: token 95
+    assert only_token(row) == 95
+    row[0] = 1
+    assert only_token(row) is None  # two tokens
+    row[:] = 0
+    row[1] = 6  # tokens 33 and 34
+    assert only_token(row) is None
+
+
+def test_single_tokens_are_those_allowed_alone_and_end_after_a_stop() -> None:
+    forcer = FastForward("exact", lambda: None,
+                         lambda: np.zeros((1, GRAMMAR_END // 32 + 1), dtype=np.int32))
+    grammar = FakeGrammar([4, 9], [GRAMMAR_END], 64)
+    assert forcer.single_tokens("r", grammar, 2) == [4, 9]
+    assert forcer.single_tokens("r", grammar, 8) == [4, 9, GRAMMAR_END]
+    assert grammar.accepted == [] and not grammar.is_terminated()  # left as it was
+    assert forcer.single_tokens("r", grammar, 0) == []
+    # Two stop tokens at the end: a choice, so the run ends before it.
+    assert forcer.single_tokens("r", FakeGrammar([4], [GRAMMAR_END, 1], 64), 8) == [4]
+
+
+def test_single_tokens_stop_where_the_grammar_allows_a_choice() -> None:
+    forcer = FastForward("exact", lambda: None, lambda: np.zeros((1, 1), dtype=np.int32))
+    grammar = TextGrammar(OPTIONS)
+    assert forcer.single_tokens("r", grammar, 8) == []  # '{"' or '{'
+    assert grammar.tokens == []

@@ -8,7 +8,7 @@ import torch
 from tests.v1.sample.goodness_of_fit import chi_square_test
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.spec_decode.verify import NO_TOKEN, verify_drafts
+from vllm.v1.spec_decode.verify import NO_TOKEN, verify_drafts, with_fast_forward
 
 
 def test_keeps_matching_drafts_then_one_token() -> None:
@@ -22,6 +22,18 @@ def test_keeps_matching_drafts_then_one_token() -> None:
         [4, 4, 4, 2],
     ]
     assert last.tolist() == [5, 8, 4, 2]
+
+
+def test_fast_forward_tokens_fill_the_rows_that_sampled_nothing() -> None:
+    # a: no drafts | b: drafts 7 1, the first a fast-forward token | c: drafts 3 4, both.
+    sampled = torch.tensor([5, 1, 6, 9], dtype=torch.int32)  # a | b's rows 1, 2 | c's row 2
+    full = with_fast_forward(sampled, [[], [7, 1], [3, 4]], [0, 1, 2])
+    assert full.tolist() == [5, 7, 1, 6, 3, 4, 9]
+    tokens, last = verify_drafts(full, [1, 3, 3], [[], [7, 1], [3, 4]])
+    assert tokens.tolist() == [[5, NO_TOKEN, NO_TOKEN], [7, 1, 6], [3, 4, 9]]
+    assert last.tolist() == [5, 6, 9]
+    # Nothing skipped: the samples as they are.
+    assert with_fast_forward(sampled, [[], [2], []], [0, 0, 0]) is sampled
 
 
 def test_without_drafts_the_samples_are_the_output() -> None:

@@ -277,6 +277,11 @@ def test_bitmask_rows_for_drafts_match_fresh_replays(
     assert np.array_equal(stale[:2], exact)
     assert (stale[2:] == -1).all()
     assert grammar.num_processed_tokens == before[victim]
+    # Fast-forward tokens (certain drafts) have no row: the first row is the mask after them.
+    skipped = manager.grammar_bitmask(requests, [victim], {victim: good}, {victim: 1})
+    assert skipped.shape[0] == 1
+    assert np.array_equal(skipped[0], exact[1])
+    assert grammar.num_processed_tokens == before[victim]
     for request in requests.values():
         manager.clear(request)
 

@@ -308,3 +308,51 @@ def test_row_order_does_not_depend_on_set_iteration_order() -> None:
     for runner, finished in ((first, set(gone)), (second, _ReversedSet(gone))):
         runner._update_states(SchedulerOutput([], CachedRequestData(), {}, 0, finished))
     assert first.input_batch.req_ids == second.input_batch.req_ids
+
+
+# ---------------------------------------------------------------------- fast-forward tokens
+
+
+def test_fast_forward_tokens_get_no_logits_and_change_no_sample() -> None:
+    """Drafts scheduled as fast-forward tokens (each the only token its position allows)
+    enter the forward pass, but only the position after them gets a logits row; the output
+    is the tokens then that row's sample, which is what decoding them one by one samples
+    there (the seed is keyed by output position, so skipping samples shifts nothing)."""
+    from tests.v1.core.sched_utils import EOS_IDS, demo_model_config, make_config, make_kv
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    config = make_config(demo_model_config(), num_blocks=32, num_speculative_tokens=3)
+
+    def start() -> tuple[GPUModelRunner, Scheduler]:
+        runner = GPUModelRunner(config)
+        runner.load_model()
+        runner.initialize_kv_cache(32)
+        scheduler = Scheduler(config, make_kv(config))
+        params = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+        params.update_from_model(EOS_IDS)
+        scheduler.add_request(Request("r", [100, 301, 502, 703, 904], params))
+        return runner, scheduler
+
+    def step(runner: GPUModelRunner, scheduler: Scheduler, output=None) -> list[int]:
+        output = output or scheduler.schedule()
+        runner.execute_model(output)
+        result = runner.sample_tokens(None)
+        scheduler.update_from_output(output, result)
+        return result.sampled_token_ids[0]
+
+    runner, scheduler = start()
+    want = [tok for _ in range(4) for tok in step(runner, scheduler)]
+    runner, scheduler = start()
+    assert step(runner, scheduler) == want[:1]
+    output = scheduler.schedule()
+    assert not output.scheduled_spec_decode_tokens  # nothing to look up in this prompt
+    # The two tokens after want[0] as fast-forward tokens (slots: 4-token blocks hold them).
+    output.scheduled_spec_decode_tokens = {"r": want[1:3]}
+    output.num_fast_forward_tokens = {"r": 2}
+    output.num_scheduled_tokens["r"] += 2
+    output.total_num_scheduled_tokens += 2
+    runner.execute_model(output)
+    assert runner._steps[-1].logits.shape[0] == 1
+    assert runner.sample_tokens(None).sampled_token_ids[0] == want[1:4]

@@ -35,20 +35,25 @@ def pin_canonical_rows(
     drafts: dict[str, list[int]],
     num_forced: dict[str, int],
     bitmask: np.ndarray,
+    skip: dict[str, int] | None = None,
 ) -> int:
     """Pins the forced rows of the canonical-mode requests among `req_ids`, laid out in
     `bitmask` as StructuredOutputManager.grammar_bitmask lays them out (1 + drafts rows
-    each). A reply that may still open a thinking block is left alone (its first token may
-    be `<think>`). Returns how many rows were pinned. Every grammar is left as it was.
+    each, less `skip[id]` certain fast-forward tokens, which have none and need no pin). A
+    reply that may still open a thinking block is left alone (its first token may be
+    `<think>`). Returns how many rows were pinned. Every grammar is left as it was.
 
     Only drafts the grammar accepts from its current state are pinned: a stale draft that
     assumed tokens which did not come must not be forced into the output."""
+    skip = skip or {}
     pinned = 0
     first = 0
     for req_id in req_ids:
         request = requests[req_id]
         tokens = drafts.get(req_id, [])
-        row, first = first, first + 1 + len(tokens)
+        skipped = skip.get(req_id, 0)
+        # Row j + skipped of the request's positions; the skipped ones have no row.
+        row, first = first - skipped, first + 1 + len(tokens) - skipped
         structured_req = request.structured_output_request
         if (
             structured_req is None
@@ -60,9 +65,9 @@ def pin_canonical_rows(
         grammar = structured_req.grammar
         valid = grammar.validate_tokens(tokens)
         forced = min(num_forced.get(req_id, 0), len(valid))
-        for j in range(forced):
+        for j in range(skipped, forced):
             pin(bitmask, row + j, valid[j])
-        pinned += forced
+        pinned += max(0, forced - skipped)
         if len(valid) < len(tokens) or not grammar.accept_tokens(req_id, valid):
             continue
         try:

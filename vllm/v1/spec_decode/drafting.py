@@ -68,6 +68,8 @@ class _Context:
     assumed: list[int] | None
     # True when the proposal's first token guesses the in-flight step's sample.
     guessed: bool
+    # True when the forced tokens are certain (nothing uncertain in flight before them).
+    certain: bool = False
     # Forced tokens among the drafts _finish returns (set there).
     num_forced: int = field(default=0)
 
@@ -81,7 +83,7 @@ class Drafter:
     request state holds at that moment. `proposer` None drafts nothing (the stats stay 0).
 
     `fast_forward` says which forced tokens a constrained request drafts (its mode, see
-    fast_forward.py); None drafts the backend's forced tokens for every one (exact).
+    fast_forward.py); None drafts no forced tokens.
     """
 
     def __init__(self, proposer: Proposer | None, max_model_len: int,
@@ -90,16 +92,18 @@ class Drafter:
         self.max_model_len = max_model_len
         self.fast_forward = fast_forward
         self.stats = SpecDecodeStats()
-        # Forced tokens among the drafts of the latest propose(), by request id.
+        # Forced tokens among the drafts of the latest propose(), by request id, and the
+        # certain ones among those (fast-forward tokens: never sampled).
         self.num_forced: dict[str, int] = {}
+        self.num_fast_forward: dict[str, int] = {}
         # Forced tokens kept so far, by live request id (for num_fast_forwarded_requests).
         self._kept_forced: dict[str, int] = {}
 
     def mode(self, request: Request) -> str:
         """The request's fast-forward mode (off for an unconstrained one)."""
-        if request.structured_output_request is None:
+        if request.structured_output_request is None or self.fast_forward is None:
             return OFF
-        return EXACT if self.fast_forward is None else self.fast_forward.mode(request)
+        return self.fast_forward.mode(request)
 
     def may_draft(self, request: Request) -> bool:
         """True when drafts for `request` can be verified exactly: its sampling at each
@@ -140,6 +144,7 @@ class Drafter:
         forced_only = isinstance(self.proposer, ForcedTokensOnly)
         contexts: dict[str, _Context] = {}
         self.num_forced = {}
+        self.num_fast_forward = {}
         for request, assumed in candidates:
             if forced_only and self.mode(request) == OFF:
                 continue
@@ -156,6 +161,8 @@ class Drafter:
                 drafts[req_id] = tokens
                 if context.num_forced:
                     self.num_forced[req_id] = context.num_forced
+                    if context.certain:
+                        self.num_fast_forward[req_id] = context.num_forced
         return drafts
 
     def schedule(self, step: StepBuilder, candidates: list[tuple[Request, list[int]]],
@@ -175,7 +182,8 @@ class Drafter:
                 request.all_token_ids,
             )
             if new_blocks is not None:
-                step.add_drafts(req_id, tokens, new_blocks, self.num_forced.get(req_id, 0))
+                step.add_drafts(req_id, tokens, new_blocks, self.num_forced.get(req_id, 0),
+                                self.num_fast_forward.get(req_id, 0))
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int, num_forced: int) -> None:
         """Counts the verification of a request's `num_drafts` drafts (the first
@@ -224,20 +232,28 @@ class Drafter:
             # Only then a copy: a lookup proposer reads the confirmed tokens in place.
             head = head[:limit]
             tokens = tokens + head
-        return _Context(request, tokens, limit - len(head), head, grammar_assumed, bool(pending))
+        # Forced tokens are certain (the only token their position allows: exact mode's by
+        # definition, canonical mode's because their rows are pinned to them) unless they
+        # follow in-flight drafts that a verification may still reject (a proposer's, not
+        # fast-forward's own, which are certain in turn).
+        certain = not pending or isinstance(self.proposer, ForcedTokensOnly)
+        return _Context(request, tokens, limit - len(head), head, grammar_assumed,
+                        bool(pending), certain)
 
     def _forced_tokens(
         self, request: Request, limit: int
     ) -> Callable[[StructuredOutputGrammar], list[int]]:
         """How `request` drafts what its grammar forces, by its fast-forward mode."""
         mode = self.mode(request)
+        forcer = self.fast_forward
         if mode == CANONICAL:
-            assert self.fast_forward is not None
-            forcer = self.fast_forward
+            assert forcer is not None
             return lambda grammar: forcer.canonical_tokens(grammar, limit)
-        if mode == OFF:
-            return lambda grammar: []
-        return _backend_forced
+        if mode == EXACT:
+            assert forcer is not None
+            req_id = request.request_id
+            return lambda grammar: forcer.single_tokens(req_id, grammar, limit)
+        return lambda grammar: []
 
 
 def _finish(context: _Context, proposed: list[int]) -> list[int]:
@@ -259,19 +275,14 @@ def _finish(context: _Context, proposed: list[int]) -> list[int]:
     return tokens
 
 
-def _backend_forced(grammar: StructuredOutputGrammar) -> list[int]:
-    return grammar.jump_forward_tokens()
-
-
 def grammar_after(
     req_id: str,
     grammar: StructuredOutputGrammar,
     assumed: list[int],
-    forced: Callable[[StructuredOutputGrammar], list[int]] = _backend_forced,
+    forced: Callable[[StructuredOutputGrammar], list[int]],
 ) -> tuple[list[int], list[int]]:
     """The longest prefix of `assumed` that `grammar` accepts, and the tokens it forces
-    after that prefix (jump-forward; `forced` says how they are tokenized, the backend's
-    way by default). The grammar is left as it was."""
+    after that prefix (`forced` says which: the mode's). The grammar is left as it was."""
     assumed = grammar.validate_tokens(assumed)
     if not assumed:
         return [], forced(grammar)

@@ -54,3 +54,30 @@ def verify_drafts(
     tokens = torch.where(keep, table, torch.full_like(table, NO_TOKEN))
     last = table.gather(1, accepted[:, None]).squeeze(1)
     return tokens, last
+
+
+def with_fast_forward(
+    sampled: torch.Tensor, drafts: Sequence[Sequence[int]], skipped: Sequence[int]
+) -> torch.Tensor:
+    """The samples of every verified position, for verify_drafts: request i's first
+    `skipped[i]` drafts are exact fast-forward tokens, sampled nowhere (each was the only
+    token its position allowed, so it is what a sample there gives); `sampled` holds the
+    rows of the other positions, request by request. Returns `sampled` itself when nothing
+    was skipped, else a new tensor on its device."""
+    if not any(skipped):
+        return sampled
+    counts = np.asarray([1 + len(d) for d in drafts], dtype=np.int64)
+    skip = np.asarray(skipped, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    # Full row of each sampled row: its request's start, past the skipped ones.
+    kept = counts - skip
+    offsets = np.arange(int(kept.sum()), dtype=np.int64) - np.repeat(np.cumsum(kept) - kept,
+                                                                      kept)
+    to_full = np.repeat(starts + skip, kept) + offsets
+    forced = np.full(int(counts.sum()), NO_TOKEN, dtype=np.int64)
+    for start, k, tokens in zip(starts.tolist(), skipped, drafts):
+        forced[start : start + k] = tokens[:k]
+    device = sampled.device
+    full = torch.from_numpy(forced).to(device, non_blocking=True)
+    full[torch.from_numpy(to_full).to(device, non_blocking=True)] = sampled.to(torch.int64)
+    return full

@@ -82,11 +82,11 @@ class StructuredOutputGrammar(ABC):
         """Returns the longest prefix of `tokens` the grammar would accept; no state change."""
 
     def jump_forward_tokens(self) -> list[int]:
-        """Tokens the grammar forces next, as far as they are certain (jump-forward), for
-        drafting; [] when the next token is a choice. No state change.
+        """Tokens the grammar forces next, as far as they are certain (jump-forward), in
+        the backend's tokenization; [] when the next token is a choice. No state change.
 
-        The tokenization is the backend's and may differ from the model's: drafts are
-        verified, so this only affects how many are kept.
+        Canonical fast-forward falls back on them when the grammar refuses the engine
+        tokenizer's first token of the forced text.
         """
         return []
 

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+logger = logging.getLogger(__name__)
+
+
+def skip_forced(req_id: str, grammar: StructuredOutputGrammar, tokens: list[int]) -> int:
+    """Accepts a request's exact fast-forward tokens (they get no bitmask row) and returns
+    how many it accepted, for the caller to roll back. They were each the only token their
+    position allowed when drafted, so a refusal is a bug: it is logged, and the rows that
+    follow are filled from where the grammar stopped."""
+    before = grammar.num_processed_tokens
+    if tokens and not grammar.accept_tokens(req_id, tokens):
+        logger.error("request %s: its grammar refused a fast-forward token of %s",
+                     req_id, tokens)
+    return grammar.num_processed_tokens - before
 
 
 def fill_draft_rows(

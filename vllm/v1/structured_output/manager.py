@@ -11,7 +11,7 @@ import numpy as np
 from vllm.reasoning import ReasoningParser
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.spec_decode.fast_forward import FastForward, server_mode
-from vllm.v1.structured_output.draft_rows import allow_think, fill_draft_rows
+from vllm.v1.structured_output.draft_rows import allow_think, fill_draft_rows, skip_forced
 from vllm.v1.structured_output.lanes import CompileLanes
 from vllm.v1.structured_output.request import StructuredOutputRequest
 
@@ -51,8 +51,10 @@ class StructuredOutputManager:
         self._live: dict[str, StructuredOutputRequest] = {}
         self._buffers: list[np.ndarray] = []
         self._next_buffer = 0
-        # Grammar fast-forward: the server's mode and canonical tokenization of forced text.
-        self.fast_forward = FastForward(server_mode(vllm_config), self._load_tokenizer)
+        # Grammar fast-forward: the server's mode, tokens forced one at a time (found with a
+        # one-row bitmask) and canonical tokenization of forced text.
+        self.fast_forward = FastForward(server_mode(vllm_config), self._load_tokenizer,
+                                        lambda: self.backend.allocate_token_bitmask(1))
         self.reasoning_parser: ReasoningParser | None = None
         if self._config.reasoning_parser is not None:
             self.reasoning_parser = ReasoningParser.create(
@@ -153,10 +155,13 @@ class StructuredOutputManager:
         requests: dict[str, Request],
         req_ids: list[str],
         drafts: dict[str, list[int]] | None = None,
+        skip: dict[str, int] | None = None,
     ) -> np.ndarray:
         """Returns int32 [rows, ceil(vocab/32)] masks for the next tokens of `req_ids`, in
-        order: one row per request, or 1 + len(drafts[id]) consecutive rows for a request
-        with drafts (row j masks the token after its j-th draft).
+        order: one row per request, or 1 + len(drafts[id]) - skip[id] consecutive rows for a
+        request with drafts (row j masks the token after its (skip[id] + j)-th draft). The
+        first skip[id] drafts are fast-forward tokens, each the only token its position
+        allows: the runner samples nothing there, so they get no row.
 
         A terminated grammar's row allows every token; the row of a reply that may still open
         a thinking block also allows `<think>`. The array is a view of a preallocated
@@ -167,7 +172,9 @@ class StructuredOutputManager:
         than max_num_seqs x (1 + num_speculative_tokens).
         """
         drafts = drafts or {}
-        num_rows = len(req_ids) + sum(len(drafts.get(r, ())) for r in req_ids)
+        skip = skip or {}
+        num_rows = len(req_ids) + sum(
+            len(drafts.get(r, ())) - skip.get(r, 0) for r in req_ids)
         if num_rows > self._max_rows:
             raise ValueError(
                 f"grammar_bitmask: {num_rows} rows exceed max_num_seqs x (1 + "
@@ -188,13 +195,20 @@ class StructuredOutputManager:
             rows.append(row)
             if structured_req.undecided:
                 undecided.append(row)
-            row += 1 + len(drafts.get(req_id, ()))
+            row += 1 + len(drafts.get(req_id, ())) - skip.get(req_id, 0)
         bitmask = self._take_buffer()[:num_rows]
-        self.backend.fill_bitmasks(grammars, bitmask, rows)
-        for req_id, grammar, first in zip(req_ids, grammars, rows):
-            tokens = drafts.get(req_id)
-            if tokens:
-                fill_draft_rows(req_id, grammar, tokens, bitmask, first)
+        # Fast-forward tokens are certain: the first row masks the position after them.
+        advanced = [skip_forced(req_id, g, drafts.get(req_id, [])[: skip.get(req_id, 0)])
+                    for req_id, g in zip(req_ids, grammars)]
+        try:
+            self.backend.fill_bitmasks(grammars, bitmask, rows)
+            for req_id, grammar, first in zip(req_ids, grammars, rows):
+                tokens = drafts.get(req_id, [])[skip.get(req_id, 0):]
+                if tokens:
+                    fill_draft_rows(req_id, grammar, tokens, bitmask, first)
+        finally:
+            for grammar, n in zip(grammars, advanced):
+                grammar.rollback(n)
         if undecided:
             assert self.reasoning_parser is not None
             allow_think(bitmask, undecided, self.reasoning_parser.start_id)

@@ -45,7 +45,7 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 from vllm.v1.sample.sampler import LogprobsTensors, Sampler
-from vllm.v1.spec_decode.verify import NO_TOKEN, verify_drafts
+from vllm.v1.spec_decode.verify import NO_TOKEN, verify_drafts, with_fast_forward
 from vllm.v1.worker.cuda_graph import DecodeGraphs, capture_decode_graphs
 from vllm.v1.worker.device_feedback import DeviceFeedback
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
@@ -88,8 +88,12 @@ class _Step:
     sampled_states: list[CachedRequestState]
     # Drafted tokens of each sampling request ([] for most), verified by this step.
     drafts: list[list[int]]
-    # [sum(1 + len(d) for d in drafts), vocab] float32: a row per verified position.
+    # [sum(num_sampled_rows), vocab] float32: a row per sampled position.
     logits: torch.Tensor | None
+    # Per sampling request, how many of its first drafts are fast-forward tokens (each the
+    # only token its position allows): the positions before them get no logits and no
+    # sample (docs/architecture.md §11).
+    skipped: list[int] = field(default_factory=list)
     # Steps with drafts: [len(drafts)] int64 on the device, the position of each sampling
     # request's last input before its drafts (where its newest kept token goes from).
     draft_bases: torch.Tensor | None = None
@@ -103,6 +107,10 @@ class _Step:
     @property
     def num_rows(self) -> list[int]:
         return [1 + len(d) for d in self.drafts]
+
+    @property
+    def num_sampled_rows(self) -> list[int]:
+        return [1 + len(d) - k for d, k in zip(self.drafts, self.skipped)]
 
 
 class GPUModelRunner:
@@ -406,12 +414,15 @@ class GPUModelRunner:
             drafts=[drafts[i] if drafts is not None else [] for i in pick],
             logits=None,
         )
+        skip = scheduler_output.num_fast_forward_tokens
+        step.skipped = [skip.get(req_ids[i], 0) for i in pick]
         if not self.last_stage:
             return step
         if pick:
-            # The last position of each sampling request, and the ones of its drafts before it.
+            # The last position of each sampling request, and the ones of its drafts before it
+            # (fast-forward tokens aside: the positions before them sample nothing).
             ends = inputs.cu[1:][pick]
-            counts = np.asarray(step.num_rows, dtype=np.int64)
+            counts = np.asarray(step.num_sampled_rows, dtype=np.int64)
             num_rows = int(counts.sum())
             idx = np.zeros(max(num_rows, self.min_rows), dtype=np.int64)
             idx[:num_rows] = np.repeat(ends - counts, counts) + (
@@ -424,9 +435,10 @@ class GPUModelRunner:
             else:
                 step.logits = self.model.compute_logits(rows)
             step.logits = step.logits[:num_rows]
-            if num_rows > len(pick):
+            if any(step.drafts):
                 # Read from the device: this forward's own positions may have been placed there.
-                step.draft_bases = dev["positions"][self.buffers.to_device(ends - counts)]
+                bases = ends - np.asarray(step.num_rows, dtype=np.int64)
+                step.draft_bases = dev["positions"][self.buffers.to_device(bases)]
         step.prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, self.buffers.to_device, self.vocab_size,
             self.input_batch, inputs, hidden,
@@ -459,14 +471,14 @@ class GPUModelRunner:
             )
             return out if step.req_ids else EMPTY_MODEL_RUNNER_OUTPUT
         logits = step.logits
-        num_rows = step.num_rows
+        num_rows = step.num_sampled_rows
         self._settle_verified(step.sampled_states)
         first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
         states = step.sampled_states
         # A request with drafts samples every verified position: row j is its output
-        # position num_output_tokens + j (docs/architecture.md §11).
+        # position num_output_tokens + skipped + j (docs/architecture.md §11).
         row_states = [s for s, n in zip(states, num_rows) for _ in range(n)]
-        offsets = [j for n in num_rows for j in range(n)]
+        offsets = [k + j for n, k in zip(num_rows, step.skipped) for j in range(n)]
         metadata = self.sampling_inputs.build(row_states, offsets)
         if grammar_output is not None:
             to_row = dict(zip(step.sampled_req_ids, first_rows))
@@ -485,7 +497,8 @@ class GPUModelRunner:
                 # Nothing reads the logits after sampling: the sampler's outputs are copies.
                 self.logits_buffers.give(step.logits_buffer)
         self.parallel.broadcast(result.sampled_token_ids)
-        token_ids, last = verify_drafts(result.sampled_token_ids, num_rows, step.drafts)
+        samples = with_fast_forward(result.sampled_token_ids, step.drafts, step.skipped)
+        token_ids, last = verify_drafts(samples, step.num_rows, step.drafts)
         logprobs = result.logprobs
         if logprobs is not None and len(row_states) > len(states):
             # Requests with logprobs never draft: their one row is their first.

@@ -95,6 +95,11 @@ class SchedulerOutput:
     # forced (absent: none). Canonical mode pins their bitmask rows to them; the stats
     # count them.
     num_forced_tokens: dict[str, int] = field(default_factory=dict)
+    # Grammar fast-forward: how many of a request's drafts (the first ones, among the forced
+    # ones) are each the only token their position allows (absent: none). They are
+    # certain: the runner computes no logits, bitmask row or sample for their positions
+    # and keeps them as they are.
+    num_fast_forward_tokens: dict[str, int] = field(default_factory=dict)
     # Monotonic step counter (debugging and batch-queue bookkeeping).
     step_id: int = 0
 

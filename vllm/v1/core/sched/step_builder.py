@@ -27,6 +27,8 @@ class StepBuilder:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Forced tokens among each request's drafts (grammar fast-forward), the first ones.
     forced: dict[str, int] = field(default_factory=dict)
+    # Certain tokens among them (exact fast-forward), the first ones.
+    fast_forward: dict[str, int] = field(default_factory=dict)
     # Running requests' new block ids, by id: the lists in `cached`, which drafts extend.
     _running_blocks: dict[str, list[int]] = field(default_factory=dict)
 
@@ -76,13 +78,16 @@ class StepBuilder:
         return self.scheduled[: len(self._running_blocks)]
 
     def add_drafts(self, req_id: str, drafts: list[int], new_blocks: list[int],
-                   num_forced: int = 0) -> None:
+                   num_forced: int = 0, num_fast_forward: int = 0) -> None:
         """Adds drafts after a running request's scheduled token, with the blocks they took;
-        the first `num_forced` of them (at most all) are forced by its grammar."""
+        the first `num_forced` of them (at most all) are forced by its grammar, and the first
+        `num_fast_forward` are certain (exact fast-forward: never sampled)."""
         self._running_blocks[req_id].extend(new_blocks)
         self.spec_tokens[req_id] = drafts
         if num_forced:
             self.forced[req_id] = min(num_forced, len(drafts))
+        if num_fast_forward:
+            self.fast_forward[req_id] = min(num_fast_forward, len(drafts))
         self.num_scheduled[req_id] += len(drafts)
         self.budget -= len(drafts)
 
@@ -111,6 +116,7 @@ class StepBuilder:
             num_kept_blocks=num_kept_blocks,
             scheduled_spec_decode_tokens=self.spec_tokens,
             num_forced_tokens=self.forced,
+            num_fast_forward_tokens=self.fast_forward,
             step_id=step_id,
         )
 

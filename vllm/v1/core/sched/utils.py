@@ -163,8 +163,9 @@ def make_grammar_output(
     manager: StructuredOutputManager, requests: dict[str, Request], step: SchedulerOutput
 ) -> GrammarOutput | None:
     """Bitmasks for the live constrained requests that sample in `step` outside a thinking
-    block, one row per verified position (1 + drafts); None when there are none. Rows of
-    positions that canonical fast-forward forces allow only their canonical token."""
+    block, one row per sampled position (1 + drafts, less the exact fast-forward tokens,
+    which are not sampled); None when there are none. Rows of positions that canonical
+    fast-forward forces allow only their canonical token."""
     ids = [
         req_id
         for req_id in step.sampled_req_ids
@@ -175,9 +176,11 @@ def make_grammar_output(
     if not ids:
         return None
     drafts = step.scheduled_spec_decode_tokens
-    bitmask = manager.grammar_bitmask(requests, ids, drafts)
+    skip = step.num_fast_forward_tokens
+    bitmask = manager.grammar_bitmask(requests, ids, drafts, skip)
     if manager.fast_forward.allowed == CANONICAL:
         pin_canonical_rows(manager.fast_forward, requests, ids, drafts, step.num_forced_tokens,
-                           bitmask)
-    rows = [req_id for req_id in ids for _ in range(1 + len(drafts.get(req_id, ())))]
+                           bitmask, skip)
+    rows = [req_id for req_id in ids
+            for _ in range(1 + len(drafts.get(req_id, ())) - skip.get(req_id, 0))]
     return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask.copy())
