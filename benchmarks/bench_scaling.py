@@ -84,9 +84,12 @@ def run(model: str, grid: list[tuple[int, int]], output_len: int) -> list[dict]:
         batches = [b for n, b in grid if n == length]
         # Synchronous steps: the engine's own cost per step is what this measures, and async
         # scheduling would hide part of it behind the forward pass.
+        # Every prompt of a batch is prefilled in the first step: with a smaller budget the
+        # full run's first decode steps would share their steps with later prompts' prefill
+        # chunks, which the one-token run does not, and the difference would count them.
         llm = LLM(model, max_model_len=length + output_len + 16, max_num_seqs=max(batches),
-                  max_num_batched_tokens=max(8192, length * 2), enable_prefix_caching=False,
-                  async_scheduling=False)
+                  max_num_batched_tokens=max(8192, length * max(batches)),
+                  enable_prefix_caching=False, async_scheduling=False)
         try:
             for batch in batches:
                 prompts = _prompts(batch, length, vocab, seed=batch * 7919 + length)
