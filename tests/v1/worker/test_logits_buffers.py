@@ -41,3 +41,16 @@ def test_bad_sizes_raise() -> None:
         LogitsBuffers(0)
     with pytest.raises(ValueError, match="rows"):
         LogitsBuffers(3).take(0)
+
+
+def test_any_free_buffer_can_be_taken_whatever_the_order_of_the_pool() -> None:
+    """The pool finds its buffers by identity: a buffer behind one of another size in the
+    free list is taken without comparing tensors (which raised a shape mismatch)."""
+    pool = LogitsBuffers(8)
+    big, small = pool.take(16), pool.take(2)
+    pool.give(big)
+    pool.give(small)
+    again = pool.take(2)  # the small buffer, second in the free list
+    assert again.shape == (2, 8) and pool.num_lent == 1
+    assert pool.take(9).shape == (9, 8)  # the big one, now first
+    assert pool.num_lent == 2

@@ -33,16 +33,20 @@ class LogitsBuffers:
         fits = [b for b in self._free if b.shape[0] >= rows]
         if fits:
             buffer = min(fits, key=lambda b: b.shape[0])
-            self._free.remove(buffer)
+            self._drop(buffer)
         else:
             # A smaller free buffer would never fit a batch this size again soon: drop one.
             if self._free:
-                self._free.remove(min(self._free, key=lambda b: b.shape[0]))
+                self._drop(min(self._free, key=lambda b: b.shape[0]))
             capacity = 1 << (rows - 1).bit_length()
             buffer = torch.empty((capacity, self.vocab_size), dtype=torch.float32)
         view = buffer[:rows]
         self._lent[id(view)] = (view, buffer)
         return view
+
+    def _drop(self, buffer: torch.Tensor) -> None:
+        # By identity: list.remove would compare tensors elementwise.
+        self._free = [b for b in self._free if b is not buffer]
 
     def give(self, view: torch.Tensor) -> None:
         """Returns a tensor from take(); the caller must not use it afterwards. A tensor
