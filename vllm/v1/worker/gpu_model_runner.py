@@ -37,6 +37,7 @@ from vllm.attention.backends.abstract import AttentionMetadata
 from vllm.attention.kv_cache_dtype import check_fp8_cache_device, is_fp8, kv_cache_torch_dtype
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelContext
+from vllm.model_executor.layers.column_major import make_column_major
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -62,10 +63,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# CPU GEMMs give row results that depend on the row count below ~12 rows; padding every
-# matmul to at least this many rows makes a request's numbers independent of its batch, which
-# async = sync equivalence relies on.
+# CPU GEMMs against row-major weights give row results that depend on the row count below
+# ~16 rows; padding every matmul to at least this many rows makes a request's numbers
+# independent of its batch, which async = sync equivalence relies on. With every weight
+# column-major, 2 rows are enough (layers/column_major.py).
 _CPU_MIN_ROWS = 16
+_CPU_MIN_ROWS_COLUMN_MAJOR = 2
 
 
 def kv_block_bytes(
@@ -176,6 +179,10 @@ class GPUModelRunner:
         from vllm.model_executor.model_loader.loader import get_model
 
         self.model = get_model(self.config.model_config, self.parallel)
+        if self.device.type == "cpu" and make_column_major(self.model) and (
+                self.config.lora_config is None):
+            # Adapters add row-major products of their own (they keep the larger padding).
+            self.min_rows = _CPU_MIN_ROWS_COLUMN_MAJOR
         if is_fp8(self.kv_cache_dtype):
             check_fp8_cache_device(self.device, self.model.attn_backend_cls.fp8_min_capability)
             if self.parallel.layout.rank == 0:

@@ -1,0 +1,52 @@
+"""Column-major dense weights, so that a CPU matmul's rows do not depend on the batch.
+
+A CPU GEMM against a row-major [out, in] weight (``x @ W.T``) rounds a row differently
+depending on how many rows share the call, below about 16 rows; against the same weight
+stored column-major (``W.T`` contiguous, ``x @ W.T`` then a plain "NN" product) only a
+single row takes another kernel (a GEMV). With every dense weight column-major, padding a
+step to 2 rows instead of 16 keeps each request's numbers independent of its batch, which
+async = sync equivalence relies on, and a batch of one pays for two rows of the LM head
+instead of sixteen (docs/architecture.md §6).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.linear import _QuantizableLinear
+from vllm.model_executor.layers.vocab_embedding import VocabShard
+
+
+def make_column_major(model: nn.Module) -> bool:
+    """Stores the weight of every full-precision dense layer and vocabulary table of
+    ``model`` column-major (same shape and values, transposed strides), and says whether
+    that covers every matrix the model multiplies by: True when no other parameter of two
+    or more dimensions is left (quantized layers, fused experts), so that 2 rows are enough
+    for batch-independent results.
+
+    Side effect: replaces those modules' ``weight`` parameters; a weight shared by two
+    modules (tied embeddings) stays shared.
+    """
+    relaid: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if not _is_dense(module):
+            continue
+        weight = module.weight
+        if id(weight) not in relaid:
+            relaid[id(weight)] = nn.Parameter(weight.data.t().contiguous().t(),
+                                              requires_grad=False)
+        module.weight = relaid[id(weight)]
+    covered = {id(p) for p in relaid.values()}
+    return all(p.dim() < 2 or id(p) in covered for p in model.parameters())
+
+
+def _is_dense(module: nn.Module) -> bool:
+    if isinstance(module, _QuantizableLinear) and module.quant_method is not None:
+        return False
+    if not isinstance(module, (_QuantizableLinear, VocabShard)):
+        return False
+    weight = getattr(module, "weight", None)
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and weight.dtype.is_floating_point and weight.device.type == "cpu"
+            and not weight.is_meta)
