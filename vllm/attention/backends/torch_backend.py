@@ -114,7 +114,8 @@ def _tiling(num_blocks: int, block_size: int, token_bytes: int) -> tuple[int, in
     return chunk_blocks, rows
 
 
-def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int) -> _Plan:
+def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int, kv_heads: int
+          ) -> _Plan:
     """Splits the batch into prefills and tiled decode buckets (once per metadata, see
     forward). token_bytes: bytes of one token's keys in the compute dtype."""
     starts = metadata.query_start_loc_cpu.tolist()
@@ -143,8 +144,9 @@ def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int) -> _Pl
         for first in range(0, len(reqs), rows):
             last = min(first + rows, len(reqs))
             tile_ids, tile_lens = ids[first:last], lens[first:last]
-            if last - first == 1:
+            if last - first == 1 and kv_heads == 1:
                 # A padding row over the request's first block: its scores are discarded.
+                # (With several KV heads, a tile of one multiplies its heads as one batch.)
                 tile_ids = torch.cat([tile_ids, tile_ids[:, :1].expand(1, num_blocks)])
                 tile_lens = torch.cat([tile_lens, tile_lens])
             tiles.append(_DecodeTile(
@@ -163,6 +165,9 @@ class TorchAttentionBackend(AttentionBackend):
     bucket, read from the paged cache in tiles (see _decode_tile); other requests run one at a
     time. A request's result never depends on its batch.
     """
+
+    # Where decode chunks are gathered (see _gather_chunk); grown on demand.
+    _chunk_buffer: torch.Tensor | None = None
 
     def cache_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -183,7 +188,7 @@ class TorchAttentionBackend(AttentionBackend):
         if plan is None:
             plan = metadata.backend_plans[TorchAttentionBackend] = _plan(
                 metadata, kv_cache.shape[2], self.num_kv_heads * self.head_size
-                * query.element_size()
+                * query.element_size(), self.num_kv_heads
             )
         for req, start, query_len, seq_len in plan.prefills:
             self._prefill(query, kv_cache, metadata, out, req, start, query_len, seq_len)
@@ -238,8 +243,9 @@ class TorchAttentionBackend(AttentionBackend):
 
         Two passes over the context, a chunk of blocks at a time: the scores of every chunk,
         one exact softmax over each whole row, then the values of every chunk weighted and
-        summed. A chunk is gathered, multiplied and dropped while it is in cache; only the
-        scores (heads × context per request, small beside the keys) span the whole context.
+        summed. A chunk is gathered and used while it is in cache, token-major as cached:
+        each KV head's products read it in place through a strided view. Only the scores
+        (heads × context per request, small beside the keys) span the whole context.
         """
         rows, num_blocks = tile.block_ids.shape
         block_size, kv_heads = kv_cache.shape[2], self.num_kv_heads
@@ -247,46 +253,65 @@ class TorchAttentionBackend(AttentionBackend):
         q = query[tile.token_idx].view(-1, kv_heads, group, self.head_size)
         if len(q) < rows:
             q = torch.cat([q, q[:1].expand(rows - len(q), -1, -1, -1)])
-        # Requests and KV heads fold into one batch of products; it is never a batch of one
-        # (a tile has two rows at least): torch multiplies a batch of one with its plain
-        # matmul kernel, which can round differently (seen with 6 heads per KV head).
-        q = q.reshape(rows * kv_heads, group, self.head_size)
-        scores = torch.empty(rows * kv_heads, group, num_blocks * block_size, dtype=q.dtype,
+        # Head-major: each KV head's products are one batch of `rows` (never a batch of one,
+        # a tile has two rows at least: torch multiplies a batch of one with its plain matmul
+        # kernel, which can round differently; seen with 6 heads per KV head).
+        q = q.transpose(0, 1).contiguous()  # [kv_heads, rows, group, D]
+        scores = torch.empty(kv_heads, rows, group, num_blocks * block_size, dtype=q.dtype,
                              device=q.device)
         spans = [(first * block_size, min(num_blocks, first + chunk_blocks) * block_size)
                  for first in range(0, num_blocks, chunk_blocks)]
+        # Each product is one matrix of a KV head and a request, laid out the same in any
+        # tile: a tile of several requests batches them per KV head, a tile of one (only
+        # with several KV heads, see _plan) batches its KV heads.
+        if rows == 1:
+            parts = [(slice(None), 0, lambda c: c[0].transpose(0, 1))]
+        else:
+            parts = [(h, slice(None), lambda c, h=h: c[:, :, h]) for h in range(kv_heads)]
         for start, end in spans:
             k = self._gather_chunk(kv_cache[0], tile.block_ids, start, end, q.dtype)
-            scores[..., start:end] = torch.bmm(q, k.transpose(1, 2))
-        scores = scores.view(rows, kv_heads, group, -1)
-        scores.mul_(score_scale).masked_fill_(tile.hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(rows * kv_heads, group, -1)
-        o = None
-        for start, end in spans:
+            for h, r, view in parts:
+                torch.bmm(q[h, r], view(k).transpose(1, 2), out=scores[h, r, :, start:end])
+        scores.mul_(score_scale).masked_fill_(tile.hidden.transpose(0, 1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.empty(kv_heads, rows, group, self.head_size, dtype=q.dtype, device=q.device)
+        for i, (start, end) in enumerate(spans):
             v = self._gather_chunk(kv_cache[1], tile.block_ids, start, end, q.dtype)
-            part = torch.bmm(probs[..., start:end], v)
-            o = part if o is None else o.add_(part)
-        assert o is not None
-        return o.view(rows, kv_heads, group, self.head_size)
+            for h, r, view in parts:
+                part = probs[h, r, :, start:end]
+                if i == 0:
+                    torch.bmm(part, view(v), out=o[h, r])
+                else:
+                    o[h, r].add_(torch.bmm(part, view(v)))
+        return o.transpose(0, 1)
 
-    @staticmethod
     def _gather_chunk(
-        cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int, dtype: torch.dtype
+        self, cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         """Positions start:end (whole blocks) of the keys or values of block_ids [rows, nb],
-        from one half of the cache, as a head-major copy [rows * Hkv, end - start, D] in dtype.
-        """
+        from one half of the cache: [rows, end - start, Hkv, D] in dtype, token-major.
+
+        A chunk of a cache already in dtype lands in one buffer that every chunk reuses:
+        valid until the next call. A fresh tensor per chunk took page faults on first write
+        and unmapping on free, ~40% of the gather (docs/architecture.md §6)."""
         block_size, kv_heads, head_size = cache.shape[1:]
         ids = block_ids[:, start // block_size : end // block_size]
         rows, n = ids.shape
-        # Float8 blocks are copied as their bytes: not every device's index_select takes float8.
-        raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
-        chunk = torch.index_select(raw, 0, ids.flatten()).view(cache.dtype)
-        chunk = chunk.view(rows, n * block_size, kv_heads, head_size).transpose(1, 2)
-        # One copy makes the chunk head-major and converts it: rows of head_size elements move
-        # whole, and the products then read each head contiguously.
-        out = torch.empty(chunk.shape, dtype=dtype, device=cache.device)
-        return out.copy_(chunk).view(rows * kv_heads, n * block_size, head_size)
+        shape = (rows * n, block_size, kv_heads, head_size)
+        if cache.dtype == dtype:
+            numel = torch.Size(shape).numel()
+            buf = self._chunk_buffer
+            if buf is None or buf.numel() < numel or buf.dtype != dtype or (
+                    buf.device != cache.device):
+                buf = self._chunk_buffer = torch.empty(numel, dtype=dtype, device=cache.device)
+            chunk = torch.index_select(cache, 0, ids.flatten(), out=buf[:numel].view(shape))
+        else:
+            # Float8 blocks are copied as their bytes: not every device's index_select takes
+            # float8.
+            raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+            chunk = torch.index_select(raw, 0, ids.flatten()).view(cache.dtype).to(dtype)
+        return chunk.view(rows, n * block_size, kv_heads, head_size)
 
     def _read_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
         """(score scale, output scale) for reading kv_cache. With an FP8 cache the keys'
