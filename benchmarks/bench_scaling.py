@@ -26,12 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from vllm import LLM, SamplingParams
-from vllm.model_executor.bare_decoder import BareDecoder
+from vllm import LLM, SamplingParams, thread_policy
 from vllm.benchmarks.plot import line_chart_png
-from vllm.model_executor.model_loader.demo_model import resolve_model_dir
 
 
 def step_seconds(full_s: float, prefill_s: float, output_len: int) -> float:
@@ -57,6 +53,8 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def _timed(fn: Any) -> float:
+    import torch
+
     start = time.perf_counter()
     fn()
     if torch.cuda.is_available():
@@ -74,6 +72,16 @@ def cells(batches: list[int], lengths: list[int], max_tokens: int | None) -> lis
 def run(model: str, grid: list[tuple[int, int]], output_len: int) -> list[dict]:
     """One record per (context length, batch) of grid: engine and bare step times and
     throughputs."""
+    # The engine's thread policy before torch loads OpenMP (as `LLM` would set it): loaded
+    # first, OpenMP's idle threads spin on the cores the engine's Python threads need
+    # (vllm/thread_policy.py), which cost the engine up to 15% per step at 8k context. The
+    # bare loop runs under the same policy.
+    thread_policy.configure_process()
+    import torch
+
+    from vllm.model_executor.bare_decoder import BareDecoder
+    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+
     model_dir = resolve_model_dir(model)
     cuda = torch.cuda.is_available()
     bare = BareDecoder(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
