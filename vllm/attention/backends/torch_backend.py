@@ -64,9 +64,28 @@ def gather_kv(
 # Decode context lengths are padded up to a multiple of this.
 _DECODE_BUCKET = 64
 # Bytes of keys (or values, in the compute dtype) one decode tile reads: a tile is gathered,
-# multiplied and dropped while it is still in a core's cache, so the paged KV crosses memory
-# once per step instead of being copied out in full first (docs/architecture.md §6).
-_TILE_BYTES = 1 << 20
+# multiplied and dropped, so the paged KV is never copied out in full first. Large tiles
+# mean few operations per layer, and each one wakes the OpenMP team, which sleeps between
+# operations under the engine's PASSIVE wait policy: 16 MiB tiles were 3x faster there than
+# 1 MiB ones at batch 64 (docs/architecture.md §6).
+_TILE_BYTES = 16 << 20
+
+
+class _Workspace:
+    """Memory that decode chunks are gathered into, reused across layers and steps: a fresh
+    tensor per chunk took page faults on first write and unmapping on free."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+             ) -> torch.Tensor:
+        """A contiguous uninitialised tensor of `shape`, valid until the next take."""
+        numel = torch.Size(shape).numel()
+        buf = self._buffer
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
 
 
 @dataclass
@@ -100,6 +119,8 @@ class _Plan:
     # (request, first query row, query length, context length) of every prefill.
     prefills: list[tuple[int, int, int, int]]
     decodes: list[_DecodeBucket]
+    # The planning layer's workspace, which every layer of the pass uses (one per model).
+    workspace: _Workspace | None = None
 
 
 def _tiling(num_blocks: int, block_size: int, token_bytes: int) -> tuple[int, int]:
@@ -158,6 +179,27 @@ def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int, kv_hea
     return _Plan(prefills, decodes)
 
 
+def _gather_chunk(
+    cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int, dtype: torch.dtype,
+    workspace: _Workspace,
+) -> torch.Tensor:
+    """Positions start:end (whole blocks) of the keys or values of block_ids [rows, nb],
+    from one half of the cache: [rows, end - start, Hkv, D] in dtype, token-major. A cache
+    already in dtype is gathered into the workspace (valid until its next take)."""
+    block_size, kv_heads, head_size = cache.shape[1:]
+    ids = block_ids[:, start // block_size : end // block_size]
+    rows, n = ids.shape
+    if cache.dtype == dtype:
+        out = workspace.take((rows * n, block_size, kv_heads, head_size), dtype, cache.device)
+        chunk = torch.index_select(cache, 0, ids.flatten(), out=out)
+    else:
+        # Float8 blocks are copied as their bytes: not every device's index_select takes
+        # float8.
+        raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+        chunk = torch.index_select(raw, 0, ids.flatten()).view(cache.dtype).to(dtype)
+    return chunk.view(rows, n * block_size, kv_heads, head_size)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Paged causal attention with grouped-query support, built on scaled_dot_product_attention.
 
@@ -166,8 +208,8 @@ class TorchAttentionBackend(AttentionBackend):
     time. A request's result never depends on its batch.
     """
 
-    # Where decode chunks are gathered (see _gather_chunk); grown on demand.
-    _chunk_buffer: torch.Tensor | None = None
+    # Set when this layer first plans a pass (see attend).
+    _workspace: _Workspace | None = None
 
     def cache_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -190,10 +232,14 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata, kv_cache.shape[2], self.num_kv_heads * self.head_size
                 * query.element_size(), self.num_kv_heads
             )
+            # The first layer plans every pass, so its workspace lasts across steps.
+            if self._workspace is None:
+                self._workspace = _Workspace()
+            plan.workspace = self._workspace
         for req, start, query_len, seq_len in plan.prefills:
             self._prefill(query, kv_cache, metadata, out, req, start, query_len, seq_len)
         for bucket in plan.decodes:
-            self._decode(query, kv_cache, out, bucket)
+            self._decode(query, kv_cache, out, bucket, plan.workspace)
         return out
 
     def _prefill(
@@ -225,11 +271,13 @@ class TorchAttentionBackend(AttentionBackend):
         out[start : start + query_len] = o[0].transpose(0, 1)
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bucket: _DecodeBucket
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, bucket: _DecodeBucket,
+        workspace: _Workspace,
     ) -> None:
         score_scale, out_scale = self._read_scales(kv_cache)
         for tile in bucket.tiles:
-            o = self._decode_tile(query, kv_cache, tile, bucket.chunk_blocks, score_scale)
+            o = self._decode_tile(query, kv_cache, tile, bucket.chunk_blocks, score_scale,
+                                  workspace)
             if out_scale != 1.0:
                 o = o * out_scale
             n = len(tile.token_idx)
@@ -237,7 +285,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode_tile(
         self, query: torch.Tensor, kv_cache: torch.Tensor, tile: _DecodeTile, chunk_blocks: int,
-        score_scale: float,
+        score_scale: float, workspace: _Workspace,
     ) -> torch.Tensor:
         """Attention of one tile's rows: [rows, num_kv_heads, group, head_size].
 
@@ -269,14 +317,14 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             parts = [(h, slice(None), lambda c, h=h: c[:, :, h]) for h in range(kv_heads)]
         for start, end in spans:
-            k = self._gather_chunk(kv_cache[0], tile.block_ids, start, end, q.dtype)
+            k = _gather_chunk(kv_cache[0], tile.block_ids, start, end, q.dtype, workspace)
             for h, r, view in parts:
                 torch.bmm(q[h, r], view(k).transpose(1, 2), out=scores[h, r, :, start:end])
         scores.mul_(score_scale).masked_fill_(tile.hidden.transpose(0, 1), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.empty(kv_heads, rows, group, self.head_size, dtype=q.dtype, device=q.device)
         for i, (start, end) in enumerate(spans):
-            v = self._gather_chunk(kv_cache[1], tile.block_ids, start, end, q.dtype)
+            v = _gather_chunk(kv_cache[1], tile.block_ids, start, end, q.dtype, workspace)
             for h, r, view in parts:
                 part = probs[h, r, :, start:end]
                 if i == 0:
@@ -284,34 +332,6 @@ class TorchAttentionBackend(AttentionBackend):
                 else:
                     o[h, r].add_(torch.bmm(part, view(v)))
         return o.transpose(0, 1)
-
-    def _gather_chunk(
-        self, cache: torch.Tensor, block_ids: torch.Tensor, start: int, end: int,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """Positions start:end (whole blocks) of the keys or values of block_ids [rows, nb],
-        from one half of the cache: [rows, end - start, Hkv, D] in dtype, token-major.
-
-        A chunk of a cache already in dtype lands in one buffer that every chunk reuses:
-        valid until the next call. A fresh tensor per chunk took page faults on first write
-        and unmapping on free, ~40% of the gather (docs/architecture.md §6)."""
-        block_size, kv_heads, head_size = cache.shape[1:]
-        ids = block_ids[:, start // block_size : end // block_size]
-        rows, n = ids.shape
-        shape = (rows * n, block_size, kv_heads, head_size)
-        if cache.dtype == dtype:
-            numel = torch.Size(shape).numel()
-            buf = self._chunk_buffer
-            if buf is None or buf.numel() < numel or buf.dtype != dtype or (
-                    buf.device != cache.device):
-                buf = self._chunk_buffer = torch.empty(numel, dtype=dtype, device=cache.device)
-            chunk = torch.index_select(cache, 0, ids.flatten(), out=buf[:numel].view(shape))
-        else:
-            # Float8 blocks are copied as their bytes: not every device's index_select takes
-            # float8.
-            raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
-            chunk = torch.index_select(raw, 0, ids.flatten()).view(cache.dtype).to(dtype)
-        return chunk.view(rows, n * block_size, kv_heads, head_size)
 
     def _read_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
         """(score scale, output scale) for reading kv_cache. With an FP8 cache the keys'
