@@ -16,6 +16,11 @@ into one tensor per layer before multiplying (the torch backend until the tiled 
 "tiled" is TorchAttentionBackend. The two alternate within each cell; the fastest forward
 of each is kept (the CPU may be shared), and the ratio gather ÷ tiled is printed with the
 largest output difference.
+
+OpenMP's wait policy changes the CPU figures several-fold for the tiled decode (many small
+operations): the engine sleeps idle OpenMP threads (PASSIVE) when its team takes every CPU
+(vllm/thread_policy.py), so to time what the engine sees there, run with
+`OMP_WAIT_POLICY=PASSIVE` and `--threads` equal to the CPUs.
 """
 
 from __future__ import annotations
