@@ -96,9 +96,11 @@ class _DecodeTile:
     token_idx: torch.Tensor
     # [rows, num_blocks] int64: their block ids. Ids past a request's end may be stale or
     # invalid (clamped to 0): those positions are masked. Padding rows (a tile of one
-    # request is padded to two, see _decode_tile) repeat one block, which stays in cache.
+    # request with a single KV head is padded to two, see _plan) repeat one block, which
+    # stays in cache.
     block_ids: torch.Tensor
-    # [rows, 1, 1, num_blocks * block_size] bool: positions past each request's context.
+    # [1, rows, 1, num_blocks * block_size] bool: positions past each request's context,
+    # shaped for the head-major scores of _decode_tile.
     hidden: torch.Tensor
 
 
@@ -120,7 +122,7 @@ class _Plan:
     prefills: list[tuple[int, int, int, int]]
     decodes: list[_DecodeBucket]
     # The planning layer's workspace, which every layer of the pass uses (one per model).
-    workspace: _Workspace | None = None
+    workspace: _Workspace
 
 
 def _tiling(num_blocks: int, block_size: int, token_bytes: int) -> tuple[int, int]:
@@ -135,8 +137,8 @@ def _tiling(num_blocks: int, block_size: int, token_bytes: int) -> tuple[int, in
     return chunk_blocks, rows
 
 
-def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int, kv_heads: int
-          ) -> _Plan:
+def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int, kv_heads: int,
+          workspace: _Workspace) -> _Plan:
     """Splits the batch into prefills and tiled decode buckets (once per metadata, see
     forward). token_bytes: bytes of one token's keys in the compute dtype."""
     starts = metadata.query_start_loc_cpu.tolist()
@@ -173,10 +175,10 @@ def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int, kv_hea
             tiles.append(_DecodeTile(
                 token_idx=token_idx[first:last],
                 block_ids=tile_ids.contiguous(),
-                hidden=(positions[None, :] >= tile_lens[:, None])[:, None, None, :],
+                hidden=(positions[None, :] >= tile_lens[:, None])[None, :, None, :],
             ))
         decodes.append(_DecodeBucket(tiles, chunk_blocks))
-    return _Plan(prefills, decodes)
+    return _Plan(prefills, decodes, workspace)
 
 
 def _gather_chunk(
@@ -228,14 +230,13 @@ class TorchAttentionBackend(AttentionBackend):
         # Every layer of the pass sees the same metadata: the first one plans for all.
         plan = metadata.backend_plans.get(TorchAttentionBackend)
         if plan is None:
-            plan = metadata.backend_plans[TorchAttentionBackend] = _plan(
-                metadata, kv_cache.shape[2], self.num_kv_heads * self.head_size
-                * query.element_size(), self.num_kv_heads
-            )
             # The first layer plans every pass, so its workspace lasts across steps.
             if self._workspace is None:
                 self._workspace = _Workspace()
-            plan.workspace = self._workspace
+            plan = metadata.backend_plans[TorchAttentionBackend] = _plan(
+                metadata, kv_cache.shape[2], self.num_kv_heads * self.head_size
+                * query.element_size(), self.num_kv_heads, self._workspace
+            )
         for req, start, query_len, seq_len in plan.prefills:
             self._prefill(query, kv_cache, metadata, out, req, start, query_len, seq_len)
         for bucket in plan.decodes:
@@ -320,7 +321,7 @@ class TorchAttentionBackend(AttentionBackend):
             k = _gather_chunk(kv_cache[0], tile.block_ids, start, end, q.dtype, workspace)
             for h, r, view in parts:
                 torch.bmm(q[h, r], view(k).transpose(1, 2), out=scores[h, r, :, start:end])
-        scores.mul_(score_scale).masked_fill_(tile.hidden.transpose(0, 1), float("-inf"))
+        scores.mul_(score_scale).masked_fill_(tile.hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o = torch.empty(kv_heads, rows, group, self.head_size, dtype=q.dtype, device=q.device)
         for i, (start, end) in enumerate(spans):
