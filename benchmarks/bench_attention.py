@@ -13,9 +13,12 @@ heads, head size 64; `--heads 16,8,128` for another), block size 16, float32, de
 of 1, 16 and 64 at contexts 128, 1k, 4k and 8k (cells over `--max-cell-tokens` are
 skipped), with a float8 cache at 4k. "gather" copies every request's whole paged context
 into one tensor per layer before multiplying (the torch backend until the tiled decode);
-"tiled" is TorchAttentionBackend. The two alternate within each cell; the fastest forward
-of each is kept (the CPU may be shared), and the ratio gather ÷ tiled is printed with the
-largest output difference.
+"tiled" is TorchAttentionBackend's torch decode (its path without the native library, and
+for float8); "native" is TorchAttentionBackend with the native kernel that reads the paged
+cache in place; "sdpa" is the bare decode loop's attention: one
+scaled_dot_product_attention over contexts already contiguous (the ceiling). The variants
+alternate within each cell; the fastest forward of each is kept (the CPU may be shared), and
+the largest output difference from "gather" is printed, then geometric means of the ratios.
 
 OpenMP's wait policy changes the CPU figures several-fold for the tiled decode (many small
 operations): the engine sleeps idle OpenMP threads (PASSIVE) when its team takes every CPU
@@ -31,7 +34,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from vllm import _custom_ops
 from vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from vllm.attention.backends.torch_backend import TorchAttentionBackend, gather_kv
 from vllm.attention.kv_cache_dtype import FP8_DTYPE
@@ -189,48 +194,75 @@ class GatherAttentionBackend(TorchAttentionBackend):
         out.index_copy_(0, bucket.token_idx, o.reshape(batch, self.num_heads, self.head_size))
 
 
+class TiledAttentionBackend(TorchAttentionBackend):
+    """The torch backend with its tiled decode even where the native kernel would run (what
+    a build without the native library uses)."""
+
+    def _native_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        return False
+
+
 def run_cpu_case(batch: int, context: int, heads: tuple[int, int, int], iters: int,
-                 cache_dtype: torch.dtype = torch.float32) -> float:
-    """Prints gather and tiled times of one decode batch; returns gather ÷ tiled."""
+                 cache_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Prints the decode times of one batch per variant; returns each one's ms."""
     inputs = make_inputs([1] * batch, [context] * batch, torch.device("cpu"), torch.float32,
                          heads, cache_dtype)
     query, key, value, kv_cache, metadata = inputs
     num_heads, num_kv_heads, head_size = heads
-    backends = {
-        "gather": GatherAttentionBackend(num_heads, head_size, num_kv_heads, head_size**-0.5),
-        "tiled": TorchAttentionBackend(num_heads, head_size, num_kv_heads, head_size**-0.5),
+    scale = head_size**-0.5
+    variants = {
+        "gather": GatherAttentionBackend(num_heads, head_size, num_kv_heads, scale).forward,
+        "tiled": TiledAttentionBackend(num_heads, head_size, num_kv_heads, scale).forward,
     }
-    best = {name: float("inf") for name in backends}
+    if cache_dtype == torch.float32 and _custom_ops.HAS_NATIVE:
+        variants["native"] = TorchAttentionBackend(num_heads, head_size, num_kv_heads,
+                                                   scale).forward
+        # The bare loop's attention: each request's context already contiguous (gathered once,
+        # untimed), one SDPA call for the batch; the cache write is not part of it.
+        blocks = -(-context // BLOCK_SIZE)
+        k, v = (t.transpose(1, 2).contiguous() for t in gather_kv(
+            kv_cache, metadata.block_table[:, :blocks], context))
+        q = query.view(batch, 1, num_heads, head_size).transpose(1, 2)
+        variants["sdpa"] = lambda *args: F.scaled_dot_product_attention(
+            q, k, v, scale=scale, enable_gqa=num_heads != num_kv_heads
+        ).transpose(1, 2).reshape(batch, num_heads, head_size)
+    best = {name: float("inf") for name in variants}
     outs = {}
     for i in range(iters + 1):
-        for name, backend in backends.items():
+        for name, forward in variants.items():
             metadata.backend_plans.clear()  # the plan is made once per forward pass
             start = time.perf_counter()
-            outs[name] = backend.forward(query, key, value, kv_cache, metadata)
+            outs[name] = forward(query, key, value, kv_cache, metadata)
             if i:  # the first round warms up
                 best[name] = min(best[name], 1e3 * (time.perf_counter() - start))
-    diff = (outs["gather"] - outs["tiled"]).abs().max().item()
-    ratio = best["gather"] / best["tiled"]
+    # "sdpa" read the contexts before this step's keys and values were cached: not compared.
+    diff = max((outs["gather"] - o).abs().max().item() for name, o in outs.items()
+               if name != "sdpa")
     dtype = "fp8 " if cache_dtype == FP8_DTYPE else ""
-    print(f"decode {dtype}batch {batch:3d} context {context:5d}  gather {best['gather']:8.3f} ms"
-          f"  tiled {best['tiled']:8.3f} ms  gather/tiled {ratio:5.2f}x  max|diff| {diff:.2g}",
-          flush=True)
-    return ratio
+    times = "  ".join(f"{name} {ms:8.3f}" for name, ms in best.items())
+    print(f"decode {dtype}batch {batch:3d} context {context:5d}  ms: {times}  "
+          f"max|diff| {diff:.2g}", flush=True)
+    return best
 
 
 def run_cpu(heads: tuple[int, int, int], iters: int, max_cell_tokens: int) -> None:
-    """The --cpu table: every (batch, context) cell within max_cell_tokens, then fp8."""
+    """The --cpu table: every (batch, context) cell within max_cell_tokens, then fp8; then
+    geometric means of the ratios between variants."""
     print(f"CPU, {torch.get_num_threads()} threads: heads {heads[0]}/{heads[1]}, head_size "
           f"{heads[2]}, block {BLOCK_SIZE}, float32; one layer's forward, fastest of {iters}")
-    ratios = []
+    cells = []
     for context in (128, 1024, 4096, 8192):
         for batch in (1, 16, 64):
             if batch * context <= max_cell_tokens:
-                ratios.append(run_cpu_case(batch, context, heads, iters))
+                cells.append(run_cpu_case(batch, context, heads, iters))
     for batch in (1, 16):
-        ratios.append(run_cpu_case(batch, 4096, heads, iters, FP8_DTYPE))
-    geo = torch.tensor(ratios).log().mean().exp().item()
-    print(f"geometric mean gather/tiled over {len(ratios)} cells: {geo:.2f}x")
+        cells.append(run_cpu_case(batch, 4096, heads, iters, FP8_DTYPE))
+    for slow, fast in (("gather", "tiled"), ("tiled", "native"), ("sdpa", "native")):
+        ratios = [c[slow] / c[fast] for c in cells if slow in c and fast in c]
+        if ratios:
+            geo = torch.tensor(ratios).log().mean().exp().item()
+            print(f"geometric mean {slow}/{fast} over {len(ratios)} cells: {geo:.2f}x "
+                  f"(min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
 
 
 def main() -> int:

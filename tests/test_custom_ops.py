@@ -479,3 +479,108 @@ def test_masked_argmax_rejects_bad_arguments(impl: str) -> None:
     with pytest.raises(ValueError, match="row index"):
         fn(logits, mask, np.array([0, 2], dtype=np.int64), out)
     assert out.tolist() == [-1, -1]
+
+
+def _paged_problem(lens: list[int], num_heads: int, kv_heads: int, head_size: int,
+                   block_size: int, seed: int) -> dict:
+    """Arguments of paged_decode_attention for decodes over contexts `lens` on shuffled blocks,
+    with two extra query rows no decode uses."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    nb = [-(-n // block_size) for n in lens]
+    perm = torch.randperm(sum(nb) + 3, generator=gen)
+    table = torch.full((len(lens) + 1, max(nb) + 2), -1, dtype=torch.int32)
+    used = 0
+    for r, n in enumerate(nb):
+        table[r + 1, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    return {
+        "query": torch.randn(len(lens) + 2, num_heads, head_size, generator=gen),
+        "kv_cache": torch.randn(2, sum(nb) + 3, block_size, kv_heads, head_size, generator=gen),
+        "block_table": table,
+        "rows": torch.arange(len(lens), dtype=torch.long).flip(0) + 1,
+        "table_rows": torch.arange(len(lens), dtype=torch.long) + 1,
+        "seq_lens": torch.tensor(lens, dtype=torch.long),
+        "scale": head_size**-0.5,
+    }
+
+
+def _paged_oracle(p: dict) -> "object":
+    """Float64 attention of every decode of _paged_problem, by gathering its positions."""
+    import torch
+
+    kv, bs = p["kv_cache"].double(), p["kv_cache"].shape[2]
+    heads, kv_heads = p["query"].shape[1], kv.shape[3]
+    want = torch.zeros(p["query"].shape, dtype=torch.float64)
+    for row, trow, n in zip(p["rows"].tolist(), p["table_rows"].tolist(), p["seq_lens"].tolist()):
+        slots = [int(p["block_table"][trow, t // bs]) * bs + t % bs for t in range(n)]
+        k = kv[0].reshape(-1, kv_heads, kv.shape[4])[slots].repeat_interleave(heads // kv_heads, 1)
+        v = kv[1].reshape(-1, kv_heads, kv.shape[4])[slots].repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,lhd->hl", p["query"][row].double(), k) * p["scale"]
+        want[row] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return want
+
+
+@pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
+@pytest.mark.parametrize("num_heads,kv_heads,head_size", [(4, 2, 64), (6, 3, 20), (2, 2, 3)])
+def test_paged_decode_attention_matches_oracle_for_any_thread_count(
+    num_heads: int, kv_heads: int, head_size: int
+) -> None:
+    """Float64 oracle to float32 rounding; bit-identical with 1, 2 or 5 threads (a request's
+    result never depends on who computes it); rows no decode uses stay as they were."""
+    import torch
+
+    p = _paged_problem([1, 16, 17, 300, 5, 64], num_heads, kv_heads, head_size, 16, seed=3)
+    outs = []
+    for threads in (1, 2, 5):
+        out = torch.full_like(p["query"], 7.0)
+        ops.paged_decode_attention(**p, out=out, num_threads=threads)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    rows = p["rows"]
+    torch.testing.assert_close(outs[0][rows].double(), _paged_oracle(p)[rows], rtol=1e-5,
+                               atol=1e-6)
+    assert bool((outs[0][[0, len(rows) + 1]] == 7.0).all())
+
+
+@pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
+def test_paged_decode_attention_rejects_bad_arguments() -> None:
+    """Each bad argument is a ValueError naming it, and the output is left untouched."""
+    import torch
+
+    def bad(match: str, **change: object) -> None:
+        out = change.pop("out", None)
+        out = torch.zeros(3 + 1, 4, 8) if out is None else out
+        p = _paged_problem([5, 20], 4, 2, 8, 4, seed=1)
+        p.update(change)
+        before = out.clone()
+        with pytest.raises(ValueError, match=match):
+            ops.paged_decode_attention(**p, out=out, num_threads=2)
+        assert torch.equal(out, before)
+
+    p = _paged_problem([5, 20], 4, 2, 8, 4, seed=1)
+    table = p["block_table"].clone()
+    table[1, 0] = p["kv_cache"].shape[1]  # a block id past the cache
+    bad("block id", block_table=table)
+    table = p["block_table"].clone()
+    table[2, 4] = -1  # inside the 20-token context of decode 1
+    bad("block id", block_table=table)
+    bad("context length", seq_lens=torch.tensor([0, 20]))
+    bad("context length", seq_lens=torch.tensor([5, 4 * table.shape[1] + 1]))
+    bad("row is out of range", rows=torch.tensor([0, 9]))
+    bad("row is out of range", table_rows=torch.tensor([1, 3]))
+    bad("query: expected a torch.float32", query=p["query"].double())
+    bad("kv_cache: must be contiguous", kv_cache=p["kv_cache"].transpose(3, 4))
+    bad("seq_lens: length", seq_lens=torch.tensor([5]))
+    bad("multiple of the KV heads", query=torch.zeros(4, 3, 8), out=torch.zeros(4, 3, 8))
+    bad("out: expected rows", out=torch.zeros(4, 8, 4).transpose(1, 2))
+
+
+def test_paged_decode_attention_needs_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the native library the op refuses (the torch backend then decodes itself)."""
+    fresh = load_fresh_module("custom_ops_no_attention")
+    monkeypatch.setenv("VLLM_DISABLE_NATIVE", "1")
+    with pytest.raises(RuntimeError, match="not loaded"):
+        fresh.paged_decode_attention(**_paged_problem([3], 2, 1, 4, 4, seed=0), out=None,
+                                     num_threads=1)

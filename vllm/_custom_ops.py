@@ -6,6 +6,9 @@ library, or with VLLM_DISABLE_NATIVE=1 at that moment, the public functions run 
 implementations with the same results and the same errors: each public op checks its arguments
 once, then runs one implementation. The choice is made once per process, for every op together
 (`_ops`); HAS_NATIVE reports it.
+
+One op has no numpy twin: paged_decode_attention (csrc/cpu/paged_attention.cpp), the CPU
+decode attention, whose fallback is the torch backend's own tiled decode.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    import torch
+
 # Must equal kAbiVersion in csrc/cpu/prepare_inputs.cpp; a library with another version is stale.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _STATUS_MESSAGES = {
     1: "req_indices: a request index is outside the block table's rows",
@@ -32,6 +38,10 @@ _STATUS_MESSAGES = {
     4: "num_scheduled/num_computed_tokens: counts must not be negative",
     5: "out_req_indices/out_positions: length must equal the sum of num_scheduled",
     6: "logit_rows/mask_rows: a row index is outside its array",
+    7: "rows/table_rows/seq_lens: a row is out of range, a context length is not in "
+       "1..(block table columns * block size), or a block id it uses is outside the cache",
+    8: "kv_cache/query: a size is not positive or the query heads are not a multiple of the "
+       "KV heads",
 }
 
 _P = ctypes.c_void_p
@@ -69,6 +79,11 @@ def load_library(path: Path) -> ctypes.CDLL | None:
         lib.vllm_apply_token_bitmask.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P, _I64]
         lib.vllm_masked_argmax.restype = ctypes.c_int32
         lib.vllm_masked_argmax.argtypes = [_P, _I64, _I64, _I64, _P, _I64, _I64, _P, _P]
+        lib.vllm_paged_decode_attention.restype = ctypes.c_int32
+        lib.vllm_paged_decode_attention.argtypes = [
+            _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P,
+            _I64, ctypes.c_float, _P, _I64, ctypes.c_int32,
+        ]
     except (OSError, AttributeError) as exc:
         warnings.warn(f"ignoring native library {path}: {exc}", RuntimeWarning, stacklevel=2)
         return None
@@ -402,6 +417,73 @@ def _argmax_native(
         None if mask_rows is None else mask_rows.ctypes.data,
         out.ctypes.data,
     )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    rows: torch.Tensor,
+    table_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_threads: int,
+) -> None:
+    """Writes into out[rows[i]] the attention of query[rows[i]] over the paged cache.
+
+    Decode i has one query row, rows[i], which sits at position seq_lens[i] - 1 of the
+    request whose blocks are block_table[table_rows[i]]; it attends to positions
+    0..seq_lens[i] - 1 (softmax of scale * q.k, grouped-query heads). Each request's result is
+    the same in any batch and for any num_threads (<= 0: the OpenMP default). Other rows of
+    out are not written. query, out: float32 CPU [T, num_heads, head_size], heads and head
+    size contiguous; kv_cache: float32 CPU [2, num_blocks, block_size, kv_heads, head_size],
+    contiguous; block_table: int32 [R, C], columns contiguous; rows, table_rows, seq_lens:
+    int64 [N], contiguous. Native only: raises RuntimeError without the library (see
+    HAS_NATIVE; the torch backend then uses its own tiled decode), ValueError naming the
+    argument for a wrong dtype, device, shape or layout, an out-of-range row or context
+    length, or a block id outside the cache; out is untouched then.
+    """
+    import torch
+
+    lib = _require_library()
+
+    def tensor(name: str, t: object, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+        if t.dtype != dtype or t.device.type != "cpu" or t.dim() != ndim:
+            raise ValueError(f"{name}: expected a {dtype} CPU tensor with {ndim} dimensions, "
+                             f"got {t.dtype} on {t.device} with shape {tuple(t.shape)}")
+        return t
+
+    tensor("query", query, torch.float32, 3)
+    tensor("out", out, torch.float32, 3)
+    tensor("kv_cache", kv_cache, torch.float32, 5)
+    tensor("block_table", block_table, torch.int32, 2)
+    for name, t in (("rows", rows), ("table_rows", table_rows), ("seq_lens", seq_lens)):
+        if not tensor(name, t, torch.int64, 1).is_contiguous():
+            raise ValueError(f"{name}: must be contiguous")
+        if t.shape[0] != rows.shape[0]:
+            raise ValueError(f"{name}: length {t.shape[0]} != len(rows) {rows.shape[0]}")
+    if not kv_cache.is_contiguous() or kv_cache.shape[0] != 2:
+        raise ValueError("kv_cache: must be contiguous with a first dimension of 2 (keys, values)")
+    _, num_blocks, block_size, kv_heads, head_size = kv_cache.shape
+    num_heads = query.shape[1]
+    for name, t in (("query", query), ("out", out)):
+        if t.shape[1:] != (num_heads, head_size) or t.stride(2) != 1 or t.stride(1) != head_size:
+            raise ValueError(f"{name}: expected rows of [{num_heads}, {head_size}] contiguous "
+                             f"values, got shape {tuple(t.shape)} strides {t.stride()}")
+    if out.shape[0] != query.shape[0]:
+        raise ValueError(f"out: {out.shape[0]} rows != query rows {query.shape[0]}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table: columns must be contiguous")
+    _raise_status(lib.vllm_paged_decode_attention(
+        query.data_ptr(), query.shape[0], query.stride(0), kv_cache.data_ptr(), num_blocks,
+        block_size, kv_heads, head_size, num_heads, block_table.data_ptr(),
+        block_table.shape[0], block_table.shape[1], block_table.stride(0), rows.data_ptr(),
+        table_rows.data_ptr(), seq_lens.data_ptr(), rows.shape[0], float(scale),
+        out.data_ptr(), out.stride(0), int(num_threads),
+    ))
 
 
 SlotMappingFn = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], None]

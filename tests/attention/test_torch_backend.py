@@ -10,6 +10,7 @@ import torch
 
 from tests.utils_attention import ReqStep, allocate_blocks, make_metadata
 from tests.benchmarks.scripts import load_script
+from vllm import _custom_ops
 from vllm.attention.backends import torch_backend
 from vllm.attention.backends.torch_backend import TorchAttentionBackend
 from vllm.attention.kv_cache_dtype import FP8_DTYPE, FP8_MAX, quantize_fp8
@@ -31,6 +32,18 @@ def naive_attention(
     return out
 
 
+@pytest.fixture(params=["native", "tiled"])
+def decode_path(request, monkeypatch) -> str:
+    """Runs a test over both decode paths of a float32 CPU cache: the native kernel that reads
+    the paged cache in place, and the torch tiled decode used without the native library."""
+    if request.param == "native":
+        if not _custom_ops.HAS_NATIVE:
+            pytest.skip("native library not built (tests/test_custom_ops.py fails if it should be)")
+    else:
+        monkeypatch.setattr(TorchAttentionBackend, "_native_decode", lambda *args: False)
+    return request.param
+
+
 # (num_cached, num_new) per request: prefills, chunked prefills, decodes, an idle request.
 CASES = {
     "mixed": [(0, 7), (5, 1), (9, 4), (0, 1), (17, 1), (3, 1), (6, 0), (2, 9)],
@@ -43,7 +56,7 @@ CASES = {
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_matches_naive_attention(
-    case: str, num_heads: int, num_kv_heads: int, block_size: int
+    case: str, num_heads: int, num_kv_heads: int, block_size: int, decode_path: str
 ) -> None:
     # crc32, not hash(): str hashes change with every interpreter (PYTHONHASHSEED).
     rng = random.Random(zlib.crc32(f"{case}/{num_heads}/{block_size}".encode()) % 1000)
@@ -92,7 +105,7 @@ def test_matches_naive_attention(
 @pytest.mark.parametrize("tile_bytes", [None, 2048])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (8, 8), (6, 1)])
 def test_a_decode_is_bit_identical_alone_and_in_any_batch(
-    num_heads: int, num_kv_heads: int, tile_bytes: int | None, monkeypatch
+    num_heads: int, num_kv_heads: int, tile_bytes: int | None, decode_path: str, monkeypatch
 ) -> None:
     """The backend's promise: a request's result never depends on its batch (decode path),
     with the default tiles and with tiles of a few requests and blocks (then the probe's
@@ -224,6 +237,27 @@ def _decode_step(
 DECODE_LENS = [1, 4, 5, 16, 17, 63, 64, 65, 100, 127, 128, 129, 3, 250, 31, 2]
 
 
+def _native_or_tiled_equals_gather(
+    num_heads: int, num_kv_heads: int, block_size: int, cache_dtype: torch.dtype,
+    scales: tuple[float, float] | None, head_size: int = 8, lens: list[int] = DECODE_LENS,
+) -> None:
+    """Asserts the backend's decode (whichever path is set up) equals gathering every whole
+    context first (the backend before tiling, kept as the benchmark's baseline), float32 to
+    rounding."""
+    gather_cls = load_script("bench_attention").GatherAttentionBackend
+    query, key, value, kv_cache, meta = _decode_step(
+        lens, num_heads, num_kv_heads, head_size, block_size, cache_dtype,
+        seed=block_size * 10 + num_heads + num_kv_heads)
+    outs = []
+    for cls in (TorchAttentionBackend, gather_cls):
+        backend = cls(num_heads, head_size, num_kv_heads, head_size**-0.5)
+        if scales is not None:
+            backend.set_kv_scales(*scales)
+        outs.append(backend.forward(query, key, value, kv_cache.clone(), meta))
+    assert not outs[0].isnan().any()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tile_bytes", [None, 4096, 256])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -232,24 +266,29 @@ def test_tiled_decode_equals_the_whole_context_gather(
     tile_bytes: int | None, num_heads: int, num_kv_heads: int, block_size: int, fp8: bool,
     monkeypatch,
 ) -> None:
-    """The tiled decode gives what gathering every whole context first gave (the backend
-    before tiling, kept as the benchmark's baseline), float32 to rounding, with ragged
-    contexts, tiles of two requests and chunks of one block, and float8 caches with scales."""
+    """The tiled decode (the path without the native library, and for float8 caches) with
+    ragged contexts, tiles of two requests and chunks of one block, and float8 caches with
+    scales."""
+    monkeypatch.setattr(TorchAttentionBackend, "_native_decode", lambda *args: False)
     if tile_bytes is not None:
         monkeypatch.setattr(torch_backend, "_TILE_BYTES", tile_bytes)
-    gather_cls = load_script("bench_attention").GatherAttentionBackend
-    head_size = 8
-    query, key, value, kv_cache, meta = _decode_step(
-        DECODE_LENS, num_heads, num_kv_heads, head_size, block_size,
-        FP8_DTYPE if fp8 else torch.float32, seed=block_size * 10 + num_heads + num_kv_heads)
-    outs = []
-    for cls in (TorchAttentionBackend, gather_cls):
-        backend = cls(num_heads, head_size, num_kv_heads, head_size**-0.5)
-        if fp8:
-            backend.set_kv_scales(0.5, 3.0)
-        outs.append(backend.forward(query, key, value, kv_cache.clone(), meta))
-    assert not outs[0].isnan().any()
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    _native_or_tiled_equals_gather(num_heads, num_kv_heads, block_size,
+                                   FP8_DTYPE if fp8 else torch.float32,
+                                   (0.5, 3.0) if fp8 else None)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size", [(4, 2, 8), (4, 4, 64),
+                                                              (6, 1, 12), (32, 4, 16)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_native_decode_equals_the_whole_context_gather(
+    num_heads: int, num_kv_heads: int, head_size: int, block_size: int
+) -> None:
+    """The native kernel with ragged contexts (a long one too), head sizes with and without a
+    tail past the eight-lane products, and groups of 1 to 8 query heads per KV head."""
+    if not _custom_ops.HAS_NATIVE:
+        pytest.skip("native library not built (tests/test_custom_ops.py fails if it should be)")
+    _native_or_tiled_equals_gather(num_heads, num_kv_heads, block_size, torch.float32, None,
+                                   head_size, DECODE_LENS + [1500])
 
 
 def test_decode_tiles_span_whole_blocks_and_hold_two_requests_at_least() -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm import _custom_ops
 from vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from vllm.attention.kv_cache_dtype import is_fp8, quantize_fp8
 
@@ -115,12 +116,27 @@ class _DecodeBucket:
 
 
 @dataclass
+class _NativeDecodes:
+    """Every decode request of a pass, for the native kernel that reads the paged cache in
+    place (`_custom_ops.paged_decode_attention`); int64 [n] each."""
+
+    # Query (and output) row of each decode.
+    rows: torch.Tensor
+    # Its block table row.
+    table_rows: torch.Tensor
+    # Its context length, the new token included.
+    seq_lens: torch.Tensor
+
+
+@dataclass
 class _Plan:
     """How one forward pass splits into prefills and decode buckets (see forward)."""
 
     # (request, first query row, query length, context length) of every prefill.
     prefills: list[tuple[int, int, int, int]]
+    # Decodes for the torch path, empty when `native` holds them.
     decodes: list[_DecodeBucket]
+    native: _NativeDecodes | None
     # The planning layer's workspace, which every layer of the pass uses (one per model).
     workspace: _Workspace
 
@@ -138,16 +154,20 @@ def _tiling(num_blocks: int, block_size: int, token_bytes: int) -> tuple[int, in
 
 
 def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int, kv_heads: int,
-          workspace: _Workspace) -> _Plan:
-    """Splits the batch into prefills and tiled decode buckets (once per metadata, see
-    forward). token_bytes: bytes of one token's keys in the compute dtype."""
+          workspace: _Workspace, native: bool) -> _Plan:
+    """Splits the batch into prefills and decodes, the decodes for the native kernel if
+    `native`, else in tiled buckets (once per metadata, see forward). token_bytes: bytes of
+    one token's keys in the compute dtype."""
     starts = metadata.query_start_loc_cpu.tolist()
     seq_lens = metadata.seq_lens_cpu.tolist()
     prefills: list[tuple[int, int, int, int]] = []
     buckets: dict[int, list[int]] = {}
+    native_reqs: list[int] = []
     for i in range(metadata.num_reqs):
         query_len = starts[i + 1] - starts[i]
-        if query_len == 1:
+        if query_len == 1 and native:
+            native_reqs.append(i)
+        elif query_len == 1:
             # The padded length depends only on a request's own length, so its result is the
             # same in any batch (the reductions' order changes with the padded length).
             buckets.setdefault(-(-seq_lens[i] // _DECODE_BUCKET) * _DECODE_BUCKET, []).append(i)
@@ -178,7 +198,14 @@ def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int, kv_hea
                 hidden=(positions[None, :] >= tile_lens[:, None])[None, :, None, :],
             ))
         decodes.append(_DecodeBucket(tiles, chunk_blocks))
-    return _Plan(prefills, decodes, workspace)
+    natives = None
+    if native_reqs:
+        natives = _NativeDecodes(
+            rows=torch.tensor([starts[i] for i in native_reqs], dtype=torch.long),
+            table_rows=torch.tensor(native_reqs, dtype=torch.long),
+            seq_lens=torch.tensor([seq_lens[i] for i in native_reqs], dtype=torch.long),
+        )
+    return _Plan(prefills, decodes, natives, workspace)
 
 
 def _gather_chunk(
@@ -205,9 +232,11 @@ def _gather_chunk(
 class TorchAttentionBackend(AttentionBackend):
     """Paged causal attention with grouped-query support, built on scaled_dot_product_attention.
 
-    Decode requests (one new token) run together in padded, masked batches by context-length
-    bucket, read from the paged cache in tiles (see _decode_tile); other requests run one at a
-    time. A request's result never depends on its batch.
+    Decode requests (one new token) on a float32 CPU cache run in the native kernel, which
+    reads the paged cache in place (csrc/cpu/paged_attention.cpp); elsewhere, or without the
+    native library, they run together in padded, masked batches by context-length bucket, read
+    from the paged cache in tiles (see _decode_tile). Other requests run one at a time. A
+    request's result never depends on its batch.
     """
 
     # Set when this layer first plans a pass (see attend).
@@ -226,7 +255,7 @@ class TorchAttentionBackend(AttentionBackend):
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """See AttentionBackend.attend. Rows past metadata.num_actual_tokens are zeros."""
-        out = torch.zeros_like(query)
+        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         # Every layer of the pass sees the same metadata: the first one plans for all.
         plan = metadata.backend_plans.get(TorchAttentionBackend)
         if plan is None:
@@ -235,10 +264,16 @@ class TorchAttentionBackend(AttentionBackend):
                 self._workspace = _Workspace()
             plan = metadata.backend_plans[TorchAttentionBackend] = _plan(
                 metadata, kv_cache.shape[2], self.num_kv_heads * self.head_size
-                * query.element_size(), self.num_kv_heads, self._workspace
+                * query.element_size(), self.num_kv_heads, self._workspace,
+                self._native_decode(query, kv_cache),
             )
         for req, start, query_len, seq_len in plan.prefills:
             self._prefill(query, kv_cache, metadata, out, req, start, query_len, seq_len)
+        if plan.native is not None:
+            _custom_ops.paged_decode_attention(
+                query, kv_cache, metadata.block_table, plan.native.rows, plan.native.table_rows,
+                plan.native.seq_lens, self.scale, out, torch.get_num_threads(),
+            )
         for bucket in plan.decodes:
             self._decode(query, kv_cache, out, bucket, plan.workspace)
         return out
@@ -333,6 +368,12 @@ class TorchAttentionBackend(AttentionBackend):
                 else:
                     o[h, r].add_(torch.bmm(part, view(v)))
         return o.transpose(0, 1)
+
+    def _native_decode(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether this pass's decodes run in the native kernel: float32 on the CPU, with the
+        native library loaded."""
+        return (query.device.type == "cpu" and query.dtype == torch.float32
+                and kv_cache.dtype == torch.float32 and _custom_ops.HAS_NATIVE)
 
     def _read_scales(self, kv_cache: torch.Tensor) -> tuple[float, float]:
         """(score scale, output scale) for reading kv_cache. With an FP8 cache the keys'

@@ -1,0 +1,284 @@
+// Decode attention on the CPU, reading the paged KV cache in place.
+//
+// The torch backend's fallback gathers each request's blocks into a contiguous copy before
+// multiplying: a memory copy per layer as large as the context. Here every (request, KV head)
+// pair walks its own blocks directly: scores of the group's query heads against each cached key,
+// one exact softmax over the whole row, then the values weighted in position order. Each pair is
+// computed alone, in a fixed order that depends only on its own context length, so a request's
+// output is bit-identical in any batch and for any thread count. Pairs are spread over the
+// OpenMP team (torch's own libgomp when torch is loaded first, so no second pool of threads).
+//
+// Layouts (float32): query rows [.., num_heads, head_size] with a row stride; the cache
+// [2, num_blocks, block_size, kv_heads, head_size] contiguous (keys, then values); the output
+// like the query.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
+
+// On x86-64, the pair kernel is also compiled for AVX2 and picked at load time; the library
+// itself stays runnable on any x86-64 (no -march=native).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VLLM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VLLM_CLONES
+#endif
+
+namespace {
+constexpr int32_t VLLM_OK = 0;
+constexpr int32_t VLLM_BAD_DECODE = 7;
+constexpr int32_t VLLM_BAD_SHAPE = 8;
+// Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one: the
+// kernel asks for the block this many ahead while it works on one.
+constexpr int64_t kAhead = 4;
+
+// Eight float lanes; GCC and Clang lower it to whatever vector width the target has. The
+// helpers are always inlined, so no v8 crosses a call (GCC warns about that ABI otherwise).
+typedef float v8 __attribute__((vector_size(32)));
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+__attribute__((always_inline)) inline v8 load8(const float* p) {
+  v8 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+__attribute__((always_inline)) inline void store8(float* p, v8 x) {
+  std::memcpy(p, &x, sizeof(x));
+}
+
+// Shapes and pointers shared by every (request, KV head) pair of one call.
+struct Problem {
+  const float* query;
+  int64_t query_stride;
+  const float* keys;
+  const float* values;
+  int64_t block_size, kv_heads, head_size, group;
+  const int32_t* block_table;
+  int64_t table_stride;
+  float scale;
+  float* out;
+  int64_t out_stride;
+};
+
+// Sum of the eight lanes, in a fixed order.
+__attribute__((always_inline)) inline float lane_sum(v8 a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+// Score of one query head against one key: eight running lanes, summed in a fixed order.
+__attribute__((always_inline)) inline float dot(const float* q, const float* k, int64_t d) {
+  const int64_t d8 = d - d % 8;
+  v8 a = {};
+  for (int64_t i = 0; i < d8; i += 8) a += load8(q + i) * load8(k + i);
+  float s = lane_sum(a);
+  for (int64_t i = d8; i < d; ++i) s += q[i] * k[i];
+  return s;
+}
+
+// Asks the cache for `width` floats at x: a row of the next block, which sits anywhere in the
+// cache, so the hardware prefetcher cannot guess it. One row per row used, so the requests
+// are spread out rather than all issued at once (which stalled on the line fill buffers).
+__attribute__((always_inline)) inline void prefetch_row(const float* x, int64_t width) {
+  for (int64_t i = 0; i < width; i += 16) __builtin_prefetch(x + i);
+}
+
+// scores[g * len + j] = scale * q_g . k_j for the n keys at k (stride apart): four keys at a
+// time, so four independent sums are in flight; each score is what dot() gives. `next`: the
+// next block's first key (prefetched), or null.
+__attribute__((always_inline)) inline void score_keys(const Problem& p, const float* q,
+                                                      const float* k, int64_t stride, int64_t n,
+                                                      int64_t len, float* scores,
+                                                      const float* next) {
+  const int64_t d = p.head_size, d8 = d - d % 8;
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4, k += 4 * stride) {
+    if (next != nullptr) {
+      for (int64_t r = j; r < j + 4; ++r) prefetch_row(next + r * stride, d);
+    }
+    for (int64_t g = 0; g < p.group; ++g) {
+      const float* qg = q + g * d;
+      v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t i = 0; i < d8; i += 8) {
+        const v8 x = load8(qg + i);
+        a0 += x * load8(k + i);
+        a1 += x * load8(k + stride + i);
+        a2 += x * load8(k + 2 * stride + i);
+        a3 += x * load8(k + 3 * stride + i);
+      }
+      float s0 = lane_sum(a0), s1 = lane_sum(a1), s2 = lane_sum(a2), s3 = lane_sum(a3);
+      for (int64_t i = d8; i < d; ++i) {
+        s0 += qg[i] * k[i];
+        s1 += qg[i] * k[stride + i];
+        s2 += qg[i] * k[2 * stride + i];
+        s3 += qg[i] * k[3 * stride + i];
+      }
+      float* out = scores + g * len + j;
+      out[0] = s0 * p.scale;
+      out[1] = s1 * p.scale;
+      out[2] = s2 * p.scale;
+      out[3] = s3 * p.scale;
+    }
+  }
+  for (; j < n; ++j, k += stride) {
+    for (int64_t g = 0; g < p.group; ++g) scores[g * len + j] = dot(q + g * d, k, d) * p.scale;
+  }
+}
+
+// Where block b's first position for KV head h starts, in keys or values.
+__attribute__((always_inline)) inline const float* block_start(const Problem& p,
+                                                               const float* half,
+                                                               const int32_t* blocks, int64_t b,
+                                                               int64_t h) {
+  return half + (static_cast<int64_t>(blocks[b]) * p.block_size * p.kv_heads + h) * p.head_size;
+}
+
+// out[0 .. 8 * L) = sum over positions t of w[t] * (values of t)[c .. c + 8 * L), in position
+// order, accumulated in registers.
+template <int L>
+__attribute__((always_inline)) inline void weigh(const Problem& p, int64_t h,
+                                                 const int32_t* blocks, int64_t num_blocks,
+                                                 int64_t len, const float* w, int64_t c,
+                                                 float* out) {
+  const int64_t bs = p.block_size, stride = p.kv_heads * p.head_size;
+  v8 a[L] = {};
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n = b + 1 < num_blocks ? bs : len - b * bs;
+    const float* v = block_start(p, p.values, blocks, b, h) + c;
+    const float* next = b + kAhead < num_blocks
+        ? block_start(p, p.values, blocks, b + kAhead, h) + c : nullptr;
+    const float* wb = w + b * bs;
+    for (int64_t j = 0; j < n; ++j, v += stride) {
+      if (next != nullptr) prefetch_row(next + j * stride, 8 * L);
+      const v8 x = {wb[j], wb[j], wb[j], wb[j], wb[j], wb[j], wb[j], wb[j]};
+      for (int l = 0; l < L; ++l) a[l] += x * load8(v + 8 * l);
+    }
+  }
+  for (int l = 0; l < L; ++l) store8(out + 8 * l, a[l]);
+}
+
+// Attention of KV heads [h0, h1) for one request whose query is row `row`, block table row
+// `table_row` and context `len` positions. scores: scratch of (h1 - h0) * group * len floats.
+// A head's result does not depend on which others are computed with it: the heads of a block
+// are read together only so that the block is read as one run.
+VLLM_CLONES void attend(const Problem& p, int64_t row, int64_t table_row, int64_t len,
+                        int64_t h0, int64_t h1, float* scores) {
+  const int64_t d = p.head_size, d8 = d - d % 8, bs = p.block_size;
+  const int64_t stride = p.kv_heads * d;  // between positions of one block
+  const int32_t* blocks = p.block_table + table_row * p.table_stride;
+  const int64_t num_blocks = (len + bs - 1) / bs;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n = b + 1 < num_blocks ? bs : len - b * bs;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* q = p.query + row * p.query_stride + h * p.group * d;
+      const float* next = b + kAhead < num_blocks
+          ? block_start(p, p.keys, blocks, b + kAhead, h) : nullptr;
+      score_keys(p, q, block_start(p, p.keys, blocks, b, h), stride, n, len,
+                 scores + (h - h0) * p.group * len + b * bs, next);
+    }
+  }
+  for (int64_t hg = h0 * p.group; hg < h1 * p.group; ++hg) {
+    const int64_t h = hg / p.group;
+    // Softmax numerators in place; the row's sum in position order.
+    float* s = scores + (hg - h0 * p.group) * len;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < len; ++i) m = s[i] > m ? s[i] : m;
+    float total = 0.0f;
+    for (int64_t i = 0; i < len; ++i) {
+      s[i] = std::exp(s[i] - m);
+      total += s[i];
+    }
+    // The output row: the values weighted and summed in position order, 32 columns at a time
+    // in registers, then divided by the total.
+    float* og = p.out + row * p.out_stride + hg * d;
+    int64_t c = 0;
+    for (; c + 32 <= d8; c += 32) weigh<4>(p, h, blocks, num_blocks, len, s, c, og + c);
+    for (; c < d8; c += 8) weigh<1>(p, h, blocks, num_blocks, len, s, c, og + c);
+    for (int64_t c = d8; c < d; ++c) {
+      float a = 0.0f;
+      for (int64_t b = 0; b < num_blocks; ++b) {
+        const int64_t n = b + 1 < num_blocks ? bs : len - b * bs;
+        const float* v = block_start(p, p.values, blocks, b, h) + c;
+        for (int64_t j = 0; j < n; ++j) a += s[b * bs + j] * v[j * stride];
+      }
+      og[c] = a;
+    }
+    const float inv = 1.0f / total;
+    for (int64_t i = 0; i < d; ++i) og[i] *= inv;
+  }
+}
+#pragma GCC diagnostic pop
+}  // namespace
+
+// Decode attention of n requests, one query row each, written into their output rows (other
+// rows untouched).
+// query: float32 rows of num_heads * head_size contiguous values, row i at query + i *
+// query_stride; kv_cache: float32 [2, num_blocks, block_size, kv_heads, head_size] contiguous;
+// block_table: int32 rows of table_cols ids, row r at block_table + r * table_stride;
+// rows[i], table_rows[i], seq_lens[i]: decode i's query/output row, block table row and context
+// length (its query's position + 1); out: like query with out_stride. num_threads <= 0 means
+// the OpenMP default.
+// Returns 0, VLLM_BAD_DECODE when a table row or context length is out of range or a block id
+// a context uses is outside the cache, VLLM_BAD_SHAPE for a non-positive size or num_heads not a
+// multiple of kv_heads; nothing is written then.
+VLLM_EXPORT int32_t vllm_paged_decode_attention(
+    const float* query, int64_t num_query_rows, int64_t query_stride, const float* kv_cache,
+    int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t head_size,
+    int64_t num_heads, const int32_t* block_table, int64_t table_rows, int64_t table_cols,
+    int64_t table_stride, const int64_t* rows, const int64_t* table_row_of,
+    const int64_t* seq_lens, int64_t n, float scale, float* out, int64_t out_stride,
+    int32_t num_threads) {
+  if (block_size <= 0 || kv_heads <= 0 || head_size <= 0 || num_heads <= 0 ||
+      num_heads % kv_heads != 0) {
+    return VLLM_BAD_SHAPE;
+  }
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = seq_lens[i];
+    if (rows[i] < 0 || rows[i] >= num_query_rows || table_row_of[i] < 0 ||
+        table_row_of[i] >= table_rows || len <= 0 || len > table_cols * block_size) {
+      return VLLM_BAD_DECODE;
+    }
+    const int32_t* ids = block_table + table_row_of[i] * table_stride;
+    for (int64_t b = 0, nb = (len + block_size - 1) / block_size; b < nb; ++b) {
+      if (ids[b] < 0 || ids[b] >= num_blocks) return VLLM_BAD_DECODE;
+    }
+    longest = len > longest ? len : longest;
+  }
+  const int64_t group = num_heads / kv_heads;
+  const Problem p{query, query_stride, kv_cache, kv_cache + num_blocks * block_size * kv_heads *
+                  head_size, block_size, kv_heads, head_size, group, block_table, table_stride,
+                  scale, out, out_stride};
+#if defined(_OPENMP)
+  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#else
+  const int threads = 1;
+  (void)num_threads;
+#endif
+  // A work item is a request with all its KV heads (its blocks read as whole runs) when there
+  // are enough requests to share out, else one KV head of one request.
+  const int64_t heads_per_item = n >= 2 * threads ? kv_heads : 1;
+  const int64_t items = n * (kv_heads / heads_per_item);
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads) if (items > 1)
+#endif
+  {
+    std::vector<float> scores(static_cast<size_t>(heads_per_item * group * longest));
+#if defined(_OPENMP)
+    // Dynamic: contexts differ in length; which thread takes an item never changes its result.
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t w = 0; w < items; ++w) {
+      const int64_t i = w * heads_per_item / kv_heads, h0 = w * heads_per_item % kv_heads;
+      attend(p, rows[i], table_row_of[i], seq_lens[i], h0, h0 + heads_per_item, scores.data());
+    }
+  }
+  return VLLM_OK;
+}
