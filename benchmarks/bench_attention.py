@@ -1,5 +1,6 @@
 """Times the attention backends: Triton against torch on CUDA, and on the CPU the torch
-backend's tiled decode against the whole-context gather it replaced.
+backend's decodes (native kernel, tiled torch) against the whole-context gather they replaced
+and the bare loop's SDPA.
 
 Run: `.venv/bin/python benchmarks/bench_attention.py [--cpu] [--iters N]`.
 

@@ -4,10 +4,12 @@ and the draft model of speculative decoding (docs/architecture.md §11).
 No scheduler, no paging, no sampler, no detokenizer: the embedding, each decoder layer with a
 contiguous KV cache and `scaled_dot_product_attention`, the final norm, the LM head and an
 argmax, for a whole batch at once. To be an honest ceiling it uses the fastest primitives the
-engine has: decode steps read the cache through views (no copy), the CPU LM head writes into
-one reused buffer, and the CPU argmax is the engine's one-pass kernel. Each prompt is prefilled on its own, then every step
-decodes one token of every sequence. Whatever the engine spends beyond this loop is its own
-overhead (docs/architecture.md §9). Qwen3, Qwen2 and Llama checkpoints without RoPE scaling.
+engine has: decode steps read the cache through views (no copy), CPU weights are stored
+column-major as the engine stores them, the CPU LM head writes into one reused buffer, and the
+CPU argmax is the engine's one-pass kernel. Prompts of equal length are prefilled together,
+then every step decodes one token of every sequence. Whatever the engine spends beyond this
+loop is its own overhead (docs/architecture.md §9). Qwen3, Qwen2 and Llama checkpoints
+without RoPE scaling.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ class BareDecoder:
         for path in sorted(root.glob("*.safetensors")):
             weights.update(load_file(str(path)))
         self.w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+        if torch.device(device).type == "cpu":
+            # The engine's layout on the CPU (layers/column_major.py), whose products are
+            # faster at one row (GEMV) and at large batches; a tied head stays shared.
+            self.w = {name: t.t().contiguous().t() if t.dim() == 2 else t
+                      for name, t in self.w.items()}
         self.head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
         self.inv_freq = 1.0 / (theta ** (half / self.head_dim))
@@ -65,10 +72,15 @@ class BareDecoder:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[name + ".weight"], self.w.get(name + ".bias"))
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, H, T, D] rotated by positions [B, T] (halves rotated, as in Qwen and Llama)."""
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, 1, T, D/2] of the RoPE angles at positions [B, T]."""
         angles = positions.float()[:, None, :, None] * self.inv_freq
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, D] rotated by the angles of _angles (halves rotated, as in Qwen and
+        Llama)."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -96,6 +108,7 @@ class BareDecoder:
         if first_rows:
             rows = torch.arange(b, device=self.device)
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])
+        cos, sin = self._angles(positions)  # once per pass, not per layer
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             h = self._norm(x, self.w[p + "input_layernorm.weight"])
@@ -106,7 +119,7 @@ class BareDecoder:
                 q = self._norm(q, self.w[p + "self_attn.q_norm.weight"])
                 k = self._norm(k, self.w[p + "self_attn.k_norm.weight"])
             q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # [B, H, T, D]
-            q, k = self._rope(q, positions), self._rope(k, positions)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k_cache, v_cache = cache[2 * i], cache[2 * i + 1]  # [N, Hkv, L, D]
             where = (rows[:, None, None], self._kv_heads[None, :, None], positions[:, None, :])
             k_cache[where] = k
@@ -147,13 +160,13 @@ class BareDecoder:
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         capacity = int(lengths.max()) + max_new_tokens
         cache = self.new_cache(n, capacity)
-        next_tokens = []
-        for r, prompt in enumerate(prompts):
-            ids = torch.tensor([prompt], device=self.device)
-            positions = torch.arange(len(prompt), device=self.device)[None]
-            rows = torch.tensor([r], device=self.device)
-            next_tokens.append(self._argmax(self.forward(ids, positions, cache, rows, None)))
-        tokens = torch.cat(next_tokens)
+        tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+        for group in _prefill_groups(prompts):
+            # Prompts of one length prefill together, as the engine batches its prefills.
+            ids = torch.tensor([prompts[r] for r in group], device=self.device)
+            positions = torch.arange(ids.shape[1], device=self.device)[None].expand_as(ids)
+            rows = torch.tensor(group, device=self.device)
+            tokens[rows] = self._argmax(self.forward(ids, positions, cache, rows, None))
         steps = [tokens]
         slots = torch.arange(capacity, device=self.device)
         logits = torch.empty(n, self.head.shape[0], dtype=torch.float32, device=self.device)
@@ -165,3 +178,21 @@ class BareDecoder:
             tokens = self._argmax(logits)
             steps.append(tokens)
         return torch.stack(steps, dim=1).tolist()
+
+
+# Tokens one prefill forward may hold: bounds its activations while keeping batches of short
+# prompts whole.
+_PREFILL_TOKENS = 16384
+
+
+def _prefill_groups(prompts: list[list[int]]) -> list[list[int]]:
+    """Indices of `prompts` in groups of one length, each group at most _PREFILL_TOKENS tokens
+    (or one prompt), in order of first appearance."""
+    by_length: dict[int, list[int]] = {}
+    for r, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(r)
+    groups = []
+    for length, rows in by_length.items():
+        per_group = max(1, _PREFILL_TOKENS // max(length, 1))
+        groups += [rows[i : i + per_group] for i in range(0, len(rows), per_group)]
+    return groups
