@@ -19,7 +19,8 @@ MAX_TOKENS = 12
 def test_same_greedy_tokens_as_the_engine(arch: str, tmp_path) -> None:
     build_checkpoint(arch, tmp_path, seed=3)
     rng = random.Random(arch)
-    prompts = [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in (1, 5, 13, 5, 30, 30)]
+    lengths = (1, 5, 13, 5, 30, 30)  # repeated lengths prefill together
+    prompts = [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in lengths]
     bare = BareDecoder(tmp_path).generate(prompts, MAX_TOKENS)
     llm = LLM(model=str(tmp_path), tokenizer=str(build_demo_model("demo-tiny")),
               dtype="float32", max_model_len=128)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from vllm import _custom_ops as ops
+from vllm.model_executor.layers.column_major import column_major
 
 
 class BareDecoder:
@@ -56,7 +57,7 @@ class BareDecoder:
         if torch.device(device).type == "cpu":
             # The engine's layout on the CPU (layers/column_major.py), whose products are
             # faster at one row (GEMV) and at large batches; a tied head stays shared.
-            self.w = {name: t.t().contiguous().t() if t.dim() == 2 else t
+            self.w = {name: column_major(t) if t.dim() == 2 else t
                       for name, t in self.w.items()}
         self.head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
@@ -191,7 +192,7 @@ def _prefill_groups(prompts: list[list[int]]) -> list[list[int]]:
     by_length: dict[int, list[int]] = {}
     for r, prompt in enumerate(prompts):
         by_length.setdefault(len(prompt), []).append(r)
-    groups = []
+    groups: list[list[int]] = []
     for length, rows in by_length.items():
         per_group = max(1, _PREFILL_TOKENS // max(length, 1))
         groups += [rows[i : i + per_group] for i in range(0, len(rows), per_group)]

@@ -18,6 +18,12 @@ from vllm.model_executor.layers.linear import _QuantizableLinear
 from vllm.model_executor.layers.vocab_embedding import VocabShard
 
 
+def column_major(matrix: torch.Tensor) -> torch.Tensor:
+    """`matrix` (2-D) with the same shape and values, stored column-major: a copy, unless it
+    already is."""
+    return matrix.t().contiguous().t()
+
+
 def make_column_major(model: nn.Module) -> bool:
     """Stores the weight of every full-precision dense layer and vocabulary table of
     ``model`` column-major (same shape and values, transposed strides), and says whether
@@ -34,7 +40,7 @@ def make_column_major(model: nn.Module) -> bool:
             continue
         weight = module.weight
         if id(weight) not in relaid:
-            relaid[id(weight)] = nn.Parameter(weight.data.t().contiguous().t(),
+            relaid[id(weight)] = nn.Parameter(column_major(weight.data),
                                               requires_grad=False)
         module.weight = relaid[id(weight)]
     covered = {id(p) for p in relaid.values()}
