@@ -214,6 +214,34 @@ def _seeded(req_id: str, seed: int):
     return Request(req_id, [100 + seed * 7 + i for i in range(5 + seed)], params)
 
 
+def test_on_forward_start_runs_once_per_forward_with_its_inputs_staged() -> None:
+    """The uni executor hands the previous step's samples to the engine thread from this
+    hook, so it must run once per step that has a forward: after the step's inputs are on
+    the device (the previous samples fed in) and before the model runs; a step with nothing
+    scheduled has no forward and no call."""
+    from vllm.v1.request import RequestStatus
+
+    _, runner, scheduler = _runner_and_scheduler()
+    events: list[str] = []
+    stage, forward = runner._stage, runner.model.forward
+    runner._stage = lambda inputs: (stage(inputs), events.append("staged"))[0]
+    runner.model.forward = lambda *args: (events.append("forward"), forward(*args))[1]
+    runner.on_forward_start = lambda: events.append("hook")
+    scheduler.add_request(_seeded("a", 0))
+    for _ in range(2):  # the prefill, then a decode fed from the device
+        step = scheduler.schedule()
+        runner.execute_model(step)
+        scheduler.sampling_issued(step)
+        scheduler.update_from_output(step, runner.sample_tokens(None).get_output())
+    assert events == ["staged", "hook", "forward"] * 2
+    scheduler.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    empty = scheduler.schedule()
+    assert empty.total_num_scheduled_tokens == 0
+    runner.execute_model(empty)
+    runner.sample_tokens(None)
+    assert events == ["staged", "hook", "forward"] * 2
+
+
 def test_several_unsampled_steps_sample_in_order_after_rows_moved() -> None:
     """Step B is executed but not sampled (a deferred step) when step C's forward runs and
     drops a finished request, which moves another request's row. Sampling B afterwards must

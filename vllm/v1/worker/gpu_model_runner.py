@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -171,6 +172,9 @@ class GPUModelRunner:
         self.logits_buffers: LogitsBuffers | None = None
         # LoRA slots of the model's layers (None: LoRA is off).
         self.lora: LoRAModelManager | None = None
+        # Called on this thread as each forward pass starts, its inputs ready: the uni
+        # executor hands the previous step's samples to the engine thread then.
+        self.on_forward_start: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -328,6 +332,8 @@ class GPUModelRunner:
         )
         dev = self._stage(inputs)
         failed = self._set_loras(inputs)
+        if self.on_forward_start is not None:
+            self.on_forward_start()
         hidden = self._run_model(inputs, dev)
         self.input_batch.num_computed_tokens[inputs.rows_np] = inputs.seq_lens[: inputs.num_reqs]
         if not self.last_stage:
