@@ -2,7 +2,7 @@
 engine and for the bare decode loop over the same checkpoint, in one run, with a PNG chart.
 
     .venv/bin/python benchmarks/bench_scaling.py [--model demo] [--batch-sizes 1,4,16,64] \
-        [--context-lens 128,1024] [--output-len 32] [--max-cell-tokens N] \
+        [--context-lens 128,1024] [--output-len 32] [--max-cell-tokens N] [--repeats 1] \
         [--png results/scaling.png] [--json F]
 
 On a GPU, e.g. `--batch-sizes 1,8,32,128,256 --context-lens 128,1024,8192`. Prompts are
@@ -13,7 +13,9 @@ step time minus the bare loop's; the benchmark prints how that overhead grows wi
 batch (the exponent of a power law through the smallest and largest batch: 1.0 is linear),
 and engine ÷ bare throughput per cell. `--max-cell-tokens` skips the cells whose batch times
 context exceeds it (on a CPU, e.g. 65536 keeps batch 256 at context 128 and batch 8 at 8k);
-skipped cells are gaps in the chart.
+skipped cells are gaps in the chart. With `--repeats N` each cell runs engine and bare loop
+alternately N times: step times are medians, and engine ÷ bare is the median (min-max) of
+the N paired ratios, steadier on a shared machine than one pair (one pair swung by 2x there).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import argparse
 import json
 import math
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from bench_offline import paired_ratios, spread  # the sibling script
 from vllm import LLM, SamplingParams, thread_policy
 from vllm.benchmarks.plot import line_chart_png
 
@@ -62,6 +66,26 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
+def summarize(context: int, batch: int, engine_steps: list[float],
+              bare_steps: list[float]) -> dict[str, Any]:
+    """A cell's record from its repeats' decode step times in seconds (engine and bare loop,
+    paired by repeat): median step times, throughputs and engine ÷ bare, and the ratio of
+    each pair (a step of 0 s, a decode drowned in noise, gives no ratio)."""
+    e_step, b_step = statistics.median(engine_steps), statistics.median(bare_steps)
+    pairs = [(b, e) for e, b in zip(engine_steps, bare_steps, strict=True) if e and b]
+    ratios = paired_ratios([b for b, _ in pairs], [e for _, e in pairs])
+    return {
+        "context": context, "batch": batch,
+        "engine_step_ms": 1e3 * e_step, "bare_step_ms": 1e3 * b_step,
+        "overhead_step_ms": 1e3 * (e_step - b_step),
+        # No throughput for a cell whose median step is 0 s: a gap in the chart.
+        "engine_tok_s": batch / e_step if e_step else math.nan,
+        "bare_tok_s": batch / b_step if b_step else math.nan,
+        "engine_over_bare": statistics.median(ratios) if ratios else math.nan,
+        "engine_over_bare_each": ratios,
+    }
+
+
 def cells(batches: list[int], lengths: list[int], max_tokens: int | None) -> list[tuple[int, int]]:
     """The (context length, batch) pairs to run: every pair whose batch × context is at most
     max_tokens (None: every pair), by context then batch."""
@@ -69,9 +93,10 @@ def cells(batches: list[int], lengths: list[int], max_tokens: int | None) -> lis
             if max_tokens is None or n * b <= max_tokens]
 
 
-def run(model: str, grid: list[tuple[int, int]], output_len: int) -> list[dict]:
-    """One record per (context length, batch) of grid: engine and bare step times and
-    throughputs."""
+def run(model: str, grid: list[tuple[int, int]], output_len: int,
+        repeats: int = 1) -> list[dict]:
+    """One record per (context length, batch) of grid (`summarize`), each cell run
+    `repeats` times, engine and bare loop alternately."""
     # The engine's thread policy before torch loads OpenMP (as `LLM` would set it): loaded
     # first, OpenMP's idle threads spin on the cores the engine's Python threads need
     # (vllm/thread_policy.py), which cost the engine up to 15% per step at 8k context. The
@@ -108,29 +133,24 @@ def run(model: str, grid: list[tuple[int, int]], output_len: int) -> list[dict]:
                                                         ignore_eos=True), use_tqdm=False)
 
                 engine(2)  # warm up this shape
-                e_full, e_pre = _timed(lambda: engine(output_len)), _timed(lambda: engine(1))
                 bare.generate(prompts[:1], 2)
-                b_full = _timed(lambda: bare.generate(prompts, output_len))
-                b_pre = _timed(lambda: bare.generate(prompts, 1))
-                e_step = step_seconds(e_full, e_pre, output_len)
-                b_step = step_seconds(b_full, b_pre, output_len)
-                record = {
-                    "context": length, "batch": batch,
-                    "engine_step_ms": 1e3 * e_step, "bare_step_ms": 1e3 * b_step,
-                    "overhead_step_ms": 1e3 * (e_step - b_step),
-                    # A step of 0 s means the one-token run took as long as the full one:
-                    # the decode drowned in noise, so the cell has no throughput (a gap).
-                    "engine_tok_s": batch / e_step if e_step else math.nan,
-                    "bare_tok_s": batch / b_step if b_step else math.nan,
-                    "engine_over_bare": b_step / e_step if e_step and b_step else math.nan,
-                }
+                engine_steps, bare_steps = [], []
+                for _ in range(repeats):
+                    e_full, e_pre = _timed(lambda: engine(output_len)), _timed(lambda: engine(1))
+                    b_full = _timed(lambda: bare.generate(prompts, output_len))
+                    b_pre = _timed(lambda: bare.generate(prompts, 1))
+                    engine_steps.append(step_seconds(e_full, e_pre, output_len))
+                    bare_steps.append(step_seconds(b_full, b_pre, output_len))
+                record = summarize(length, batch, engine_steps, bare_steps)
                 records.append(record)
+                ratios = record["engine_over_bare_each"]
+                ratio = spread(ratios) if len(ratios) > 1 else f"{record['engine_over_bare']:5.2f}"
                 print(f"context {length:6d} batch {batch:4d}: engine "
                       f"{record['engine_step_ms']:8.2f} ms/step "
                       f"({record['engine_tok_s']:8.1f} tok/s), bare "
                       f"{record['bare_step_ms']:8.2f} ms/step ({record['bare_tok_s']:8.1f} tok/s),"
-                      f" overhead {record['overhead_step_ms']:7.2f} ms/step, engine/bare "
-                      f"{record['engine_over_bare']:5.2f}", flush=True)
+                      f" overhead {record['overhead_step_ms']:7.2f} ms/step, engine/bare {ratio}",
+                      flush=True)
         finally:
             llm.shutdown()
     return records
@@ -158,12 +178,17 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--max-cell-tokens", type=int, default=None,
                         help="skip cells whose batch × context exceeds this")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each cell, engine and bare loop alternately")
     parser.add_argument("--png", type=Path, default=Path("results/scaling.png"))
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     batches = sorted(int(b) for b in args.batch_sizes.split(","))
     lengths = sorted(int(n) for n in args.context_lens.split(","))
-    records = run(args.model, cells(batches, lengths, args.max_cell_tokens), args.output_len)
+    if args.repeats < 1:
+        parser.error(f"--repeats: need at least 1, got {args.repeats}")
+    records = run(args.model, cells(batches, lengths, args.max_cell_tokens), args.output_len,
+                  args.repeats)
     print()
     for length in sorted({r["context"] for r in records}):
         rows = [r for r in records if r["context"] == length]

@@ -10,6 +10,7 @@ import pytest
 
 from tests.benchmarks.scripts import load_script
 
+load_script("bench_offline")  # bench_scaling imports it by name
 bench = load_script("bench_scaling")
 
 
@@ -50,3 +51,21 @@ def test_chart_leaves_a_gap_for_a_cell_not_run(tmp_path: Path) -> None:
     ]
     path = bench.chart(records, tmp_path / "s.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_cell_summarizes_its_repeats_by_medians_and_paired_ratios() -> None:
+    record = bench.summarize(1024, 8, [0.010, 0.030, 0.012], [0.008, 0.015, 0.012])
+    assert record["engine_step_ms"] == pytest.approx(12.0)
+    assert record["bare_step_ms"] == pytest.approx(12.0)
+    assert record["overhead_step_ms"] == pytest.approx(0.0)
+    assert record["engine_tok_s"] == pytest.approx(8 / 0.012)
+    # Paired by repeat: 0.8, 0.5, 1.0; the median of the pairs, not a ratio of medians.
+    assert record["engine_over_bare_each"] == pytest.approx([0.8, 0.5, 1.0])
+    assert record["engine_over_bare"] == pytest.approx(0.8)
+
+
+def test_a_repeat_drowned_in_noise_gives_no_ratio() -> None:
+    record = bench.summarize(128, 1, [0.0, 0.010], [0.005, 0.005])
+    assert record["engine_over_bare_each"] == pytest.approx([0.5])
+    assert math.isnan(bench.summarize(128, 1, [0.0], [0.005])["engine_tok_s"])
+    assert math.isnan(bench.summarize(128, 1, [0.0], [0.005])["engine_over_bare"])
