@@ -584,3 +584,78 @@ def test_paged_decode_attention_needs_the_library(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(RuntimeError, match="not loaded"):
         fresh.paged_decode_attention(**_paged_problem([3], 2, 1, 4, 4, seed=0), out=None,
                                      num_threads=1)
+
+
+def _dense_oracle(x: np.ndarray, w: np.ndarray, chunk: int) -> np.ndarray:
+    """x @ w in dense_rows' order, float64 standing in for fused multiply-adds: a product
+    of two float32 is exact in float64, and the sum is rounded to float32 at each step."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    total = None
+    for c0 in range(0, x.shape[1], chunk):
+        part = np.zeros((x.shape[0], w.shape[1]), np.float32)
+        for k in range(c0, min(c0 + chunk, x.shape[1])):
+            part = (x64[:, k : k + 1] * w64[k] + part).astype(np.float32)
+        total = part if total is None else total + part
+    return total
+
+
+@pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
+@pytest.mark.parametrize("rows,k,n,chunk", [
+    (1, 40, 300, 16), (2, 33, 50, 5), (3, 64, 1000, 64), (5, 37, 77, 128), (17, 20, 2050, 7),
+    (3, 64, 9000, 16),  # a weight past the in-cache size: the streaming path
+])
+def test_dense_rows_sums_in_chunks_of_fused_multiply_adds(rows: int, k: int, n: int,
+                                                          chunk: int) -> None:
+    """Bit-equal to the order it promises; a row's result is the same alone, with other
+    rows, and for any thread count; strided rows of x, w and out are read and written."""
+    import torch
+
+    gen = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k + 3, generator=gen)[:, :k]
+    w = torch.randn(k, n + 5, generator=gen)[:, :n]
+    out = torch.full((rows, n + 2), 7.0)
+    ops.dense_rows(x, w, chunk, out[:, :n], num_threads=2)
+    assert np.array_equal(out[:, :n].numpy(), _dense_oracle(x.numpy(), w.numpy(), chunk))
+    assert bool((out[:, n:] == 7.0).all())
+    for threads in (1, 3):
+        alone = torch.empty(1, n)
+        ops.dense_rows(x[-1:], w, chunk, alone, num_threads=threads)
+        assert torch.equal(alone[0], out[-1, :n])
+    if chunk < k:  # another chunk is another order: the test can tell them apart
+        other = ops.dense_rows(x, w, k, torch.empty(rows, n))
+        assert not torch.equal(other, out[:, :n])
+
+
+@pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
+def test_dense_rows_rejects_bad_arguments() -> None:
+    """Each bad argument is a ValueError naming it, and out is left untouched."""
+    import torch
+
+    x, w = torch.ones(2, 4), torch.ones(4, 6)
+
+    def bad(match: str, **change: object) -> None:
+        args = {"x": x, "w": w, "chunk": 2, "out": torch.zeros(2, 6)}
+        args.update(change)
+        before = args["out"].clone() if isinstance(args["out"], torch.Tensor) else None
+        with pytest.raises(ValueError, match=match):
+            ops.dense_rows(**args)
+        if before is not None:
+            assert torch.equal(args["out"], before)
+
+    bad("x: expected a float32", x=x.double())
+    bad("w: expected a float32", w=torch.ones(4))
+    bad("out: rows must be contiguous", out=torch.zeros(6, 2).t())
+    bad("x/w/out: shapes", w=torch.ones(5, 6))
+    bad("x/w/out: shapes", out=torch.zeros(3, 6))
+    bad("chunk: must be positive", chunk=0)
+    bad("x: expected a torch tensor", x=x.numpy())
+
+
+def test_dense_rows_needs_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the native library the op refuses (the BLAS then pads rows instead)."""
+    import torch
+
+    fresh = load_fresh_module("custom_ops_no_dense_rows")
+    monkeypatch.setenv("VLLM_DISABLE_NATIVE", "1")
+    with pytest.raises(RuntimeError, match="not loaded"):
+        fresh.dense_rows(torch.ones(1, 2), torch.ones(2, 3), 1, torch.empty(1, 3))

