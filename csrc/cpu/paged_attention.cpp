@@ -164,6 +164,72 @@ __attribute__((always_inline)) inline void weigh(const Problem& p, int64_t h,
   for (int l = 0; l < L; ++l) store8(out + 8 * l, a[l]);
 }
 
+// The same for the G query heads that share KV head h, in one pass over the values (each
+// read once, not once per query head): head g's weights at w + g * len, its output at
+// out + g * p.head_size. Each output element is summed exactly as weigh<L> sums it.
+template <int L, int G>
+__attribute__((always_inline)) inline void weigh_heads(const Problem& p, int64_t h,
+                                                       const int32_t* blocks,
+                                                       int64_t num_blocks, int64_t len,
+                                                       const float* w, int64_t c, float* out) {
+  const int64_t bs = p.block_size, stride = p.kv_heads * p.head_size;
+  v8 a[G][L] = {};
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n = b + 1 < num_blocks ? bs : len - b * bs;
+    const float* v = block_start(p, p.values, blocks, b, h) + c;
+    const float* next = b + kAhead < num_blocks
+        ? block_start(p, p.values, blocks, b + kAhead, h) + c : nullptr;
+    const float* wb = w + b * bs;
+    for (int64_t j = 0; j < n; ++j, v += stride) {
+      if (next != nullptr) prefetch_row(next + j * stride, 8 * L);
+      v8 row[L];
+      for (int l = 0; l < L; ++l) row[l] = load8(v + 8 * l);
+      for (int g = 0; g < G; ++g) {
+        const float wg = wb[g * len + j];
+        const v8 x = {wg, wg, wg, wg, wg, wg, wg, wg};
+        for (int l = 0; l < L; ++l) a[g][l] += x * row[l];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int l = 0; l < L; ++l) store8(out + g * p.head_size + 8 * l, a[g][l]);
+  }
+}
+
+// Columns [0, d8) of the outputs of KV head h's G query heads (weights and outputs laid out as
+// for weigh_heads): L * G accumulators at most 8, so they stay in registers.
+template <int G>
+__attribute__((always_inline)) inline void weigh_group(const Problem& p, int64_t h,
+                                                       const int32_t* blocks,
+                                                       int64_t num_blocks, int64_t len,
+                                                       const float* w, int64_t d8,
+                                                       float* out) {
+  constexpr int L = G >= 8 ? 1 : 8 / G > 4 ? 4 : 8 / G;
+  int64_t c = 0;
+  for (; c + 8 * L <= d8; c += 8 * L) {
+    weigh_heads<L, G>(p, h, blocks, num_blocks, len, w, c, out + c);
+  }
+  for (; c < d8; c += 8) weigh_heads<1, G>(p, h, blocks, num_blocks, len, w, c, out + c);
+}
+
+// Columns [d8, d) of one query head's output (a head size not a multiple of 8), in position
+// order.
+__attribute__((always_inline)) inline void tail_columns(const Problem& p, int64_t h,
+                                                        const int32_t* blocks,
+                                                        int64_t num_blocks, int64_t len,
+                                                        const float* s, int64_t d8, float* og) {
+  const int64_t bs = p.block_size, stride = p.kv_heads * p.head_size;
+  for (int64_t c = d8; c < p.head_size; ++c) {
+    float a = 0.0f;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const int64_t n = b + 1 < num_blocks ? bs : len - b * bs;
+      const float* v = block_start(p, p.values, blocks, b, h) + c;
+      for (int64_t j = 0; j < n; ++j) a += s[b * bs + j] * v[j * stride];
+    }
+    og[c] = a;
+  }
+}
+
 // Attention of KV heads [h0, h1) for one request whose query is row `row`, block table row
 // `table_row` and context `len` positions. scores: scratch of (h1 - h0) * group * len floats.
 // A head's result does not depend on which others are computed with it: the heads of a block
@@ -184,34 +250,49 @@ VLLM_CLONES void attend(const Problem& p, int64_t row, int64_t table_row, int64_
                  scores + (h - h0) * p.group * len + b * bs, next);
     }
   }
-  for (int64_t hg = h0 * p.group; hg < h1 * p.group; ++hg) {
-    const int64_t h = hg / p.group;
-    // Softmax numerators in place; the row's sum in position order.
-    float* s = scores + (hg - h0 * p.group) * len;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < len; ++i) m = s[i] > m ? s[i] : m;
-    float total = 0.0f;
-    for (int64_t i = 0; i < len; ++i) {
-      s[i] = std::exp(s[i] - m);
-      total += s[i];
-    }
-    // The output row: the values weighted and summed in position order, 32 columns at a time
-    // in registers, then divided by the total.
-    float* og = p.out + row * p.out_stride + hg * d;
-    int64_t c = 0;
-    for (; c + 32 <= d8; c += 32) weigh<4>(p, h, blocks, num_blocks, len, s, c, og + c);
-    for (; c < d8; c += 8) weigh<1>(p, h, blocks, num_blocks, len, s, c, og + c);
-    for (int64_t c = d8; c < d; ++c) {
-      float a = 0.0f;
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const int64_t n = b + 1 < num_blocks ? bs : len - b * bs;
-        const float* v = block_start(p, p.values, blocks, b, h) + c;
-        for (int64_t j = 0; j < n; ++j) a += s[b * bs + j] * v[j * stride];
+  // Query heads sharing a KV head (1, 2, 4 or 8 of them) weigh its values in one pass.
+  const bool one_pass = p.group == 1 || p.group == 2 || p.group == 4 || p.group == 8;
+  float totals[8];
+  for (int64_t h = h0; h < h1; ++h) {
+    float* sh = scores + (h - h0) * p.group * len;  // the group's rows, one per query head
+    float* oh = p.out + row * p.out_stride + h * p.group * d;
+    for (int64_t g = 0; g < p.group; ++g) {
+      // Softmax numerators in place; the row's sum in position order.
+      float* s = sh + g * len;
+      float m = -INFINITY;
+      for (int64_t i = 0; i < len; ++i) m = s[i] > m ? s[i] : m;
+      float total = 0.0f;
+      for (int64_t i = 0; i < len; ++i) {
+        s[i] = std::exp(s[i] - m);
+        total += s[i];
       }
-      og[c] = a;
+      if (one_pass) {
+        totals[g] = total;
+        continue;
+      }
+      // Otherwise per query head: the values weighted and summed in position order, 32
+      // columns at a time in registers, then divided by the total.
+      float* og = oh + g * d;
+      int64_t c = 0;
+      for (; c + 32 <= d8; c += 32) weigh<4>(p, h, blocks, num_blocks, len, s, c, og + c);
+      for (; c < d8; c += 8) weigh<1>(p, h, blocks, num_blocks, len, s, c, og + c);
+      tail_columns(p, h, blocks, num_blocks, len, s, d8, og);
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < d; ++i) og[i] *= inv;
     }
-    const float inv = 1.0f / total;
-    for (int64_t i = 0; i < d; ++i) og[i] *= inv;
+    if (!one_pass) continue;
+    switch (p.group) {
+      case 1: weigh_group<1>(p, h, blocks, num_blocks, len, sh, d8, oh); break;
+      case 2: weigh_group<2>(p, h, blocks, num_blocks, len, sh, d8, oh); break;
+      case 4: weigh_group<4>(p, h, blocks, num_blocks, len, sh, d8, oh); break;
+      default: weigh_group<8>(p, h, blocks, num_blocks, len, sh, d8, oh); break;
+    }
+    for (int64_t g = 0; g < p.group; ++g) {
+      float* og = oh + g * d;
+      tail_columns(p, h, blocks, num_blocks, len, sh + g * len, d8, og);
+      const float inv = 1.0f / totals[g];
+      for (int64_t i = 0; i < d; ++i) og[i] *= inv;
+    }
   }
 }
 #pragma GCC diagnostic pop
