@@ -116,6 +116,23 @@ def test_without_the_native_kernel_the_plan_pads_to_where_the_blas_agrees(
         assert torch.equal(dense_rows.multiply(x[:rows], weight_t, plan), full[:rows]), rows
 
 
+def test_a_blas_that_changes_its_rounding_past_the_native_rows_is_padded_instead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The native kernel stands in for the BLAS's few-row kernels only; if the BLAS itself
+    rounds 17 rows (the first count it keeps) unlike 32, the plan must pad past that."""
+    weight_t = _head(500, 32).weight.t()
+    real_mm = torch.mm
+
+    def moody_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        y = real_mm(a, b, **kwargs)
+        return y.mul_(1 + 2**-20) if a.shape[0] == dense_rows.NATIVE_MAX_ROWS + 1 else y
+
+    monkeypatch.setattr(torch, "mm", moody_mm)
+    assert dense_rows.plan(weight_t) == dense_rows.RowPlan(
+        chunk=None, min_rows=dense_rows.NATIVE_MAX_ROWS + 2)
+
+
 @pytest.mark.skipif(not _custom_ops.HAS_NATIVE,
                     reason="native only; test_custom_ops covers whether it must exist")
 def test_multiply_sends_many_rows_to_the_blas_and_writes_out() -> None:
