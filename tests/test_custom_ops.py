@@ -549,6 +549,27 @@ def test_paged_decode_attention_matches_oracle_for_any_thread_count(
 
 
 @pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
+@pytest.mark.parametrize("num_heads,kv_heads,head_size", [(4, 2, 64), (8, 2, 40)])
+def test_paged_decode_attention_long_contexts_are_bit_identical_for_any_thread_count(
+    num_heads: int, kv_heads: int, head_size: int
+) -> None:
+    """Contexts long enough (megabytes of cache) that the kernel spreads them over threads:
+    the same bits with 1, 2, 3 or 5 threads, and the float64 oracle to float32 rounding."""
+    import torch
+
+    p = _paged_problem([4000, 1, 3100, 700], num_heads, kv_heads, head_size, 16, seed=5)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        out = torch.zeros_like(p["query"])
+        ops.paged_decode_attention(**p, out=out, num_threads=threads)
+        outs.append(out)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    rows = p["rows"]
+    torch.testing.assert_close(outs[0][rows].double(), _paged_oracle(p)[rows], rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
 def test_paged_decode_attention_rejects_bad_arguments() -> None:
     """Each bad argument is a ValueError naming it, and the output is left untouched."""
     import torch

@@ -38,6 +38,11 @@ constexpr int32_t VLLM_BAD_SHAPE = 8;
 // Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one: the
 // kernel asks for the block this many ahead while it works on one.
 constexpr int64_t kAhead = 4;
+// Bytes of keys and values worth waking another thread for. A sleeping OpenMP thread (the
+// engine's PASSIVE wait policy) takes tens of microseconds to wake, about what one thread
+// needs to read this much cache, so a short context (a decode at a few hundred positions)
+// is faster on the calling thread alone.
+constexpr int64_t kGrainBytes = 1 << 20;
 
 // Eight float lanes; GCC and Clang lower it to whatever vector width the target has. The
 // helpers are always inlined, so no v8 crosses a call (GCC warns about that ABI otherwise).
@@ -305,7 +310,7 @@ VLLM_CLONES void attend(const Problem& p, int64_t row, int64_t table_row, int64_
 // block_table: int32 rows of table_cols ids, row r at block_table + r * table_stride;
 // rows[i], table_rows[i], seq_lens[i]: decode i's query/output row, block table row and context
 // length (its query's position + 1); out: like query with out_stride. num_threads <= 0 means
-// the OpenMP default.
+// the OpenMP default; a call that reads little of the cache uses fewer threads (kGrainBytes).
 // Returns 0, VLLM_BAD_DECODE when a table row or context length is out of range or a block id
 // a context uses is outside the cache, VLLM_BAD_SHAPE for a non-positive size or num_heads not a
 // multiple of kv_heads; nothing is written then.
@@ -320,7 +325,7 @@ VLLM_EXPORT int32_t vllm_paged_decode_attention(
       num_heads % kv_heads != 0) {
     return VLLM_BAD_SHAPE;
   }
-  int64_t longest = 0;
+  int64_t longest = 0, positions = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t len = seq_lens[i];
     if (rows[i] < 0 || rows[i] >= num_query_rows || table_row_of[i] < 0 ||
@@ -332,13 +337,17 @@ VLLM_EXPORT int32_t vllm_paged_decode_attention(
       if (ids[b] < 0 || ids[b] >= num_blocks) return VLLM_BAD_DECODE;
     }
     longest = len > longest ? len : longest;
+    positions += len;
   }
   const int64_t group = num_heads / kv_heads;
   const Problem p{query, query_stride, kv_cache, kv_cache + num_blocks * block_size * kv_heads *
                   head_size, block_size, kv_heads, head_size, group, block_table, table_stride,
                   scale, out, out_stride};
 #if defined(_OPENMP)
-  const int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+  const int64_t grains = positions * kv_heads * head_size * 2 * int64_t{sizeof(float)} /
+                         kGrainBytes;
+  threads = grains < threads ? (grains > 1 ? static_cast<int>(grains) : 1) : threads;
 #else
   const int threads = 1;
   (void)num_threads;
