@@ -570,6 +570,24 @@ def test_paged_decode_attention_long_contexts_are_bit_identical_for_any_thread_c
 
 
 @pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
+@pytest.mark.parametrize("spread", [1e-3, 40.0])
+def test_paged_decode_attention_softmax_matches_oracle_from_flat_to_underflowing_scores(
+    spread: float,
+) -> None:
+    """Scores nearly equal (every weight near 1 / len) or hundreds apart (most weights
+    underflow to 0, a few dominate): the float64 oracle to float32 rounding."""
+    import torch
+
+    p = _paged_problem([1, 7, 8, 9, 250, 1000], 4, 2, 64, 16, seed=11)
+    p["query"] = p["query"] * spread
+    out = torch.zeros_like(p["query"])
+    ops.paged_decode_attention(**p, out=out, num_threads=2)
+    rows = p["rows"]
+    torch.testing.assert_close(out[rows].double(), _paged_oracle(p)[rows], rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
 def test_paged_decode_attention_rejects_bad_arguments() -> None:
     """Each bad argument is a ValueError naming it, and the output is left untouched."""
     import torch

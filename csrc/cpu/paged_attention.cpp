@@ -23,12 +23,11 @@
 
 #define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
 
-// On x86-64, the pair kernel is also compiled for AVX2 and picked at load time; the library
-// itself stays runnable on any x86-64 (no -march=native).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VLLM_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define VLLM_CLONES
+// On x86-64 the kernel is also compiled for AVX2 with fused multiply-adds and picked at run
+// time when the CPU has both; the library itself stays runnable on any x86-64 (no
+// -march=native). A machine always picks the same version, so its results never change.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define VLLM_X86_FMA 1
 #endif
 
 namespace {
@@ -47,7 +46,6 @@ constexpr int64_t kGrainBytes = 1 << 20;
 // Eight float lanes; GCC and Clang lower it to whatever vector width the target has. The
 // helpers are always inlined, so no v8 crosses a call (GCC warns about that ABI otherwise).
 typedef float v8 __attribute__((vector_size(32)));
-#pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
 __attribute__((always_inline)) inline v8 load8(const float* p) {
   v8 x;
@@ -72,6 +70,47 @@ struct Problem {
   float* out;
   int64_t out_stride;
 };
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+// exp(x) of eight lanes, each computed alone (a lane's result does not depend on the others):
+// x = k ln 2 + r with |r| <= ln 2 / 2, exp(r) by its Taylor series to r^7 (truncation below
+// 1e-8 relative, under float32's rounding), times 2^k set in the exponent bits. Lanes below
+// -87.3 (exp under float32's smallest normal) give 0, like a softmax numerator that underflows.
+__attribute__((always_inline)) inline v8 exp8(v8 x) {
+  const v8i tiny = x < -87.3f;
+  x = tiny ? -87.3f : x;  // keeps 2^k a normal number; those lanes are zeroed below
+  // Round x / ln 2 to the nearest integer: adding 1.5 * 2^23 leaves no fraction bits.
+  const v8 shift = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
+                    12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};
+  const v8 k = (x * 1.44269504f + shift) - shift;
+  // ln 2 in two parts, so k ln 2 is subtracted without rounding away r's low bits.
+  const v8 r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+  v8 p = r * (1.0f / 5040.0f) + (1.0f / 720.0f);
+  p = p * r + (1.0f / 120.0f);
+  p = p * r + (1.0f / 24.0f);
+  p = p * r + (1.0f / 6.0f);
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const v8i bits = (__builtin_convertvector(k, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const v8 y = p * scale;
+  return tiny ? 0.0f : y;
+}
+
+// s[i] = exp(s[i] - m) for i < n: eight at a time, the tail through a padded vector.
+__attribute__((always_inline)) inline void exp_shifted(float* s, int64_t n, float m) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(s + i, exp8(load8(s + i) - m));
+  if (i < n) {
+    float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(buf, s + i, static_cast<size_t>(n - i) * sizeof(float));
+    store8(buf, exp8(load8(buf) - m));
+    std::memcpy(s + i, buf, static_cast<size_t>(n - i) * sizeof(float));
+  }
+}
 
 // Sum of the eight lanes, in a fixed order.
 __attribute__((always_inline)) inline float lane_sum(v8 a) {
@@ -239,8 +278,9 @@ __attribute__((always_inline)) inline void tail_columns(const Problem& p, int64_
 // `table_row` and context `len` positions. scores: scratch of (h1 - h0) * group * len floats.
 // A head's result does not depend on which others are computed with it: the heads of a block
 // are read together only so that the block is read as one run.
-VLLM_CLONES void attend(const Problem& p, int64_t row, int64_t table_row, int64_t len,
-                        int64_t h0, int64_t h1, float* scores) {
+__attribute__((always_inline)) inline void attend(const Problem& p, int64_t row,
+                                                 int64_t table_row, int64_t len, int64_t h0,
+                                                 int64_t h1, float* scores) {
   const int64_t d = p.head_size, d8 = d - d % 8, bs = p.block_size;
   const int64_t stride = p.kv_heads * d;  // between positions of one block
   const int32_t* blocks = p.block_table + table_row * p.table_stride;
@@ -266,11 +306,9 @@ VLLM_CLONES void attend(const Problem& p, int64_t row, int64_t table_row, int64_
       float* s = sh + g * len;
       float m = -INFINITY;
       for (int64_t i = 0; i < len; ++i) m = s[i] > m ? s[i] : m;
+      exp_shifted(s, len, m);
       float total = 0.0f;
-      for (int64_t i = 0; i < len; ++i) {
-        s[i] = std::exp(s[i] - m);
-        total += s[i];
-      }
+      for (int64_t i = 0; i < len; ++i) total += s[i];
       if (one_pass) {
         totals[g] = total;
         continue;
@@ -300,7 +338,29 @@ VLLM_CLONES void attend(const Problem& p, int64_t row, int64_t table_row, int64_
     }
   }
 }
-#pragma GCC diagnostic pop
+#if defined(VLLM_X86_FMA)
+__attribute__((target("avx2,fma"))) void attend_fma(const Problem& p, int64_t row,
+                                                     int64_t table_row, int64_t len,
+                                                     int64_t h0, int64_t h1, float* scores) {
+  attend(p, row, table_row, len, h0, h1, scores);
+}
+
+bool has_avx2_fma() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+}
+#endif
+
+void attend_any(const Problem& p, int64_t row, int64_t table_row, int64_t len, int64_t h0,
+                int64_t h1, float* scores) {
+#if defined(VLLM_X86_FMA)
+  if (has_avx2_fma()) {
+    attend_fma(p, row, table_row, len, h0, h1, scores);
+    return;
+  }
+#endif
+  attend(p, row, table_row, len, h0, h1, scores);
+}
 }  // namespace
 
 // Decode attention of n requests, one query row each, written into their output rows (other
@@ -367,7 +427,8 @@ VLLM_EXPORT int32_t vllm_paged_decode_attention(
 #endif
     for (int64_t w = 0; w < items; ++w) {
       const int64_t i = w * heads_per_item / kv_heads, h0 = w * heads_per_item % kv_heads;
-      attend(p, rows[i], table_row_of[i], seq_lens[i], h0, h0 + heads_per_item, scores.data());
+      attend_any(p, rows[i], table_row_of[i], seq_lens[i], h0, h0 + heads_per_item,
+                 scores.data());
     }
   }
   return VLLM_OK;
