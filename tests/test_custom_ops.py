@@ -588,6 +588,25 @@ def test_paged_decode_attention_softmax_matches_oracle_from_flat_to_underflowing
 
 
 @pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
+def test_paged_decode_attention_passes_a_nan_query_on_as_nan() -> None:
+    """A NaN in a query head gives NaN outputs for that head, not plausible numbers; other
+    heads and requests are untouched by it."""
+    import torch
+
+    p = _paged_problem([40, 40], 4, 2, 64, 16, seed=2)
+    clean = torch.zeros_like(p["query"])
+    ops.paged_decode_attention(**p, out=clean, num_threads=1)
+    bad_row, good_row = p["rows"].tolist()
+    p["query"][bad_row, 0, 5] = float("nan")
+    out = torch.zeros_like(p["query"])
+    ops.paged_decode_attention(**p, out=out, num_threads=1)
+    assert bool(out[bad_row, 0].isnan().all())
+    # Query head 1 shares head 0's KV head and its pass over the values, not its scores.
+    assert torch.equal(out[bad_row, 1:], clean[bad_row, 1:])
+    assert torch.equal(out[good_row], clean[good_row])
+
+
+@pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
 def test_paged_decode_attention_rejects_bad_arguments() -> None:
     """Each bad argument is a ValueError naming it, and the output is left untouched."""
     import torch

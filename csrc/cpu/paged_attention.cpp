@@ -76,10 +76,13 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 // exp(x) of eight lanes, each computed alone (a lane's result does not depend on the others):
 // x = k ln 2 + r with |r| <= ln 2 / 2, exp(r) by its Taylor series to r^7 (truncation below
 // 1e-8 relative, under float32's rounding), times 2^k set in the exponent bits. Lanes below
-// -87.3 (exp under float32's smallest normal) give 0, like a softmax numerator that underflows.
+// -87.3 (exp under float32's smallest normal) give 0, like a softmax numerator that underflows;
+// a NaN stays NaN (a broken score must not turn into a plausible weight).
 __attribute__((always_inline)) inline v8 exp8(v8 x) {
+  const v8 in = x;
+  const v8i nan = x != x;
   const v8i tiny = x < -87.3f;
-  x = tiny ? -87.3f : x;  // keeps 2^k a normal number; those lanes are zeroed below
+  x = (tiny | nan) ? -87.3f : x;  // keeps 2^k a normal number; those lanes are set below
   // Round x / ln 2 to the nearest integer: adding 1.5 * 2^23 leaves no fraction bits.
   const v8 shift = {12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f,
                     12582912.0f, 12582912.0f, 12582912.0f, 12582912.0f};
@@ -96,8 +99,8 @@ __attribute__((always_inline)) inline v8 exp8(v8 x) {
   const v8i bits = (__builtin_convertvector(k, v8i) + 127) << 23;
   v8 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  const v8 y = p * scale;
-  return tiny ? 0.0f : y;
+  const v8 y = tiny ? 0.0f : p * scale;
+  return nan ? in : y;
 }
 
 // s[i] = exp(s[i] - m) for i < n: eight at a time, the tail through a padded vector.
