@@ -27,9 +27,10 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include "cpu_dispatch.h"
+
+#if defined(VLLM_X86_FMA)
 #include <immintrin.h>
-#define VLLM_X86_FMA 1
 #endif
 
 #define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
@@ -84,16 +85,11 @@ __attribute__((target("avx2,fma"))) void fma_row_avx2(float a, const float* w, f
   }
   fma_row_scalar(a, w + j, acc + j, len - j, first);
 }
-
-bool has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 inline void fma_row(float a, const float* w, float* acc, int64_t len, bool first) {
 #if defined(VLLM_X86_FMA)
-  if (has_avx2_fma()) {
+  if (vllm_cpu::has_avx2_fma()) {
     fma_row_avx2(a, w, acc, len, first);
     return;
   }
@@ -213,7 +209,7 @@ VLLM_EXPORT int32_t vllm_dense_rows(const float* x, int64_t rows, int64_t x_stri
 #if defined(_OPENMP)
   int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const int64_t grains = rows * k * n / kGrain;
-  threads = grains < threads ? (grains > 1 ? static_cast<int>(grains) : 1) : threads;
+  threads = vllm_cpu::threads_for(grains, threads);
 #else
   const int threads = 1;
   (void)num_threads;
@@ -226,7 +222,8 @@ VLLM_EXPORT int32_t vllm_dense_rows(const float* x, int64_t rows, int64_t x_stri
   tiles = (n + width - 1) / width;
   const Dense p{x, rows, x_stride, w, k, n, w_stride, chunk, y, y_stride, width};
 #if defined(VLLM_X86_FMA)
-  const bool in_registers = has_avx2_fma() && k * n * sizeof(float) <= kCachedWeightBytes;
+  const bool in_registers =
+      vllm_cpu::has_avx2_fma() && k * n * sizeof(float) <= kCachedWeightBytes;
 #else
   const bool in_registers = false;
 #endif

@@ -21,14 +21,10 @@
 #include <omp.h>
 #endif
 
-#define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
+// On x86-64 the kernel is also built for AVX2 with fused multiply-adds (cpu_dispatch.h).
+#include "cpu_dispatch.h"
 
-// On x86-64 the kernel is also compiled for AVX2 with fused multiply-adds and picked at run
-// time when the CPU has both; the library itself stays runnable on any x86-64 (no
-// -march=native). A machine always picks the same version, so its results never change.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define VLLM_X86_FMA 1
-#endif
+#define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 constexpr int32_t VLLM_OK = 0;
@@ -360,17 +356,12 @@ __attribute__((target("avx2,fma"))) void attend_fma(const Problem& p, int64_t ro
                                                      int64_t h0, int64_t h1, float* scores) {
   attend(p, row, table_row, len, h0, h1, scores);
 }
-
-bool has_avx2_fma() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #endif
 
 void attend_any(const Problem& p, int64_t row, int64_t table_row, int64_t len, int64_t h0,
                 int64_t h1, float* scores) {
 #if defined(VLLM_X86_FMA)
-  if (has_avx2_fma()) {
+  if (vllm_cpu::has_avx2_fma()) {
     attend_fma(p, row, table_row, len, h0, h1, scores);
     return;
   }
@@ -423,7 +414,7 @@ VLLM_EXPORT int32_t vllm_paged_decode_attention(
   int threads = num_threads > 0 ? num_threads : omp_get_max_threads();
   const int64_t grains = positions * kv_heads * head_size * 2 * int64_t{sizeof(float)} /
                          kGrainBytes;
-  threads = grains < threads ? (grains > 1 ? static_cast<int>(grains) : 1) : threads;
+  threads = vllm_cpu::threads_for(grains, threads);
 #else
   const int threads = 1;
   (void)num_threads;
