@@ -531,42 +531,24 @@ def _paged_oracle(p: dict) -> "object":
 def test_paged_decode_attention_matches_oracle_for_any_thread_count(
     num_heads: int, kv_heads: int, head_size: int
 ) -> None:
-    """Float64 oracle to float32 rounding; bit-identical with 1, 2 or 5 threads (a request's
-    result never depends on who computes it); rows no decode uses stay as they were."""
+    """Float64 oracle to float32 rounding; bit-identical with 1, 2, 3 or 5 threads (a
+    request's result never depends on who computes it; the two long contexts are megabytes of
+    cache at the larger head sizes, enough for the kernel to spread a call over threads); rows
+    no decode uses stay as they were."""
     import torch
 
-    p = _paged_problem([1, 16, 17, 300, 5, 64], num_heads, kv_heads, head_size, 16, seed=3)
-    outs = []
-    for threads in (1, 2, 5):
-        out = torch.full_like(p["query"], 7.0)
-        ops.paged_decode_attention(**p, out=out, num_threads=threads)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    rows = p["rows"]
-    torch.testing.assert_close(outs[0][rows].double(), _paged_oracle(p)[rows], rtol=1e-5,
-                               atol=1e-6)
-    assert bool((outs[0][[0, len(rows) + 1]] == 7.0).all())
-
-
-@pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
-@pytest.mark.parametrize("num_heads,kv_heads,head_size", [(4, 2, 64), (8, 2, 40)])
-def test_paged_decode_attention_long_contexts_are_bit_identical_for_any_thread_count(
-    num_heads: int, kv_heads: int, head_size: int
-) -> None:
-    """Contexts long enough (megabytes of cache) that the kernel spreads them over threads:
-    the same bits with 1, 2, 3 or 5 threads, and the float64 oracle to float32 rounding."""
-    import torch
-
-    p = _paged_problem([4000, 1, 3100, 700], num_heads, kv_heads, head_size, 16, seed=5)
+    p = _paged_problem([1, 16, 17, 300, 5, 64, 4000, 3100], num_heads, kv_heads, head_size, 16,
+                       seed=3)
     outs = []
     for threads in (1, 2, 3, 5):
-        out = torch.zeros_like(p["query"])
+        out = torch.full_like(p["query"], 7.0)
         ops.paged_decode_attention(**p, out=out, num_threads=threads)
         outs.append(out)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     rows = p["rows"]
     torch.testing.assert_close(outs[0][rows].double(), _paged_oracle(p)[rows], rtol=1e-5,
                                atol=1e-6)
+    assert bool((outs[0][[0, len(rows) + 1]] == 7.0).all())
 
 
 @pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
