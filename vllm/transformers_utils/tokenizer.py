@@ -64,6 +64,27 @@ def get_tokenizer(
     return _load_dir(path)
 
 
+def get_model_tokenizer(model_config: Any) -> PreTrainedTokenizerFast:
+    """The tokenizer an engine serves `model_config` with (its `tokenizer`).
+
+    Raises ValueError naming --tokenizer when a GGUF model carries its own vocabulary and
+    the given tokenizer's size differs from it: its ids would mean other tokens.
+    """
+    tokenizer = get_tokenizer(model_config.tokenizer)
+    gguf_file = model_config.gguf_file
+    if gguf_file is None:
+        return tokenizer
+    from vllm.model_executor.model_loader.gguf_loader import read_index
+
+    expected = read_index(gguf_file.parent).get("tokenizer_size")
+    if expected is not None and len(tokenizer) != expected:
+        raise ValueError(
+            f"--tokenizer: {model_config.tokenizer!r} has {len(tokenizer)} tokens but the "
+            f"GGUF file {str(gguf_file)!r} was made with a {expected}-token vocabulary; "
+            "leave --tokenizer out to use the file's own")
+    return tokenizer
+
+
 def _load_dir(path: Path) -> PreTrainedTokenizerFast:
     """Load the fast tokenizer of the local model directory `path`.
 
@@ -78,6 +99,9 @@ def _load_dir(path: Path) -> PreTrainedTokenizerFast:
     config = _read_config(root)
     tokenizer_file = root / "tokenizer.json"
     if not tokenizer_file.is_file():
+        if (root / "model.gguf").exists():
+            raise ValueError(f"tokenizer: the GGUF file behind {str(root)!r} has no tokenizer "
+                             "in its metadata; pass --tokenizer")
         return _auto_tokenizer(root)
     kwargs = {k: v for k, v in config.items() if k not in _LOADING_KEYS}
     template = root / "chat_template.jinja"

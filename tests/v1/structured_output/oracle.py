@@ -23,12 +23,12 @@ _VOCAB_SIZE = 151_936
 
 
 @functools.lru_cache(maxsize=4)
-def _backend(tokenizer: Any):
+def _backend(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]):
     """The engine's default backend (auto: xgrammar, else llguidance), built afresh."""
     from vllm.config import StructuredOutputsConfig
     from vllm.v1.structured_output.backend_auto import create_backend
 
-    return create_backend(StructuredOutputsConfig(), tokenizer, _VOCAB_SIZE, list(_EOS_IDS))
+    return create_backend(StructuredOutputsConfig(), tokenizer, vocab_size, list(eos_ids))
 
 
 def _exact_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
@@ -49,11 +49,13 @@ def validate_json(value: Any, schema: dict[str, Any]) -> None:
 
 
 def check_structured_output(
-    params: StructuredOutputsParams, completion: CompletionOutput, tokenizer: Any
+    params: StructuredOutputsParams, completion: CompletionOutput, tokenizer: Any,
+    vocab_size: int = _VOCAB_SIZE, eos_ids: tuple[int, ...] = _EOS_IDS,
 ) -> None:
-    """Asserts the oracle for one completion of a demo-vocabulary model."""
+    """Asserts the oracle for one completion (of a demo-vocabulary model unless
+    `vocab_size` and `eos_ids` say otherwise)."""
     assert completion.finish_reason != "error", completion.error
-    grammar = _backend(tokenizer).compile_grammar(params)
+    grammar = _backend(tokenizer, vocab_size, tuple(eos_ids)).compile_grammar(params)
     assert grammar.accept_tokens("oracle", list(completion.token_ids)), completion.token_ids
     if completion.finish_reason != "stop":
         return

@@ -74,8 +74,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from vllm.entrypoints.openai.tools import TOOL_CALL_PARSERS
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                        help="Model directory, 'demo' / 'demo-tiny' (default: demo), or a "
-                        "hub id ORG/NAME (see --model).")
+                        help="Model directory, .gguf file, hub id ORG/NAME or demo model "
+                        "(default: HuggingFaceTB/SmolLM2-135M-Instruct; see --model).")
     parser.add_argument("--model", dest="model", default=None,
                         help="Same as the positional MODEL.")
     parser.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
@@ -238,10 +238,17 @@ def _serving_models(config: VllmConfig, lora_modules: list[str]) -> OpenAIServin
     bad one stops the server before it starts). Raises ValueError naming the flag."""
     from vllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
     from vllm.lora.validation import LoRAValidator
+    from vllm.model_executor.model_loader.default_model import (
+        DEFAULT_MODEL_ALIAS,
+        DEFAULT_MODEL_ID,
+    )
 
     model_config = config.model_config
     validator = LoRAValidator(config) if config.lora_config is not None else None
-    models = OpenAIServingModels([model_config.served_model_name], str(model_config.model_dir),
+    names = [model_config.served_model_name]
+    if model_config.model == DEFAULT_MODEL_ID and names[0] == DEFAULT_MODEL_ID:
+        names.append(DEFAULT_MODEL_ALIAS)  # requests may say "smollm2"
+    models = OpenAIServingModels(names, str(model_config.model_dir),
                                  model_config.max_model_len, validator)
     if lora_modules and validator is None:
         raise ValueError("--lora-modules: needs --enable-lora")

@@ -325,6 +325,14 @@ class OpenAIServing:
                 raise InvalidRequestError("top_logprobs", e.message) from None
             raise
 
+    def _given_or_default(self, request: SamplingRequestFields, name: str, fallback: Any) -> Any:
+        """The request's value of a sampling field, else the model's generation-config
+        default (--generation-config), else vLLM's."""
+        value = getattr(request, name)
+        if value is not None:
+            return value
+        return self.engine.model_config.sampling_defaults.get(name, fallback)
+
     def _build_sampling_params(
         self,
         request: SamplingRequestFields,
@@ -338,16 +346,14 @@ class OpenAIServing:
             prompt_logprobs = logprobs  # echo scores the prompt it echoes
         return SamplingParams(
             n=request.n,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=0 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p,
+            temperature=self._given_or_default(request, "temperature", 1.0),
+            top_p=self._given_or_default(request, "top_p", 1.0),
+            top_k=self._given_or_default(request, "top_k", 0),
+            min_p=self._given_or_default(request, "min_p", 0.0),
             seed=request.seed,
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
-            repetition_penalty=(
-                1.0 if request.repetition_penalty is None else request.repetition_penalty
-            ),
+            repetition_penalty=self._given_or_default(request, "repetition_penalty", 1.0),
             max_tokens=max_tokens,
             min_tokens=request.min_tokens,
             stop=request.stop,

@@ -12,6 +12,7 @@ from vllm.attention.selector import get_attn_backend_cls
 from vllm.config import ModelConfig
 from vllm.distributed.parallel_state import ParallelContext
 from vllm.model_executor.layers.linear import deferred_weights
+from vllm.model_executor.model_loader.gguf_loader import iterate_gguf
 from vllm.model_executor.model_loader.quantize import quantize_layers
 from vllm.model_executor.model_loader.weight_utils import (
     checkpoint_keys,
@@ -38,7 +39,8 @@ def get_model(model_config: ModelConfig, parallel: ParallelContext | None = None
 
     ``parallel`` places the rank in the tensor x pipeline layout (None: a single rank, the
     whole model). load_format "auto"/"hf"/"safetensors" reads the checkpoint in model_dir, only
-    the slices this rank keeps; "dummy" fills seeded random weights from model_config.seed
+    the slices this rank keeps; "auto"/"gguf" on a GGUF model dequantizes its tensors (see
+    gguf_loader.py); "dummy" fills seeded random weights from model_config.seed
     (see fill_dummy_weights). With model_config.quant_config, each linear layer gets its
     quantization method before loading (see quantize_layers). Raises ValueError for an
     unsupported architecture, a missing, unknown or misshapen checkpoint tensor, a model
@@ -61,11 +63,13 @@ def get_model(model_config: ModelConfig, parallel: ParallelContext | None = None
     if model_config.load_format == "dummy":
         aliases = model.weight_aliases() if hasattr(model, "weight_aliases") else {}
         fill_dummy_weights(model, model_config.seed, aliases=aliases)
+    elif model_config.load_format in ("auto", "gguf") and model_config.gguf_file is not None:
+        model.load_weights(iterate_gguf(model_config.gguf_file, hf_config))
     elif model_config.load_format in ("auto", "hf", "safetensors"):
         model.load_weights(iterate_safetensors(model_config.model_dir))
     else:
         raise ValueError(
             f"load_format: {model_config.load_format!r} is not one of auto, hf, safetensors, "
-            "dummy"
+            "gguf, dummy"
         )
     return model.eval()

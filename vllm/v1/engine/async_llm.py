@@ -15,7 +15,7 @@ from vllm.exceptions import EngineDeadError, InvalidRequestError
 from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.transformers_utils.tokenizer import get_model_tokenizer
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.constraint_checker import ConstraintChecker
 from vllm.v1.engine.core_client import EngineCoreClient
@@ -153,7 +153,7 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.metrics = metrics
         logger.info("%s", vllm_config.scheduling_mode())
-        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
+        self.tokenizer = get_model_tokenizer(self.model_config)
         # Its own checker: compile checks run here, before the engine ever sees a request, in
         # worker processes (started on the first structured request) that are killed when a
         # compile runs past its time limit, so no constraint can hold them for long.

@@ -11,7 +11,7 @@ from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.outputs import OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
-from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.transformers_utils.tokenizer import get_model_tokenizer
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
 from vllm.v1.engine.constraint_checker import ConstraintChecker
 from vllm.v1.engine.core import EngineCore
@@ -41,7 +41,7 @@ class LLMEngine:
         thread_policy.configure_process()
         self.vllm_config = vllm_config
         logger.info("%s", vllm_config.scheduling_mode())
-        self.tokenizer = get_tokenizer(vllm_config.model_config.tokenizer)
+        self.tokenizer = get_model_tokenizer(vllm_config.model_config)
         self.engine_core = EngineCore(vllm_config, tokenizer=self.tokenizer)
         # Checks compile with the engine's own manager: the request's compile is a cache hit.
         checker = ConstraintChecker(
