@@ -68,6 +68,10 @@ def test_sigterm_drains_then_a_second_signal_ends_the_rest(tmp_path) -> None:
                        json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
         assert r.status_code == 503 and r.headers["Retry-After"]
         assert "shutting down" in r.json()["error"]["message"]
+        # A load balancer polling /health takes the server out of rotation now, not after
+        # the drain.
+        health = httpx.get(server.url("/health"), timeout=WAIT_S)
+        assert health.status_code == 503 and "draining" in health.json()["error"]["message"]
 
         # A running request finishes normally within the drain.
         short.join(WAIT_S)

@@ -226,9 +226,13 @@ def add_status_routes(
     """GET /health, /version, /metrics and /v1/models."""
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(raw_request: Request) -> Response:
         """200 while the engine serves (with the data-parallel engines that are gone, if
-        any), 503 once it is gone."""
+        any), 503 once it is gone or from the moment a graceful shutdown starts draining
+        (so a load balancer stops sending requests that would get a 503)."""
+        gate = getattr(raw_request.app.state, "gate", None)
+        if gate is not None and gate.draining:
+            return error_response("The server is draining before it shuts down", 503)
         if engine.is_healthy:
             dead = engine.dead_engines
             if dead:
