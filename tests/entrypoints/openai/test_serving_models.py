@@ -55,3 +55,12 @@ def test_a_failed_load_frees_its_name() -> None:
     validator.release.set()
     models.lora_validator = validator
     assert models.load_lora_adapter("a", "/adapters/one").lora_name == "a"
+
+
+def test_a_missing_model_is_the_default_and_an_empty_one_is_unknown() -> None:
+    models = OpenAIServingModels(["base", "alias"], "/m", 64, None)
+    assert models.resolve(None) == "base"
+    assert models.resolve("alias") == "alias"
+    # An empty name names no model: a 404 like any other unknown name.
+    assert models.resolve("") is None
+    assert models.resolve("other") is None

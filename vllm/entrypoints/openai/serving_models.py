@@ -73,8 +73,8 @@ class OpenAIServingModels:
 
     def resolve(self, name: str | None) -> str | None:
         """The served name a request's `model` refers to (None -> default; a base model name
-        or an adapter name); None if unknown."""
-        if name is None or name == "":
+        or an adapter name); None if unknown, the empty name included."""
+        if name is None:
             return self.default_name
         if name in self.served_model_names or name in self.lora_requests:
             return name
