@@ -156,6 +156,14 @@ def test_load_tokenizer_by_demo_name() -> None:
         serve.load_tokenizer("no-such-model-name")
 
 
+def test_load_tokenizer_by_the_served_id_of_the_default_model(monkeypatch) -> None:
+    # What the client passes when --model is the server's own id: with no hub, the id
+    # resolves to the packaged model as it does for the server.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = serve.load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert len(tok) == 49_152 and tok.eos_token == "<|im_end|>"
+
+
 def test_spec_decode_summary_from_the_servers_metrics_text() -> None:
     from vllm.benchmarks.serve import (
         format_spec_decode,

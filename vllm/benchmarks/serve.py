@@ -285,24 +285,14 @@ def format_spec_decode(summary: dict[str, float] | None) -> str:
 
 
 def load_tokenizer(name: str) -> Tokenizer:
-    """A tokenizer from a local directory or a built-in demo model name.
+    """The tokenizer of a model name as the server resolves it: a local directory or GGUF
+    file, the embedded default, a demo model name, or a hub id (from the hub cache).
 
-    Raises ValueError if `name` is neither.
+    Raises ValueError naming `tokenizer` if `name` is none of these.
     """
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return get_tokenizer(path)
-    from vllm.model_executor.model_loader import demo_small_vocab
-    from vllm.model_executor.model_loader.demo_model import DEMO_MODELS, build_demo_model
-
-    if name in DEMO_MODELS:
-        return get_tokenizer(build_demo_model(name))
-    small = demo_small_vocab.resolve(name)
-    if small is not None:
-        return get_tokenizer(small)
-    raise ValueError(f"tokenizer: {name!r} is neither a directory nor a demo model name")
+    return get_tokenizer(name)
 
 
 def token_counter(tokenizer: Tokenizer) -> Callable[[str], int]:

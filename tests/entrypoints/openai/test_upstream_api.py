@@ -73,6 +73,16 @@ def test_tokenize_a_prompt_and_detokenize_it_back(server) -> None:
     assert back.json() == {"prompt": "Hello world, hello!"}
 
 
+def test_detokenize_takes_at_most_a_context_of_ids_and_an_empty_model_is_unknown(
+        server) -> None:
+    too_many = post(server, "/detokenize", {"model": MODEL, "tokens": [1] * 1025})
+    assert too_many.status_code == 400
+    assert too_many.json()["error"]["param"] == "tokens"
+    assert "1024" in too_many.json()["error"]["message"]
+    assert post(server, "/detokenize", {"model": MODEL, "tokens": [1] * 1024}).status_code == 200
+    assert post(server, "/detokenize", {"model": "", "tokens": [1]}).status_code == 404
+
+
 def test_tokenize_messages_renders_the_chat_template(server) -> None:
     messages = [{"role": "user", "content": "Hi there"}]
     with_prompt = post(server, "/tokenize", {"model": MODEL, "messages": messages}).json()

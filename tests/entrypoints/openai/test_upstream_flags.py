@@ -102,3 +102,47 @@ def test_overload_sheds_new_requests_and_keeps_serving(start_server) -> None:
 
         wait_until(admitted, interval_s=0.1)
         assert answers[-1].status_code == 200, "the aborted request was never released"
+
+
+def test_a_burst_is_shed_at_the_bound(start_server) -> None:
+    """1,000 requests opened at once against --max-waiting-requests 16 (4 sequences at a
+    time): the gate counts each from its first byte, not from its admission to the engine,
+    so most of the burst gets 503 with Retry-After, the engine's waiting queue never grows
+    past the bound plus one batch, and the server serves normally afterwards."""
+    import asyncio
+
+    server: RemoteServer = start_server("demo-tiny", "--max-model-len", "256",
+                                        "--max-num-seqs", "4", "--max-waiting-requests", "16")
+    body = {"model": "demo-tiny", "prompt": "Hi", "max_tokens": 8, "ignore_eos": True}
+    peak = [0.0]
+    done = asyncio.Event()
+
+    async def watch(http: httpx.AsyncClient) -> None:
+        while not done.is_set():
+            text = (await http.get("/metrics")).text
+            for line in text.splitlines():
+                if line.startswith("vllm:num_requests_waiting{"):
+                    peak[0] = max(peak[0], float(line.rsplit(" ", 1)[1]))
+            await asyncio.sleep(0.05)
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=1100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300,
+                                     limits=limits) as http:
+            watcher = asyncio.create_task(watch(http))
+            answers = await asyncio.gather(
+                *(http.post("/v1/completions", json=body) for _ in range(1000)))
+            done.set()
+            await watcher
+            return answers
+
+    answers = asyncio.run(burst())
+    ok = [a for a in answers if a.status_code == 200]
+    shed = [a for a in answers if a.status_code == 503]
+    assert len(ok) + len(shed) == 1000, {a.status_code for a in answers}
+    assert ok and len(shed) >= 500, (len(ok), len(shed))
+    assert all(a.headers["retry-after"] == "1" for a in shed)
+    assert "--max-waiting-requests" in shed[0].json()["error"]["message"]
+    assert peak[0] <= 16 + 4, peak[0]
+    after = httpx.post(server.url("/v1/completions"), json=body, timeout=120)
+    assert after.status_code == 200

@@ -137,6 +137,14 @@ def test_token_ids_the_sampler_indexes_must_be_in_the_vocabulary(attrs: dict[str
     assert info.value.param == param
 
 
+def test_more_allowed_token_ids_than_the_vocabulary_is_refused_before_any_is_read() -> None:
+    ids = list(range(VOCAB)) + [0]
+    with pytest.raises(InvalidRequestError, match=f"at most {VOCAB}") as info:
+        validation.check_token_ids(_params(allowed_token_ids=ids), VOCAB)
+    assert info.value.param == "allowed_token_ids"
+    validation.check_token_ids(_params(allowed_token_ids=list(range(VOCAB))), VOCAB)
+
+
 def test_token_ids_in_the_vocabulary_pass() -> None:
     validation.check_token_ids(
         _params(logit_bias={0: 1.0, VOCAB - 1: -1.0}, allowed_token_ids=[VOCAB - 1],

@@ -377,3 +377,38 @@ def test_workers_exit_when_the_engine_process_dies(tmp_path: Path) -> None:
     while os.path.exists(info["ipc_dir"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(info["ipc_dir"])
+
+
+class _ExitingProc:
+    """A worker process in the moment after its exit: its sentinel is readable, but it is
+    reaped (and `is_alive()` turns False) only once someone joins it."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        self.sentinel = self._read
+        self.joined = False
+
+    def exit(self) -> None:
+        os.write(self._write, b"x")
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joined = True
+
+    def is_alive(self) -> bool:
+        return not self.joined
+
+    def close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
+def test_a_fired_sentinel_is_confirmed_by_reaping_the_worker() -> None:
+    from vllm.v1.executor.multiproc_executor import is_alive_confirmed
+
+    proc = _ExitingProc()
+    try:
+        assert is_alive_confirmed(proc) and not proc.joined  # no sentinel: no wait
+        proc.exit()
+        assert not is_alive_confirmed(proc)
+    finally:
+        proc.close()

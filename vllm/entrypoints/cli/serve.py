@@ -105,8 +105,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser.add_argument(flag, action="store_true",
                             help=f"(no effect here: {why}).")
     parser.add_argument("--max-waiting-requests", type=int, default=None, metavar="N",
-                        help="Overload bound: with N requests already waiting beyond what the "
-                        "engine runs at once (--max-num-seqs per engine), new completion, "
+                        help="Overload bound: with N requests per engine already waiting "
+                        "(counted from their first byte) beyond what the engines run at once "
+                        "(--max-num-seqs per engine), new completion, "
                         "chat and responses requests get a 503 with Retry-After at once "
                         "instead of queuing (default: no bound).")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",

@@ -106,11 +106,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Passes the request on when its path is open or it carries the key; else a 401."""
-        path = scope.get("path", "")
-        root = scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]  # behind --root-path, /api/health is /health
-        if scope["type"] == "http" and path not in OPEN_PATHS:
+        if scope["type"] == "http" and route_path(scope) not in OPEN_PATHS:
             given = b""
             for name, value in scope.get("headers", ()):
                 if name == b"authorization":
@@ -124,6 +120,43 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+# The routes that generate: the overload gate bounds these, and counts each from its first byte.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path without the --root-path prefix (behind it, /api/health is
+    /health)."""
+    path = scope.get("path", "")
+    root = scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+class InFlightCounter:
+    """Counts the generation requests the server holds, from the moment their headers arrive
+    until their response has ended (or their client left), in `gate.in_flight`.
+
+    The engine counts a request only once it is admitted (after its body is read, its
+    constraint checked and its prompt tokenized), so under a burst every request would pass
+    an overload check made against the engine's count while that count is still 0.
+    """
+
+    def __init__(self, app: ASGIApp, gate: RequestGate) -> None:
+        self.app = app
+        self.gate = gate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "POST"
+                or route_path(scope) not in GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        self.gate.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.gate.in_flight -= 1
 
 
 def build_app(
@@ -153,6 +186,8 @@ def build_app(
     app.state.gate = gate
     add_openai_routes(app, engine, models, gate, tool_call_parser)
     add_error_handlers(app)
+    # Inside the key check: a request without the key is never counted.
+    app.add_middleware(InFlightCounter, gate=gate)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
@@ -172,20 +207,27 @@ class RequestGate:
         self.max_messages = engine.model_config.max_model_len
         # Set by a graceful shutdown: new generation requests are refused from then on.
         self.draining = False
+        # Generation requests the server holds, this one included (InFlightCounter).
+        self.in_flight = 0
 
     def refusal(self) -> Response | None:
         """A 503 with Retry-After while the server shuts down or when the waiting requests
-        reach --max-waiting-requests; None when the request may proceed."""
+        reach --max-waiting-requests per engine; None when the request may proceed.
+
+        Waiting counts every generation request the server holds beyond what the engines
+        run at once, from its first byte: those still being read and checked as well as
+        those queued in the engines."""
         if self.draining:
             return _retry_later("The server is shutting down; retry on another server")
         if self.max_waiting_requests is None:
             return None
         config = self.engine.vllm_config
+        engines = config.parallel_config.data_parallel_size
         # Requests the engines run at once; admitted ones beyond it wait in their queues.
-        capacity = (config.scheduler_config.max_num_seqs
-                    * config.parallel_config.data_parallel_size)
-        waiting = self.engine.num_unfinished_requests - capacity
-        if waiting < self.max_waiting_requests:
+        capacity = config.scheduler_config.max_num_seqs * engines
+        held = max(self.in_flight - 1, self.engine.num_unfinished_requests)
+        waiting = held - capacity
+        if waiting < self.max_waiting_requests * engines:
             return None
         return _retry_later(
             f"The server is overloaded: {waiting} requests are waiting "

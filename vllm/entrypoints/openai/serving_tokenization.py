@@ -83,9 +83,14 @@ class OpenAIServingTokenization:
 
     async def detokenize(self, request: DetokenizeRequest, raw_request: Request) -> Response:
         """The text of the request's token ids; a 400 naming `tokens` for an id outside the
-        vocabulary."""
+        vocabulary or more ids than max_model_len."""
         if (missing := self._check_model(request.model)) is not None:
             return missing
+        if len(request.tokens) > self.max_model_len:
+            # No prompt or output holds more; a million ids would hold the event loop.
+            return error_response(
+                f"tokens: at most {self.max_model_len} ids (max_model_len), got "
+                f"{len(request.tokens)}", 400, param="tokens")
         for i, token in enumerate(request.tokens):
             if not 0 <= token < self.vocab_size:
                 return error_response(

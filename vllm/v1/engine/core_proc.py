@@ -95,7 +95,8 @@ class EngineCoreProc:
         self._death_sentinels = set(self.engine_core.worker_death_sentinels())
         for fd in self._death_sentinels:
             self._poller.register(fd, zmq.POLLIN)
-        self._worker_exited = False
+        # The sentinels that fired since the last health check.
+        self._fired: set[int] = set()
 
     # ------------------------------------------------------------------ loop
 
@@ -132,27 +133,28 @@ class EngineCoreProc:
         """Runs the executor's health check once its interval has passed; raises what it
         raises (a dead worker), which ends the loop and reports the engine dead."""
         now = self._clock()
-        if not self._running or (now < self._next_health_check and not self._worker_exited):
+        if not self._running or (now < self._next_health_check and not self._fired):
             return
         self._next_health_check = now + self._health_interval_s
+        # The executor confirms a fired sentinel's death (a bounded wait for the reap), so
+        # a worker that just exited is reported here, not one interval later.
         self.engine_core.check_health()
-        if self._worker_exited:
-            # A sentinel fired yet the executor reports every worker alive: stop watching
-            # the sentinels (they stay readable, and would wake the loop without end) and
-            # rely on the periodic check.
-            logger.warning("engine core: a worker sentinel fired but the executor reports "
-                           "its workers healthy; checking every %g s instead",
-                           self._health_interval_s)
-            for fd in self._death_sentinels:
+        if self._fired:
+            # A sentinel fired yet its worker is alive: stop watching that one alone (it
+            # stays readable and would wake the loop without end); the others still tell
+            # a death at once, and the periodic check covers this one.
+            logger.warning("engine core: %d worker sentinel(s) fired but the executor reports "
+                           "those workers alive; checking them every %g s instead",
+                           len(self._fired), self._health_interval_s)
+            for fd in self._fired:
                 self._poller.unregister(fd)
-            self._death_sentinels.clear()
-            self._worker_exited = False
+            self._death_sentinels -= self._fired
+            self._fired.clear()
 
     def _handle_input(self, timeout_ms: int | None) -> None:
         """Waits up to timeout_ms (None: forever) for input, then drains every queued message."""
         events = dict(self._poller.poll(timeout_ms))
-        if self._death_sentinels and not self._death_sentinels.isdisjoint(events):
-            self._worker_exited = True
+        self._fired |= self._death_sentinels.intersection(events)
         if self._parent_sentinel is not None and self._parent_sentinel in events:
             logger.warning("engine core: the API server process died; shutting down")
             self.parent_died = True

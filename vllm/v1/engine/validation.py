@@ -87,11 +87,17 @@ def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
     """Raises InvalidRequestError naming the field when logit_bias, allowed_token_ids or
-    bad_words_token_ids holds a token id outside [0, vocab_size).
+    bad_words_token_ids holds a token id outside [0, vocab_size), or allowed_token_ids
+    holds more ids than the vocabulary.
 
     The sampler indexes the logits with these ids: one outside the vocabulary would fail
     the whole step, not just this request.
     """
+    allowed = params.allowed_token_ids or []
+    if len(allowed) > vocab_size:
+        # More ids than the vocabulary has must repeat some; refused before any is scanned.
+        raise InvalidRequestError(
+            "allowed_token_ids", f"at most {vocab_size} ids (the vocabulary), got {len(allowed)}")
     groups = {
         "logit_bias": list(params.logit_bias or ()),
         "allowed_token_ids": params.allowed_token_ids or [],

@@ -89,6 +89,21 @@ class _Call:
             self.future.set_result(self.results[self.output_rank])
 
 
+# How long a worker whose sentinel fired may take to be reaped before it counts as alive.
+REAP_WAIT_S = 2.0
+
+
+def is_alive_confirmed(proc: Any, reap_wait_s: float = REAP_WAIT_S) -> bool:
+    """Whether a worker process is alive, waiting up to reap_wait_s for one whose sentinel
+    has fired: its exit closes the sentinel before the process can be reaped, and in that
+    moment `is_alive()` still says True."""
+    from multiprocessing.connection import wait
+
+    if wait([proc.sentinel], timeout=0):
+        proc.join(reap_wait_s)
+    return proc.is_alive()
+
+
 class _WorkerGroup:
     """The worker processes, their sockets, and the thread that reads their replies.
 
@@ -205,7 +220,7 @@ class _WorkerGroup:
         with self._lock:
             self._raise_if_unusable()
         for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
+            if not is_alive_confirmed(proc):
                 message = self._death_message(rank)
                 self._fail(message)
                 raise RuntimeError(self._error or message)
