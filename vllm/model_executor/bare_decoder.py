@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers import dense_rows
+from vllm.model_executor.layers.column_major import column_major
 from vllm.model_executor.model_loader.gguf_loader import iterate_gguf
 from vllm.transformers_utils.gguf_dir import find_gguf
-from vllm.model_executor.layers.column_major import column_major
 
 
 class BareDecoder:

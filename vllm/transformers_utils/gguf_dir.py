@@ -42,9 +42,11 @@ _SAMPLING_KEYS = {
 
 def is_gguf_file(path: Path) -> bool:
     """Whether `path` is a regular file that starts with the GGUF magic bytes."""
+    if not path.is_file():
+        return False
     try:
         with open(path, "rb") as f:
-            return path.is_file() and f.read(4) == b"GGUF"
+            return f.read(4) == b"GGUF"
     except OSError:
         return False
 
@@ -89,14 +91,14 @@ def field_value(reader: Any, key: str) -> Any:
 
 
 def architecture_of(reader: Any, path: Path) -> str:
-    """The model class for the file's `general.architecture`. Raises ValueError naming the
-    key when the architecture is missing or not served here."""
+    """The file's `general.architecture` (`llama`, `qwen2`, `qwen3`). Raises ValueError
+    naming the key when the architecture is missing or not served here."""
     arch = field_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"general.architecture: {arch!r} in {str(path)!r} is not served here; supported "
             f"GGUF architectures: {', '.join(ARCHITECTURES)}")
-    return ARCHITECTURES[arch]
+    return arch
 
 
 def gguf_model_dir(
@@ -130,15 +132,14 @@ def _convert(path: Path, out: Path, sampling: dict[str, float]) -> None:
     from transformers import AutoConfig
 
     reader = open_gguf(path)
-    architecture = architecture_of(reader, path)
+    arch = architecture_of(reader, path)
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ValueError(f"model: cannot read the config of {str(path)!r}: "
                          f"{type(exc).__name__}: {exc}") from None
-    config.architectures = [architecture]
+    config.architectures = [ARCHITECTURES[arch]]
     # transformers leaves a Qwen3 file's head size at the class default (128).
-    arch = field_value(reader, "general.architecture")
     head_dim = field_value(reader, f"{arch}.attention.key_length")
     if head_dim is not None and hasattr(config, "head_dim"):
         config.head_dim = int(head_dim)
@@ -156,16 +157,16 @@ def _convert(path: Path, out: Path, sampling: dict[str, float]) -> None:
         json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2) + "\n")
     if field_value(reader, "tokenizer.ggml.model") is not None:
         _write_tokenizer(path, out)
-    (out / TENSOR_INDEX).write_text(json.dumps(tensor_index(reader)) + "\n")
+    (out / TENSOR_INDEX).write_text(json.dumps(tensor_index(reader, arch)) + "\n")
     (out / GGUF_LINK).symlink_to(path)
 
 
-def tensor_index(reader: Any) -> dict[str, Any]:
+def tensor_index(reader: Any, arch: str) -> dict[str, Any]:
     """The file's architecture and, per tensor, its name, type, and the array GGUFReader maps
     for it (dtype, shape, byte offset), so the loader can map the same bytes alone."""
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     return {
-        "architecture": field_value(reader, "general.architecture"),
+        "architecture": arch,
         # The size of the file's own vocabulary (None without one): a --tokenizer given
         # beside the file must match it.
         "tokenizer_size": None if tokens is None else len(tokens),

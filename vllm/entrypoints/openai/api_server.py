@@ -179,11 +179,11 @@ def build_app(
             engine.shutdown()
 
     app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__, lifespan=lifespan)
-    add_status_routes(app, engine, models, metrics)
-    if models.lora_validator is not None:
-        add_lora_routes(app, models)
     gate = RequestGate(engine, max_body_bytes, max_waiting_requests)
     app.state.gate = gate
+    add_status_routes(app, engine, models, metrics, gate)
+    if models.lora_validator is not None:
+        add_lora_routes(app, models)
     add_openai_routes(app, engine, models, gate, tool_call_parser)
     add_error_handlers(app)
     # Inside the key check: a request without the key is never counted.
@@ -264,16 +264,16 @@ def add_status_routes(
     engine: AsyncLLM,
     models: OpenAIServingModels,
     metrics: PrometheusMetrics | None,
+    gate: RequestGate,
 ) -> None:
     """GET /health, /version, /metrics and /v1/models."""
 
     @app.get("/health")
-    async def health(raw_request: Request) -> Response:
+    async def health() -> Response:
         """200 while the engine serves (with the data-parallel engines that are gone, if
         any), 503 once it is gone or from the moment a graceful shutdown starts draining
         (so a load balancer stops sending requests that would get a 503)."""
-        gate = getattr(raw_request.app.state, "gate", None)
-        if gate is not None and gate.draining:
+        if gate.draining:
             return error_response("The server is draining before it shuts down", 503)
         if engine.is_healthy:
             dead = engine.dead_engines
