@@ -22,10 +22,13 @@ def _app():
     engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=16, vocab_size=32),
                              tokenizer=None,
                              is_healthy=True, dead_engines={}, dead_reason=None)
-    # A LoRA validator: the adapter admin routes exist, so the key is checked on them too.
+    # A LoRA validator and the runtime switch: the adapter admin routes exist, so the key is
+    # checked on them too.
     models = SimpleNamespace(show_available_models=lambda: SimpleNamespace(
-        model_dump_json=lambda: '{"object": "list", "data": []}'), lora_validator=object())
-    return build_app(engine, models, PrometheusMetrics("m"), api_key=KEY)
+        model_dump_json=lambda: '{"object": "list", "data": []}'), lora_validator=object(),
+        lora_allowed_roots=[])
+    return build_app(engine, models, PrometheusMetrics("m"), api_key=KEY,
+                     allow_runtime_lora_updating=True)
 
 
 def _routes() -> list[tuple[str, str]]:

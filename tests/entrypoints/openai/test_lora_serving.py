@@ -2,19 +2,23 @@
 
 A request picks an adapter by its `model` field and gets what the offline engine gives with
 that adapter; /v1/models lists adapters with their parent; adapters load and unload at run
-time; an unknown adapter is a 404 in OpenAI's error shape.
+time, only with the runtime switch and only from the allowed directories; an unknown adapter
+is a 404 in OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
+from starlette.testclient import TestClient
 
 from tests.lora.utils import ALL_TARGETS, build_adapter
 from vllm import LLM, SamplingParams
+from vllm.exceptions import InvalidRequestError
 from vllm.lora.request import LoRARequest
 from vllm.model_executor.model_loader.demo_model import build_demo_model
 
@@ -56,7 +60,8 @@ def server(start_server, adapters):
     two = json.dumps({"name": "two", "path": str(adapters / "two"),
                       "base_model_name": MODEL})
     return start_server(MODEL, "--max-model-len", "256", "--enable-lora", "--max-loras", "2",
-                        "--lora-modules", f"one={adapters / 'one'}", two)
+                        "--lora-modules", f"one={adapters / 'one'}", two,
+                        "--allow-runtime-lora-updating")
 
 
 def _complete(server, model: str) -> httpx.Response:
@@ -118,6 +123,83 @@ def test_load_and_unload_at_run_time(server, adapters, offline) -> None:
     assert _complete(server, "one").json()["choices"][0]["text"] == offline["one"]
 
 
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory, adapters):
+    """A fit adapter in a directory beside the served ones' (outside the allowed roots)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(build_demo_model(MODEL)),
+                                              dtype=torch.float32)
+    root = tmp_path_factory.mktemp("outside")
+    build_adapter(hf, root / "fit", seed=5, targets=["q_proj"], r=2)
+    return root
+
+
+def test_runtime_paths_outside_the_roots_get_one_answer(server, adapters, outside) -> None:
+    load = server.url("/v1/load_lora_adapter")
+    link = adapters / "link-out"
+    link.symlink_to(outside / "fit")
+    paths = [
+        outside / "fit",                            # a fit adapter, outside
+        outside / "missing",                        # nothing there
+        adapters / ".." / outside.name / "fit",     # out of a root by `..`
+        link,                                       # out by a link placed inside a root
+        "/etc/passwd",                              # a file
+    ]
+    answers = set()
+    for path in paths:
+        response = httpx.post(load, json={"lora_name": "x", "lora_path": str(path)})
+        assert response.status_code == 400, (path, response.text)
+        answers.add(response.text)
+    # One body whatever is there: a client learns nothing about the disk outside the roots.
+    (answer,) = answers
+    error = json.loads(answer)["error"]
+    assert error["param"] == "lora_path" and "--lora-allowed-dir" in error["message"]
+    assert "x" not in {c["id"] for c in httpx.get(server.url("/v1/models")).json()["data"]}
+
+
+class RefusingValidator:
+    """Refuses every adapter: a load route that exists answers 400, not 404."""
+
+    def check(self, request: LoRARequest) -> None:
+        raise InvalidRequestError("lora_path", "refused")
+
+    def forget(self, request: LoRARequest) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("env", "flag", "exists"), [
+    (None, False, False), ("0", False, False), ("1", False, True), ("true", False, True),
+    (None, True, True),
+])
+def test_adapter_routes_exist_only_with_the_switch(monkeypatch, tmp_path, env, flag,
+                                                   exists) -> None:
+    from vllm.entrypoints.openai.api_server import build_app
+    from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+    from vllm.v1.metrics.prometheus import PrometheusMetrics
+
+    if env is None:
+        monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", env)
+    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=16, vocab_size=32),
+                             tokenizer=None)
+    models = OpenAIServingModels([MODEL], "/m", 16, RefusingValidator(),
+                                 lora_allowed_roots=[str(tmp_path.resolve())])
+    # Built after the variable is set: the switch is read when the app is built.
+    app = build_app(engine, models, PrometheusMetrics("m"), allow_runtime_lora_updating=flag)
+    client = TestClient(app, raise_server_exceptions=False)
+    load = client.post("/v1/load_lora_adapter",
+                       json={"lora_name": "x", "lora_path": str(tmp_path / "one")})
+    unload = client.post("/v1/unload_lora_adapter", json={"lora_name": "x"})
+    if exists:
+        assert load.status_code == 400 and "refused" in load.text
+        assert unload.status_code == 404 and unload.json()["error"]["param"] == "lora_name"
+    else:
+        assert load.status_code == 404 and unload.status_code == 404
+        assert unload.json()["error"]["message"] == "Not Found"
+
+
 def test_lora_flags_are_checked_before_startup(adapters, capsys) -> None:
     from vllm.entrypoints.openai.api_server import main
 
@@ -127,3 +209,7 @@ def test_lora_flags_are_checked_before_startup(adapters, capsys) -> None:
     assert "name=path" in capsys.readouterr().err
     assert main([MODEL, "--enable-lora", "--lora-modules", f"big={adapters / 'big'}"]) == 2
     assert "--max-lora-rank" in capsys.readouterr().err
+    assert main([MODEL, "--lora-allowed-dir", str(adapters)]) == 2
+    assert "--lora-allowed-dir: needs --enable-lora" in capsys.readouterr().err
+    assert main([MODEL, "--enable-lora", "--lora-allowed-dir", str(adapters / "nope")]) == 2
+    assert "--lora-allowed-dir: " in capsys.readouterr().err

@@ -138,6 +138,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="LoRA adapters served as models of their own (needs "
                         "--enable-lora): name=path, or JSON {\"name\": ..., \"path\": ..., "
                         "\"base_model_name\": ...}; a request picks one by its `model`.")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="Add /v1/load_lora_adapter and /v1/unload_lora_adapter (with "
+                        "--enable-lora), as VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 does. Paths "
+                        "load only from inside the directories holding the --lora-modules "
+                        "adapters and each --lora-allowed-dir.")
+    parser.add_argument("--lora-allowed-dir", action="append", default=[], metavar="DIR",
+                        help="A directory runtime-loaded adapters may come from (repeatable; "
+                        "symlinks leading out of it are refused).")
     EngineArgs.add_cli_args(parser)
     return parser
 
@@ -188,7 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args.model = args.model_tag or args.model
     try:
         config = engine_args.create_engine_config()
-        models = _serving_models(config, args.lora_modules or [])
+        models = _serving_models(config, args.lora_modules or [], args.lora_allowed_dir)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -203,6 +211,7 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         root_path=args.root_path, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, send_timeout=args.send_timeout,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     if options.max_waiting_requests is not None and options.max_waiting_requests < 0:
         print("error: --max-waiting-requests: must be at least 0", file=sys.stderr)
@@ -234,10 +243,16 @@ def run_serve(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _serving_models(config: VllmConfig, lora_modules: list[str]) -> OpenAIServingModels:
+def _serving_models(config: VllmConfig, lora_modules: list[str],
+                    lora_allowed_dirs: list[str]) -> OpenAIServingModels:
     """The served names: the model's, and each --lora-modules adapter (checked now, so a
-    bad one stops the server before it starts). Raises ValueError naming the flag."""
-    from vllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
+    bad one stops the server before it starts); and where runtime loads may read adapters
+    from. Raises ValueError naming the flag."""
+    from vllm.entrypoints.openai.serving_models import (
+        OpenAIServingModels,
+        lora_allowed_roots,
+        parse_lora_module,
+    )
     from vllm.lora.validation import LoRAValidator
     from vllm.model_executor.model_loader.default_model import (
         DEFAULT_MODEL_ALIAS,
@@ -253,12 +268,16 @@ def _serving_models(config: VllmConfig, lora_modules: list[str]) -> OpenAIServin
                                  model_config.max_model_len, validator)
     if lora_modules and validator is None:
         raise ValueError("--lora-modules: needs --enable-lora")
-    for text in lora_modules:
-        module = parse_lora_module(text)
+    if lora_allowed_dirs and validator is None:
+        raise ValueError("--lora-allowed-dir: needs --enable-lora")
+    modules = [parse_lora_module(text) for text in lora_modules]
+    for module in modules:
         try:
             models.load_lora_adapter(module.name, module.path, module.base_model_name)
         except ValueError as e:
             raise ValueError(f"--lora-modules {module.name}: {e}") from None
+    models.lora_allowed_roots = lora_allowed_roots([m.path for m in modules],
+                                                   lora_allowed_dirs)
     return models
 
 

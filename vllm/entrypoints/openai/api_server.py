@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import uvicorn
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from vllm import __version__
+from vllm.entrypoints.openai.drain import DrainingServer
 from vllm.entrypoints.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     ChatCompletionRequest,
@@ -27,6 +28,7 @@ from vllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     OpenAIBaseModel,
 )
+from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
@@ -35,14 +37,16 @@ from vllm.entrypoints.openai.serving_engine import (
     json_response,
     parse_request,
 )
-from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.serving_models import (
+    ALLOW_RUNTIME_LORA_UPDATING_ENV,
+    OpenAIServingModels,
+    runtime_lora_updating_allowed,
+)
 from vllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllm.entrypoints.openai.serving_tokenization import (
     OpenAIServingTokenization,
     tokenize_request_class,
 )
-from vllm.entrypoints.openai.drain import DrainingServer
 from vllm.entrypoints.openai.stalled_send import StalledSendGuard
 from vllm.exceptions import clean_message
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -88,6 +92,9 @@ class ServerOptions:
     # A response write that cannot complete for this long (the client stopped reading) ends
     # the response and aborts its requests (StalledSendGuard); 0: no bound.
     send_timeout: float = 60.0
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter exist (with --enable-lora) only with
+    # this or VLLM_ALLOW_RUNTIME_LORA_UPDATING (--allow-runtime-lora-updating).
+    allow_runtime_lora_updating: bool = False
 
 
 # The one route open without the API key: load balancers and orchestrators probe it, and it
@@ -167,8 +174,13 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     tool_call_parser: str | None = None,
     max_waiting_requests: int | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
-    """The FastAPI app serving `engine`. The app's lifespan shuts the engine down at exit."""
+    """The FastAPI app serving `engine`. The app's lifespan shuts the engine down at exit.
+
+    The adapter admin routes exist with LoRA on and `allow_runtime_lora_updating` or
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING set (read now, not at import).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -182,7 +194,8 @@ def build_app(
     gate = RequestGate(engine, max_body_bytes, max_waiting_requests)
     app.state.gate = gate
     add_status_routes(app, engine, models, metrics, gate)
-    if models.lora_validator is not None:
+    if models.lora_validator is not None and runtime_lora_updating_allowed(
+            allow_runtime_lora_updating):
         add_lora_routes(app, models)
     add_openai_routes(app, engine, models, gate, tool_call_parser)
     add_error_handlers(app)
@@ -360,7 +373,15 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
-    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora)."""
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora and the
+    runtime-updating switch); loads only from inside `models.lora_allowed_roots`."""
+    # Said once at startup: these routes read the server's disk on a client's word.
+    logger.warning(
+        "Runtime LoRA adapter loading is on (--allow-runtime-lora-updating or %s): clients "
+        "may load adapters from inside %s", ALLOW_RUNTIME_LORA_UPDATING_ENV,
+        ", ".join(models.lora_allowed_roots)
+        or "no directory yet (give --lora-modules or --lora-allowed-dir)",
+    )
 
     async def body(raw_request: Request) -> dict | Response:
         try:
@@ -374,17 +395,21 @@ def add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(raw_request: Request) -> Response:
         """Serves the PEFT adapter at `lora_path` as model `lora_name`; 400 when the name is
-        taken or the adapter is unfit."""
+        taken, the path lies outside the allowed directories or the adapter is unfit."""
         data = await body(raw_request)
         if isinstance(data, Response):
             return data
         path = data.get("lora_path")
         if not isinstance(path, str) or not path:
             return error_response("lora_path: required (a string)", 400, param="lora_path")
+        base = data.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            return error_response("base_model_name: must be a string", 400,
+                                  param="base_model_name")
         try:
             # Reads the adapter's files: off the event loop.
             await asyncio.to_thread(
-                models.load_lora_adapter, data["lora_name"], path, data.get("base_model_name")
+                models.load_runtime_lora_adapter, data["lora_name"], path, base
             )
         except ValueError as e:
             return exception_error(e).response()
@@ -447,7 +472,8 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
     KeyboardInterrupt (Ctrl-C, or SIGTERM as the CLI maps it) propagates after the cleanup.
     """
     app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes,
-                    options.tool_call_parser, options.max_waiting_requests)
+                    options.tool_call_parser, options.max_waiting_requests,
+                    options.allow_runtime_lora_updating)
     if options.send_timeout > 0:
         app.add_middleware(StalledSendGuard, timeout_s=options.send_timeout)
     if options.allowed_origins:

@@ -5,13 +5,76 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm.entrypoints.openai.protocol import ModelCard, ModelList
 from vllm.exceptions import InvalidRequestError
 from vllm.lora.request import LoRARequest
 from vllm.lora.validation import LoRAValidator
+
+# Upstream's switch for the adapter admin routes (/v1/load_lora_adapter and
+# /v1/unload_lora_adapter): without it (or --allow-runtime-lora-updating) they do not exist,
+# because they read files from the server's disk on a client's word.
+ALLOW_RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+# The one answer to a runtime adapter path outside the allowed directories, whether or not
+# something is there: a different answer would let a client map the server's disk.
+LORA_PATH_OUTSIDE_ROOTS = (
+    "adapters load at run time only from inside the directories that hold the "
+    "--lora-modules adapters or a --lora-allowed-dir, and this path is not inside one"
+)
+
+
+def runtime_lora_updating_allowed(flag: bool = False) -> bool:
+    """True when the adapter admin routes may exist: `flag` (--allow-runtime-lora-updating)
+    is set or VLLM_ALLOW_RUNTIME_LORA_UPDATING is "1" or "true" (any case).
+
+    The environment is read on each call, i.e. when the app is built, so setting the variable
+    after `vllm` was imported (as a test or an embedding program does) still counts.
+    """
+    value = os.environ.get(ALLOW_RUNTIME_LORA_UPDATING_ENV, "").strip().lower()
+    return flag or value in ("1", "true")
+
+
+def lora_allowed_roots(module_paths: Iterable[str], allowed_dirs: Iterable[str]) -> list[str]:
+    """The directories runtime adapter paths must resolve inside: the parent directory of
+    each --lora-modules adapter and each --lora-allowed-dir, symlinks resolved.
+
+    Raises ValueError naming the flag when an allowed directory is not a directory (a typo
+    would otherwise refuse every load with no hint why).
+    """
+    roots: list[str] = []
+    for path in module_paths:
+        roots.append(os.path.dirname(os.path.realpath(path)))
+    for path in allowed_dirs:
+        real = os.path.realpath(path)
+        if not os.path.isdir(real):
+            raise ValueError(f"--lora-allowed-dir: {path!r} is not a directory")
+        roots.append(real)
+    return list(dict.fromkeys(roots))
+
+
+def confine_lora_path(path: str, roots: Iterable[str]) -> str:
+    """`path` with symlinks and `..` resolved, when that lies inside one of `roots` (already
+    resolved, see lora_allowed_roots).
+
+    Raises InvalidRequestError (param lora_path) with the same message for every path
+    outside, existing or not, and for one that cannot be resolved (a NUL byte).
+    """
+    try:
+        # realpath resolves `..` and every symlink, the last component's included, so neither
+        # a `../..` nor a link placed inside a root can lead the check out of it.
+        real = os.path.realpath(path)
+    except (OSError, ValueError):
+        real = None
+    if real is not None:
+        for root in roots:
+            if os.path.commonpath([real, root]) == root:
+                return real
+    raise InvalidRequestError("lora_path", LORA_PATH_OUTSIDE_ROOTS)
 
 
 @dataclass
@@ -59,6 +122,8 @@ class OpenAIServingModels:
     max_model_len: int
     lora_validator: LoRAValidator | None = None
     lora_requests: dict[str, LoRARequest] = field(default_factory=dict)
+    # Where /v1/load_lora_adapter may read adapters from (lora_allowed_roots); empty: nowhere.
+    lora_allowed_roots: list[str] = field(default_factory=list)
     # Every adapter loaded gets a new id, so a name loaded again after an unload (maybe
     # another directory) never meets the old one's cached weights or KV blocks.
     _lora_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -114,6 +179,20 @@ class OpenAIServingModels:
             with self._lock:
                 self._loading.discard(name)
         return request
+
+    def load_runtime_lora_adapter(self, name: str, path: str,
+                                  base_model_name: str | None = None) -> LoRARequest:
+        """load_lora_adapter for a path a client sent (/v1/load_lora_adapter): served from its
+        resolved path when that lies inside lora_allowed_roots.
+
+        Raises InvalidRequestError as load_lora_adapter does, and with one message for any
+        path outside the roots (confine_lora_path). Reads the files: call it off the event
+        loop.
+        """
+        # Loading the resolved path, not the given one, reads the very files the check
+        # approved even if a link on the way is swapped afterwards.
+        real = confine_lora_path(path, self.lora_allowed_roots)
+        return self.load_lora_adapter(name, real, base_model_name)
 
     def unload_lora_adapter(self, name: str) -> LoRARequest | None:
         """Stops serving the adapter `name`; returns it, or None when no adapter has that
