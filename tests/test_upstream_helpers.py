@@ -1,6 +1,6 @@
 """Helpers that upstream vLLM users import: vllm.utils.FlexibleArgumentParser and
 vllm.platforms.current_platform (get_tokenizer: tests/transformers_utils; the xgrammar
-schema check: tests/v1/structured_output/test_backend_xgrammar.py)."""
+schema check: tests/v1/structured_output/backends/test_xgrammar.py)."""
 
 from __future__ import annotations
 

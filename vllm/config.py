@@ -14,7 +14,7 @@ import torch
 
 from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
 from vllm.reasoning import PARSERS
-from vllm.v1.structured_output.registry import server_choices
+from vllm.v1.structured_output.backends.registry import server_choices
 
 if TYPE_CHECKING:
     from vllm.v1.executor.abstract import Executor
@@ -441,7 +441,7 @@ class StructuredOutputsConfig:
     limit is rejected with a 400 naming the option, before anything is compiled.
     """
 
-    # "auto": per request, the first backend (in the order of structured_output/registry.py:
+    # "auto": per request, the first backend (in the order of structured_output/backends/registry.py:
     # xgrammar, then llguidance) that enforces every part of the constraint, else a 400
     # naming what none enforces; "outlines" and "lm-format-enforcer" only for requests that
     # name them. A backend's name ("xgrammar", "guidance", "outlines",

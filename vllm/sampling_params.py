@@ -14,8 +14,7 @@ import numpy as np
 
 from vllm.exceptions import InvalidRequestError
 from vllm.v1.spec_decode.fast_forward import parse_request_mode
-from vllm.v1.structured_output import registry
-
+from vllm.v1.structured_output.backends import registry
 
 # Bounds on list sizes a request may carry (each entry costs work on every generated token).
 MAX_LOGPROBS = 20

@@ -26,7 +26,7 @@ from vllm.model_executor.model_loader.default_model import DEFAULT_MODEL_ID
 from vllm.model_executor.model_loader.demo_model import serves_compact_json
 from vllm.reasoning import PARSERS
 from vllm.v1.executor import registry
-from vllm.v1.structured_output.registry import (
+from vllm.v1.structured_output.backends.registry import (
     backends_for,
     request_only_for,
     server_choices,

@@ -31,9 +31,9 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.proposer import build_proposer
-from vllm.v1.structured_output.backend_auto import AutoBackend
+from vllm.v1.structured_output.backends.auto import AutoBackend
 from vllm.v1.structured_output.manager import StructuredOutputManager
-from vllm.v1.structured_output.backend_types import (
+from vllm.v1.structured_output.backends.base import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 
 STOP = 0
 # Token id -> text. Longest-match tokenization of '{"name":"' is 1 2 3; the "backend"

@@ -43,7 +43,7 @@ def manager(demo_dir: Path, tokenizer: Any) -> StructuredOutputManager:
 @pytest.fixture(scope="session")
 def backend(tokenizer: Any) -> Any:
     """One xgrammar backend for the demo vocabulary."""
-    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+    from vllm.v1.structured_output.backends.xgrammar import XgrammarBackend
 
     backend = XgrammarBackend(tokenizer, VOCAB_SIZE, EOS_IDS)
     yield backend
@@ -65,7 +65,7 @@ def walk_vocab(pieces: list[bytes]) -> WalkVocab:
 @pytest.fixture(scope="session")
 def guidance_backend(tokenizer: Any) -> Any:
     """One llguidance backend for the demo vocabulary."""
-    from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+    from vllm.v1.structured_output.backends.guidance import GuidanceBackend
 
     backend = GuidanceBackend(tokenizer, VOCAB_SIZE, EOS_IDS)
     yield backend

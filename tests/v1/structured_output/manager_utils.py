@@ -16,7 +16,7 @@ import pytest
 from vllm.config import ModelConfig, SchedulerConfig, StructuredOutputsConfig, VllmConfig
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.request import Request
-from vllm.v1.structured_output.backend_auto import AutoBackend
+from vllm.v1.structured_output.backends.auto import AutoBackend
 from vllm.v1.structured_output.limits import SMALL_CONSTRAINT_LENGTH
 from vllm.v1.structured_output.manager import StructuredOutputManager
 

@@ -26,7 +26,7 @@ _VOCAB_SIZE = 151_936
 def _backend(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]):
     """The engine's default backend (auto: xgrammar, else llguidance), built afresh."""
     from vllm.config import StructuredOutputsConfig
-    from vllm.v1.structured_output.backend_auto import create_backend
+    from vllm.v1.structured_output.backends.auto import create_backend
 
     return create_backend(StructuredOutputsConfig(), tokenizer, vocab_size, list(eos_ids))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from vllm.exceptions import GrammarCompileError
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.structured_output.backend_auto import CompileClock
+from vllm.v1.structured_output.backends.auto import CompileClock
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ import jsonschema
 from hypothesis import strategies as st
 
 from vllm.exceptions import GrammarCompileError
-from vllm.v1.structured_output.json_schema import normalize_json_schema
+from vllm.v1.structured_output.schema.normalize import normalize_json_schema
 
 NAMES = ["a", "b", "c"]
 WORDS = ["", "a", "ab", "admin", "b", "root"]

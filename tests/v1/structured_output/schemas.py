@@ -618,7 +618,7 @@ GUIDANCE_ONLY: list[tuple[str, dict[str, Any], str]] = [
         "allOf",
     ),
     (
-        # A group does not fold into one count (schema_lengths.py).
+        # A group does not fold into one count (schema/lengths.py).
         "pattern_and_length",
         {"json": {"type": "string", "pattern": "^(ab)+$", "maxLength": 3}},
         "minLength/maxLength",

@@ -17,7 +17,7 @@ from vllm.config import StructuredOutputsConfig
 from vllm.exceptions import UnsupportedConstraintError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output.backend_auto import AutoBackend
+from vllm.v1.structured_output.backends.auto import AutoBackend
 from vllm.v1.structured_output.manager import StructuredOutputManager
 
 from .conftest import VOCAB_SIZE

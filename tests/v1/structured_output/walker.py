@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 
 # Tokens that end a string, object, array or parenthesis: preferred when finishing a walk.
 _CLOSERS = (b'"', b"}", b"]", b")")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from vllm.v1.request import Request
 from vllm.v1.spec_decode.fast_forward import CANONICAL, EXACT, OFF, FastForward
 from vllm.v1.spec_decode.proposer import ForcedTokensOnly, Proposer
-from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager

@@ -33,7 +33,7 @@ from vllm.exceptions import InvalidRequestError
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
-    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+    from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 
 OFF, EXACT, CANONICAL = "off", "exact", "canonical"
 # In order of how far a mode departs from free decoding.

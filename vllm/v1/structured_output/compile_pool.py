@@ -49,8 +49,8 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.process import main_module_hidden
 
 if TYPE_CHECKING:
-    from vllm.v1.structured_output.backend_auto import CompileClock
     from vllm.config import StructuredOutputsConfig
+    from vllm.v1.structured_output.backends.auto import CompileClock
 
 __all__ = ["BackendChecker", "CompileCheckPool", "CompileAbortedError", "Checker"]
 
@@ -113,7 +113,7 @@ class BackendChecker:
         # The Rust tokenizer's thread pool must not exist when workers are forked.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from vllm.transformers_utils.tokenizer import get_tokenizer
-        from vllm.v1.structured_output.backend_auto import prepare_backends
+        from vllm.v1.structured_output.backends.auto import prepare_backends
 
         self._tokenizer = get_tokenizer(self.tokenizer)
         self._prepared = prepare_backends(
@@ -122,7 +122,7 @@ class BackendChecker:
 
     def start_worker(self) -> None:
         """Builds this worker's backend (milliseconds; llguidance's on first use)."""
-        from vllm.v1.structured_output.backend_auto import create_backend
+        from vllm.v1.structured_output.backends.auto import create_backend
 
         self._backend = create_backend(
             self.config,

@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 
 logger = logging.getLogger(__name__)
 

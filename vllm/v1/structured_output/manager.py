@@ -18,8 +18,8 @@ from vllm.v1.structured_output.request import StructuredOutputRequest
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
-    from vllm.v1.structured_output.backend_auto import AutoBackend
-    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+    from vllm.v1.structured_output.backends.auto import AutoBackend
+    from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 
 
 class StructuredOutputManager:
@@ -97,7 +97,7 @@ class StructuredOutputManager:
             return self._backend
 
     def _create_backend(self) -> AutoBackend:
-        from vllm.v1.structured_output.backend_auto import create_backend
+        from vllm.v1.structured_output.backends.auto import create_backend
 
         return create_backend(
             self._config, self._load_tokenizer(), self._vocab_size, self._stop_token_ids

@@ -10,7 +10,7 @@ from concurrent.futures import wait as wait_futures
 from vllm.exceptions import GrammarCompileError, InvalidRequestError
 from vllm.reasoning import ReasoningParser, ReasoningState
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 from vllm.v1.structured_output.compile_pool import CompileAbortedError
 
 

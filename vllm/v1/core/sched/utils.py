@@ -4,7 +4,6 @@ prompt logprobs, appending its sampled tokens with the stop checks, and its Engi
 from __future__ import annotations
 
 import logging
-
 from typing import TYPE_CHECKING
 
 from vllm.exceptions import ErrorKind
@@ -14,7 +13,7 @@ from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.canonical_rows import pin_canonical_rows
 from vllm.v1.spec_decode.fast_forward import CANONICAL
-from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager

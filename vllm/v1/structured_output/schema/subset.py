@@ -1,0 +1,208 @@
+"""Which JSON-schema keywords the compatibility backends (outlines, lm-format-enforcer)
+enforce, checked on the normalized schema before they compile it.
+
+Both libraries skip keywords they do not implement (outlines ignores `minimum`, an object's
+`minProperties`, `patternProperties`; lm-format-enforcer ignores others), so an output could
+violate the schema. `check_subset` walks the schema (after `normalize_json_schema`) and raises
+UnsupportedConstraintError at the first keyword outside the backend's `SchemaSubset`, naming
+the keyword and the backend. What a backend generates may be a subset of what the schema
+allows (only listed properties, properties in schema order): every output still validates.
+
+Pure Python; imports no backend library.
+"""
+
+from __future__ import annotations
+
+import re
+import re._parser as sre_parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.exceptions import UnsupportedConstraintError
+from vllm.v1.structured_output.schema.regex_dialect import strip_anchors
+from vllm.v1.structured_output.schema.regex_tree import plain_children
+
+_FIELD = "structured_outputs.json"
+
+# Keywords that assert nothing.
+ANNOTATIONS = frozenset({
+    "$schema", "$id", "id", "$anchor", "$comment", "$defs", "definitions", "$vocabulary",
+    "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
+    "contentMediaType", "contentEncoding",
+})
+
+_MAPS = ("properties", "$defs", "definitions")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SINGLES = ("items", "additionalProperties")
+
+# JSON strings may not hold these raw: a pattern that could produce one is refused when the
+# backend inserts patterns into its JSON-string rule unchecked.
+_UNSAFE_IN_STRING = frozenset(range(0x20)) | {ord('"'), ord("\\")}
+
+
+@dataclass(frozen=True)
+class SchemaSubset:
+    """What one backend enforces."""
+
+    backend: str
+    keywords: frozenset[str]
+    formats: frozenset[str]
+    # The backend puts `pattern` inside its JSON-string rule as is (outlines): only patterns
+    # that can never write a quote, a backslash or a control character are safe.
+    raw_patterns: bool = False
+    # The backend handles `const`/`enum` values only when they are strings needing no JSON
+    # escape (lm-format-enforcer fails on other values and writes escapes wrongly).
+    plain_string_literals: bool = False
+    # The backend drops the other keywords of a node whose `type` is a list
+    # (lm-format-enforcer: `["string", "null"]` with `maxLength`).
+    bare_type_lists: bool = False
+
+
+def _subschemas(node: dict[str, Any]) -> Iterator[Any]:
+    for key in _MAPS:
+        value = node.get(key)
+        if isinstance(value, dict):
+            yield from value.values()
+    for key in _LISTS:
+        value = node.get(key)
+        if isinstance(value, list):
+            yield from value
+    for key in _SINGLES:
+        value = node.get(key)
+        if isinstance(value, dict):
+            yield value
+
+
+def _refuse(subset: SchemaSubset, what: str) -> UnsupportedConstraintError:
+    return UnsupportedConstraintError(_FIELD, f"{what} (unsupported by {subset.backend})")
+
+
+def check_subset(schema: Any, subset: SchemaSubset) -> None:
+    """Raises UnsupportedConstraintError at the first keyword (or keyword combination) of the
+    normalized `schema` that `subset.backend` does not enforce exactly."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in node:
+            if key not in subset.keywords and key not in ANNOTATIONS:
+                raise _refuse(subset, f"schema keyword {key!r} cannot be enforced")
+        _check_node(node, subset)
+        stack.extend(_subschemas(node))
+
+
+def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
+    """The combinations the libraries get wrong even where each keyword alone is fine."""
+    all_of = node.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        raise _refuse(subset, "'allOf' with several schemas cannot be enforced")
+    required = node.get("required") or []
+    listed = node.get("properties") or {}
+    missing = [name for name in required if name not in listed]
+    if missing:
+        raise _refuse(subset, f"required property {missing[0]!r} that 'properties' does not list")
+    if node.get("uniqueItems") is True and node.get("maxItems", 2) > 1:
+        raise _refuse(subset, "'uniqueItems' cannot be enforced")
+    prefix = node.get("prefixItems")
+    if isinstance(prefix, list):
+        # The libraries write exactly the prefix items.
+        if node.get("minItems", 0) > len(prefix) or node.get("maxItems", len(prefix)) < len(prefix):
+            raise _refuse(subset, "'minItems'/'maxItems' beside 'prefixItems'")
+    if subset.bare_type_lists and isinstance(node.get("type"), list):
+        others = sorted(k for k in node if k != "type" and k not in ANNOTATIONS)
+        if others:
+            raise _refuse(subset, f"a list of types beside {others[0]!r}")
+    if subset.plain_string_literals:
+        values = list(node.get("enum") or []) + ([node["const"]] if "const" in node else [])
+        for value in values:
+            if not isinstance(value, str) or any(ord(c) in _UNSAFE_IN_STRING for c in value):
+                raise _refuse(
+                    subset, f"'enum'/'const' value {value!r} (only strings needing no escape)"
+                )
+    fmt = node.get("format")
+    if fmt is not None and fmt not in subset.formats:
+        raise _refuse(subset, f"string format {fmt!r}")
+    if ("pattern" in node or fmt is not None) and ("minLength" in node or "maxLength" in node):
+        raise _refuse(subset, "'pattern' or 'format' together with 'minLength'/'maxLength'")
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and subset.raw_patterns and not _json_safe(pattern):
+        raise _refuse(
+            subset,
+            f"pattern {pattern!r} (it could write a quote, a backslash, a control character "
+            "or any character; use literal characters and classes)",
+        )
+
+
+def is_narrow(regex: str, max_class: int = 512) -> bool:
+    r"""True when `regex` parses (Python's syntax) and every character class in it is a
+    positive class of at most `max_class` characters (no `.`, negated classes, `\S`, `\W`,
+    `\D`): what a character-level parser can walk over a vocabulary in milliseconds."""
+    try:
+        parsed = sre_parse.parse(strip_anchors(regex))
+    except (re.error, RecursionError):
+        return False
+    sizes = {"CATEGORY_DIGIT": 10, "CATEGORY_WORD": 63}
+
+    def ok(items: Any) -> bool:
+        for op, arg in items:
+            name = str(op)
+            if name == "IN":
+                size = 0
+                for member_op, member in arg:
+                    member_name = str(member_op)
+                    if member_name == "LITERAL":
+                        size += 1
+                    elif member_name == "RANGE":
+                        size += member[1] - member[0] + 1
+                    elif member_name == "CATEGORY" and str(member) in sizes:
+                        size += sizes[str(member)]
+                    else:
+                        return False
+                if size > max_class:
+                    return False
+            elif name != "LITERAL":
+                parts = plain_children(op, arg)
+                if parts is None or not all(ok(part) for part in parts):
+                    return False
+        return True
+
+    return ok(parsed)
+
+
+def _json_safe(pattern: str) -> bool:
+    """True when every string `pattern` matches needs no JSON escape: literals, positive
+    classes, `\\d`/`\\w`, groups, alternations and repeats of safe characters only."""
+    try:
+        parsed = sre_parse.parse(strip_anchors(pattern))
+    except re.error:
+        return False
+
+    def ok(items: Any) -> bool:
+        for op, arg in items:
+            name = str(op)
+            if name == "LITERAL":
+                if arg in _UNSAFE_IN_STRING:
+                    return False
+            elif name == "IN":
+                for member_op, member in arg:
+                    member_name = str(member_op)
+                    if member_name == "LITERAL" and member not in _UNSAFE_IN_STRING:
+                        continue
+                    if member_name == "RANGE" and not any(
+                        c in _UNSAFE_IN_STRING for c in range(member[0], min(member[1], 0x7F) + 1)
+                    ):
+                        continue
+                    if member_name == "CATEGORY" and str(member) in (
+                        "CATEGORY_DIGIT", "CATEGORY_WORD"
+                    ):
+                        continue
+                    return False  # negation, \s, \W, ...
+            else:
+                parts = plain_children(op, arg)  # None: `.`, anchors, lookarounds, backrefs
+                if parts is None or not all(ok(part) for part in parts):
+                    return False
+        return True
+
+    return ok(parsed)
