@@ -62,7 +62,7 @@ def server(start_server) -> RemoteServer:
 def test_the_names_it_imports_from_vllm() -> None:
     from vllm.transformers_utils.tokenizer import get_tokenizer
     from vllm.utils import FlexibleArgumentParser
-    from vllm.v1.structured_output.backends.xgrammar import (
+    from vllm.v1.structured_output.backend_xgrammar import (
         has_xgrammar_unsupported_json_features,
     )
 

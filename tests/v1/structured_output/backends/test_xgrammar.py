@@ -362,7 +362,7 @@ def test_outputs_stay_valid_utf8(
     ({"type": "integer", "minimum": 5, "maximum": 1}, False),
 ])
 def test_has_xgrammar_unsupported_json_features(schema, unsupported: bool) -> None:
-    from vllm.v1.structured_output.backends.xgrammar import (
+    from vllm.v1.structured_output.backend_xgrammar import (
         has_xgrammar_unsupported_json_features,
     )
 
@@ -370,7 +370,7 @@ def test_has_xgrammar_unsupported_json_features(schema, unsupported: bool) -> No
 
 
 def test_has_xgrammar_unsupported_json_features_bad_input() -> None:
-    from vllm.v1.structured_output.backends.xgrammar import (
+    from vllm.v1.structured_output.backend_xgrammar import (
         has_xgrammar_unsupported_json_features,
     )
 
