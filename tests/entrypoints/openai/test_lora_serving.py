@@ -200,6 +200,28 @@ def test_adapter_routes_exist_only_with_the_switch(monkeypatch, tmp_path, env, f
         assert unload.json()["error"]["message"] == "Not Found"
 
 
+def test_adapter_route_bodies_are_read_as_every_body(tmp_path) -> None:
+    from vllm.entrypoints.openai.api_server import build_app
+    from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+    from vllm.v1.metrics.prometheus import PrometheusMetrics
+
+    engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=16, vocab_size=32),
+                             tokenizer=None)
+    models = OpenAIServingModels([MODEL], "/m", 16, RefusingValidator(),
+                                 lora_allowed_roots=[str(tmp_path.resolve())])
+    app = build_app(engine, models, PrometheusMetrics("m"), max_body_bytes=256,
+                    allow_runtime_lora_updating=True)
+    client = TestClient(app, raise_server_exceptions=False)
+    load = "/v1/load_lora_adapter"
+    # Bounded by --max-request-body-bytes like the API's bodies, and strict JSON.
+    big = client.post(load, json={"lora_name": "x", "lora_path": "p" * 300})
+    assert big.status_code == 413 and "256 bytes" in big.json()["error"]["message"]
+    nan = client.post(load, content=b'{"lora_name": "x", "lora_path": NaN}')
+    assert nan.status_code == 400 and "Invalid JSON body" in nan.json()["error"]["message"]
+    base = client.post(load, json={"lora_name": "x", "lora_path": "p", "base_model_name": 5})
+    assert base.status_code == 400 and base.json()["error"]["param"] == "base_model_name"
+
+
 def test_lora_flags_are_checked_before_startup(adapters, capsys) -> None:
     from vllm.entrypoints.openai.api_server import main
 

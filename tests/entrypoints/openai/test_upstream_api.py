@@ -83,6 +83,34 @@ def test_detokenize_takes_at_most_a_context_of_ids_and_an_empty_model_is_unknown
     assert post(server, "/detokenize", {"model": "", "tokens": [1]}).status_code == 404
 
 
+def test_tokenize_takes_at_most_32_characters_per_token_of_context(server) -> None:
+    limit = 1024 * 32  # --max-model-len 1024
+    assert post(server, "/tokenize", {"model": MODEL, "prompt": "a" * limit}).status_code == 200
+    too_long = post(server, "/tokenize", {"model": MODEL, "prompt": "a" * (limit + 1)})
+    assert too_long.status_code == 400, too_long.text
+    error = too_long.json()["error"]
+    assert error["param"] == "prompt" and str(limit) in error["message"]
+    assert "max_model_len 1024" in error["message"]
+    # A conversation is measured as rendered, template included.
+    chat = post(server, "/tokenize", {"model": MODEL, "messages": [
+        {"role": "user", "content": "a" * limit}]})
+    assert chat.status_code == 400, chat.text
+    assert chat.json()["error"]["param"] == "messages"
+    assert str(limit) in chat.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("bad_words", "limit"), [
+    (["w"] * 129, "128"),           # too many words
+    (["w" * 1025], "1024"),         # a word too long
+])
+def test_bad_words_sizes_are_bounded(server, bad_words, limit) -> None:
+    reply = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1,
+                                             "bad_words": bad_words})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "bad_words" and limit in error["message"]
+
+
 def test_tokenize_messages_renders_the_chat_template(server) -> None:
     messages = [{"role": "user", "content": "Hi there"}]
     with_prompt = post(server, "/tokenize", {"model": MODEL, "messages": messages}).json()

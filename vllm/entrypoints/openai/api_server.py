@@ -36,6 +36,7 @@ from vllm.entrypoints.openai.serving_engine import (
     exception_error,
     json_response,
     parse_request,
+    read_json_body,
 )
 from vllm.entrypoints.openai.serving_models import (
     ALLOW_RUNTIME_LORA_UPDATING_ENV,
@@ -196,7 +197,7 @@ def build_app(
     add_status_routes(app, engine, models, metrics, gate)
     if models.lora_validator is not None and runtime_lora_updating_allowed(
             allow_runtime_lora_updating):
-        add_lora_routes(app, models)
+        add_lora_routes(app, models, max_body_bytes)
     add_openai_routes(app, engine, models, gate, tool_call_parser)
     add_error_handlers(app)
     # Inside the key check: a request without the key is never counted.
@@ -372,7 +373,7 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)
 
 
-def add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+def add_lora_routes(app: FastAPI, models: OpenAIServingModels, max_body_bytes: int) -> None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --enable-lora and the
     runtime-updating switch); loads only from inside `models.lora_allowed_roots`."""
     # Said once at startup: these routes read the server's disk on a client's word.
@@ -384,10 +385,10 @@ def add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
     )
 
     async def body(raw_request: Request) -> dict | Response:
-        try:
-            data = await raw_request.json()
-        except ValueError:
-            return error_response("the body must be a JSON object", 400)
+        # Read and decoded as every other body: bounded, strict, off the loop when large.
+        data = await read_json_body(raw_request, max_body_bytes)
+        if isinstance(data, Response):
+            return data
         if not isinstance(data, dict) or not isinstance(data.get("lora_name"), str):
             return error_response("lora_name: required (a string)", 400, param="lora_name")
         return data

@@ -222,6 +222,43 @@ def decode_json_body(body: bytes) -> Any:
     return data
 
 
+# Bodies up to this size decode and validate in well under a millisecond, less than a hop to
+# a worker thread costs, so they stay on the event loop. A larger one (up to
+# --max-request-body-bytes, 16 MiB by default: a quarter of a second or more) is parsed in a
+# thread, so /health, other requests and running streams are not held while it parses.
+OFF_LOOP_PARSE_BYTES = 64 << 10
+
+R = TypeVar("R")
+
+
+async def off_loop_if_large(size: int, fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)`: in a worker thread when `size` (the bytes it works through) exceeds
+    OFF_LOOP_PARSE_BYTES, else right here on the event loop."""
+    if size > OFF_LOOP_PARSE_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+def _too_large(max_bytes: int) -> JSONResponse:
+    return error_response(
+        f"Request body too large: the limit is {max_bytes} bytes (--max-request-body-bytes)",
+        413,
+    )
+
+
+async def read_json_body(raw_request: Request, max_bytes: int) -> Any | JSONResponse:
+    """The request body decoded as strict JSON (decode_json_body; off the event loop when
+    large), or the 413 of a body over `max_bytes` or the 400 of one that is not JSON."""
+    try:
+        body = await read_body(raw_request, max_bytes)
+    except BodyTooLarge:
+        return _too_large(max_bytes)
+    try:
+        return await off_loop_if_large(len(body), decode_json_body, body)
+    except ValueError as e:
+        return exception_error(e).response()
+
+
 async def parse_request(
     raw_request: Request,
     model_cls: type[T] | Callable[[dict[str, Any]], type[T]],
@@ -231,14 +268,22 @@ async def parse_request(
     """Reads and validates a JSON body; returns the model, a 400 for a malformed body or
     invalid fields (or more than `max_messages` chat messages), or a 413 for a body over
     `max_bytes`. `model_cls` is the request model, or a function choosing it from the
-    decoded body (for an endpoint with two request shapes)."""
+    decoded body (for an endpoint with two request shapes). A large body is decoded and
+    validated off the event loop (OFF_LOOP_PARSE_BYTES)."""
     try:
         body = await read_body(raw_request, max_bytes)
     except BodyTooLarge:
-        return error_response(
-            f"Request body too large: the limit is {max_bytes} bytes "
-            "(--max-request-body-bytes)", 413
-        )
+        return _too_large(max_bytes)
+    # Validating is linear in the body too (a million token ids take longer than decoding
+    # them), so it goes with the decode.
+    return await off_loop_if_large(len(body), _parse_body, body, model_cls, max_messages)
+
+
+def _parse_body(
+    body: bytes,
+    model_cls: type[T] | Callable[[dict[str, Any]], type[T]],
+    max_messages: int | None,
+) -> T | JSONResponse:
     try:
         data = decode_json_body(body)
     except ValueError as e:
@@ -247,7 +292,7 @@ async def parse_request(
         return error_response("Invalid request body: expected a JSON object", 400)
     messages = data.get("messages")
     if max_messages is not None and isinstance(messages, list) and len(messages) > max_messages:
-        # Checked before validation, which costs microseconds per message on the event loop.
+        # Checked before validation, which costs microseconds per message.
         return error_response(
             f"messages: {len(messages)} messages cannot fit in this model's context of "
             f"{max_messages} tokens", 400, param="messages"

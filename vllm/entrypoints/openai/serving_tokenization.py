@@ -22,6 +22,15 @@ from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.exceptions import InvalidRequestError
 
 
+# The /tokenize text limit, in characters per token of max_model_len. A token of real text
+# spans 3 to 5 characters on average (prose, code), and even whitespace runs and long
+# repeated-symbol tokens seldom lift a whole prompt's average past 10. So 32 per token admits
+# every text that could fit the context, with room for a client to still learn `count` of a
+# text somewhat too long, while text many times the context (megabytes: seconds of a
+# tokenizer thread that no prompt can use) is refused before any of it is tokenized.
+TOKENIZE_CHARS_PER_TOKEN = 32
+
+
 def tokenize_request_class(
     data: dict[str, Any],
 ) -> type[TokenizeChatRequest] | type[TokenizeCompletionRequest]:
@@ -40,6 +49,15 @@ class OpenAIServingTokenization:
         # Ids the model can produce or read: the embedding's rows (may exceed the tokenizer's
         # own vocabulary, whose extra rows decode to nothing).
         self.vocab_size = chat.engine.model_config.vocab_size
+        self.max_text_chars = self.max_model_len * TOKENIZE_CHARS_PER_TOKEN
+
+    def _text_too_long(self, param: str, what: str, length: int) -> InvalidRequestError | None:
+        """The error for a text to tokenize over max_text_chars, else None."""
+        if length <= self.max_text_chars:
+            return None
+        return InvalidRequestError(
+            param, f"{what} is {length} characters; at most {self.max_text_chars} "
+            f"({TOKENIZE_CHARS_PER_TOKEN} per token of max_model_len {self.max_model_len})")
 
     def _check_model(self, model: str | None) -> JSONResponse | None:
         """A 404 for a `model` this server does not serve, else None."""
@@ -51,9 +69,14 @@ class OpenAIServingTokenization:
         self, request: TokenizeCompletionRequest | TokenizeChatRequest, raw_request: Request
     ) -> Response:
         """The token ids of the request's prompt, or of its messages rendered by the chat
-        template; a 400 naming the field for input that cannot be rendered."""
+        template; a 400 naming the field for input that cannot be rendered or is longer
+        than max_text_chars."""
         if (missing := self._check_model(request.model)) is not None:
             return missing
+        if isinstance(request, TokenizeCompletionRequest) and (
+                error := self._text_too_long("prompt", "the prompt",
+                                             len(request.prompt))) is not None:
+            return exception_error(error).response()
 
         def run() -> TokenizeResponse:
             if isinstance(request, TokenizeChatRequest):
@@ -67,6 +90,11 @@ class OpenAIServingTokenization:
                               else [t.model_dump(exclude_none=True) for t in request.tools]),
                 })
                 text = self.chat.render(chat_request)
+                # Only the rendered text has a length to check (the template adds to it).
+                error = self._text_too_long("messages", "the rendered conversation",
+                                            len(text))
+                if error is not None:
+                    raise error
             else:
                 text = request.prompt
             tokens = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
