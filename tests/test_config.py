@@ -62,14 +62,15 @@ def test_an_executor_class_may_be_passed_as_the_backend() -> None:
 
 def test_every_registered_backend_is_a_flag_choice_and_an_executor() -> None:
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.executor import registry
+    from vllm.options import executor_names
+    from vllm.v1.executor.registry import resolve
 
     field = {f.name: f for f in dataclasses.fields(EngineArgs)}["distributed_executor_backend"]
-    assert sorted(field.metadata["choices"]) == sorted(registry.names())
-    for name in registry.names():
+    assert sorted(field.metadata["choices"]) == sorted(executor_names())
+    for name in executor_names():
         assert name in field.metadata["help"]
         assert ParallelConfig(distributed_executor_backend=name).executor_class() is (
-            registry.resolve(name))
+            resolve(name))
 
 
 @pytest.mark.parametrize("field, value", [

@@ -14,7 +14,7 @@ import torch
 
 from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
 from vllm.reasoning import PARSERS
-from vllm.v1.structured_output.backends.registry import server_choices
+from vllm.options import grammar_server_choices, parse_fast_forward
 
 if TYPE_CHECKING:
     from vllm.v1.executor.abstract import Executor
@@ -348,9 +348,9 @@ class ParallelConfig:
         Raises ValueError naming the flag for an unknown name or a class that is not an
         Executor.
         """
-        from vllm.v1.executor import registry
+        from vllm.v1.executor.registry import resolve
 
-        return registry.resolve(self.distributed_executor_backend)
+        return resolve(self.distributed_executor_backend)
 
     def backend_name(self) -> str:
         """`distributed_executor_backend` as a flag value: its name, or a given class's name."""
@@ -441,7 +441,7 @@ class StructuredOutputsConfig:
     limit is rejected with a 400 naming the option, before anything is compiled.
     """
 
-    # "auto": per request, the first backend (in the order of structured_output/backends/registry.py:
+    # "auto": per request, the first backend (in the order of GRAMMAR_BACKENDS in options.py:
     # xgrammar, then llguidance) that enforces every part of the constraint, else a 400
     # naming what none enforces; "outlines" and "lm-format-enforcer" only for requests that
     # name them. A backend's name ("xgrammar", "guidance", "outlines",
@@ -481,7 +481,7 @@ class StructuredOutputsConfig:
     # Deepest nesting of objects and arrays in a JSON constraint (a schema nested 64 levels
     # deep is about 128). Compile time grows quickly with depth.
     max_json_depth: int = 128
-    # Grammar fast-forward (vllm/v1/spec_decode/fast_forward.py): the tokens a constrained
+    # Grammar fast-forward (vllm/v1/structured_output/fast_forward.py): the tokens a constrained
     # request's grammar forces next (a JSON key, `": "`, a closing brace) enter the next
     # forward pass together. "exact": the tokens a position allows alone, never sampled,
     # outputs exactly those without it; "canonical": the forced text tokenized by the
@@ -496,14 +496,12 @@ class StructuredOutputsConfig:
     fast_forward: str = "off"
 
     def __post_init__(self) -> None:
-        from vllm.v1.spec_decode.fast_forward import parse_mode
-
-        self.fast_forward = parse_mode(
+        self.fast_forward = parse_fast_forward(
             self.fast_forward, "--structured-outputs-config.fast_forward")
-        if self.backend not in server_choices():
+        if self.backend not in grammar_server_choices():
             raise ValueError(
                 f"--structured-outputs-config.backend: {self.backend!r} is not one of "
-                f"{', '.join(server_choices())}"
+                f"{', '.join(grammar_server_choices())}"
             )
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(

@@ -13,8 +13,7 @@ import msgspec
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
-from vllm.v1.spec_decode.fast_forward import parse_request_mode
-from vllm.v1.structured_output.backends import registry
+from vllm.options import GRAMMAR_BACKENDS, grammar_request_names, parse_request_fast_forward
 
 # Bounds on list sizes a request may carry (each entry costs work on every generated token).
 MAX_LOGPROBS = 20
@@ -81,12 +80,12 @@ def _backend_name(name: Any) -> str | None:
     """A request's backend name made canonical (None for the server's choice)."""
     if name is None or name == "auto":
         return None
-    names = registry.request_names()
+    names = grammar_request_names()
     if name in names:
         return names[name]
     raise InvalidRequestError(
         "structured_outputs.backend",
-        f"{name!r} is not a backend of this engine ({', '.join(registry.BACKENDS)} or auto)",
+        f"{name!r} is not a backend of this engine ({', '.join(GRAMMAR_BACKENDS)} or auto)",
     )
 
 
@@ -145,7 +144,7 @@ class StructuredOutputsParams:
     backend: str | None = None
     # Grammar fast-forward for this request: "off", "exact" or "canonical" (true/false: exact
     # /off); None: the server's --structured-outputs-config.fast_forward, which is also the
-    # most a request may ask for (vllm/v1/spec_decode/fast_forward.py).
+    # most a request may ask for (vllm/v1/structured_output/fast_forward.py).
     fast_forward: str | None = None
 
     _CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
@@ -194,7 +193,7 @@ class StructuredOutputsParams:
                     "must be a non-empty string"
                 )
         self.backend = _backend_name(self.backend)
-        self.fast_forward = parse_request_mode(self.fast_forward)
+        self.fast_forward = parse_request_fast_forward(self.fast_forward)
 
     @property
     def kind(self) -> str:

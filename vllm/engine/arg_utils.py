@@ -25,12 +25,8 @@ from vllm.config import (
 from vllm.model_executor.model_loader.default_model import DEFAULT_MODEL_ID
 from vllm.model_executor.model_loader.demo_model import serves_compact_json
 from vllm.reasoning import PARSERS
-from vllm.v1.executor import registry
-from vllm.v1.structured_output.backends.registry import (
-    backends_for,
-    request_only_for,
-    server_choices,
-)
+from vllm.options import describe_executors, executor_names, grammar_server_choices
+from vllm.v1.structured_output.backends.registry import backends_for, request_only_for
 
 if TYPE_CHECKING:
     from vllm.v1.executor.abstract import Executor
@@ -170,8 +166,8 @@ class EngineArgs:
     )
     distributed_executor_backend: str | type[Executor] | None = field(
         default=None,
-        metadata=_help(registry.describe() + "; default: mp when tensor x pipeline parallel "
-                       "size is above 1, else uni.", choices=tuple(sorted(registry.names()))),
+        metadata=_help(describe_executors() + "; default: mp when tensor x pipeline parallel "
+                       "size is above 1, else uni.", choices=tuple(sorted(executor_names()))),
     )
     ray_placement: str = field(
         default="pack",
@@ -209,7 +205,7 @@ class EngineArgs:
         metadata=_help("JSON, e.g. '{\"backend\": \"xgrammar\"}'; or dotted flags "
                        "--structured-outputs-config.backend xgrammar. Options: backend, "
                        "compile_timeout_s (10; seconds of compiling, queueing not counted), "
-                       f"backend ({', '.join(server_choices())}; auto: "
+                       f"backend ({', '.join(grammar_server_choices())}; auto: "
                        f"{', else '.join(backends_for('auto'))} when only it enforces the "
                        f"constraint, {' and '.join(request_only_for('auto'))} when a request "
                        "names it), disable_fallback, disable_any_whitespace, max_whitespace "

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.v1.spec_decode.test_fast_forward import constrained
+from tests.v1.structured_output.test_fast_forward import constrained
 from tests.v1.spec_decode.text_grammar import VOCAB_SIZE, Tokenizer
 from vllm.reasoning import ReasoningState
 from vllm.v1.spec_decode.canonical_rows import pin, pin_canonical_rows
-from vllm.v1.spec_decode.fast_forward import FastForward
+from vllm.v1.structured_output.fast_forward import FastForward
 
 WORDS = (VOCAB_SIZE + 31) // 32
 

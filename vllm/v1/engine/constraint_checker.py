@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.spec_decode.fast_forward import check_request_mode, server_mode
+from vllm.v1.structured_output.fast_forward import check_request_mode, server_mode
 from vllm.v1.structured_output.compile_pool import CompileAbortedError
 from vllm.v1.structured_output.limits import (
     SMALL_CONSTRAINT_LENGTH,

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vllm.v1.spec_decode.fast_forward import CANONICAL, FastForward
+from vllm.options import CANONICAL
+from vllm.v1.structured_output.fast_forward import FastForward
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -10,7 +10,7 @@ import numpy as np
 
 from vllm.reasoning import ReasoningParser
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.spec_decode.fast_forward import FastForward, server_mode
+from vllm.v1.structured_output.fast_forward import FastForward, server_mode
 from vllm.v1.structured_output.draft_rows import allow_think, fill_draft_rows, skip_forced
 from vllm.v1.structured_output.lanes import CompileLanes
 from vllm.v1.structured_output.request import StructuredOutputRequest

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from vllm import options
 from vllm.config import StructuredOutputsConfig
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.structured_output.backends import registry
@@ -59,15 +60,15 @@ class AnyBackend(StructuredOutputBackend):
 
 
 def test_every_registered_backend_is_a_backend() -> None:
-    for name in registry.BACKENDS:
+    for name in options.GRAMMAR_BACKENDS:
         assert issubclass(registry.backend_class(name), StructuredOutputBackend)
-    assert set(registry.ALIASES.values()) <= set(registry.BACKENDS)
+    assert set(options.GRAMMAR_ALIASES.values()) <= set(options.GRAMMAR_BACKENDS)
 
 
 def test_names_come_from_the_registry() -> None:
-    assert registry.server_choices() == (
+    assert options.grammar_server_choices() == (
         "auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
-    assert registry.request_names() == {
+    assert options.grammar_request_names() == {
         "xgrammar": "xgrammar", "guidance": "guidance", "llguidance": "guidance",
         "outlines": "outlines", "lm-format-enforcer": "lm-format-enforcer"}
     # outlines and lm-format-enforcer add no coverage: auto offers them only when named.
@@ -87,7 +88,7 @@ def test_names_come_from_the_registry() -> None:
 def test_one_registry_line_makes_a_backend_usable(
     tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(registry.BACKENDS, "any", f"{__name__}:AnyBackend")
+    monkeypatch.setitem(options.GRAMMAR_BACKENDS, "any", f"{__name__}:AnyBackend")
     config = StructuredOutputsConfig(backend="any")  # the server option accepts it
     backend = create_backend(config, tokenizer, VOCAB_SIZE, EOS_IDS)
     grammar, name, reason = backend.compile_choosing(StructuredOutputsParams(regex="a"))
@@ -102,8 +103,8 @@ def test_one_registry_line_makes_a_backend_usable(
 
 def test_reading_names_imports_no_backend() -> None:
     code = (
-        "import vllm.config, vllm.v1.structured_output.backends.registry as r\n"
-        "r.server_choices(), r.request_names(), r.backends_for('auto')"
+        "import vllm.config, vllm.options as o, vllm.v1.structured_output.backends.registry as r\n"
+        "o.grammar_server_choices(), o.grammar_request_names(), r.backends_for('auto')"
     )
     assert modules_loaded_by(
         code, ["xgrammar", "llguidance", "outlines_core", "lmformatenforcer"]) == []

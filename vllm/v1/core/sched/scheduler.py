@@ -26,7 +26,7 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.spec_decode.drafting import Drafter
+from vllm.v1.core.sched.drafting import Drafter
 from vllm.v1.spec_decode.proposer import Proposer
 from vllm.v1.structured_output.manager import StructuredOutputManager
 

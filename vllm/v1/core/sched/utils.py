@@ -12,7 +12,7 @@ from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.canonical_rows import pin_canonical_rows
-from vllm.v1.spec_decode.fast_forward import CANONICAL
+from vllm.options import CANONICAL
 from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 
 if TYPE_CHECKING:

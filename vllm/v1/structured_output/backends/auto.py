@@ -77,7 +77,7 @@ class AutoBackend(StructuredOutputBackend):
             raise ValueError("factories: at least one backend is needed")
         self.vocab_size = vocab_size
         self._factories = list(factories)
-        # Backends used only for requests that name them (registry.ON_REQUEST_ONLY).
+        # Backends used only for requests that name them (GRAMMAR_ON_REQUEST_ONLY in vllm/options.py).
         self._on_request = list(on_request)
         self._one_of_as_any_of = one_of_as_any_of
         self._built: dict[str, StructuredOutputBackend] = {}

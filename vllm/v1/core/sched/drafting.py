@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vllm.v1.request import Request
-from vllm.v1.spec_decode.fast_forward import CANONICAL, EXACT, OFF, FastForward
+from vllm.options import CANONICAL, EXACT, OFF
+from vllm.v1.structured_output.fast_forward import FastForward
 from vllm.v1.spec_decode.proposer import ForcedTokensOnly, Proposer
 from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
 

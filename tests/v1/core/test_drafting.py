@@ -1,4 +1,4 @@
-"""Tests for vllm/v1/spec_decode/drafting.py: what the scheduler's Drafter proposes, where it
+"""Tests for vllm/v1/core/sched/drafting.py: what the scheduler's Drafter proposes, where it
 cuts drafts, and the grammar walk of tokens in flight."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from tests.v1.core.sched_utils import GRAMMAR_END, FakeGrammar, make_request
-from tests.v1.spec_decode.test_fast_forward import constrained
+from tests.v1.structured_output.test_fast_forward import constrained
 from tests.v1.spec_decode.text_grammar import Tokenizer
 from vllm.v1.request import Request
-from vllm.v1.spec_decode.drafting import Drafter, SpecDecodeStats, grammar_after
-from vllm.v1.spec_decode.fast_forward import FastForward
+from vllm.v1.core.sched.drafting import Drafter, SpecDecodeStats, grammar_after
+from vllm.v1.structured_output.fast_forward import FastForward
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.spec_decode.proposer import ForcedTokensOnly
 

@@ -1,4 +1,4 @@
-"""Tests for vllm/v1/spec_decode/fast_forward.py: the modes, the admission rule, and the
+"""Tests for vllm/v1/structured_output/fast_forward.py: the modes, the admission rule, and the
 canonical tokenization of forced text."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from tests.v1.core.sched_utils import GRAMMAR_END, FakeGrammar, make_request
 from tests.v1.spec_decode.text_grammar import TextGrammar, Tokenizer
 from vllm.config import StructuredOutputsConfig
 from vllm.exceptions import InvalidRequestError
+from vllm.options import parse_fast_forward
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1.request import Request
-from vllm.v1.spec_decode.fast_forward import (
+from vllm.v1.structured_output.fast_forward import (
     FastForward,
     check_request_mode,
     only_token,
-    parse_mode,
     server_mode,
 )
 
@@ -41,7 +41,7 @@ def constrained(mode: str | None, options: list[str] = OPTIONS) -> Request:
     (True, "exact"), (False, "off"), ("true", "exact"), ("false", "off"),
 ])
 def test_modes_and_their_boolean_spellings(value: object, mode: str) -> None:
-    assert parse_mode(value, "f") == mode
+    assert parse_fast_forward(value, "f") == mode
     assert StructuredOutputsConfig(fast_forward=value).fast_forward == mode
     assert StructuredOutputsParams(json={}, fast_forward=value).fast_forward == mode
 

@@ -18,7 +18,8 @@ certain tokens, so that many enter one forward pass and none is sampled
   follows into a longer token. A trained model expects the canonical tokenization.
 - `off`: nothing forced is drafted.
 
-This module imports nothing heavy: the config and the API server use it too.
+The modes' names and parsing are in vllm/options.py, where the config and the request
+parameters check them.
 """
 
 from __future__ import annotations
@@ -29,41 +30,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from vllm.exceptions import InvalidRequestError
+from vllm.options import EXACT, OFF, fast_forward_rank
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.request import Request
     from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
-
-OFF, EXACT, CANONICAL = "off", "exact", "canonical"
-# In order of how far a mode departs from free decoding.
-MODES = (OFF, EXACT, CANONICAL)
-_RANK = {mode: i for i, mode in enumerate(MODES)}
-# Older spellings of the server option (it was a boolean).
-_ALIASES: dict[Any, str] = {True: EXACT, False: OFF, "true": EXACT, "false": OFF}
-
-
-def parse_mode(value: Any, field: str) -> str:
-    """`value` as one of MODES (true/false are accepted as exact/off). Raises ValueError
-    naming `field` for anything else."""
-    if isinstance(value, bool) or (isinstance(value, str) and value in _ALIASES):
-        return _ALIASES[value]
-    if isinstance(value, str) and value in _RANK:
-        return value
-    raise ValueError(f"{field}: must be one of {', '.join(MODES)}, got {value!r}")
-
-
-def parse_request_mode(value: Any) -> str | None:
-    """A request's `structured_outputs.fast_forward` (None: the server's mode). Raises
-    InvalidRequestError naming the field for anything but a mode, true or false."""
-    if value is None:
-        return None
-    try:
-        return parse_mode(value, "structured_outputs.fast_forward")
-    except ValueError as e:
-        raise InvalidRequestError(
-            "structured_outputs.fast_forward", str(e).split(": ", 1)[1]
-        ) from None
 
 
 def server_mode(config: VllmConfig) -> str:
@@ -79,7 +51,7 @@ def check_request_mode(requested: str | None, allowed: str) -> None:
     """Refuses a request mode above the server's `allowed` one: canonical changes outputs,
     so only the operator may allow it, and without speculative decoding nothing drafts.
     Raises InvalidRequestError naming structured_outputs.fast_forward."""
-    if requested is not None and _RANK[requested] > _RANK[allowed]:
+    if requested is not None and fast_forward_rank(requested) > fast_forward_rank(allowed):
         raise InvalidRequestError(
             "structured_outputs.fast_forward",
             f"{requested!r} is not enabled on this server (it allows up to {allowed!r}; "
@@ -114,7 +86,7 @@ class FastForward:
         if requested is None:
             return self.allowed
         # Clamped in case the request skipped the admission check (a direct engine call).
-        return min(requested, self.allowed, key=_RANK.__getitem__)
+        return min(requested, self.allowed, key=fast_forward_rank)
 
     def canonical_tokens(self, grammar: StructuredOutputGrammar, limit: int) -> list[int]:
         """At most `limit` tokens of the text `grammar` forces next, as the engine's tokenizer

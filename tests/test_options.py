@@ -1,0 +1,31 @@
+"""vllm/options.py: the bottom layer's option names. Reading them, or checking a config or a
+request's parameters against them, loads nothing of the engine above."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from vllm import options
+
+
+def test_config_and_request_parameters_load_nothing_of_v1() -> None:
+    # A fresh interpreter: this one has loaded the engine already.
+    code = (
+        "import sys\n"
+        "from vllm.config import ParallelConfig, StructuredOutputsConfig\n"
+        "from vllm.sampling_params import SamplingParams, StructuredOutputsParams\n"
+        "StructuredOutputsConfig(backend='guidance', fast_forward='exact')\n"
+        "StructuredOutputsParams(json={}, backend='llguidance', fast_forward=True)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vllm.v1')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_executor_help_lists_every_name_once() -> None:
+    text = options.describe_executors()
+    for name in options.executor_names():
+        assert text.count(f"{name} (") == 1
+    assert text.count(" or ") == 1
