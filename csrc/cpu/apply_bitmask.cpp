@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-#define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
+#include "export.h"
 
 namespace {
 constexpr int32_t VLLM_OK = 0;

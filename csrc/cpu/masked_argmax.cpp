@@ -15,7 +15,7 @@
 #include <emmintrin.h>
 #endif
 
-#define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
+#include "export.h"
 
 namespace {
 constexpr int32_t VLLM_OK = 0;

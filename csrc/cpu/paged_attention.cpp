@@ -24,7 +24,7 @@
 // On x86-64 the kernel is also built for AVX2 with fused multiply-adds (cpu_dispatch.h).
 #include "cpu_dispatch.h"
 
-#define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
+#include "export.h"
 
 namespace {
 constexpr int32_t VLLM_OK = 0;

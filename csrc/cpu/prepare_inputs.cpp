@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#define VLLM_EXPORT extern "C" __attribute__((visibility("default")))
+#include "export.h"
 
 namespace {
 
