@@ -118,3 +118,85 @@ def test_no_task_is_left_pending_after_a_response() -> None:
         return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     assert asyncio.run(run_and_list_pending()) == []
+
+
+class Records(logging.Handler):
+    """Keeps every record of the loggers it is attached to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_drop_under_uvicorn_logs_one_warning_and_no_error() -> None:
+    """Through uvicorn configured as `vllm serve` runs it, and a real socket: a client that
+    sends a request and never reads is dropped with our one warning, and uvicorn logs no
+    error about the response left unfinished (it sees a client gone, not an app that
+    failed)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from vllm.entrypoints.openai.api_server import ServerOptions, uvicorn_config
+
+    state = {"sent": 0, "returned": False}
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            return  # nothing to start or stop
+        # Chunks big enough to fill the socket buffers of a client that does not read, made
+        # without ever waiting (the drop must end even such a stream).
+        async def chunks():
+            while True:
+                state["sent"] += 1
+                yield b"x" * 65536
+
+        try:
+            await StreamingResponse(chunks())(scope, receive, send)
+        finally:
+            state["returned"] = True
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    config = uvicorn_config(StalledSendGuard(app, timeout_s=0.5), ServerOptions())
+    # After the config, which sets up uvicorn's loggers (removing handlers found on them).
+    records = Records()
+    loggers = [logging.getLogger("uvicorn.error"),
+               logging.getLogger("vllm.entrypoints.openai.stalled_send")]
+    for log in loggers:
+        log.addHandler(records)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        deadline = time.monotonic() + HUNG_S
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        client.connect(("127.0.0.1", port))
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        # The client reads nothing. Wait (bounded) until the app has returned and uvicorn has
+        # finished the request's task, i.e. until everything it logs about it is logged.
+        while not (state["returned"] and not server.server_state.tasks):
+            assert time.monotonic() < deadline, "the stalled response was never dropped"
+            time.sleep(0.01)
+    finally:
+        server.should_exit = True
+        thread.join(HUNG_S)
+        client.close()
+        for log in loggers:
+            log.removeHandler(records)
+    assert state["sent"] > 1
+    errors = [r.getMessage() for r in records.records if r.levelno >= logging.ERROR]
+    assert errors == []
+    warnings = [r.getMessage() for r in records.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "read nothing" in warnings[0], warnings

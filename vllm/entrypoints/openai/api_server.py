@@ -48,7 +48,7 @@ from vllm.entrypoints.openai.serving_tokenization import (
     OpenAIServingTokenization,
     tokenize_request_class,
 )
-from vllm.entrypoints.openai.stalled_send import StalledSendGuard
+from vllm.entrypoints.openai.stalled_send import AbortableHTTPProtocol, StalledSendGuard
 from vllm.exceptions import clean_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
@@ -447,22 +447,30 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
     return sock
 
 
-async def serve_http(
-    app: FastAPI, engine: AsyncLLM, sock: socket.socket, options: ServerOptions
-) -> None:
-    """Serves `app` on `sock` until SIGINT/SIGTERM, then drains (DrainingServer; the signal
-    is re-raised after shutdown); HTTPS when `options` carries a key and certificate."""
-    log_level = options.uvicorn_log_level
-    config = uvicorn.Config(
+def uvicorn_config(app: ASGIApp, options: ServerOptions) -> uvicorn.Config:
+    """How uvicorn runs `app` for `vllm serve`: log level, shutdown and keep-alive times,
+    TLS, root path, and the HTTP protocol the slow-reader drop needs."""
+    return uvicorn.Config(
         app,
-        log_level=log_level,
+        log_level=options.uvicorn_log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=5,
         ssl_keyfile=options.ssl_keyfile,
         ssl_certfile=options.ssl_certfile,
         root_path=options.root_path,
+        # Lets StalledSendGuard drop a client that stopped reading without uvicorn logging
+        # the unfinished response as an error.
+        http=AbortableHTTPProtocol,
     )
-    server = DrainingServer(config, engine, app.state.gate, options.shutdown_timeout)
+
+
+async def serve_http(
+    app: FastAPI, engine: AsyncLLM, sock: socket.socket, options: ServerOptions
+) -> None:
+    """Serves `app` on `sock` until SIGINT/SIGTERM, then drains (DrainingServer; the signal
+    is re-raised after shutdown); HTTPS when `options` carries a key and certificate."""
+    server = DrainingServer(uvicorn_config(app, options), engine, app.state.gate,
+                            options.shutdown_timeout)
     await server.serve(sockets=[sock])
 
 
