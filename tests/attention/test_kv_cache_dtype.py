@@ -208,7 +208,7 @@ def test_drafts_and_sync_scheduling_change_no_output(
     finally:
         llm.shutdown()
     assert [o.token_ids for o in got] == [o.token_ids for o in outputs["fp8"]]
-    assert stats.prefix_cache_hits >= 4 * 32, stats
+    assert stats.kv.prefix_cache_hits >= 4 * 32, stats
     assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first]
 
 

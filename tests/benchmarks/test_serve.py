@@ -170,17 +170,15 @@ def test_spec_decode_summary_from_the_servers_metrics_text() -> None:
         parse_spec_decode_counters,
         spec_decode_summary,
     )
-    from vllm.v1.engine.messages import EngineCoreStats
+    from vllm.v1.metrics.engine_stats import EngineCoreStats, SpecDecodeStats
     from vllm.v1.metrics.prometheus import PrometheusMetrics
 
     def rendered(steps: int, drafted: int, kept: int) -> str:
         metrics = PrometheusMetrics("m")
         metrics.record_engine_stats(EngineCoreStats(
-            num_running=0, num_waiting=0, kv_cache_usage=0.0, num_free_blocks=1, num_blocks=1,
-            num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
-            num_aborted_requests=0, spec_decode_num_steps=steps,
-            spec_decode_num_draft_tokens=drafted, spec_decode_num_accepted_tokens=kept,
-            grammar_backends=[], timestamp=0.0))
+            num_running=0, num_waiting=0, num_preemptions=0, num_aborted_requests=0,
+            timestamp=0.0, spec=SpecDecodeStats(num_steps=steps, num_draft_tokens=drafted,
+                                                num_accepted_tokens=kept)))
         return metrics.render().decode()
 
     before = parse_spec_decode_counters(rendered(10, 30, 12))

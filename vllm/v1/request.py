@@ -87,6 +87,10 @@ class Request:
         self.prompt_logprobs_sent = False
         # Prompt tokens served from the prefix cache at first admission.
         self.num_cached_tokens = 0
+        # When the scheduler first scheduled it (time.monotonic()), carried by its next output
+        # for the queue-time metrics; None until then, and once sent.
+        self.first_scheduled_time: float | None = None
+        self.first_scheduled_sent = False
         # Why a stopped request stopped: the stop token id or stop string, if any.
         self.stop_reason: int | str | None = None
         # Human-readable cause for FINISHED_ERROR.

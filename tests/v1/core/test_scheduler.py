@@ -22,7 +22,7 @@ from tests.v1.core.sched_utils import (
 )
 from vllm.config import ModelConfig
 from vllm.exceptions import ErrorKind, InvalidRequestError
-from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.engine_stats import EngineCoreStats
 from vllm.v1.request import RequestStatus
 
 MakeHarness = Callable[..., Harness]
@@ -248,16 +248,16 @@ def test_make_stats_reports_requests_blocks_and_counters(make: MakeHarness) -> N
     idle = h.sched.make_stats()
     assert isinstance(idle, EngineCoreStats)
     assert (idle.num_running, idle.num_waiting, idle.num_aborted_requests) == (0, 0, 0)
-    assert idle.num_free_blocks == idle.num_blocks == 16 and idle.kv_cache_usage == 0.0
+    assert idle.kv.num_free_blocks == idle.kv.num_blocks == 16 and idle.kv.usage == 0.0
     h.add(*(make_request(r, 6, max_tokens=6) for r in ("a", "b", "c")))
     h.step()
     busy = h.sched.make_stats()
     assert (busy.num_running, busy.num_waiting) == (2, 1)
-    assert busy.num_free_blocks == h.kv.num_free_blocks < 16
-    assert busy.kv_cache_usage == pytest.approx(1 - busy.num_free_blocks / 16)
+    assert busy.kv.num_free_blocks == h.kv.num_free_blocks < 16
+    assert busy.kv.usage == pytest.approx(1 - busy.kv.num_free_blocks / 16)
     prefix = h.kv.prefix_cache_stats
-    assert (busy.prefix_cache_queries, busy.prefix_cache_hits) == (prefix.queries, prefix.hits)
-    assert busy.prefix_cache_queries > 0
+    assert (busy.kv.prefix_cache_queries, busy.kv.prefix_cache_hits) == (prefix.queries, prefix.hits)
+    assert busy.kv.prefix_cache_queries > 0
     assert busy.timestamp >= idle.timestamp
     # The scheduler's own record crosses the process boundary unchanged.
     wire = msgspec.msgpack.Encoder().encode(busy)
@@ -269,7 +269,7 @@ def test_make_stats_reports_requests_blocks_and_counters(make: MakeHarness) -> N
     h.run()
     done = h.sched.make_stats()
     assert (done.num_running, done.num_waiting, done.num_aborted_requests) == (0, 0, 2)
-    assert done.num_free_blocks == done.num_blocks and done.kv_cache_usage == 0.0
+    assert done.kv.num_free_blocks == done.kv.num_blocks and done.kv.usage == 0.0
     assert not done.same_as(idle)  # the cumulative counters moved
 
 
@@ -478,7 +478,7 @@ def test_drafts_change_no_token_and_save_steps(make: MakeHarness, condition: str
         # Never past max_tokens: the drafts and the token after them fit.
         assert done + len(drafts) + 1 <= request.sampling_params.max_tokens
     stats = sched.make_stats()
-    assert (stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) == (
+    assert (stats.spec.num_draft_tokens, stats.spec.num_accepted_tokens) == (
         sched.drafter.stats.num_draft_tokens, sched.drafter.stats.num_accepted_tokens)
 
 
@@ -569,3 +569,22 @@ def test_blocks_of_rejected_drafts_are_freed(make: MakeHarness) -> None:
     assert any(n is not None for n in trimmed)
     # The runner was told: its block counts followed (FakeRunner checks every step).
     assert any("x1" in s.num_kept_blocks for s in h.runner.steps)
+
+
+def test_first_output_after_the_first_schedule_carries_its_time(make: MakeHarness) -> None:
+    """The queue-time metrics need when a request was first scheduled: its first output
+    carries that time (a chunked prefill's outputs come later), no later output does, and a
+    request that fails after it was scheduled still reports it."""
+    h = make(max_num_batched_tokens=8)
+    h.add(make_request("doomed", 2, max_tokens=50), make_request("long", 20, max_tokens=3))
+    h.step()
+    assert h.added["doomed"].first_scheduled_time is not None
+    h.sched.finish_with_error("doomed", "boom", ErrorKind.INTERNAL)
+    h.run()
+    first = h.outputs["long"][0].first_scheduled_time
+    assert first is not None and first == h.added["long"].first_scheduled_time
+    assert all(out.first_scheduled_time is None for out in h.outputs["long"][1:])
+    errored = [out for out in h.outputs["doomed"] if out.error == "boom"]
+    assert [out.first_scheduled_time for out in h.outputs["doomed"]].count(None) == (
+        len(h.outputs["doomed"]) - 1)
+    assert errored and errored[-1].error_kind == ErrorKind.INTERNAL

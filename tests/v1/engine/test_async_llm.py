@@ -136,7 +136,7 @@ def test_cancelled_consumer_aborts_in_engine(loop, engine):
         assert engine.num_unfinished_requests == 0
         stats = await _wait_stats(engine, lambda s: s.num_aborted_requests == before + 1
                                   and s.num_running == 0 and s.num_waiting == 0)
-        assert stats.num_free_blocks == stats.num_blocks
+        assert stats.kv.num_free_blocks == stats.kv.num_blocks
 
         # Leaving the loop early (the generator is closed) aborts as well.
         gen = engine.generate("break me", params, "break-me")
@@ -145,7 +145,7 @@ def test_cancelled_consumer_aborts_in_engine(loop, engine):
         await gen.aclose()
         stats = await _wait_stats(engine, lambda s: s.num_aborted_requests == before + 2
                                   and s.num_running == 0)
-        assert stats.kv_cache_usage == 0.0
+        assert stats.kv.usage == 0.0
         assert engine.num_unfinished_requests == 0
 
     loop.run_until_complete(run())

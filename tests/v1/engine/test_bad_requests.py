@@ -28,7 +28,8 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.core_client import EngineCoreClient
-from vllm.v1.engine.messages import EngineCoreStats, RequestType
+from vllm.v1.engine.messages import RequestType
+from vllm.v1.metrics.engine_stats import EngineCoreStats
 from vllm.v1.request import Request
 
 MODEL = "demo-tiny"
@@ -331,7 +332,7 @@ def test_engine_core_process_survives_bad_requests_and_messages() -> None:
         assert col.outputs["good-1"][-1].finish_reason == "length"
         assert len(_tokens(col.outputs["good-1"])) == MAX_TOKENS
         last = col.stats[-1]
-        assert last.num_free_blocks == last.num_blocks and last.kv_cache_usage == 0.0
+        assert last.kv.num_free_blocks == last.kv.num_blocks and last.kv.usage == 0.0
         assert client.dead_reason is None
     finally:
         client.shutdown()

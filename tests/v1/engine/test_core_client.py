@@ -21,7 +21,7 @@ from vllm.exceptions import EngineConfigError
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient, EngineDeadError
 from vllm.v1.executor.multiproc_executor import ipc_dir_prefix
-from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.engine_stats import EngineCoreStats
 
 MODEL = "demo-tiny"
 MAX_MODEL_LEN = 256
@@ -120,8 +120,8 @@ def test_outputs_abort_stats_and_shutdown(reference_tokens):
             and col.stats[-1].num_running == 0 and col.stats[-1].num_waiting == 0
         )
         last = col.stats[-1]
-        assert last.num_free_blocks == last.num_blocks == client.num_blocks
-        assert last.kv_cache_usage == 0.0
+        assert last.kv.num_free_blocks == last.kv.num_blocks == client.num_blocks
+        assert last.kv.usage == 0.0
         assert len(col.tokens["long"]) < 200 and "long" not in col.finish
         assert col.dead == []
         return col

@@ -1,4 +1,4 @@
-"""DataParallelClient's pure parts: summed stats and the routing order (the client itself is
+"""DataParallelClient's pure parts: the routing order (merged stats: tests/v1/metrics/test_engine_stats.py (the client itself is
 tested against `vllm serve -dp 2` in tests/entrypoints/openai/test_data_parallel.py)."""
 
 from __future__ import annotations
@@ -7,38 +7,21 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.config import ParallelConfig
-from vllm.v1.engine.data_parallel import EngineState, sum_stats
-from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.engine.data_parallel import EngineState
+from vllm.v1.metrics.engine_stats import EngineCoreStats, KVCacheStats
 
 
-def _stats(running: int, usage: float, blocks: int, backends: list) -> EngineCoreStats:
+def _stats(running: int, usage: float, blocks: int) -> EngineCoreStats:
     return EngineCoreStats(
-        num_running=running, num_waiting=1, kv_cache_usage=usage, num_free_blocks=blocks // 2,
-        num_blocks=blocks, num_preemptions=2, prefix_cache_queries=10, prefix_cache_hits=4,
-        num_aborted_requests=1, spec_decode_num_steps=running, spec_decode_num_draft_tokens=3,
-        spec_decode_num_accepted_tokens=2, grammar_backends=backends, timestamp=float(running),
-    )
-
-
-def test_sum_stats_adds_counts_and_weights_usage_by_blocks() -> None:
-    a = _stats(3, 0.5, 100, [("xgrammar", "first_choice", 2)])
-    b = _stats(1, 0.1, 300, [("xgrammar", "first_choice", 1), ("guidance", "fallback", 4)])
-    total = sum_stats([a, b])
-    assert (total.num_running, total.num_waiting, total.num_blocks) == (4, 2, 400)
-    assert (total.num_free_blocks, total.num_preemptions, total.num_aborted_requests) == (
-        200, 4, 2)
-    assert total.kv_cache_usage == pytest.approx((0.5 * 100 + 0.1 * 300) / 400)
-    assert total.grammar_backends == [("guidance", "fallback", 4), ("xgrammar", "first_choice", 3)]
-    assert (total.spec_decode_num_steps, total.spec_decode_num_draft_tokens,
-            total.spec_decode_num_accepted_tokens) == (4, 6, 4)
-    assert total.timestamp == 3.0
+        num_running=running, num_waiting=1, num_preemptions=2, num_aborted_requests=1,
+        timestamp=float(running), kv=KVCacheStats(usage=usage, num_blocks=blocks))
 
 
 def test_routing_prefers_fewer_unfinished_then_less_cache_then_fewer_routed() -> None:
     busy = EngineState(0, num_routed=1, unfinished={"a"})
-    idle_full = EngineState(1, num_routed=0, stats=_stats(0, 0.9, 10, []))
-    idle_empty = EngineState(2, num_routed=5, stats=_stats(0, 0.1, 10, []))
-    fresh = EngineState(3, num_routed=6, stats=_stats(0, 0.1, 10, []))
+    idle_full = EngineState(1, num_routed=0, stats=_stats(0, 0.9, 10))
+    idle_empty = EngineState(2, num_routed=5, stats=_stats(0, 0.1, 10))
+    fresh = EngineState(3, num_routed=6, stats=_stats(0, 0.1, 10))
     assert min([busy, idle_full, idle_empty, fresh], key=EngineState.load) is idle_empty
     assert min([busy, idle_full], key=EngineState.load) is idle_full
 

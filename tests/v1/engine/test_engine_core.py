@@ -426,7 +426,7 @@ def test_abort_with_batches_in_flight(make: MakeSetup, depth: int) -> None:
     stats = s.engine.make_stats()
     assert stats.num_aborted_requests == 2
     assert stats.num_running == stats.num_waiting == 0
-    assert stats.num_free_blocks == stats.num_blocks == s.engine.num_blocks
+    assert stats.kv.num_free_blocks == stats.kv.num_blocks == s.engine.num_blocks
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

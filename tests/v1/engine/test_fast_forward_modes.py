@@ -84,7 +84,7 @@ def runs() -> dict[bool, dict]:
         try:
             stats = llm.llm_engine.engine_core.scheduler.drafter.stats
             by_mode: dict = {"canonical": _generate(llm, _params(None))}
-            results[async_scheduling] = {"stats": dataclasses.replace(stats)}
+            results[async_scheduling] = {"stats": stats.snapshot()}
             for mode in ("off", "exact"):
                 by_mode[mode] = _generate(llm, _params(mode))
             results[async_scheduling]["outputs"] = by_mode
@@ -97,7 +97,7 @@ def runs() -> dict[bool, dict]:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_canonical_outputs_are_valid(runs: dict, async_scheduling: bool) -> None:
     from vllm.transformers_utils.tokenizer import get_tokenizer
-    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.model_executor.model_loader.demos import resolve_model_dir
 
     tokenizer = get_tokenizer(resolve_model_dir("demo-tiny"))
     outputs = runs[async_scheduling]["outputs"]["canonical"]

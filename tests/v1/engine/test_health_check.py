@@ -23,7 +23,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_proc import EngineCoreProc
 from vllm.v1.engine.data_parallel import DataParallelClient, EngineState
-from vllm.v1.engine.messages import EngineCoreError, EngineCoreStats, OutputType, RequestType
+from vllm.v1.engine.messages import EngineCoreError, OutputType, RequestType
+from vllm.v1.metrics.engine_stats import EngineCoreStats, KVCacheStats
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 
 DEADLINE_S = 30.0
@@ -266,12 +267,9 @@ def test_the_interval_is_validated() -> None:
 
 def _stats(running: int, waiting: int, usage: float, blocks: int) -> EngineCoreStats:
     return EngineCoreStats(
-        num_running=running, num_waiting=waiting, kv_cache_usage=usage,
-        num_free_blocks=int(blocks * (1 - usage)), num_blocks=blocks, num_preemptions=1,
-        prefix_cache_queries=0, prefix_cache_hits=0, num_aborted_requests=0,
-        spec_decode_num_steps=0, spec_decode_num_draft_tokens=0,
-        spec_decode_num_accepted_tokens=0, grammar_backends=[], timestamp=0.0,
-    )
+        num_running=running, num_waiting=waiting, num_preemptions=1, num_aborted_requests=0,
+        timestamp=0.0, kv=KVCacheStats(usage=usage, num_free_blocks=int(blocks * (1 - usage)),
+                                       num_blocks=blocks))
 
 
 class _FakeClient:
@@ -314,8 +312,8 @@ def test_a_dead_engine_leaves_the_gauges_and_is_never_routed_to() -> None:
     lost: EngineCoreOutputs = seen["outputs"][-1]
     assert [(o.request_id, o.finish_reason) for o in lost.outputs] == [("busy", "error")]
     total: EngineCoreStats = seen["stats"][-1]
-    assert (total.num_running, total.num_waiting, total.num_blocks) == (3, 2, 100)
-    assert total.kv_cache_usage == pytest.approx(0.5)
+    assert (total.num_running, total.num_waiting, total.kv.num_blocks) == (3, 2, 100)
+    assert total.kv.usage == pytest.approx(0.5)
     # A snapshot from the dead engine still on its way changes nothing.
     client._stats(0, _stats(running=9, waiting=9, usage=1.0, blocks=100))
     assert seen["stats"][-1] is total

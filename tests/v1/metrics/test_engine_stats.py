@@ -1,5 +1,6 @@
-"""Tests for the stats record (vllm/v1/engine/messages.py:EngineCoreStats) on its way from the
-engine core to /metrics: the wire encoding between the processes, and the Prometheus render."""
+"""Tests for the stats record (vllm/v1/metrics/engine_stats.py) on its way from the engine core
+to /metrics: the wire encoding between the processes, the merge of several engines' records,
+and the Prometheus render."""
 
 from __future__ import annotations
 
@@ -7,34 +8,47 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.engine_stats import (
+    EngineCoreStats,
+    GrammarStats,
+    KVCacheStats,
+    SpecDecodeStats,
+)
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 
 MODEL = "test-model"
 
 
-def _stats(**changes: object) -> EngineCoreStats:
-    """A record whose fields all differ, so a field rendered under the wrong name shows."""
+def _stats(kv: dict | None = None, spec: dict | None = None, **changes: object
+           ) -> EngineCoreStats:
+    """A record whose fields all differ, so a field rendered under the wrong name shows;
+    `kv` and `spec` change fields of those parts."""
     stats = EngineCoreStats(
         num_running=3,
         num_waiting=5,
-        kv_cache_usage=0.375,
-        num_free_blocks=40,
-        num_blocks=64,
         num_preemptions=7,
-        prefix_cache_queries=1200,
-        prefix_cache_hits=480,
         num_aborted_requests=2,
-        spec_decode_num_steps=11,
-        spec_decode_num_draft_tokens=30,
-        spec_decode_num_accepted_tokens=12,
-        grammar_backends=[("guidance", "fallback", 4), ("xgrammar", "first_choice", 9)],
         timestamp=1_700_000_000.25,
-        fast_forward_forced_tokens=20,
-        fast_forward_kept_tokens=9,
-        fast_forward_requests=4,
+        kv=KVCacheStats(usage=0.375, num_free_blocks=40, num_blocks=64,
+                        prefix_cache_queries=1200, prefix_cache_hits=480),
+        spec=SpecDecodeStats(num_steps=11, num_draft_tokens=30, num_accepted_tokens=12,
+                             num_forced_tokens=20, num_forced_kept_tokens=9,
+                             num_fast_forwarded_requests=4),
+        grammar=GrammarStats([("guidance", "fallback", 4), ("xgrammar", "first_choice", 9)]),
     )
+    stats = msgspec.structs.replace(
+        stats, kv=msgspec.structs.replace(stats.kv, **(kv or {})),
+        spec=msgspec.structs.replace(stats.spec, **(spec or {})))
     return msgspec.structs.replace(stats, **changes)
+
+
+def _numbers(stats: EngineCoreStats) -> list[tuple[str, str]]:
+    """(part, field) of every number in the record but the timestamp; part "" is the top."""
+    out = [("", f.name) for f in msgspec.structs.fields(stats)
+           if isinstance(getattr(stats, f.name), (int, float)) and f.name != "timestamp"]
+    for part in ("kv", "spec"):
+        out += [(part, f.name) for f in msgspec.structs.fields(getattr(stats, part))]
+    return out
 
 
 def _wire(stats: EngineCoreStats) -> EngineCoreStats:
@@ -70,13 +84,14 @@ def test_same_as_ignores_only_the_timestamp() -> None:
     stats = _stats()
     assert stats.same_as(_stats(timestamp=stats.timestamp + 5.0))
     assert not stats.same_as(None)
-    for field in msgspec.structs.fields(EngineCoreStats):
-        if field.name == "timestamp":
-            continue
-        value = getattr(stats, field.name)
-        bumped = value + [("x", "y", 1)] if isinstance(value, list) else value + 1
-        changed = _stats(**{field.name: bumped})
-        assert not stats.same_as(changed), field.name
+    for part, name in _numbers(stats):
+        if part:
+            changed = _stats(**{part: {name: getattr(getattr(stats, part), name) + 1}})
+        else:
+            changed = _stats(**{name: getattr(stats, name) + 1})
+        assert not stats.same_as(changed), (part, name)
+    more = GrammarStats(stats.grammar.backends + [("x", "y", 1)])
+    assert not stats.same_as(_stats(grammar=more))
 
 
 def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None:
@@ -90,10 +105,10 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
     metrics.record_engine_stats(_wire(stats))
     after = _samples(metrics)
     rendered = {k: v for k, v in after.items() if k not in before}
-    # One sample per field: a field added to the record must be rendered too (timestamp is
-    # not rendered; grammar_backends is a labelled counter, checked below), plus the two
+    # One sample per number: a field added to the record must be rendered too (timestamp is
+    # not rendered; the grammar part is a labelled counter, checked below), plus the two
     # speculative-decoding ratios and the fast-forward mean derived from the counters.
-    assert len(rendered) == len(msgspec.structs.fields(EngineCoreStats)) - 2 + 3
+    assert len(rendered) == len(_numbers(stats)) + 3
     assert rendered == {
         "vllm:num_requests_running": ("gauge", 3.0),
         "vllm:num_requests_waiting": ("gauge", 5.0),
@@ -122,8 +137,8 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
 
 def test_spec_decode_ratios_are_absent_before_any_draft() -> None:
     metrics = PrometheusMetrics(MODEL)
-    metrics.record_engine_stats(_stats(spec_decode_num_steps=0, spec_decode_num_draft_tokens=0,
-                                       spec_decode_num_accepted_tokens=0))
+    metrics.record_engine_stats(_stats(spec=dict(num_steps=0, num_draft_tokens=0,
+                                                 num_accepted_tokens=0)))
     rendered = _samples(metrics)
     assert rendered["vllm:spec_decode_num_draft_tokens_total"] == ("counter", 0.0)
     assert "vllm:spec_decode_draft_acceptance_rate" not in rendered
@@ -131,7 +146,7 @@ def test_spec_decode_ratios_are_absent_before_any_draft() -> None:
 
 def test_fast_forward_mean_is_absent_before_any_fast_forwarded_request() -> None:
     metrics = PrometheusMetrics(MODEL)
-    metrics.record_engine_stats(_stats(fast_forward_requests=0))
+    metrics.record_engine_stats(_stats(spec=dict(num_fast_forwarded_requests=0)))
     rendered = _samples(metrics)
     assert rendered["vllm:fast_forward_requests_total"] == ("counter", 0.0)
     assert "vllm:fast_forward_tokens_per_request" not in rendered
@@ -147,3 +162,40 @@ def test_backend_choices_render_as_one_labelled_counter() -> None:
         if sample.name == "vllm:structured_output_backend_total"
     }
     assert found == {("guidance", "fallback"): 4, ("xgrammar", "first_choice"): 9}
+
+
+def _engine(running: int, usage: float, blocks: int, backends: list) -> EngineCoreStats:
+    return EngineCoreStats(
+        num_running=running, num_waiting=1, num_preemptions=2, num_aborted_requests=1,
+        timestamp=float(running),
+        kv=KVCacheStats(usage=usage, num_free_blocks=blocks // 2, num_blocks=blocks,
+                        prefix_cache_queries=10, prefix_cache_hits=4),
+        spec=SpecDecodeStats(num_steps=running, num_draft_tokens=3, num_accepted_tokens=2),
+        grammar=GrammarStats(backends),
+    )
+
+
+def test_merge_adds_counts_and_weights_usage_by_blocks() -> None:
+    a = _engine(3, 0.5, 100, [("xgrammar", "first_choice", 2)])
+    b = _engine(1, 0.1, 300, [("xgrammar", "first_choice", 1), ("guidance", "fallback", 4)])
+    total = EngineCoreStats.merge([a, b])
+    assert (total.num_running, total.num_waiting, total.kv.num_blocks) == (4, 2, 400)
+    assert (total.kv.num_free_blocks, total.num_preemptions, total.num_aborted_requests) == (
+        200, 4, 2)
+    assert total.kv.usage == pytest.approx((0.5 * 100 + 0.1 * 300) / 400)
+    assert total.grammar.backends == [("guidance", "fallback", 4), ("xgrammar", "first_choice", 3)]
+    assert (total.spec.num_steps, total.spec.num_draft_tokens,
+            total.spec.num_accepted_tokens) == (4, 6, 4)
+    assert total.timestamp == 3.0
+
+
+def test_merge_sums_every_counter_of_every_part() -> None:
+    """A counter added to a part is merged without a line of its own."""
+    stats = _stats()
+    total = EngineCoreStats.merge([stats, stats])
+    for part, name in _numbers(stats):
+        if (part, name) == ("kv", "usage"):
+            assert total.kv.usage == stats.kv.usage
+            continue
+        owner, merged = (getattr(stats, part), getattr(total, part)) if part else (stats, total)
+        assert getattr(merged, name) == 2 * getattr(owner, name), (part, name)

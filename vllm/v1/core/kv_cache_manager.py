@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, hash_block_tokens
+from vllm.v1.metrics.engine_stats import KVCacheStats
 
 
 @dataclass
@@ -77,6 +78,12 @@ class KVCacheManager:
         """A snapshot of the cumulative prefix-cache lookup counters."""
         s = self._stats
         return PrefixCacheStats(requests=s.requests, queries=s.queries, hits=s.hits)
+
+    def make_stats(self) -> KVCacheStats:
+        """This cache's part of the engine's stats record: its gauges and prefix counters."""
+        return KVCacheStats(usage=self.usage, num_free_blocks=self.num_free_blocks,
+                            num_blocks=self.num_blocks, prefix_cache_queries=self._stats.queries,
+                            prefix_cache_hits=self._stats.hits)
 
     def get_computed_blocks(self, request_id: str, token_ids: Sequence[int],
                             cache_salt: int | None = None) -> tuple[list[int], int]:

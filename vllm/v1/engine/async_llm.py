@@ -20,9 +20,9 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.constraint_checker import ConstraintChecker
 from vllm.v1.engine.core_client import EngineCoreClient
 from vllm.v1.engine.data_parallel import DataParallelClient
-from vllm.v1.engine.messages import EngineCoreStats
 from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
+from vllm.v1.metrics.engine_stats import EngineCoreStats
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 from vllm.v1.metrics.stats import RequestStateStats
 

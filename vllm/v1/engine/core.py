@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from vllm.attention.kv_cache_dtype import kv_cache_torch_dtype
 from vllm.config import VllmConfig
@@ -11,11 +10,10 @@ from vllm.exceptions import ErrorKind, error_kind_of
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
 from vllm.v1.engine.batch_queue import BatchQueue, resolve_output
-from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.engine_stats import EngineCoreStats
 from vllm.v1.engine.validation import check_engine_request
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.request import Request, RequestStatus
@@ -75,30 +73,7 @@ class EngineCore:
         # max_concurrent_batches (2 under async scheduling, one per pipeline stage).
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue = BatchQueue(self.scheduler, self.model_executor, self.batch_queue_size)
-        # request id -> when it was first scheduled, until its next output carries it.
-        self._first_scheduled: dict[str, float] = {}
-        self._schedule = self.scheduler.schedule
-        # The scheduler (vllm/v1/core) is not ours to change: its schedule() is wrapped on
-        # this instance so both step loops (and the batch queue) record first schedules.
-        self.scheduler.schedule = self._schedule_and_note  # type: ignore[method-assign]
         self.step_fn = self.step if self.batch_queue_size == 1 else self.step_with_batch_queue
-
-    def _schedule_and_note(self) -> SchedulerOutput:
-        """The scheduler's next step, noting when each new request was first scheduled."""
-        scheduler_output = self._schedule()
-        if scheduler_output.scheduled_new_reqs:
-            now = time.monotonic()
-            for new in scheduler_output.scheduled_new_reqs:
-                self._first_scheduled.setdefault(new.req_id, now)
-        return scheduler_output
-
-    def _stamp(self, outputs: list[EngineCoreOutput] | None) -> None:
-        """Gives each request's first output after its first schedule that schedule's time."""
-        if outputs and self._first_scheduled:
-            for out in outputs:
-                when = self._first_scheduled.pop(out.request_id, None)
-                if when is not None:
-                    out.first_scheduled_time = when
 
     # ------------------------------------------------------------------ requests
 
@@ -143,8 +118,6 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Ends requests; their in-flight tokens are dropped when they arrive."""
-        for request_id in request_ids:
-            self._first_scheduled.pop(request_id, None)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
@@ -156,9 +129,7 @@ class EngineCore:
         """One synchronous step: schedule, forward (bitmask computed meanwhile), sample,
         update. Returns the outputs and whether the model ran."""
         if not self.scheduler.has_requests():
-            pending = self.scheduler.take_pending_outputs()
-            self._stamp(pending)
-            return pending, False
+            return self.scheduler.take_pending_outputs(), False
         scheduler_output = self.scheduler.schedule()
         exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
         grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
@@ -167,7 +138,6 @@ class EngineCore:
         self.scheduler.sampling_issued(scheduler_output)
         output = resolve_output(sample_future.result())
         outputs = self.scheduler.update_from_output(scheduler_output, output)
-        self._stamp(outputs)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     def step_with_batch_queue(self) -> tuple[list[EngineCoreOutput] | None, bool]:
@@ -177,9 +147,7 @@ class EngineCore:
         if not self.batch_queue and not self.scheduler.has_unfinished_requests():
             # Idle: a plain step still reports finished ids to the runner and pending outputs.
             return self.step()
-        outputs, executed = self.batch_queue.step()
-        self._stamp(outputs)
-        return outputs, executed
+        return self.batch_queue.step()
 
     def check_health(self) -> None:
         """Asks the executor whether every worker still lives; raises (RuntimeError naming

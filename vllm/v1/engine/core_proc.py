@@ -23,11 +23,11 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.messages import (
     EngineCoreError,
     EngineCoreHandshake,
-    EngineCoreStats,
     OutputType,
     RequestType,
 )
 from vllm.v1.executor.abstract import Executor
+from vllm.v1.metrics.engine_stats import EngineCoreStats
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from vllm.config import VllmConfig
 from vllm.exceptions import EngineDeadError, ErrorKind
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_client import EngineCoreClient
-from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.engine_stats import EngineCoreStats
 
 logger = logging.getLogger(__name__)
 
@@ -49,41 +49,8 @@ class EngineState:
 
     def load(self) -> tuple[int, float, int]:
         """Routing key: lower is less loaded."""
-        usage = self.stats.kv_cache_usage if self.stats is not None else 0.0
+        usage = self.stats.kv.usage if self.stats is not None else 0.0
         return len(self.unfinished), usage, self.num_routed
-
-
-def sum_stats(snapshots: list[EngineCoreStats]) -> EngineCoreStats:
-    """One snapshot for several engines: counts and blocks add up, KV usage is weighted by
-    each engine's blocks, backend counts merge."""
-    blocks = sum(s.num_blocks for s in snapshots)
-    backends: dict[tuple[str, str], int] = {}
-    for s in snapshots:
-        for backend, reason, count in s.grammar_backends:
-            backends[backend, reason] = backends.get((backend, reason), 0) + count
-    return EngineCoreStats(
-        num_running=sum(s.num_running for s in snapshots),
-        num_waiting=sum(s.num_waiting for s in snapshots),
-        kv_cache_usage=(
-            sum(s.kv_cache_usage * s.num_blocks for s in snapshots) / blocks if blocks else 0.0
-        ),
-        num_free_blocks=sum(s.num_free_blocks for s in snapshots),
-        num_blocks=blocks,
-        num_preemptions=sum(s.num_preemptions for s in snapshots),
-        prefix_cache_queries=sum(s.prefix_cache_queries for s in snapshots),
-        prefix_cache_hits=sum(s.prefix_cache_hits for s in snapshots),
-        num_aborted_requests=sum(s.num_aborted_requests for s in snapshots),
-        spec_decode_num_steps=sum(s.spec_decode_num_steps for s in snapshots),
-        spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in snapshots),
-        spec_decode_num_accepted_tokens=sum(
-            s.spec_decode_num_accepted_tokens for s in snapshots
-        ),
-        grammar_backends=[(b, r, n) for (b, r), n in sorted(backends.items())],
-        timestamp=max(s.timestamp for s in snapshots),
-        fast_forward_forced_tokens=sum(s.fast_forward_forced_tokens for s in snapshots),
-        fast_forward_kept_tokens=sum(s.fast_forward_kept_tokens for s in snapshots),
-        fast_forward_requests=sum(s.fast_forward_requests for s in snapshots),
-    )
 
 
 class DataParallelClient:
@@ -177,7 +144,7 @@ class DataParallelClient:
         """Hands the sum of every engine's latest snapshot to the stats callback."""
         known = [s.stats for s in self.engines if s.stats is not None]
         if known and self._on_stats is not None:
-            self._on_stats(sum_stats(known))
+            self._on_stats(EngineCoreStats.merge(known))
 
     def _engine_died(self, index: int, reason: str) -> None:
         state = self.engines[index]

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.engine_stats import EngineCoreStats
 from vllm.v1.metrics.stats import FinishedRequestStats, RequestStateStats
 
 if TYPE_CHECKING:
@@ -128,58 +128,59 @@ class _EngineCollector(Collector):
     def _engine_metrics(self, s: EngineCoreStats) -> Iterator[Metric]:
         """The engine core's latest snapshot: queues, KV cache, prefix cache, drafts."""
         gauge, counter = self._gauge, self._counter
+        kv, spec = s.kv, s.spec
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
                     s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks owned by requests (0-1).",
-                    s.kv_cache_usage)
+                    kv.usage)
         yield gauge("vllm:kv_cache_free_blocks",
                     "KV blocks no request owns (free or evictable prefix-cache blocks).",
-                    s.num_free_blocks)
-        yield gauge("vllm:kv_cache_total_blocks", "KV blocks in the cache.", s.num_blocks)
+                    kv.num_free_blocks)
+        yield gauge("vllm:kv_cache_total_blocks", "KV blocks in the cache.", kv.num_blocks)
         yield counter("vllm:num_preemptions", "Preemptions since startup.", s.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      s.prefix_cache_queries)
+                      kv.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      s.prefix_cache_hits)
+                      kv.prefix_cache_hits)
         yield counter("vllm:engine_aborted_requests",
                       "Aborts that ended a request still alive in the engine core.",
                       s.num_aborted_requests)
         yield counter("vllm:spec_decode_num_drafts",
                       "Verification steps of a request that carried drafted tokens.",
-                      s.spec_decode_num_steps)
+                      spec.num_steps)
         yield counter("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.",
-                      s.spec_decode_num_draft_tokens)
+                      spec.num_draft_tokens)
         yield counter("vllm:spec_decode_num_accepted_tokens",
-                      "Drafted tokens the model kept.", s.spec_decode_num_accepted_tokens)
-        if s.spec_decode_num_draft_tokens:
+                      "Drafted tokens the model kept.", spec.num_accepted_tokens)
+        if spec.num_draft_tokens:
             yield gauge("vllm:spec_decode_draft_acceptance_rate",
                         "Kept drafted tokens over drafted tokens, since startup.",
-                        s.spec_decode_num_accepted_tokens / s.spec_decode_num_draft_tokens)
+                        spec.num_accepted_tokens / spec.num_draft_tokens)
             yield gauge("vllm:spec_decode_mean_accepted_length",
                         "Tokens a verification step produced per request, on average "
                         "(1 + kept drafts).",
-                        1 + s.spec_decode_num_accepted_tokens / s.spec_decode_num_steps)
+                        1 + spec.num_accepted_tokens / spec.num_steps)
         yield counter("vllm:fast_forward_forced_tokens",
                       "Drafted tokens that a grammar forced (grammar fast-forward).",
-                      s.fast_forward_forced_tokens)
+                      spec.num_forced_tokens)
         yield counter("vllm:fast_forward_passes_saved",
                       "Forced tokens kept: forward passes their requests did not need.",
-                      s.fast_forward_kept_tokens)
+                      spec.num_forced_kept_tokens)
         yield counter("vllm:fast_forward_requests",
                       "Finished requests that kept at least one forced token.",
-                      s.fast_forward_requests)
-        if s.fast_forward_requests:
+                      spec.num_fast_forwarded_requests)
+        if spec.num_fast_forwarded_requests:
             yield gauge("vllm:fast_forward_tokens_per_request",
                         "Forced tokens kept per fast-forwarded request, since startup.",
-                        s.fast_forward_kept_tokens / s.fast_forward_requests)
+                        spec.num_forced_kept_tokens / spec.num_fast_forwarded_requests)
         choices = CounterMetricFamily(
             "vllm:structured_output_backend",
             "Structured-output constraints compiled in the engine, by backend and reason "
             "(fallback: an earlier backend could not enforce the constraint exactly).",
             labels=["model_name", "backend", "reason"],
         )
-        for backend, reason, count in s.grammar_backends:
+        for backend, reason, count in s.grammar.backends:
             choices.add_metric([self.model_name, backend, reason], count)
         yield choices
 
@@ -321,10 +322,6 @@ class PrometheusMetrics:
     def record_generation_tokens(self, num_tokens: int) -> None:
         """Tokens generated in one step for one request."""
         self._generation_tokens.inc(num_tokens)
-
-    def record_inter_token(self, seconds: float) -> None:
-        """The time since the request's previous output, at an output with new tokens."""
-        self._itl.observe(seconds)
 
     def record_finished(self, stats: FinishedRequestStats) -> None:
         """A request ended (including aborts and errors)."""

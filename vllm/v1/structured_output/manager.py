@@ -10,8 +10,9 @@ import numpy as np
 
 from vllm.reasoning import ReasoningParser
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.structured_output.fast_forward import FastForward, server_mode
+from vllm.v1.metrics.engine_stats import GrammarStats
 from vllm.v1.structured_output.draft_rows import allow_think, fill_draft_rows, skip_forced
+from vllm.v1.structured_output.fast_forward import FastForward, server_mode
 from vllm.v1.structured_output.lanes import CompileLanes
 from vllm.v1.structured_output.request import StructuredOutputRequest
 
@@ -84,6 +85,10 @@ class StructuredOutputManager:
         constraint."""
         with self._backend_lock:
             return dict(self._choices)
+
+    def make_stats(self) -> GrammarStats:
+        """The grammar backends' part of the engine's stats record."""
+        return GrammarStats(sorted((b, r, n) for (b, r), n in self.backend_choices().items()))
 
     @property
     def backend(self) -> AutoBackend:

@@ -6,52 +6,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vllm.v1.request import Request
 from vllm.options import CANONICAL, EXACT, OFF
-from vllm.v1.structured_output.fast_forward import FastForward
+from vllm.v1.metrics.engine_stats import SpecDecodeStats
+from vllm.v1.request import Request
 from vllm.v1.spec_decode.proposer import ForcedTokensOnly, Proposer
 from vllm.v1.structured_output.backends.base import StructuredOutputGrammar
+from vllm.v1.structured_output.fast_forward import FastForward
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.step_builder import StepBuilder
-
-
-@dataclass
-class SpecDecodeStats:
-    """Cumulative counters of verifications, as the engine's stats record reports them."""
-
-    # Verification steps that carried drafts.
-    num_steps: int = 0
-    # Drafted tokens sent for verification.
-    num_draft_tokens: int = 0
-    # Drafted tokens the target model kept (and the stop checks let through).
-    num_accepted_tokens: int = 0
-    # Grammar fast-forward: drafted tokens that the grammar forced (among num_draft_tokens),
-    # those of them kept (each one a forward pass its request did not need), and the
-    # finished requests that kept at least one.
-    num_forced_tokens: int = 0
-    num_forced_kept_tokens: int = 0
-    num_fast_forwarded_requests: int = 0
-
-    def record(self, num_drafts: int, num_accepted: int, num_forced: int = 0) -> int:
-        """Counts one verification of `num_drafts` drafts, the first `num_forced` of them
-        forced, of which `num_accepted` were kept. Returns how many forced ones were kept."""
-        self.num_steps += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        kept_forced = min(num_forced, num_accepted)
-        self.num_forced_tokens += num_forced
-        self.num_forced_kept_tokens += kept_forced
-        return kept_forced
-
-    def fast_forward_counters(self) -> dict[str, int]:
-        """The fast-forward counters by their EngineCoreStats field names."""
-        return {
-            "fast_forward_forced_tokens": self.num_forced_tokens,
-            "fast_forward_kept_tokens": self.num_forced_kept_tokens,
-            "fast_forward_requests": self.num_fast_forwarded_requests,
-        }
 
 
 @dataclass

@@ -21,9 +21,10 @@ from vllm.v1.core.sched.utils import (
     make_grammar_output,
     make_request_output,
     num_new_tokens,
+    take_first_scheduled_time,
 )
 from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.engine.messages import EngineCoreStats
+from vllm.v1.metrics.engine_stats import EngineCoreStats, GrammarStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.core.sched.drafting import Drafter
@@ -136,7 +137,10 @@ class Scheduler:
             request.error_kind = kind
             self._dequeue(request)
             self._free_request(request)
-        self._pending_outputs.append(error_output(request_id, message, kind))
+        out = error_output(request_id, message, kind)
+        if request is not None:
+            out.first_scheduled_time = take_first_scheduled_time(request)
+        self._pending_outputs.append(out)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """Ends the given requests (e.g. aborts) and frees their blocks and grammars.
@@ -336,6 +340,12 @@ class Scheduler:
         return []
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        if output.scheduled_new_reqs:
+            now = time.monotonic()
+            for new in output.scheduled_new_reqs:
+                request = self.requests[new.req_id]
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = now
         scheduled = {}
         for req_id, n in output.num_scheduled_tokens.items():
             request = scheduled[req_id] = self.requests[req_id]
@@ -454,25 +464,14 @@ class Scheduler:
 
         This record is what the engine core sends and what /metrics renders, unchanged.
         """
-        kv = self.kv_cache_manager
-        prefix = kv.prefix_cache_stats
-        spec = self.drafter.stats
         manager = self.structured_output_manager
-        backend_choices = manager.backend_choices() if manager is not None else {}
         return EngineCoreStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_blocks=kv.num_blocks,
             num_preemptions=self.num_preemptions,
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
             num_aborted_requests=self.num_aborted_requests,
-            spec_decode_num_steps=spec.num_steps,
-            spec_decode_num_draft_tokens=spec.num_draft_tokens,
-            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
-            grammar_backends=sorted((b, r, n) for (b, r), n in backend_choices.items()),
             timestamp=time.time(),
-            **spec.fast_forward_counters(),
+            kv=self.kv_cache_manager.make_stats(),
+            spec=self.drafter.stats.snapshot(),
+            grammar=manager.make_stats() if manager is not None else GrammarStats(),
         )

@@ -132,6 +132,7 @@ def make_request_output(
         error=request.error_message,
         error_kind=request.error_kind,
         num_cached_tokens=request.num_cached_tokens,
+        first_scheduled_time=take_first_scheduled_time(request),
     )
     params = request.sampling_params
     if params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
@@ -145,6 +146,15 @@ def make_request_output(
         out.new_logprobs = [logprobs.logprobs[row]]
         out.new_logprobs_ranks = [logprobs.ranks[row]]
     return out
+
+
+def take_first_scheduled_time(request: Request) -> float | None:
+    """When `request` was first scheduled, the first time it is asked after that (then it
+    is marked sent); None before its first schedule and after."""
+    if request.first_scheduled_time is None or request.first_scheduled_sent:
+        return None
+    request.first_scheduled_sent = True
+    return request.first_scheduled_time
 
 
 def error_output(req_id: str, message: str, kind: ErrorKind) -> EngineCoreOutput:
