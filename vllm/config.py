@@ -454,7 +454,7 @@ class StructuredOutputsConfig:
     compile_timeout_s: float = 10.0
     # No whitespace between JSON tokens. None (not given): the model's default, which
     # EngineArgs resolves: on for the built-in demo models (their random weights would fill
-    # every place JSON allows whitespace; demo_model.serves_compact_json), off for any
+    # every place JSON allows whitespace; demos.serves_compact_json), off for any
     # other model, as upstream. Read as off where it is still None.
     disable_any_whitespace: bool | None = None
     # Most whitespace characters in one run between JSON tokens (a request's `max_whitespace`

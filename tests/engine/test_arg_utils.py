@@ -1,5 +1,5 @@
 """Tests for vllm/engine/arg_utils.py and the flag spellings of the `vllm` command line
-(vllm/entrypoints/cli/arg_parser.py): upstream vLLM's commands parse as written, unknown flags
+(vllm/utils/argparse_utils.py, vllm/entrypoints/cli/arg_parser.py): upstream vLLM's commands parse as written, unknown flags
 are refused by name, and parallel layouts are checked before anything starts."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.entrypoints.cli.arg_parser import (
+from vllm.entrypoints.cli.arg_parser import prepare_argv
+from vllm.entrypoints.cli.main import discover_subcommands, main, make_parser
+from vllm.utils.argparse_utils import (
     FlexibleArgumentParser,
     normalize_flag_spellings,
-    prepare_argv,
     unknown_arguments_message,
 )
-from vllm.entrypoints.cli.main import discover_subcommands, main, make_parser
 
 MODEL = "demo-tiny"
 

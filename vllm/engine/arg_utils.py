@@ -23,7 +23,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.model_executor.model_loader.default_model import DEFAULT_MODEL_ID
-from vllm.model_executor.model_loader.demo_model import serves_compact_json
+from vllm.model_executor.model_loader.demos import serves_compact_json
 from vllm.reasoning import PARSERS
 from vllm.options import describe_executors, executor_names, grammar_server_choices
 from vllm.v1.structured_output.backends.registry import backends_for, request_only_for

@@ -9,8 +9,7 @@ from collections import OrderedDict
 from vllm.config import VllmConfig
 from vllm.exceptions import InvalidRequestError
 from vllm.lora.peft_adapter import load_adapter
-from vllm.lora.request import LoRARequest
-from vllm.v1.engine.validation import check_lora_enabled
+from vllm.lora.request import LoRARequest, check_lora_enabled
 
 # Adapters checked recently, so a busy adapter is not re-read from disk for every request.
 _MAX_REMEMBERED = 256

@@ -98,7 +98,7 @@ def resolve_model_path(
             except ValueError:
                 pass  # no hub here: the packaged file is the same model
         return default_model.default_model_dir()
-    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.model_executor.model_loader.demos import resolve_model_dir
 
     demo = resolve_model_dir(name)
     if demo.is_dir():

@@ -232,7 +232,7 @@ def test_logit_bias_allowed_token_ids_and_bad_words(client):
     assert {int(t.split(":")[1]) for t in out.choices[0].logprobs.tokens} <= set(allowed)
     # bad_words bans tokens, not text (the tilted demo may spell the same text otherwise):
     # a one-token word, the first token greedy decoding writes, never appears.
-    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.model_executor.model_loader.demos import resolve_model_dir
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
     word = get_tokenizer(resolve_model_dir(MODEL)).decode([first])

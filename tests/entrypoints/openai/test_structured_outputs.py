@@ -53,7 +53,7 @@ def fresh_matcher():
     """Builds a fresh xgrammar matcher for a grammar, independent of the engine's backend."""
     import xgrammar as xgr
 
-    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.model_executor.model_loader.demos import resolve_model_dir
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
     tok = get_tokenizer(resolve_model_dir(MODEL))

@@ -12,13 +12,13 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from vllm.model_executor.model_loader import demo_model
+from vllm.model_executor.model_loader import demo_model, demos
 from vllm.model_executor.model_loader.demo_model import (
     BUILD_VERSION,
     DEMO_MODELS,
     build_demo_model,
-    resolve_model_dir,
 )
+from vllm.model_executor.model_loader.demos import resolve_model_dir
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -177,7 +177,7 @@ def test_resolve_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
         built.append(name)
         return tmp_path / name
 
-    monkeypatch.setattr(demo_model, "build_demo_model", fake_build)
+    monkeypatch.setattr(demos, "build_demo_model", fake_build)
     assert resolve_model_dir(None) == tmp_path / "demo"
     assert resolve_model_dir("") == tmp_path / "demo"
     assert resolve_model_dir("demo-tiny") == tmp_path / "demo-tiny"

@@ -13,7 +13,6 @@ from vllm.model_executor.model_loader.demo_model import (
     EOS_TOKEN_ID,
     build_demo_model,
     random_weights,
-    serves_compact_json,
 )
 from vllm.model_executor.model_loader.demo_tilt import (
     BRACKETS,
@@ -23,6 +22,7 @@ from vllm.model_executor.model_loader.demo_tilt import (
     closer_ids,
     piece_ids,
 )
+from vllm.model_executor.model_loader.demos import serves_compact_json
 from vllm.transformers_utils.qwen_vocab import load_ranks
 
 SPEC = DEMO_MODELS["demo-tiny"]

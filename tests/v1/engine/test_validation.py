@@ -14,7 +14,7 @@ import pytest
 
 from vllm.config import LoRAConfig
 from vllm.exceptions import ErrorKind, InvalidRequestError, error_kind_of
-from vllm.lora.request import LoRARequest
+from vllm.lora.request import LoRARequest, check_lora_enabled
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import validation
 from vllm.v1.engine.validation import check_engine_request, check_runner_inputs
@@ -181,8 +181,8 @@ def test_the_engine_also_runs_the_params_own_checks() -> None:
 
 def test_an_adapter_needs_lora_enabled() -> None:
     lora = LoRARequest("a", 1, "/adapters/a")
-    validation.check_lora_enabled(None, None)
-    validation.check_lora_enabled(lora, LoRAConfig())
+    check_lora_enabled(None, None)
+    check_lora_enabled(lora, LoRAConfig())
     with pytest.raises(InvalidRequestError, match="not enabled") as info:
         check_engine_request([1, 2], _params(), lora, VOCAB, MAX_LEN, None)
     assert info.value.param == "lora_request"

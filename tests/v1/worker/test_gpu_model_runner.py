@@ -101,7 +101,7 @@ def test_bad_words_read_tokens_still_on_the_device_without_waiting(monkeypatch) 
     """A bad word of two tokens is banned only right after its first token; with no host copy
     ever landing on its own, that token is read on the device, never waited for; tokens
     equal the sync engine's (and the ban changed them)."""
-    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.model_executor.model_loader.demos import resolve_model_dir
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
     prompts, _ = _workload()

@@ -3,7 +3,7 @@
 `python -m vllm.entrypoints.cli.main ARGS` is the same command. A subcommand is any module of
 this package with a `cmd_init() -> list[CLISubcommand]` function; adding
 `vllm/entrypoints/cli/bench.py` with one is enough to add `vllm bench`. Flags are parsed as
-upstream vLLM spells them (`arg_parser.py`).
+upstream vLLM spells them (vllm/utils/argparse_utils.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import pkgutil
 import sys
 
 from vllm import __version__
-from vllm.entrypoints.cli.arg_parser import FlexibleArgumentParser, prepare_argv
+from vllm.entrypoints.cli.arg_parser import prepare_argv
 from vllm.entrypoints.cli.types import CLISubcommand
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 # Modules here that are not subcommands.
 _NOT_COMMANDS = {"main", "types", "arg_parser"}

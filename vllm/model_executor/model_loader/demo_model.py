@@ -182,46 +182,6 @@ def build_cached(final: Path, write: Callable[[Path], None]) -> Path:
     return final
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """Map a `--model` value to a directory: None, "" or a demo name → the built demo model.
-
-    Anything else is taken as a local path (not checked here). Raises what
-    `build_demo_model` raises.
-    """
-    if not model:
-        return build_demo_model(DEFAULT_MODEL)
-    if model in DEMO_MODELS:
-        return build_demo_model(model)
-    from vllm.model_executor.model_loader.demo_small_vocab import resolve  # it imports us
-
-    small = resolve(model)
-    if small is not None:
-        return small
-    from vllm.model_executor.model_loader import demo_scripted  # it imports us
-
-    scripted = demo_scripted.resolve(model)
-    if scripted is not None:
-        return scripted
-    return Path(model).expanduser()
-
-
-def serves_compact_json(model: str | None) -> bool:
-    """Whether `--model` value `model` names a demo model whose spec asks for compact JSON
-    by default (None or "" is the default demo model). False for anything else: a path or
-    hub id keeps upstream's default. Builds nothing."""
-    from vllm.model_executor.model_loader import demo_scripted  # they import us
-    from vllm.model_executor.model_loader.demo_small_vocab import SMALL_VOCAB_MODELS
-
-    if not model:
-        model = DEFAULT_MODEL
-    elif Path(model).expanduser().is_dir():
-        return False  # a local directory wins over a demo name (ModelConfig's order)
-    if model == demo_scripted.NAME:
-        model = demo_scripted.BODY
-    spec = DEMO_MODELS.get(model) or SMALL_VOCAB_MODELS.get(model)
-    return spec is not None and spec.compact_json
-
-
 def hf_config(spec: DemoModelSpec) -> dict:
     """Return the `config.json` contents of a demo model with sizes `spec`."""
     return {

@@ -17,6 +17,7 @@ import numpy as np
 
 from vllm.config import LoRAConfig
 from vllm.exceptions import InvalidRequestError
+from vllm.lora.request import check_lora_enabled
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams, check_numeric_fields
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -117,6 +118,11 @@ def check_stored_params(params: SamplingParams, vocab_size: int) -> None:
     column's dtype, more logprobs than the vocabulary, a stop id outside int64, or a
     constraint that is not a StructuredOutputsParams."""
     check_numeric_fields(params)
+    _check_stored_values(params, vocab_size)
+
+
+def _check_stored_values(params: SamplingParams, vocab_size: int) -> None:
+    """check_stored_params past the numeric fields' dtypes."""
     if params.logprobs is not None and not 0 <= params.logprobs <= vocab_size:
         raise InvalidRequestError(
             "logprobs", f"must be in [0, {vocab_size}], got {params.logprobs}"
@@ -131,16 +137,6 @@ def check_stored_params(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(
             "structured_outputs",
             f"must be StructuredOutputsParams, got {type(constraint).__name__}",
-        )
-
-
-def check_lora_enabled(lora_request: object, lora_config: LoRAConfig | None) -> None:
-    """Raises InvalidRequestError when a request names an adapter but LoRA is off (the
-    scheduler would otherwise wait forever for an adapter slot that does not exist)."""
-    if lora_request is not None and lora_config is None:
-        raise InvalidRequestError(
-            "lora_request", "LoRA adapters are not enabled; start the engine with "
-            "--enable-lora (LLM(enable_lora=True))"
         )
 
 
@@ -175,5 +171,7 @@ def check_engine_request(
     Raises InvalidRequestError naming the first offending input.
     """
     check_lora_enabled(lora_request, lora_config)
-    check_runner_inputs(prompt_token_ids, params, vocab_size, max_model_len)
-    params.verify()
+    params.verify()  # the numeric fields' dtypes and ranges
+    check_prompt(prompt_token_ids, vocab_size, max_model_len)
+    _check_stored_values(params, vocab_size)
+    check_token_ids(params, vocab_size)

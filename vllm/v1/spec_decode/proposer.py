@@ -40,7 +40,7 @@ def build_proposer(config: VllmConfig) -> Proposer | None:
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                              spec.num_speculative_tokens)
-    from vllm.model_executor.model_loader.demo_model import resolve_model_dir
+    from vllm.model_executor.model_loader.demos import resolve_model_dir
     from vllm.v1.spec_decode.draft_model_proposer import DraftModelProposer
 
     mc = config.model_config

@@ -146,8 +146,3 @@ def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     values = (moved.unsqueeze(-1) >> shifts).bitwise_and_(0xF)
     return values.flatten(-2).movedim(-1, dim)
-
-
-def group_index(size: int, group_size: int, device: torch.device) -> torch.Tensor:
-    """The quantization group of each of ``size`` consecutive columns."""
-    return torch.arange(size, device=device) // group_size
