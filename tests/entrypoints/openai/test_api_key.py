@@ -10,7 +10,8 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from vllm.entrypoints.openai.api_server import OPEN_PATHS, build_app
+from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.gate import OPEN_PATHS
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 
 KEY = "sk-route-key"

@@ -8,12 +8,7 @@ import pickle
 
 import pytest
 
-from vllm.entrypoints.openai.serving_engine import (
-    classify,
-    exception_error,
-    finish_error,
-    output_error,
-)
+from vllm.entrypoints.openai.errors import classify, exception_error, finish_error, output_error
 from vllm.exceptions import (
     EngineDeadError,
     ErrorKind,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from vllm.entrypoints.openai.serving_engine import sse_events
+from vllm.entrypoints.openai.streaming import sse_events
 from vllm.exceptions import EngineDeadError
 
 UGLY = ("\x1b[31mboom\x1b[0m\nTraceback (most recent call last):\n"

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import hmac
 import logging
+import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+import sys
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -17,27 +19,24 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from vllm import __version__
+from vllm.entrypoints.openai.cli_args import warn_no_effect_flags
 from vllm.entrypoints.openai.drain import DrainingServer
+from vllm.entrypoints.openai.errors import error_response, exception_error
+from vllm.entrypoints.openai.gate import APIKeyMiddleware, InFlightCounter, RequestGate
 from vllm.entrypoints.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    OpenAIBaseModel,
 )
 from vllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from vllm.entrypoints.openai.request_body import read_json_body
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import (
-    error_response,
-    exception_error,
-    json_response,
-    parse_request,
-    read_json_body,
-)
+from vllm.entrypoints.openai.serving_engine import json_response
 from vllm.entrypoints.openai.serving_models import (
     ALLOW_RUNTIME_LORA_UPDATING_ENV,
     OpenAIServingModels,
@@ -53,9 +52,10 @@ from vllm.exceptions import clean_message
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
-T = TypeVar("T", bound=OpenAIBaseModel)
+logger = logging.getLogger(__name__)
 
 # Seconds uvicorn waits for open responses once the drain ended them (they only have an
 # error event and [DONE] left to send).
@@ -98,75 +98,6 @@ class ServerOptions:
     allow_runtime_lora_updating: bool = False
 
 
-# The one route open without the API key: load balancers and orchestrators probe it, and it
-# tells nothing but whether the engine serves.
-OPEN_PATHS = frozenset({"/health"})
-
-
-class APIKeyMiddleware:
-    """Rejects every request without `Authorization: Bearer <api key>` (401), on every route
-    but /health: the API, /metrics, /version and unknown paths alike (so a client without the
-    key cannot even learn which routes exist)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Passes the request on when its path is open or it carries the key; else a 401."""
-        if scope["type"] == "http" and route_path(scope) not in OPEN_PATHS:
-            given = b""
-            for name, value in scope.get("headers", ()):
-                if name == b"authorization":
-                    given = value
-                    break
-            if not hmac.compare_digest(given, self._expected):
-                response = error_response(
-                    "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
-                    401,
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-# The routes that generate: the overload gate bounds these, and counts each from its first byte.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
-
-
-def route_path(scope: Scope) -> str:
-    """The request's path without the --root-path prefix (behind it, /api/health is
-    /health)."""
-    path = scope.get("path", "")
-    root = scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-class InFlightCounter:
-    """Counts the generation requests the server holds, from the moment their headers arrive
-    until their response has ended (or their client left), in `gate.in_flight`.
-
-    The engine counts a request only once it is admitted (after its body is read, its
-    constraint checked and its prompt tokenized), so under a burst every request would pass
-    an overload check made against the engine's count while that count is still 0.
-    """
-
-    def __init__(self, app: ASGIApp, gate: RequestGate) -> None:
-        self.app = app
-        self.gate = gate
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope.get("method") != "POST"
-                or route_path(scope) not in GENERATION_PATHS):
-            await self.app(scope, receive, send)
-            return
-        self.gate.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.gate.in_flight -= 1
-
-
 def build_app(
     engine: AsyncLLM,
     models: OpenAIServingModels,
@@ -205,72 +136,6 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
-
-
-class RequestGate:
-    """What every API request passes before its handler: the shutdown and overload checks
-    (requests that generate only) and parsing the body into its request model."""
-
-    def __init__(
-        self, engine: AsyncLLM, max_body_bytes: int, max_waiting_requests: int | None
-    ) -> None:
-        self.engine = engine
-        self.max_body_bytes = max_body_bytes
-        self.max_waiting_requests = max_waiting_requests
-        # Every message renders to at least one token, so more than the context cannot fit.
-        self.max_messages = engine.model_config.max_model_len
-        # Set by a graceful shutdown: new generation requests are refused from then on.
-        self.draining = False
-        # Generation requests the server holds, this one included (InFlightCounter).
-        self.in_flight = 0
-
-    def refusal(self) -> Response | None:
-        """A 503 with Retry-After while the server shuts down or when the waiting requests
-        reach --max-waiting-requests per engine; None when the request may proceed.
-
-        Waiting counts every generation request the server holds beyond what the engines
-        run at once, from its first byte: those still being read and checked as well as
-        those queued in the engines."""
-        if self.draining:
-            return _retry_later("The server is shutting down; retry on another server")
-        if self.max_waiting_requests is None:
-            return None
-        config = self.engine.vllm_config
-        engines = config.parallel_config.data_parallel_size
-        # Requests the engines run at once; admitted ones beyond it wait in their queues.
-        capacity = config.scheduler_config.max_num_seqs * engines
-        held = max(self.in_flight - 1, self.engine.num_unfinished_requests)
-        waiting = held - capacity
-        if waiting < self.max_waiting_requests * engines:
-            return None
-        return _retry_later(
-            f"The server is overloaded: {waiting} requests are waiting "
-            f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
-
-    async def handle(
-        self,
-        raw_request: Request,
-        model_cls: type[T] | Callable[[dict[str, Any]], type[T]],
-        handler: Callable[[T, Request], Awaitable[Response]],
-        generates: bool = True,
-    ) -> Response:
-        """`handler`'s response to the parsed body, or the 400/413 of one that does not parse
-        (or, for a request that generates, the 503 of an overloaded server, before the body is
-        read)."""
-        if generates and (refused := self.refusal()) is not None:
-            return refused
-        request = await parse_request(
-            raw_request, model_cls, self.max_body_bytes, self.max_messages
-        )
-        if isinstance(request, Response):
-            return request
-        return await handler(request, raw_request)
-
-
-def _retry_later(message: str) -> Response:
-    response = error_response(message, 503)
-    response.headers["Retry-After"] = "1"
-    return response
 
 
 def add_status_routes(
@@ -498,21 +363,152 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
         sock.close()
 
 
+def _sigterm_to_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Runs `vllm serve`; returns 0 after a clean shutdown, non-zero when startup fails."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        print(f"error: MODEL {args.model_tag!r} and --model {args.model!r} disagree",
+              file=sys.stderr)
+        return 2
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser", file=sys.stderr)
+        return 2
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.model = args.model_tag or args.model
+    try:
+        config = engine_args.create_engine_config()
+        models = _serving_models(config, args.lora_modules or [], args.lora_allowed_dir)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    options = ServerOptions(
+        args.host, args.port, args.api_key, args.uvicorn_log_level, args.max_request_body_bytes,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        root_path=args.root_path, max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout, send_timeout=args.send_timeout,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+    )
+    if options.max_waiting_requests is not None and options.max_waiting_requests < 0:
+        print("error: --max-waiting-requests: must be at least 0", file=sys.stderr)
+        return 2
+    if not options.shutdown_timeout >= 0:
+        print("error: --shutdown-timeout: must be at least 0 seconds", file=sys.stderr)
+        return 2
+    if not options.send_timeout >= 0:
+        print("error: --send-timeout: must be at least 0 seconds", file=sys.stderr)
+        return 2
+    if (options.ssl_keyfile is None) != (options.ssl_certfile is None):
+        print("error: --ssl-keyfile and --ssl-certfile go together", file=sys.stderr)
+        return 2
+    try:
+        sock = bind_socket(options.host, options.port)
+    except OSError as e:
+        print(f"error: cannot listen on {options.host or '0.0.0.0'}:{options.port}: {e}",
+              file=sys.stderr)
+        return 1
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+    )
+    warn_no_effect_flags(args)
+    # SIGTERM shuts down like Ctrl-C: engine process stopped, nothing left behind.
+    previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    try:
+        return _serve(args, config, models, sock, options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serving_models(config: VllmConfig, lora_modules: list[str],
+                    lora_allowed_dirs: list[str]) -> OpenAIServingModels:
+    """The served names: the model's, and each --lora-modules adapter (checked now, so a
+    bad one stops the server before it starts); and where runtime loads may read adapters
+    from. Raises ValueError naming the flag."""
+    from vllm.entrypoints.openai.serving_models import (
+        OpenAIServingModels,
+        lora_allowed_roots,
+        parse_lora_module,
+    )
+    from vllm.lora.validation import LoRAValidator
+    from vllm.model_executor.model_loader.default_model import (
+        DEFAULT_MODEL_ALIAS,
+        DEFAULT_MODEL_ID,
+    )
+
+    model_config = config.model_config
+    validator = LoRAValidator(config) if config.lora_config is not None else None
+    names = [model_config.served_model_name]
+    if model_config.model == DEFAULT_MODEL_ID and names[0] == DEFAULT_MODEL_ID:
+        names.append(DEFAULT_MODEL_ALIAS)  # requests may say "smollm2"
+    models = OpenAIServingModels(names, str(model_config.model_dir),
+                                 model_config.max_model_len, validator)
+    if lora_modules and validator is None:
+        raise ValueError("--lora-modules: needs --enable-lora")
+    if lora_allowed_dirs and validator is None:
+        raise ValueError("--lora-allowed-dir: needs --enable-lora")
+    modules = [parse_lora_module(text) for text in lora_modules]
+    for module in modules:
+        try:
+            models.load_lora_adapter(module.name, module.path, module.base_model_name)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {module.name}: {e}") from None
+    models.lora_allowed_roots = lora_allowed_roots([m.path for m in modules],
+                                                   lora_allowed_dirs)
+    return models
+
+
+def _serve(
+    args: argparse.Namespace,
+    config: VllmConfig,
+    models: OpenAIServingModels,
+    sock: socket.socket,
+    options: ServerOptions,
+) -> int:
+    model_config = config.model_config
+    name = model_config.served_model_name
+    try:
+        metrics = PrometheusMetrics(name, model_config.max_model_len)
+        engine = AsyncLLM(config, log_requests=not args.disable_log_requests, metrics=metrics)
+    except (ValueError, RuntimeError) as e:
+        sock.close()
+        print(f"error: the engine failed to start: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sock.close()
+        return 0
+    host, port = sock.getsockname()[:2]
+    print(
+        f"vLLM API server listening on {'https' if options.ssl_certfile else 'http'}://"
+        f"{host}:{port}{options.root_path} serving model '{name}' "
+        f"({model_config.model_dir}, max_model_len {model_config.max_model_len}, "
+        f"engine core pid {', '.join(map(str, engine.engine_core.pids))})",
+        flush=True,
+    )
+    try:
+        run_server(engine, models, metrics, sock, options)
+    except KeyboardInterrupt:
+        pass
+    print("vLLM API server shut down", flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m vllm.entrypoints.openai.api_server [--model M] [flags]`: the same server,
     flags, errors and exit statuses as `vllm serve M [flags]`.
 
     A malformed command line exits (SystemExit, status 2) with a one-line error.
     """
-    import sys
-
-    from vllm.entrypoints.cli.arg_parser import FlexibleArgumentParser, prepare_argv
-    from vllm.entrypoints.cli.serve import (
-        SERVE_DESCRIPTION,
-        SERVE_EPILOG,
-        add_serve_args,
-        run_serve,
-    )
+    from vllm.entrypoints.cli.arg_parser import prepare_argv
+    from vllm.entrypoints.openai.cli_args import SERVE_DESCRIPTION, SERVE_EPILOG, add_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(
         prog="python -m vllm.entrypoints.openai.api_server",

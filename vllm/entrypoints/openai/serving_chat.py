@@ -8,6 +8,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from vllm.entrypoints.openai.errors import finish_error
+from vllm.entrypoints.openai.logprobs import finite, prompt_logprobs_json, token_logprob
 from vllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -20,18 +22,10 @@ from vllm.entrypoints.openai.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from vllm.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    finish_error,
-    finite,
-    merge_streams,
-    prompt_logprobs_json,
-    sse,
-    token_logprob,
-    structured_outputs_params,
-    usage_info,
-)
+from vllm.entrypoints.openai.sampling import structured_outputs_params
+from vllm.entrypoints.openai.serving_engine import OpenAIServing, usage_info
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
+from vllm.entrypoints.openai.streaming import merge_streams, sse
 from vllm.entrypoints.openai.tools import (
     ToolCall,
     ToolCallStream,

@@ -8,6 +8,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from vllm.entrypoints.openai.errors import finish_error
+from vllm.entrypoints.openai.logprobs import finite, prompt_logprobs_json, token_logprob
 from vllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogProbs,
@@ -15,16 +17,8 @@ from vllm.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
-from vllm.entrypoints.openai.serving_engine import (
-    OpenAIServing,
-    finish_error,
-    finite,
-    merge_streams,
-    prompt_logprobs_json,
-    sse,
-    token_logprob,
-    usage_info,
-)
+from vllm.entrypoints.openai.serving_engine import OpenAIServing, usage_info
+from vllm.entrypoints.openai.streaming import merge_streams, sse
 from vllm.exceptions import InvalidRequestError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import SamplingParams

@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import PrivateAttr
 
+from vllm.entrypoints.openai.errors import exception_error, finish_error
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.protocol_responses import (
     ResponseObject,
@@ -29,17 +30,12 @@ from vllm.entrypoints.openai.protocol_responses import (
     ResponseUsage,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.serving_engine import (
-    exception_error,
-    finish_error,
-    merge_streams,
-    sse,
-)
+from vllm.entrypoints.openai.streaming import merge_streams, sse
 from vllm.entrypoints.openai.tools import ToolCall, ToolCallStream, parse_reply
 from vllm.exceptions import InvalidRequestError
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, OutputKind, RequestOutput
 from vllm.reasoning import ReasoningStream
-from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
 

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from vllm.entrypoints.openai.errors import error_response, exception_error
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -17,10 +18,9 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.serving_engine import error_response, exception_error, json_response
+from vllm.entrypoints.openai.serving_engine import json_response
 from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.exceptions import InvalidRequestError
-
 
 # The /tokenize text limit, in characters per token of max_model_len. A token of real text
 # spans 3 to 5 characters on average (prose, code), and even whitespace runs and long

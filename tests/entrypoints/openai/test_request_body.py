@@ -1,4 +1,4 @@
-"""Tests for vllm/entrypoints/openai/serving_engine.py: request bodies are decoded and
+"""Tests for vllm/entrypoints/openai/request_body.py: request bodies are decoded and
 validated on the event loop when small and in a worker thread when large, with the same
 answers either way."""
 
@@ -13,13 +13,9 @@ import pytest
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
-from vllm.entrypoints.openai import serving_engine
+from vllm.entrypoints.openai import request_body
 from vllm.entrypoints.openai.protocol import DetokenizeRequest
-from vllm.entrypoints.openai.serving_engine import (
-    OFF_LOOP_PARSE_BYTES,
-    parse_request,
-    read_json_body,
-)
+from vllm.entrypoints.openai.request_body import OFF_LOOP_PARSE_BYTES, parse_request, read_json_body
 
 
 def _request(body: bytes) -> Request:
@@ -46,13 +42,13 @@ def _body(num_tokens: int) -> bytes:
 def decode_threads(monkeypatch) -> list[int]:
     """The thread each body decode ran on, in order."""
     threads: list[int] = []
-    decode = serving_engine.decode_json_body
+    decode = request_body.decode_json_body
 
     def recording(body: bytes) -> Any:
         threads.append(threading.get_ident())
         return decode(body)
 
-    monkeypatch.setattr(serving_engine, "decode_json_body", recording)
+    monkeypatch.setattr(request_body, "decode_json_body", recording)
     return threads
 
 
