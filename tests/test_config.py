@@ -48,10 +48,12 @@ def test_explicit_backends() -> None:
 
 def test_an_executor_class_may_be_passed_as_the_backend() -> None:
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+    from vllm.v1.executor.registry import resolve
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     pc = ParallelConfig(tensor_parallel_size=2, distributed_executor_backend=MultiprocExecutor)
-    assert pc.executor_class() is MultiprocExecutor
+    assert pc.executor_facts() == (None, False)
+    assert resolve(pc.distributed_executor_backend) is MultiprocExecutor
     with pytest.raises(ValueError, match=r"--distributed-executor-backend UniProcExecutor: "
                                          r"runs a single worker .* needs 2 ranks"):
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend=UniProcExecutor)
@@ -69,8 +71,9 @@ def test_every_registered_backend_is_a_flag_choice_and_an_executor() -> None:
     assert sorted(field.metadata["choices"]) == sorted(executor_names())
     for name in executor_names():
         assert name in field.metadata["help"]
-        assert ParallelConfig(distributed_executor_backend=name).executor_class() is (
-            resolve(name))
+        cls = resolve(ParallelConfig(distributed_executor_backend=name).distributed_executor_backend)
+        assert ParallelConfig(distributed_executor_backend=name).executor_facts() == (
+            cls.max_world_size, cls.remote_devices)
 
 
 @pytest.mark.parametrize("field, value", [

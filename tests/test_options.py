@@ -14,6 +14,7 @@ def test_config_and_request_parameters_load_nothing_of_v1() -> None:
     code = (
         "import sys\n"
         "from vllm.config import ParallelConfig, StructuredOutputsConfig\n"
+        "ParallelConfig(tensor_parallel_size=2, distributed_executor_backend='ray')\n"
         "from vllm.sampling_params import SamplingParams, StructuredOutputsParams\n"
         "StructuredOutputsConfig(backend='guidance', fast_forward='exact')\n"
         "StructuredOutputsParams(json={}, backend='llguidance', fast_forward=True)\n"
@@ -29,3 +30,17 @@ def test_executor_help_lists_every_name_once() -> None:
     for name in options.executor_names():
         assert text.count(f"{name} (") == 1
     assert text.count(" or ") == 1
+
+
+def test_every_executor_class_agrees_with_its_entry() -> None:
+    """The configuration checks a layout against the table without importing executors; the
+    classes (which executors passed as a class are checked by) must say the same."""
+    from vllm.v1.executor.registry import resolve
+
+    for name, entry in options.EXECUTORS.items():
+        try:
+            cls = resolve(name)
+        except ImportError:  # ray is an optional extra
+            continue
+        assert (cls.max_world_size, cls.remote_devices) == (
+            entry.max_world_size, entry.remote_devices), name

@@ -8,16 +8,13 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
+from vllm.options import check_executor_name, grammar_server_choices, parse_fast_forward
 from vllm.reasoning import PARSERS
-from vllm.options import grammar_server_choices, parse_fast_forward
-
-if TYPE_CHECKING:
-    from vllm.v1.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -299,9 +296,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    # A name from vllm.v1.executor.registry ("uni", "mp", "ray") or an Executor subclass;
+    # A name from EXECUTORS in vllm/options.py ("uni", "mp", "ray") or an Executor subclass;
     # None picks mp for more than one rank, else uni.
-    distributed_executor_backend: str | type[Executor] | None = None
+    distributed_executor_backend: str | type | None = None
     # Ray only: "pack" puts the ranks on as few nodes as possible, "spread" on as many.
     ray_placement: str = "pack"
     # Engine cores behind one API server, each with world_size ranks of its own.
@@ -328,12 +325,11 @@ class ParallelConfig:
         self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "mp" if self.world_size > 1 else "uni"
-        executor = self.executor_class()  # an unknown name or class fails here
+        limit, _ = self.executor_facts()  # an unknown name or class fails here
         if self.ray_placement not in ("pack", "spread"):
             raise ValueError(
                 f"--ray-placement: must be 'pack' or 'spread', got {self.ray_placement!r}"
             )
-        limit = executor.max_world_size
         if limit is not None and self.world_size > limit:
             runs = "a single worker in the engine process" if limit == 1 else f"{limit} ranks"
             raise ValueError(
@@ -342,15 +338,23 @@ class ParallelConfig:
                 "world size is above 1)"
             )
 
-    def executor_class(self) -> type[Executor]:
-        """The Executor class named (or given) by `distributed_executor_backend`.
+    def executor_facts(self) -> tuple[int | None, bool]:
+        """(max_world_size, remote_devices) of the executor `distributed_executor_backend`
+        names (from vllm/options.py, nothing imported) or is.
 
-        Raises ValueError naming the flag for an unknown name or a class that is not an
-        Executor.
+        Raises ValueError naming the flag for an unknown name or an object that is not an
+        executor class (a class without `dispatch`; engine start checks it subclasses
+        Executor).
         """
-        from vllm.v1.executor.registry import resolve
-
-        return resolve(self.distributed_executor_backend)
+        backend = self.distributed_executor_backend
+        if isinstance(backend, str):
+            entry = check_executor_name(backend)
+            return entry.max_world_size, entry.remote_devices
+        if not isinstance(backend, type) or not callable(getattr(backend, "dispatch", None)):
+            name = getattr(backend, "__qualname__", type(backend).__qualname__)
+            raise ValueError(
+                f"--distributed-executor-backend: a class must subclass Executor, got {name}")
+        return backend.max_world_size, backend.remote_devices
 
     def backend_name(self) -> str:
         """`distributed_executor_backend` as a flag value: its name, or a given class's name."""
@@ -408,7 +412,7 @@ class ParallelConfig:
         gets at least one thread.
         """
         ranks = self.world_size * self.data_parallel_size
-        if ranks == 1 or self.executor_class().remote_devices:
+        if ranks == 1 or self.executor_facts()[1]:
             return  # the executor places the ranks on a cluster's devices, not this machine's
         if device.type == "cuda":
             count = torch.cuda.device_count()

@@ -9,7 +9,7 @@ executor/registry.py), so reading a name never loads a backend's library.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.exceptions import InvalidRequestError
 
@@ -50,13 +50,29 @@ def grammar_request_names() -> dict[str, str]:
 
 # ----------------------------------------------------------------------- executors
 
-# Name -> ("module:Class", what it runs, for --help). A new executor adds one line here.
-EXECUTORS: dict[str, tuple[str, str]] = {
-    "uni": ("vllm.v1.executor.uniproc_executor:UniProcExecutor",
-            "one worker in the engine process"),
-    "mp": ("vllm.v1.executor.multiproc_executor:MultiprocExecutor", "one process per rank"),
-    "ray": ("vllm.v1.executor.ray_executor:RayExecutor",
-            "one Ray actor per rank, across a Ray cluster: pip install -e '.[ray]'"),
+class ExecutorEntry(NamedTuple):
+    """An executor as the configuration knows it, without importing it (its class carries
+    the same two facts as class attributes, for executors passed as a class)."""
+
+    # "module:Class".
+    path: str
+    # What it runs, for --help.
+    help: str
+    # The most ranks it can run (None: any number); a larger layout is a configuration error.
+    max_world_size: int | None = None
+    # True when the ranks run on a cluster's devices, which the executor places itself.
+    remote_devices: bool = False
+
+
+# A new executor adds one line here.
+EXECUTORS: dict[str, ExecutorEntry] = {
+    "uni": ExecutorEntry("vllm.v1.executor.uniproc_executor:UniProcExecutor",
+                         "one worker in the engine process", max_world_size=1),
+    "mp": ExecutorEntry("vllm.v1.executor.multiproc_executor:MultiprocExecutor",
+                        "one process per rank"),
+    "ray": ExecutorEntry("vllm.v1.executor.ray_executor:RayExecutor",
+                         "one Ray actor per rank, across a Ray cluster: pip install -e '.[ray]'",
+                         remote_devices=True),
 }
 
 
@@ -67,8 +83,17 @@ def executor_names() -> tuple[str, ...]:
 
 def describe_executors() -> str:
     """The executors for --help: "uni (...), mp (...) or ray (...)"."""
-    parts = [f"{name} ({what})" for name, (_, what) in EXECUTORS.items()]
+    parts = [f"{name} ({entry.help})" for name, entry in EXECUTORS.items()]
     return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else parts[0]
+
+
+def check_executor_name(name: str) -> ExecutorEntry:
+    """The entry of executor `name`. Raises ValueError naming the flag for an unknown one."""
+    if name not in EXECUTORS:
+        names = executor_names()
+        allowed = ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
+        raise ValueError(f"--distributed-executor-backend: must be {allowed}, got {name!r}")
+    return EXECUTORS[name]
 
 
 # -------------------------------------------------------------- fast-forward modes

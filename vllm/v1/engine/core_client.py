@@ -306,7 +306,7 @@ def _scoped_devices(vllm_config: VllmConfig, engine_index: int) -> Iterator[None
     GPUs (the next world_size of those visible) while it starts."""
     pc = vllm_config.parallel_config
     if (pc.data_parallel_size == 1 or vllm_config.model_config.device.type != "cuda"
-            or pc.executor_class().remote_devices):
+            or pc.executor_facts()[1]):
         yield
         return
     import torch

@@ -33,8 +33,11 @@ class Executor(ABC):
 
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type[Executor]:
-        """The executor class named (or given) by --distributed-executor-backend."""
-        return vllm_config.parallel_config.executor_class()
+        """The executor class named (or given) by --distributed-executor-backend. Raises
+        ValueError naming the flag for a class that does not subclass Executor."""
+        from vllm.v1.executor.registry import resolve  # it imports this module
+
+        return resolve(vllm_config.parallel_config.distributed_executor_backend)
 
     @property
     def max_concurrent_batches(self) -> int:

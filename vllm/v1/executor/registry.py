@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from vllm.options import EXECUTORS, executor_names
+from vllm.options import check_executor_name
 
 if TYPE_CHECKING:
     from vllm.v1.executor.abstract import Executor
@@ -31,9 +31,5 @@ def resolve(backend: str | type) -> type[Executor]:
                 f"{backend.__qualname__}"
             )
         return backend
-    if backend not in EXECUTORS:
-        names = executor_names()
-        allowed = ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
-        raise ValueError(f"--distributed-executor-backend: must be {allowed}, got {backend!r}")
-    module, _, name = EXECUTORS[backend][0].partition(":")
+    module, _, name = check_executor_name(backend).path.partition(":")
     return getattr(importlib.import_module(module), name)
