@@ -1,4 +1,4 @@
-"""Tests for vllm/config.py's ParallelConfig: the derived world size and executor, the layout
+"""Tests for vllm/config/parallel.py's ParallelConfig: the derived world size and executor, the layout
 checks against the model and the machine, and the refusal of world sizes above 1 in
 VllmConfig while the model code cannot run sharded."""
 

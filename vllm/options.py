@@ -1,7 +1,7 @@
 """The names the engine's options accept: grammar backends, executors and fast-forward modes.
 
 The bottom layer (docs/architecture.md section 3): it imports nothing of the engine but its
-exception types, so `config.py`, `sampling_params.py` and the argument parser check option
+exception types, so `config/`, `sampling_params.py` and the argument parser check option
 values here without reaching up into `v1/`. The classes behind the names are import paths
 here and are imported only by the registries in `v1/` (structured_output/backends/registry.py,
 executor/registry.py), so reading a name never loads a backend's library.
