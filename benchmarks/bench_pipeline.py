@@ -39,20 +39,18 @@ from typing import Any
 from vllm.benchmarks.sweep import (
     BENCH_COMMAND,
     PIPELINE_PRESETS,
-    Cell,
     Preset,
-    Server,
     ServedModel,
+    Server,
     add_run_flags,
     bench_argv,
     cell_from_record,
-    first_and_last_line,
     free_port,
     parse_ratios,
     prepare_model,
-    ratio_label,
     serve_command,
 )
+from vllm.benchmarks.sweep_results import Cell, first_and_last_line, ratio_label
 
 # Each configuration is a sweep configuration (scheduler and executor backend) plus the flags
 # that set its parallelism.

@@ -18,15 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from vllm.benchmarks.sweep import (
-    CONFIGS,
-    PRESETS,
-    RATIOS,
-    add_run_flags,
-    format_tables,
-    parse_ratios,
-    run_sweep,
-)
+from vllm.benchmarks.sweep import CONFIGS, PRESETS, RATIOS, add_run_flags, parse_ratios, run_sweep
+from vllm.benchmarks.sweep_results import format_tables
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -12,7 +12,8 @@ import pytest
 
 from tests.benchmarks.scripts import load_script
 from vllm.benchmarks import structured_output, sweep
-from vllm.benchmarks.sweep import Cell, ServedModel
+from vllm.benchmarks.sweep import ServedModel
+from vllm.benchmarks.sweep_results import Cell
 
 bp = load_script("bench_pipeline")
 

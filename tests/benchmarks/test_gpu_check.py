@@ -15,7 +15,8 @@ import pytest
 import vllm.benchmarks.serve as serve
 import vllm.benchmarks.sweep as sweep
 from tests.benchmarks.scripts import REPO, load_script
-from vllm.benchmarks.sweep import PRESETS, Cell, ServedModel, SweepResult
+from vllm.benchmarks.sweep import PRESETS, ServedModel
+from vllm.benchmarks.sweep_results import Cell, SweepResult, ratio_label
 
 gpu_check_table = load_script("gpu_check_table")
 
@@ -87,7 +88,7 @@ def test_a_sweep_stopped_midway_keeps_the_configurations_it_ran(
         if config == "async/uni":
             raise Stopped
         for ratio in ratios:
-            result.add(config, sweep.ratio_label(ratio), _cell(5.0))
+            result.add(config, ratio_label(ratio), _cell(5.0))
 
     monkeypatch.setattr(sweep, "_run_config", run_config)
     monkeypatch.setattr(sweep, "prepare_model", lambda preset, workdir: ServedModel("m", "m", "t"))

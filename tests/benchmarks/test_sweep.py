@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm.benchmarks import structured_output, sweep
-from vllm.benchmarks.sweep import Cell, ServedModel, SweepResult
+from vllm.benchmarks import structured_output, sweep, sweep_results
+from vllm.benchmarks.sweep import ServedModel
+from vllm.benchmarks.sweep_results import Cell, SweepResult
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ def result() -> SweepResult:
 
 
 def test_headlines(result: SweepResult) -> None:
-    h = sweep.headlines(result)
+    h = sweep_results.headlines(result)
     assert h["async_speedup_at_0"] == pytest.approx(1.4)
     assert h["best_config"] == "async/uni"  # highest mean over the ratios
     assert h["structured_retention_best"] == pytest.approx(0.9)
@@ -48,15 +49,15 @@ def test_headlines(result: SweepResult) -> None:
 
 def test_headlines_with_missing_cells() -> None:
     r = SweepResult("p", [0.0])
-    assert sweep.headlines(r)["async_speedup_at_0"] is None
+    assert sweep_results.headlines(r)["async_speedup_at_0"] is None
     r.cells = {"async/mp": {"0.0": cell(5)}}
-    h = sweep.headlines(r)
+    h = sweep_results.headlines(r)
     assert h["async_speedup_at_0"] is None and h["best_config"] == "async/mp"
     assert h["structured_retention_best"] is None
 
 
 def test_tables(result: SweepResult) -> None:
-    text = sweep.format_tables(result)
+    text = sweep_results.format_tables(result)
     assert "| config | 0.0 | 0.2 | 0.8 | 1.0 |" in text
     assert "| async/uni | 14.00 | 13.00 | 12.00 | 12.60 |" in text
     assert "| sync/uni | 1000.0 | 0.0 | 0.0 | 600.0 |" in text
@@ -70,7 +71,7 @@ def test_tables(result: SweepResult) -> None:
 def test_chart(result: SweepResult, tmp_path: Path) -> None:
     from matplotlib.image import imread
 
-    path = sweep.write_chart(result, tmp_path / "s.png")
+    path = sweep_results.write_chart(result, tmp_path / "s.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert imread(path).shape[:2] == (540, 960)
 
@@ -206,7 +207,7 @@ def test_cell_from_record() -> None:
 
 def test_failed_configurations_are_listed(result: SweepResult) -> None:
     result.errors["async/mp"] = "server exited with 1:\nboom"
-    text = sweep.format_tables(result)
+    text = sweep_results.format_tables(result)
     assert "Failed configurations:\n  async/mp: server exited with 1: ... boom" in text
 
 
@@ -222,18 +223,18 @@ def test_repeats_give_medians_ranges_and_noise_verdicts() -> None:
     assert r.cells["sync/uni"]["0.0"].output_throughput == 110.0
     assert r.cells["async/uni"]["0.0"].request_throughput == 12.5
     assert r.spread("sync/uni", "0.0") == (10.0, 12.0) and r.spread("x", "0.0") is None
-    assert sweep.within_noise(r, "async/uni", "sync/uni", "0.0") is True
-    assert sweep.within_noise(r, "async/mp", "sync/uni", "0.0") is False
-    assert sweep.within_noise(r, "async/mp", "sync/uni", "1.0") is None
-    h = sweep.headlines(r)
+    assert sweep_results.within_noise(r, "async/uni", "sync/uni", "0.0") is True
+    assert sweep_results.within_noise(r, "async/mp", "sync/uni", "0.0") is False
+    assert sweep_results.within_noise(r, "async/mp", "sync/uni", "1.0") is None
+    h = sweep_results.headlines(r)
     assert h["async_speedup_at_0"] == pytest.approx(12.5 / 11.0)
     assert h["async_speedup_at_0_within_noise"] is True
-    lines = sweep.comparisons(r)
+    lines = sweep_results.comparisons(r)
     assert lines == [
         "  async/uni ÷ sync/uni at 0.0: 1.14× (range 0.96–1.30), within noise",
         "  async/mp ÷ sync/uni at 0.0: 1.27× (range 1.08–1.50), faster",
     ]
-    text = sweep.format_tables(r)
+    text = sweep_results.format_tables(r)
     assert "median (min–max) of 3 interleaved repeats" in text
     assert "| sync/uni | 11.00 (10.00–12.00) | - |" in text
     assert "(within noise)" in text and "\n".join(lines) in text
@@ -241,6 +242,6 @@ def test_repeats_give_medians_ranges_and_noise_verdicts() -> None:
 
 def test_median_cell_needs_samples() -> None:
     with pytest.raises(ValueError, match="no samples"):
-        sweep.median_cell([])
-    two = sweep.median_cell([cell(1.0), Cell(3.0, 0.0, 1.0, 1.0, 1.0, None, 2)])
+        sweep_results.median_cell([])
+    two = sweep_results.median_cell([cell(1.0), Cell(3.0, 0.0, 1.0, 1.0, 1.0, None, 2)])
     assert two.request_throughput == 2.0 and two.failed == 2 and two.correct_rate == 1.0
