@@ -66,7 +66,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,11 +90,17 @@ from vllm.v1.structured_output.backends.base import (
     tokenizer_vocab,
     whitespace_limit,
 )
+from vllm.v1.structured_output.backends.guidance_checks import (
+    check_lark,
+    clean_error,
+    compile_error,
+    first_line,
+    refuse_escape_blind_patterns,
+    refuse_fractions,
+)
 from vllm.v1.structured_output.backends.structural_tag_lark import LarkWriter, parse_structural_tag
-from vllm.v1.structured_output.schema.facts import drop_fraction_branches
 from vllm.v1.structured_output.schema.for_xgrammar import GUIDANCE_FORMATS, XGRAMMAR_FORMATS
 from vllm.v1.structured_output.schema.grammar_checks import check_grammar_text
-from vllm.v1.structured_output.schema.guidance_patterns import find_escape_blind_pattern
 from vllm.v1.structured_output.schema.lengths import spell_formats
 from vllm.v1.structured_output.schema.normalize import (
     normalize_json_schema,
@@ -108,26 +113,6 @@ logger = logging.getLogger(__name__)
 # backend: waking helper threads costs more than it saves for small batches).
 _PARALLEL_FILL_MIN = 64
 
-_MAX_MESSAGE = 500
-
-# JSON's whitespace characters: a whitespace pattern may match nothing else.
-
-# llguidance error messages that mean "well formed, but this backend cannot enforce it".
-_UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
-_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
-_UNSUPPORTED_PHRASES = (
-    "not supported",
-    "unsupported",
-    "only supported",
-    "not implemented",
-)
-# "1(6): ..." / "at 1(8): ...": line and column of a Lark or regex error.
-_POSITION = re.compile(r"^(?:at )?(\d+)\((\d+)\):\s*")
-
-# Lark features of llguidance that break the engine's guarantees (see _check_lark).
-_RULE_ATTRIBUTES = re.compile(r"\[[^\]\n]*\b(stop|max_tokens)\s*=")
-_LLGUIDANCE_OPTIONS = re.compile(r"%llguidance\s*\{\s*[^}\s]")
-
 
 def choice_to_lark(choices: Sequence[str]) -> str:
     """Returns a Lark grammar whose language is exactly the strings in `choices`."""
@@ -136,130 +121,8 @@ def choice_to_lark(choices: Sequence[str]) -> str:
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _first_line(text: str) -> str:
-    return text.strip().split("\n", 1)[0].strip()
-
-
-def _clean_error(message: str) -> str:
-    """llguidance's messages carry positions, source excerpts and state dumps; users need
-    the cause."""
-    message = message.split("<state>", 1)[0].strip()
-    if "regex parse error" in message:
-        lines = [line.strip() for line in message.split("\n")]
-        after = lines[lines.index(next(l for l in lines if "regex parse error" in l)) + 1:]
-        regex = after[0] if after else ""
-        cause = next((l[len("error:"):].strip() for l in lines if l.startswith("error:")), "")
-        message = f"regex {regex!r}: {cause}" if cause else _first_line(message)
-    else:
-        message = _first_line(message)
-        position = _POSITION.match(message)
-        if position:
-            line, column = position.groups()
-            message = f"line {line}, column {column}: {message[position.end():]}"
-    return message[:_MAX_MESSAGE] or "compile error"
-
-
-def _is_unsupported(message: str) -> bool:
-    lowered = message.lower()
-    return any(phrase in lowered for phrase in _UNSUPPORTED_PHRASES) or bool(
-        _UNIMPLEMENTED_KEYS.search(message) or _UNKNOWN_FORMAT.search(message)
-    )
-
-
-def _compile_error(kind: str, message: str) -> GrammarCompileError:
-    """Maps one llguidance error message to the exception the client gets."""
-    param = f"structured_outputs.{kind}"
-    keys = _UNIMPLEMENTED_KEYS.search(message)
-    if keys:
-        names = [repr(k.strip().strip('"')) for k in keys.group(1).split(",")]
-        noun = "keyword" if len(names) == 1 else "keywords"
-        return UnsupportedConstraintError(
-            param,
-            f"schema {noun} {', '.join(names)} cannot be enforced (unsupported by llguidance)",
-        )
-    fmt = _UNKNOWN_FORMAT.search(message)
-    if fmt:
-        return UnsupportedConstraintError(
-            param, f"string format {fmt.group(1)!r} (unsupported by llguidance)"
-        )
-    if "oneOf constraints are not supported" in message:
-        return UnsupportedConstraintError(
-            param,
-            "'oneOf' whose branches may overlap (unsupported by llguidance; "
-            "one_of_as_any_of enforces it as anyOf)",
-        )
-    cleaned = _clean_error(message)
-    if _is_unsupported(message):
-        return UnsupportedConstraintError(param, f"{cleaned} (unsupported by llguidance)")
-    return GrammarCompileError(param, cleaned)
-
-
-def _refuse_escape_blind_patterns(schema: dict[str, Any], param: str) -> None:
-    """Raises UnsupportedConstraintError for a pattern llguidance would not enforce exactly
-    (guidance_patterns.py), naming where it is."""
-    where = find_escape_blind_pattern(schema)
-    if where is not None:
-        raise UnsupportedConstraintError(
-            param, f"the pattern at {where} negates a class holding '\"' or a backslash, "
-            "which llguidance does not enforce on escaped characters")
-
-
 # Formats llguidance does not know; those with a class of valid characters become a pattern.
 _MISSING_FORMATS = XGRAMMAR_FORMATS - GUIDANCE_FORMATS
-
-
-def _refuse_fractions(schema: Any, param: str) -> None:
-    """Drops `anyOf` branches of numbers that are not integers where another branch remains
-    (narrower); raises UnsupportedConstraintError naming the place of one that stays."""
-    where = drop_fraction_branches(schema)
-    if where is not None:
-        raise UnsupportedConstraintError(
-            param, f"at {where}: a number that is not an integer (a 'oneOf' of 'integer' and "
-            "'number', or 'not' of 'integer') has no llguidance schema")
-
-
-def _skip_literals(text: str) -> str:
-    """Returns Lark `text` without comments and string/regex literals (replaced by spaces),
-    so that feature checks do not match inside them."""
-    out: list[str] = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            end = text.find("\n", i)
-            i = n if end < 0 else end
-            continue
-        if c in "\"/":
-            j = i + 1
-            while j < n and text[j] != c and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            out.append(" ")
-            i = j + 1
-            continue
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _check_lark(text: str) -> None:
-    """Refuses llguidance-only Lark features that would break the engine's guarantees."""
-    code = _skip_literals(text)
-    param = "structured_outputs.grammar"
-    if "<[" in code:
-        raise UnsupportedConstraintError(
-            param, "token-id references <[...]> (unsupported by llguidance in this engine)"
-        )
-    if _LLGUIDANCE_OPTIONS.search(code):
-        raise UnsupportedConstraintError(
-            param, "%llguidance options (unsupported by llguidance in this engine)"
-        )
-    attribute = _RULE_ATTRIBUTES.search(code)
-    if attribute:
-        raise UnsupportedConstraintError(
-            param,
-            f"rule attribute {attribute.group(1)}= (unsupported by llguidance in this engine: "
-            "it prevents rollback)",
-        )
 
 
 class _Vocab:
@@ -418,7 +281,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
             if not self.matcher.rollback(num_tokens):
                 raise RuntimeError(
                     f"llguidance could not roll back {num_tokens} tokens: "
-                    f"{_first_line(self.matcher.get_error())[:200]}"
+                    f"{first_line(self.matcher.get_error())[:200]}"
                 )
             self._consumed -= num_tokens
 
@@ -519,10 +382,10 @@ class GuidanceBackend(StructuredOutputBackend):
                 # understand all of it, so another backend may still compile it.
                 raise UnsupportedConstraintError(
                     "structured_outputs.grammar",
-                    f"{_clean_error(matcher.get_error())[:300]} "
+                    f"{clean_error(matcher.get_error())[:300]} "
                     "(llguidance could not compile this EBNF)",
                 )
-            raise _compile_error(kind, matcher.get_error())
+            raise compile_error(kind, matcher.get_error())
         grammar = GuidanceGrammar(matcher, self.vocab)
         check_first_step(grammar, self.vocab.words, self.vocab.stop_words,
                          self.vocab.stop_bits, kind)
@@ -539,7 +402,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 )
                 spell_out_min_properties(schema)
                 spell_formats(schema, _MISSING_FORMATS)
-                _refuse_fractions(schema, "structured_outputs.json")
+                refuse_fractions(schema, "structured_outputs.json")
             else:
                 # OpenAI's json_object means an object, never a top-level array or scalar.
                 schema = {"type": "object"}
@@ -556,14 +419,14 @@ class GuidanceBackend(StructuredOutputBackend):
             # Rules that can never finish (`start: start "a"`) would compile and get stuck.
             check_grammar_text(params.grammar)
             if "::=" not in params.grammar:
-                _check_lark(params.grammar)
+                check_lark(params.grammar)
                 return llg.LLMatcher.grammar_from_lark(params.grammar)
             try:
                 lark = gbnf_to_lark(params.grammar)
             except Exception as e:  # the converter raises bare Exception for some errors
                 raise UnsupportedConstraintError(
                     "structured_outputs.grammar",
-                    f"{_first_line(str(e))[:300]} (llguidance could not convert this EBNF)",
+                    f"{first_line(str(e))[:300]} (llguidance could not convert this EBNF)",
                 ) from e
             return llg.LLMatcher.grammar_from_lark(lark)
         if kind == "structural_tag":
@@ -586,7 +449,7 @@ class GuidanceBackend(StructuredOutputBackend):
         )
         spell_out_min_properties(schema)
         spell_formats(schema, _MISSING_FORMATS)
-        _refuse_fractions(schema, "structured_outputs.structural_tag")
+        refuse_fractions(schema, "structured_outputs.structural_tag")
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):
@@ -594,7 +457,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 "structured_outputs.structural_tag", "a tag's schema accepts no value"
             )
         schema = {k: v for k, v in schema.items() if k != "x-guidance"}
-        _refuse_escape_blind_patterns(schema, "structured_outputs.structural_tag")
+        refuse_escape_blind_patterns(schema, "structured_outputs.structural_tag")
         schema["x-guidance"] = self._json_options(params)
         return "%json " + json.dumps(schema, ensure_ascii=False)
 
@@ -611,12 +474,12 @@ class GuidanceBackend(StructuredOutputBackend):
         # llguidance reads options from a top-level "x-guidance" key; a request must not be
         # able to loosen enforcement (lenient) or change the separators.
         schema = {k: v for k, v in schema.items() if k != "x-guidance"}
-        _refuse_escape_blind_patterns(schema, param)
+        refuse_escape_blind_patterns(schema, param)
         options = self._json_options(params)  # its InvalidRequestError names its own field
         try:
             return llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except (ValueError, TypeError) as e:
-            raise GrammarCompileError(param, _clean_error(str(e))) from e
+            raise GrammarCompileError(param, clean_error(str(e))) from e
 
     def _json_options(self, params: StructuredOutputsParams) -> dict[str, Any]:
         """llguidance's JSON options (separators, whitespace) for a request."""

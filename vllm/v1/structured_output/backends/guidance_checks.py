@@ -1,0 +1,152 @@
+"""What the llguidance backend refuses before compiling (Lark features that break the
+engine's guarantees, patterns and numbers it would not enforce exactly) and how its compile
+errors read: llguidance's messages mapped to the error the client gets, naming the field."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
+from vllm.v1.structured_output.schema.facts import drop_fraction_branches
+from vllm.v1.structured_output.schema.guidance_patterns import find_escape_blind_pattern
+
+# The longest error message a client gets.
+_MAX_MESSAGE = 500
+# llguidance error messages that mean "well formed, but this backend cannot enforce it".
+_UNIMPLEMENTED_KEYS = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+_UNSUPPORTED_PHRASES = (
+    "not supported",
+    "unsupported",
+    "only supported",
+    "not implemented",
+)
+# "1(6): ..." / "at 1(8): ...": line and column of a Lark or regex error.
+_POSITION = re.compile(r"^(?:at )?(\d+)\((\d+)\):\s*")
+# Lark features of llguidance that break the engine's guarantees (see check_lark).
+_RULE_ATTRIBUTES = re.compile(r"\[[^\]\n]*\b(stop|max_tokens)\s*=")
+_LLGUIDANCE_OPTIONS = re.compile(r"%llguidance\s*\{\s*[^}\s]")
+
+
+def first_line(text: str) -> str:
+    """The first non-blank line of an error message."""
+    return text.strip().split("\n", 1)[0].strip()
+
+
+def clean_error(message: str) -> str:
+    """llguidance's messages carry positions, source excerpts and state dumps; users need
+    the cause."""
+    message = message.split("<state>", 1)[0].strip()
+    if "regex parse error" in message:
+        lines = [line.strip() for line in message.split("\n")]
+        after = lines[lines.index(next(l for l in lines if "regex parse error" in l)) + 1:]
+        regex = after[0] if after else ""
+        cause = next((l[len("error:"):].strip() for l in lines if l.startswith("error:")), "")
+        message = f"regex {regex!r}: {cause}" if cause else first_line(message)
+    else:
+        message = first_line(message)
+        position = _POSITION.match(message)
+        if position:
+            line, column = position.groups()
+            message = f"line {line}, column {column}: {message[position.end():]}"
+    return message[:_MAX_MESSAGE] or "compile error"
+
+
+def _is_unsupported(message: str) -> bool:
+    lowered = message.lower()
+    return any(phrase in lowered for phrase in _UNSUPPORTED_PHRASES) or bool(
+        _UNIMPLEMENTED_KEYS.search(message) or _UNKNOWN_FORMAT.search(message)
+    )
+
+
+def compile_error(kind: str, message: str) -> GrammarCompileError:
+    """Maps one llguidance error message to the exception the client gets."""
+    param = f"structured_outputs.{kind}"
+    keys = _UNIMPLEMENTED_KEYS.search(message)
+    if keys:
+        names = [repr(k.strip().strip('"')) for k in keys.group(1).split(",")]
+        noun = "keyword" if len(names) == 1 else "keywords"
+        return UnsupportedConstraintError(
+            param,
+            f"schema {noun} {', '.join(names)} cannot be enforced (unsupported by llguidance)",
+        )
+    fmt = _UNKNOWN_FORMAT.search(message)
+    if fmt:
+        return UnsupportedConstraintError(
+            param, f"string format {fmt.group(1)!r} (unsupported by llguidance)"
+        )
+    if "oneOf constraints are not supported" in message:
+        return UnsupportedConstraintError(
+            param,
+            "'oneOf' whose branches may overlap (unsupported by llguidance; "
+            "one_of_as_any_of enforces it as anyOf)",
+        )
+    cleaned = clean_error(message)
+    if _is_unsupported(message):
+        return UnsupportedConstraintError(param, f"{cleaned} (unsupported by llguidance)")
+    return GrammarCompileError(param, cleaned)
+
+
+def refuse_escape_blind_patterns(schema: dict[str, Any], param: str) -> None:
+    """Raises UnsupportedConstraintError for a pattern llguidance would not enforce exactly
+    (guidance_patterns.py), naming where it is."""
+    where = find_escape_blind_pattern(schema)
+    if where is not None:
+        raise UnsupportedConstraintError(
+            param, f"the pattern at {where} negates a class holding '\"' or a backslash, "
+            "which llguidance does not enforce on escaped characters")
+
+
+def refuse_fractions(schema: Any, param: str) -> None:
+    """Drops `anyOf` branches of numbers that are not integers where another branch remains
+    (narrower); raises UnsupportedConstraintError naming the place of one that stays."""
+    where = drop_fraction_branches(schema)
+    if where is not None:
+        raise UnsupportedConstraintError(
+            param, f"at {where}: a number that is not an integer (a 'oneOf' of 'integer' and "
+            "'number', or 'not' of 'integer') has no llguidance schema")
+
+
+def _skip_literals(text: str) -> str:
+    """Returns Lark `text` without comments and string/regex literals (replaced by spaces),
+    so that feature checks do not match inside them."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if c in "\"/":
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            out.append(" ")
+            i = j + 1
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def check_lark(text: str) -> None:
+    """Refuses llguidance-only Lark features that would break the engine's guarantees."""
+    code = _skip_literals(text)
+    param = "structured_outputs.grammar"
+    if "<[" in code:
+        raise UnsupportedConstraintError(
+            param, "token-id references <[...]> (unsupported by llguidance in this engine)"
+        )
+    if _LLGUIDANCE_OPTIONS.search(code):
+        raise UnsupportedConstraintError(
+            param, "%llguidance options (unsupported by llguidance in this engine)"
+        )
+    attribute = _RULE_ATTRIBUTES.search(code)
+    if attribute:
+        raise UnsupportedConstraintError(
+            param,
+            f"rule attribute {attribute.group(1)}= (unsupported by llguidance in this engine: "
+            "it prevents rollback)",
+        )
