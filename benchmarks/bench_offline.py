@@ -12,7 +12,7 @@ With several structured-output backends, each configuration runs its 100 % cell 
 backend (the 0 % cell does not depend on it), and the table gains a row per backend.
 
 The ceiling: a bare greedy decode loop over the same checkpoint and prompts
-(vllm/model_executor/bare_decoder.py: no scheduler, paging, sampler or detokenizer) runs last in
+(vllm/model_executor/greedy_decode_loop.py: no scheduler, paging, sampler or detokenizer) runs last in
 every round, and every cell is also printed as a fraction of it (engine / bare;
 `--no-ceiling` skips it).
 
@@ -115,7 +115,7 @@ def ceiling(model: str, prompts: list[str], output_len: int) -> dict[str, float]
     """Tokens/s of the bare decode loop on the same checkpoint, prompts and output length."""
     import torch
 
-    from vllm.model_executor.bare_decoder import BareDecoder
+    from vllm.model_executor.greedy_decode_loop import BareDecoder
     from vllm.transformers_utils.hub import resolve_model_path
     from vllm.transformers_utils.tokenizer import get_tokenizer
 

@@ -104,7 +104,7 @@ def run(model: str, grid: list[tuple[int, int]], output_len: int,
     thread_policy.configure_process()
     import torch
 
-    from vllm.model_executor.bare_decoder import BareDecoder
+    from vllm.model_executor.greedy_decode_loop import BareDecoder
     from vllm.transformers_utils.hub import resolve_model_path
 
     model_dir = resolve_model_path(model)

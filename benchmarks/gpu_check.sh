@@ -56,7 +56,7 @@ TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
             tests/model_executor/layers/test_fused_moe_triton.py
             tests/model_executor/layers/quantization
             tests/v1/worker/test_gpu_model_runner.py tests/v1/worker/test_cuda_graph.py
-            tests/v1/structured_output/test_utils.py tests/v1/sample/ops/test_race.py
+            tests/v1/structured_output/test_utils.py tests/v1/sample/ops/test_race_sampling.py
             tests/v1/engine/test_async_sync_equivalence.py)
 if [ "$MODE" = quick ]; then
   : "${SKIP_NATIVE:=1}" "${SKIP_BENCH_ATTENTION:=1}" "${TEST_TIMEOUT:=150}"

@@ -10,7 +10,7 @@ once, then runs one implementation. The choice is made once per process, for eve
 Two ops have no numpy twin: paged_decode_attention (csrc/cpu/paged_attention.cpp), the CPU
 decode attention, whose fallback is the torch backend's own tiled decode, and dense_rows
 (csrc/cpu/dense_rows.cpp), the LM head's few-row product, whose fallback is the BLAS with
-padded rows (model_executor/layers/dense_rows.py).
+padded rows (model_executor/layers/batch_invariant_linear.py).
 """
 
 from __future__ import annotations

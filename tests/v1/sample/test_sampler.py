@@ -9,7 +9,7 @@ import torch
 from v1.sample.goodness_of_fit import chi_square_test
 
 from vllm.v1.sample import sampler as sampler_mod
-from vllm.v1.sample.ops import race
+from vllm.v1.sample.ops import race_sampling
 from vllm.v1.sample.metadata import GrammarMask, SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
@@ -588,13 +588,13 @@ def test_masked_tokens_and_blocks_with_the_largest_noise_are_never_sampled(
     masked = torch.ones(vocab + vocab // block, dtype=torch.bool)
     masked[ok] = False
     masked[vocab + ok // block] = False
-    real = race.noise_hash
+    real = race_sampling.noise_hash
 
     def pinned(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
         h = real(keys, counters)
         return torch.where(masked[counters], torch.full_like(h, 0xFFFFFFFF), h)
 
-    monkeypatch.setattr(race, "noise_hash", pinned)
+    monkeypatch.setattr(race_sampling, "noise_hash", pinned)
     n = 8
     md = make_md(
         5 * n,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.utils_models import build_checkpoint
-from vllm.model_executor.bare_decoder import BareDecoder
+from vllm.model_executor.greedy_decode_loop import BareDecoder
 from vllm.model_executor.model_loader.demo_model import build_demo_model
 from vllm.v1.spec_decode.draft_model_proposer import DraftModelProposer
 

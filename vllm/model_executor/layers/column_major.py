@@ -2,7 +2,7 @@
 
 The runner stores every full-precision dense weight and vocabulary table column-major
 (``W.T`` contiguous, so ``x @ W.T`` is a plain "NN" product whose weight rows the native
-few-row kernel streams; layers/dense_rows.py). It is also the faster layout for MKL at one
+few-row kernel streams; layers/batch_invariant_linear.py). It is also the faster layout for MKL at one
 row and at large batches. Where a model has other matrices (quantized layers, fused experts),
 the runner keeps padding every step to the larger row count (docs/architecture.md §6).
 """

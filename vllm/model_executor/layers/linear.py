@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.distributed.parallel_state import ParallelContext, shard_range
-from vllm.model_executor.layers import dense_rows
+from vllm.model_executor.layers import batch_invariant_linear
 from vllm.model_executor.layers.quantization.base import LinearMethod, Shard
 from vllm.model_executor.model_loader.weight_utils import CheckpointTensor, check_shape
 
@@ -72,8 +72,8 @@ class _QuantizableLinear(nn.Module):
     bias: nn.Parameter | None
     quant_method: LinearMethod | None = None
     # How the CPU product keeps each row independent of the batch (set by
-    # dense_rows.plan_model); None: F.linear.
-    row_plan: dense_rows.RowPlan | None = None
+    # batch_invariant_linear.plan_model); None: F.linear.
+    row_plan: batch_invariant_linear.RowPlan | None = None
     _local_sizes: tuple[int, int]
 
     @property
@@ -105,7 +105,7 @@ class _QuantizableLinear(nn.Module):
                 and x.dtype == torch.float32 and x.device.type == "cpu"):
             # The bias is added apart, so the product is the plan's whatever the row count.
             flat = x.reshape(-1, x.shape[-1])
-            y = dense_rows.multiply(flat, self.weight.t(), self.row_plan)
+            y = batch_invariant_linear.multiply(flat, self.weight.t(), self.row_plan)
             y = y.reshape(*x.shape[:-1], y.shape[-1])
             return y if bias is None else y.add_(bias)
         if self.quant_method is None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.distributed.parallel_state import ParallelContext
-from vllm.model_executor.layers import dense_rows
+from vllm.model_executor.layers import batch_invariant_linear
 from vllm.model_executor.model_loader.weight_utils import CheckpointTensor, check_shape
 
 
@@ -85,8 +85,8 @@ class ParallelLMHead(VocabShard):
     """Projects hidden states to vocabulary logits; can share its weight with an embedding."""
 
     # How this head's CPU products keep each row independent of the batch (set by
-    # dense_rows.plan_model); None: the plain matmul.
-    row_plan: dense_rows.RowPlan | None = None
+    # batch_invariant_linear.plan_model); None: the plain matmul.
+    row_plan: batch_invariant_linear.RowPlan | None = None
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Makes this head use the embedding's matrix (tie_word_embeddings).
@@ -110,14 +110,14 @@ class ParallelLMHead(VocabShard):
         states and weight, all on the CPU, where a fresh vocabulary-sized tensor per step
         costs page faults and unmapping. Otherwise it is ignored. Same values either way
         (F.linear without bias is this very matrix product). With a row_plan, a row's logits
-        do not depend on how many rows come with it (layers/dense_rows.py).
+        do not depend on how many rows come with it (layers/batch_invariant_linear.py).
         Side effect (tp > 1): an all-gather over the tensor-parallel group.
         """
         if out is not None and not self._writes_into(hidden, out):
             out = None
         if (self.row_plan is not None and hidden.dim() == 2
                 and hidden.dtype == torch.float32 and hidden.device.type == "cpu"):
-            logits = dense_rows.multiply(hidden, self.weight.t(), self.row_plan, out)
+            logits = batch_invariant_linear.multiply(hidden, self.weight.t(), self.row_plan, out)
             if out is not None:
                 return logits
         elif out is not None:

@@ -29,7 +29,7 @@ from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequest
 from vllm.v1.engine.core_proc import run_engine_core
 from vllm.v1.engine.messages import EngineCoreError, EngineCoreHandshake, OutputType, RequestType
 from vllm.v1.metrics.engine_stats import EngineCoreStats
-from vllm.v1.process import main_module_hidden
+from vllm.v1.spawn import main_module_hidden
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Order per row: grammar mask -> allowed_token_ids -> bad words -> logit_bias -> min_tokens ban ->
 penalties -> greedy rows take the argmax -> random rows: temperature -> top-k -> top-p ->
-min-p -> exponential race (see ops/race.py).
+min-p -> exponential race (see ops/race_sampling.py).
 
 Greedy argmax on CPU float32 logits is the native one-pass kernel (`_custom_ops.masked_argmax`,
 the same answer as torch.argmax, several times faster). A batch that is all greedy, without
@@ -31,7 +31,7 @@ from torch import nn
 from vllm import _custom_ops as ops
 from vllm.v1.sample.metadata import GREEDY_TEMPERATURE, GrammarMask, SamplingMetadata
 from vllm.v1.sample.ops.penalties import apply_penalties, ban_tokens, pad_token_lists
-from vllm.v1.sample.ops.race import race_blocks, race_candidates, seeded_key
+from vllm.v1.sample.ops.race_sampling import race_blocks, race_candidates, seeded_key
 from vllm.v1.sample.ops.token_edits import add_bias, ban_completions, keep_only
 from vllm.v1.sample.ops.topk_topp import (
     candidates,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from vllm.model_executor.bare_decoder import BareDecoder
+from vllm.model_executor.greedy_decode_loop import BareDecoder
 
 
 class DraftModelProposer:

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.exceptions import GrammarCompileError, InvalidRequestError
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.v1.process import main_module_hidden
+from vllm.v1.spawn import main_module_hidden
 
 if TYPE_CHECKING:
     from vllm.config import StructuredOutputsConfig

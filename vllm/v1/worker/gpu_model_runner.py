@@ -39,7 +39,7 @@ from vllm.attention.backends.abstract import AttentionMetadata
 from vllm.attention.kv_cache_dtype import check_fp8_cache_device, is_fp8, kv_cache_torch_dtype
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import ParallelContext
-from vllm.model_executor.layers import dense_rows
+from vllm.model_executor.layers import batch_invariant_linear
 from vllm.model_executor.layers.column_major import make_column_major
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.outputs import (
@@ -69,7 +69,7 @@ logger = logging.getLogger(__name__)
 # CPU GEMMs give row results that depend on the row count below some count (MKL on AVX-512:
 # 12); padding every matmul to at least this many rows makes a request's numbers independent
 # of its batch, which async = sync equivalence relies on. Models whose every matrix has a
-# row plan pad to what the plans ask instead, often nothing (layers/dense_rows.py).
+# row plan pad to what the plans ask instead, often nothing (layers/batch_invariant_linear.py).
 _CPU_MIN_ROWS = 16
 
 
@@ -200,9 +200,9 @@ class GPUModelRunner:
         if self.device.type == "cpu":
             covered = make_column_major(self.model)
             # Each planned product rounds a row alike for any row count from its min_rows on
-            # (layers/dense_rows.py); adapters add row-major products of their own and keep
+            # (layers/batch_invariant_linear.py); adapters add row-major products of their own and keep
             # the larger padding, as does a model with matrices left unplanned.
-            planned = dense_rows.plan_model(self.model)
+            planned = batch_invariant_linear.plan_model(self.model)
             if covered and self.config.lora_config is None:
                 self.min_rows = planned
             head = getattr(self.model, "lm_head", None)

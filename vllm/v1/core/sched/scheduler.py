@@ -10,24 +10,24 @@ from collections.abc import Iterable
 from vllm.config import VllmConfig
 from vllm.exceptions import ErrorKind, InvalidRequestError
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.drafting import Drafter
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.core.sched.step_builder import StepBuilder
-from vllm.v1.core.sched.utils import (
+from vllm.v1.core.sched.postprocess import (
     append_output_tokens,
     can_sample_more,
-    find_cache_hit,
     error_output,
+    find_cache_hit,
     keep_prompt_logprobs,
     make_grammar_output,
     make_request_output,
     num_new_tokens,
     take_first_scheduled_time,
 )
+from vllm.v1.core.sched.step_builder import StepBuilder
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.metrics.engine_stats import EngineCoreStats, GrammarStats
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.core.sched.drafting import Drafter
 from vllm.v1.spec_decode.proposer import Proposer
 from vllm.v1.structured_output.manager import StructuredOutputManager
 

@@ -1,4 +1,4 @@
-"""Tests for vllm/model_executor/bare_decoder.py: the bare decode loop gives the engine's greedy
+"""Tests for vllm/model_executor/greedy_decode_loop.py: the bare decode loop gives the engine's greedy
 tokens, so the engine / bare-loop throughput ratio compares the same work."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from tests.utils_models import TINY, build_checkpoint
 from vllm import LLM, SamplingParams
-from vllm.model_executor.bare_decoder import BareDecoder, _prefill_groups
+from vllm.model_executor.greedy_decode_loop import BareDecoder, _prefill_groups
 from vllm.model_executor.model_loader.demo_model import build_demo_model
 
 MAX_TOKENS = 12
@@ -59,5 +59,5 @@ def test_cpu_weights_are_column_major_like_the_engines(tmp_path) -> None:
 def test_prompts_of_one_length_prefill_together_within_a_token_budget(monkeypatch) -> None:
     prompts = [[1] * 3, [2] * 5, [3] * 3, [4] * 3, [5] * 5]
     assert _prefill_groups(prompts) == [[0, 2, 3], [1, 4]]
-    monkeypatch.setattr("vllm.model_executor.bare_decoder._PREFILL_TOKENS", 6)
+    monkeypatch.setattr("vllm.model_executor.greedy_decode_loop._PREFILL_TOKENS", 6)
     assert _prefill_groups(prompts) == [[0, 2], [3], [1], [4]]

@@ -1,4 +1,4 @@
-"""Tests for vllm/v1/sample/ops/race.py: the noise hash and the two race shapes."""
+"""Tests for vllm/v1/sample/ops/race_sampling.py: the noise hash and the two race shapes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 import pytest
 from v1.sample.goodness_of_fit import chi_square_test
 
-from vllm.v1.sample.ops import race
-from vllm.v1.sample.ops.race import (
+from vllm.v1.sample.ops import race_sampling
+from vllm.v1.sample.ops.race_sampling import (
     gumbel,
     gumbel_from_uniform,
     noise_hash,
@@ -109,7 +109,7 @@ def test_uniform_is_strictly_inside_0_1_and_noise_finite_for_every_hash(device: 
 
 
 def _mix_int(x: int) -> int:
-    return int(race._mix(torch.tensor([x], dtype=torch.int64)))
+    return int(race_sampling._mix(torch.tensor([x], dtype=torch.int64)))
 
 
 def _unxorshift(y: int, s: int) -> int:
@@ -122,9 +122,9 @@ def _unxorshift(y: int, s: int) -> int:
 def _unmix(h: int) -> int:
     """Inverse of the 32-bit mix (xorshifts and odd multipliers are bijections)."""
     x = _unxorshift(h, 16)
-    x = (x * pow(race._C2, -1, 1 << 32)) & M32
+    x = (x * pow(race_sampling._C2, -1, 1 << 32)) & M32
     x = _unxorshift(x, 15)
-    x = (x * pow(race._C1, -1, 1 << 32)) & M32
+    x = (x * pow(race_sampling._C1, -1, 1 << 32)) & M32
     return _unxorshift(x, 16)
 
 

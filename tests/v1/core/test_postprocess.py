@@ -1,10 +1,10 @@
-"""Tests for vllm/v1/core/sched/utils.py: stop checks and appending sampled tokens."""
+"""Tests for vllm/v1/core/sched/postprocess.py: stop checks and appending sampled tokens."""
 
 from __future__ import annotations
 
 from tests.v1.core.sched_utils import EOS, GRAMMAR_END, FakeGrammar, make_request
 from vllm.exceptions import ErrorKind
-from vllm.v1.core.sched.utils import append_output_tokens, check_stop
+from vllm.v1.core.sched.postprocess import append_output_tokens, check_stop
 from vllm.v1.request import Request, RequestStatus
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from vllm import _custom_ops as ops
-from vllm.model_executor.layers import dense_rows
+from vllm.model_executor.layers import batch_invariant_linear
 from vllm.model_executor.layers.column_major import column_major
 from vllm.model_executor.model_loader.gguf_loader import iterate_gguf
 from vllm.transformers_utils.gguf_dir import find_gguf
@@ -69,18 +69,18 @@ class BareDecoder:
             self.w = {name: column_major(t) if t.dim() == 2 else t
                       for name, t in self.w.items()}
         self.head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
-        # The engine's few-row products too (layers/dense_rows.py): faster than the BLAS at
+        # The engine's few-row products too (layers/batch_invariant_linear.py): faster than the BLAS at
         # up to 16 rows, and the same numbers as the engine's.
-        self.plans: dict[str, dense_rows.RowPlan] = {}
+        self.plans: dict[str, batch_invariant_linear.RowPlan] = {}
         if torch.device(device).type == "cpu" and dtype == torch.float32:
-            by_shape: dict[tuple[int, ...], dense_rows.RowPlan] = {}
+            by_shape: dict[tuple[int, ...], batch_invariant_linear.RowPlan] = {}
             for name, t in self.w.items():
                 if t.dim() == 2 and not name.endswith("embed_tokens.weight"):
                     if tuple(t.shape) not in by_shape:
-                        by_shape[tuple(t.shape)] = dense_rows.plan(t.t())
+                        by_shape[tuple(t.shape)] = batch_invariant_linear.plan(t.t())
                     self.plans[name] = by_shape[tuple(t.shape)]
             if "lm_head.weight" not in self.w:  # tied
-                self.plans["model.embed_tokens.weight"] = dense_rows.plan(self.head.t())
+                self.plans["model.embed_tokens.weight"] = batch_invariant_linear.plan(self.head.t())
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
         self.inv_freq = 1.0 / (theta ** (half / self.head_dim))
         self.dtype, self.device = dtype, torch.device(device)
@@ -96,7 +96,7 @@ class BareDecoder:
         plan = self.plans.get(name + ".weight")
         if plan is None:
             return F.linear(x, weight, bias)
-        y = dense_rows.multiply(x.reshape(-1, x.shape[-1]), weight.t(), plan)
+        y = batch_invariant_linear.multiply(x.reshape(-1, x.shape[-1]), weight.t(), plan)
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y.add_(bias)
 
@@ -170,7 +170,7 @@ class BareDecoder:
         last = self._norm(x[:, -1], self.w["model.norm.weight"])
         head_plan = self.plans.get("lm_head.weight", self.plans.get("model.embed_tokens.weight"))
         if head_plan is not None:
-            return dense_rows.multiply(last, self.head.t(), head_plan, out)
+            return batch_invariant_linear.multiply(last, self.head.t(), head_plan, out)
         if out is not None and last.dtype == torch.float32:
             return torch.matmul(last, self.head.t(), out=out)
         logits = F.linear(last, self.head).float()

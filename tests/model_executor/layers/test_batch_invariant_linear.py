@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops
-from vllm.model_executor.layers import dense_rows
+from vllm.model_executor.layers import batch_invariant_linear
 from vllm.model_executor.layers.column_major import make_column_major
 from vllm.model_executor.layers.linear import Linear, MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -65,7 +65,7 @@ def test_a_planned_models_rows_do_not_depend_on_their_batch(
         _without_native(monkeypatch)
     model = _Tiny()
     assert make_column_major(model)
-    pad_to = dense_rows.plan_model(model)
+    pad_to = batch_invariant_linear.plan_model(model)
     ids = torch.randint(0, 4096, (64,), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         _assert_rows_independent(lambda h: model(h), ids, pad_to, range(1, 41))
@@ -86,7 +86,7 @@ def test_the_full_vocabulary_head_keeps_rows_independent(
     if not native:
         _without_native(monkeypatch)
     head = _head(QWEN_VOCAB, 64)
-    pad_to = dense_rows.plan_model(head)
+    pad_to = batch_invariant_linear.plan_model(head)
     assert head.row_plan is not None and pad_to == head.row_plan.min_rows
     hidden = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
@@ -99,7 +99,7 @@ def test_the_native_kernel_takes_the_blas_order_so_nothing_is_padded() -> None:
     """The point of the native kernel: a batch of one pays one row of the head. Fails on a
     CPU whose BLAS sums in an order no chunking reproduces (the plan then pads instead)."""
     head = _head(QWEN_VOCAB, 256)
-    plan = dense_rows.plan(head.weight.t())
+    plan = batch_invariant_linear.plan(head.weight.t())
     assert plan.chunk is not None and plan.min_rows == 1, plan
 
 
@@ -108,12 +108,12 @@ def test_without_the_native_kernel_the_plan_pads_to_where_the_blas_agrees(
 ) -> None:
     _without_native(monkeypatch)
     weight_t = _head(QWEN_VOCAB, 64).weight.t()
-    plan = dense_rows.plan(weight_t)
+    plan = batch_invariant_linear.plan(weight_t)
     assert plan.chunk is None
     x = torch.randn(40, 64, generator=torch.Generator().manual_seed(4))
     full = torch.mm(x, weight_t)
     for rows in range(plan.min_rows, 41):
-        assert torch.equal(dense_rows.multiply(x[:rows], weight_t, plan), full[:rows]), rows
+        assert torch.equal(batch_invariant_linear.multiply(x[:rows], weight_t, plan), full[:rows]), rows
 
 
 def test_a_blas_that_changes_its_rounding_past_the_native_rows_is_padded_instead(
@@ -126,23 +126,23 @@ def test_a_blas_that_changes_its_rounding_past_the_native_rows_is_padded_instead
 
     def moody_mm(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
         y = real_mm(a, b, **kwargs)
-        return y.mul_(1 + 2**-20) if a.shape[0] == dense_rows.NATIVE_MAX_ROWS + 1 else y
+        return y.mul_(1 + 2**-20) if a.shape[0] == batch_invariant_linear.NATIVE_MAX_ROWS + 1 else y
 
     monkeypatch.setattr(torch, "mm", moody_mm)
-    assert dense_rows.plan(weight_t) == dense_rows.RowPlan(
-        chunk=None, min_rows=dense_rows.NATIVE_MAX_ROWS + 2)
+    assert batch_invariant_linear.plan(weight_t) == batch_invariant_linear.RowPlan(
+        chunk=None, min_rows=batch_invariant_linear.NATIVE_MAX_ROWS + 2)
 
 
 @pytest.mark.skipif(not _custom_ops.HAS_NATIVE,
                     reason="native only; test_custom_ops covers whether it must exist")
 def test_multiply_sends_many_rows_to_the_blas_and_writes_out() -> None:
     weight_t = _head(1000, 32).weight.t()
-    plan = dense_rows.RowPlan(chunk=32, min_rows=1)
-    many = torch.randn(dense_rows.NATIVE_MAX_ROWS + 1, 32)
-    assert torch.equal(dense_rows.multiply(many, weight_t, plan), torch.mm(many, weight_t))
+    plan = batch_invariant_linear.RowPlan(chunk=32, min_rows=1)
+    many = torch.randn(batch_invariant_linear.NATIVE_MAX_ROWS + 1, 32)
+    assert torch.equal(batch_invariant_linear.multiply(many, weight_t, plan), torch.mm(many, weight_t))
     out = torch.empty(2, 1000)
     few = many[:2]
-    assert dense_rows.multiply(few, weight_t, plan, out) is out
+    assert batch_invariant_linear.multiply(few, weight_t, plan, out) is out
     assert torch.equal(out, _custom_ops.dense_rows(few, weight_t, 32, torch.empty(2, 1000)))
 
 
@@ -165,10 +165,10 @@ def test_plan_model_plans_dense_float32_matrices_only_and_probes_a_shape_once(
     for layer in (model.a, model.b, model.float64, model.embed):
         layer.weight.data = layer.weight.data.t().contiguous().t()
     probes = []
-    real_plan = dense_rows.plan
-    monkeypatch.setattr(dense_rows, "plan",
+    real_plan = batch_invariant_linear.plan
+    monkeypatch.setattr(batch_invariant_linear, "plan",
                         lambda w: probes.append(tuple(w.shape)) or real_plan(w))
-    pad_to = dense_rows.plan_model(model)
+    pad_to = batch_invariant_linear.plan_model(model)
     assert probes == [(8, 16)]
     assert model.a.row_plan is model.b.row_plan and pad_to == model.a.row_plan.min_rows
     assert model.row_major.row_plan is None and model.float64.row_plan is None
