@@ -8,6 +8,8 @@ separate programs whose partial results a second kernel merges (split-KV).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -314,6 +316,25 @@ def _partials(
     return part_acc, part_max, torch.empty_like(part_max)
 
 
+def _tiles(query: torch.Tensor, key_cache: torch.Tensor, max_query_len: int) -> dict[str, Any]:
+    """The attention kernel's tile shapes and dot precision for this batch, by their
+    constexpr names."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    qpk = num_heads // num_kv_heads
+    qpk_pad = triton.next_power_of_2(qpk)
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    # Decodes get the smallest tile tl.dot allows; prefills share K/V loads across more rows.
+    block_m = max(16 if max_query_len == 1 else 64, qpk_pad)
+    # float32 inputs need exact (not tf32) dots; the interpreter also multiplies bfloat16
+    # operands wrongly, so there they are widened first.
+    interpreted = isinstance(_unified_attention_kernel, InterpretedFunction)
+    f32_dot = query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16)
+    return dict(QPK=qpk, QPK_PAD=qpk_pad, BLOCK_M=block_m, BLOCK_Q=block_m // qpk_pad,
+                HEAD_PAD=head_pad, TILE_N=64 if head_pad <= 128 else 32, BLOCK_SIZE=block_size,
+                F32_DOT=f32_dot)
+
+
 def unified_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -358,46 +379,28 @@ def unified_attention(
     if num_tokens == 0 or num_reqs == 0:
         return
     num_heads, head_size = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    qpk = num_heads // num_kv_heads
-    qpk_pad = triton.next_power_of_2(qpk)
-    head_pad = max(16, triton.next_power_of_2(head_size))
-    # Decodes get the smallest tile tl.dot allows; prefills share K/V loads across more rows.
-    block_m = max(16 if max_query_len == 1 else 64, qpk_pad)
-    block_q = block_m // qpk_pad
-    tile_n = 64 if head_pad <= 128 else 32
+    num_kv_heads = key_cache.shape[2]
+    tiles = _tiles(query, key_cache, max_query_len)
     if num_splits is None:
         num_splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max_seq_len, num_sms)
-    split = num_splits > 1
-    # float32 inputs need exact (not tf32) dots; the interpreter also multiplies bfloat16
-    # operands wrongly, so there they are widened first.
-    interpreted = isinstance(_unified_attention_kernel, InterpretedFunction)
-    f32_dot = query.dtype == torch.float32 or (interpreted and query.dtype == torch.bfloat16)
-    num_q_blocks = num_tokens // block_q + num_reqs
-
-    part_acc, part_max, part_sum = _partials(query, out, num_tokens, num_splits, head_pad)
+    num_q_blocks = num_tokens // tiles["BLOCK_Q"] + num_reqs
+    part_acc, part_max, part_sum = _partials(query, out, num_tokens, num_splits,
+                                             tiles["HEAD_PAD"])
     _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_acc, part_max, part_sum,
         query_start_loc, seq_lens, block_table,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
         block_table.stride(0), num_reqs, num_heads, head_size, scale * _LOG2E,
         float(v_scale),
-        QPK=qpk,
-        QPK_PAD=qpk_pad,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        HEAD_PAD=head_pad,
-        TILE_N=tile_n,
-        BLOCK_SIZE=block_size,
+        **tiles,
         NUM_SEGS=num_splits,
-        SPLIT=split,
-        F32_DOT=f32_dot,
+        SPLIT=num_splits > 1,
         KV_FP8=kv_fp8,
         # float32 tiles are twice as large; fewer stages keep them within shared memory.
         num_stages=2 if query.element_size() == 4 else 3,
     )
-    if split:
+    if num_splits > 1:
         _merge_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, *out.stride(), num_heads, head_size,
-            HEAD_PAD=head_pad, NUM_SEGS=num_splits,
+            HEAD_PAD=tiles["HEAD_PAD"], NUM_SEGS=num_splits,
         )
