@@ -155,7 +155,7 @@ def check_matcher_state(backend: Any, tokenizer: Any) -> None:
 def check_batched_fill(backend: Any, tokenizer: Any) -> None:
     """fill_bitmasks writes exactly the rows asked, each equal to the grammar's own fill."""
     prompts = [({"regex": "[a-z]{2,5}-[0-9]+"}, "ab"), ({"choice": ["red", "green"]}, "gre"),
-               ({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}}, '{"a":'),
+               ({"json": {"type": "object", "properties": {"a": {"type": "boolean"}}}}, '{"a":'),
                ({"regex": "ab"}, "ab")]
     grammars = []
     for params, prefix in prompts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from decimal import Decimal
+from fractions import Fraction
 import re
 from typing import Any
 
@@ -36,16 +37,18 @@ def _exact_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any)
     divides binary floats, so it calls 4937.49 no multiple of 0.01 (493748.99999999994)."""
     if not validator.is_type(instance, "number"):
         return
-    if (Decimal(repr(instance)) / Decimal(repr(divisor))) % 1:
+    # Fractions, not Decimal division: a walk may write 1e300, past Decimal's precision.
+    if (Fraction(Decimal(repr(instance))) / Fraction(Decimal(repr(divisor)))).denominator != 1:
         yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
 
 
-def validate_json(value: Any, schema: dict[str, Any]) -> None:
+def validate_json(value: Any, schema: dict[str, Any], format_checker: Any = None) -> None:
     """Raises jsonschema.ValidationError unless `value` satisfies `schema` under the rules
-    of the schema's own `$schema` draft (with an exact `multipleOf`)."""
+    of the schema's own `$schema` draft (with an exact `multipleOf`; formats asserted only
+    with a `format_checker`)."""
     draft = jsonschema.validators.validator_for(schema)
     exact = jsonschema.validators.extend(draft, {"multipleOf": _exact_multiple_of})
-    exact(schema).validate(value)
+    exact(schema, format_checker=format_checker).validate(value)
 
 
 def check_structured_output(

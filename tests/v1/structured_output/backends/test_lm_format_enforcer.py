@@ -36,7 +36,8 @@ def test_corpus_walks_satisfy_the_constraint(
              if contract.walk_case(lmfe_backend, c, tokenizer, walk_vocab, pieces)]
     assert sum(name.startswith(("regex_", "choice_")) for name in taken) == sum(
         c.name.startswith(("regex_", "choice_")) for c in cases)
-    assert sum(name.startswith("json_") for name in taken) >= 15, taken
+    # Numbers and maxLength are refused (the library gets both wrong), so fewer JSON cases.
+    assert sum(name.startswith("json_") for name in taken) >= 10, taken
 
 
 @pytest.mark.parametrize(
@@ -65,7 +66,7 @@ def test_masks_stay_in_the_language(
 def test_no_raw_control_characters_in_strings(lmfe_backend: Any, tokenizer: Any) -> None:
     """The library's free-text shortcut allowed tokens holding a newline inside a JSON
     string (an output json.loads rejects); the backend masks them there."""
-    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 30}}}
+    schema = {"type": "object", "properties": {"note": {"type": "string", "minLength": 1}}}
     grammar = lmfe_backend.compile_grammar(StructuredOutputsParams(json=schema))
     assert grammar.accept_tokens("s", contract.encode(tokenizer, '{"note": "ab'))
     ids = contract.allowed(grammar)
@@ -89,7 +90,7 @@ def test_batched_fill(lmfe_backend: Any, tokenizer: Any) -> None:
         ({"type": "object", "properties": {"v": {"const": 2}}}, "'const'"),
         ({"enum": ["a", 1]}, "'enum'"),
         ({"const": 'a"b'}, "'const'"),
-        ({"type": ["string", "null"], "maxLength": 5}, "list of types"),
+        ({"type": ["string", "null"], "minLength": 5}, "list of types"),
         ({"type": "array", "prefixItems": [{"type": "integer"}]}, "'prefixItems'"),
     ],
     ids=["format", "int_const", "mixed_enum", "escaped_const", "type_list", "prefix_items"],
@@ -133,16 +134,16 @@ def test_special_and_partial_tokens_are_never_allowed(
 
 
 def test_whitespace(lmfe_backend: Any, tokenizer: Any) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
 
     def accepts(text: str, **options: Any) -> bool:
         grammar = lmfe_backend.compile_grammar(StructuredOutputsParams(json=schema, **options))
         return grammar.accept_tokens("w", contract.encode(tokenizer, text) + [EOS_IDS[0]])
 
-    assert accepts('{"a":1}', disable_any_whitespace=True)
-    assert not accepts('{"a": 1}', disable_any_whitespace=True)
-    assert accepts('{  "a":  1}', max_whitespace=2)
-    assert not accepts('{   "a": 1}', max_whitespace=2)
+    assert accepts('{"a":true}', disable_any_whitespace=True)
+    assert not accepts('{"a": true}', disable_any_whitespace=True)
+    assert accepts('{  "a":  true}', max_whitespace=2)
+    assert not accepts('{   "a": true}', max_whitespace=2)
     compact = lmfe_backend.compile_grammar(
         StructuredOutputsParams(json=schema, disable_any_whitespace=True))
     assert compact.accept_tokens("w", contract.encode(tokenizer, "{"))

@@ -118,7 +118,7 @@ def test_object_branches_never_accept_what_one_of_refuses(branches: list[Any]) -
     [
         ([{"type": "string", "format": "date"}, {"type": "string"}],
          "#/oneOf/0 and #/oneOf/1"),
-        ([{"type": "null"}, {"type": "string"}, {"type": "string", "pattern": "^a"}],
+        ([{"type": "null"}, {"type": "string"}, {"type": "string", "pattern": "^a.*$"}],
          "#/oneOf/1 and #/oneOf/2"),
         ([{"$ref": "https://example.com/remote.json"}, {"type": "string"}],
          "#/oneOf/0 and #/oneOf/1"),
@@ -182,7 +182,8 @@ def test_one_of_beside_any_of_is_distributed() -> None:
     schema = {"anyOf": [{"type": "string"}, {"type": "integer"}],
               "oneOf": [{"const": "a"}, {"const": 1}]}
     out = compare(schema, PROBES + ["a", 1], exact=True)
-    assert out["anyOf"] == [{"type": "string", "const": "a"}, {"type": "integer", "const": 1}]
+    # Each branch's value, with the type it satisfies folded in (rewrites.fold_enums).
+    assert out["anyOf"] == [{"enum": ["a"]}, {"enum": [1]}]
 
 
 @_SETTINGS

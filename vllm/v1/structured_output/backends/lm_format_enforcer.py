@@ -7,9 +7,12 @@ Supported constraints (`StructuredOutputsParams`):
   (`normalize_json_schema`, like every backend), restricted to the keywords it enforces
   (`LMFE_SUBSET`): types, `properties`/`required`, `additionalProperties`, `enum`/`const`,
   `anyOf` (and a `oneOf` normalization proved disjoint), one-schema `allOf`, local `$ref`,
-  `items`/`minItems`/`maxItems`, `minLength`/`maxLength` and JSON-safe `pattern`s. Others
-  (`minimum`, `format`, `prefixItems`, `multipleOf`, ...) are refused with
-  UnsupportedConstraintError naming the keyword: the library would ignore them. Objects get
+  `items`/`minItems`/`maxItems`, `minLength` and JSON-safe `pattern`s. Others (`minimum`,
+  `format`, `prefixItems`, `multipleOf`, `maxLength`, ...) are refused with
+  UnsupportedConstraintError naming the keyword: the library would ignore them, or get them
+  wrong (the differential check found `maxLength` one character short of enforced, numbers
+  written as `76.E02`). Numbers, and values that may be numbers, are refused for that
+  reason. Objects get
   only their listed properties; arrays without `maxItems` hold at most 20 items (the
   library's cap). Whitespace: none with `disable_any_whitespace`, else runs of at most
   `max_whitespace` (12, the library's cap, when unbounded); unlike the other backends the
@@ -34,6 +37,7 @@ may end and terminate the grammar.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Sequence
@@ -80,13 +84,15 @@ LMFE_SUBSET = SchemaSubset(
     backend=NAME,
     keywords=frozenset({
         "type", "properties", "required", "additionalProperties", "enum", "const", "anyOf",
-        "oneOf", "allOf", "$ref", "items", "minItems", "maxItems", "minLength", "maxLength",
-        "pattern", "uniqueItems",
+        "oneOf", "allOf", "$ref", "items", "minItems", "maxItems", "minLength", "pattern",
+        "uniqueItems",
     }),
     formats=frozenset(),
     raw_patterns=True,
     plain_string_literals=True,
     bare_type_lists=True,
+    exact_numbers=False,
+    empty_limits=False,
 )
 
 
@@ -142,9 +148,12 @@ class _Vocab:
 class LMFormatEnforcerGrammar(StructuredOutputGrammar):
     """One request's TokenEnforcer (which caches the parser state per token prefix)."""
 
-    def __init__(self, enforcer: TokenEnforcer, vocab: _Vocab) -> None:
+    def __init__(self, enforcer: TokenEnforcer, vocab: _Vocab, json_output: bool = False
+                 ) -> None:
         self._enforcer = enforcer
         self._vocab = vocab
+        # A JSON constraint stops only where the text is JSON (see _row).
+        self._json_output = json_output
         self._tokens: list[int] = []
         self._terminated = False
         # Allowed-token rows by prefix length (dropped on rollback).
@@ -175,7 +184,10 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
         # The library keeps each prefix's list (up to the whole vocabulary in free text:
         # about a megabyte per generated token); the row replaces it.
         state.allowed_tokens = None
-        row[list(self._vocab.stop_ids)] = state.parser.can_end()
+        # The library may also think it can end where the text is no JSON at all (a
+        # string it read as closed after " »"; found by the differential check).
+        row[list(self._vocab.stop_ids)] = state.parser.can_end() and (
+            not self._json_output or self._is_json(tokens))
         shortcut = state.parser.shortcut_key()
         if isinstance(shortcut, tuple) and shortcut[:1] == ("json_freetext",):
             row &= ~self._vocab.string_unsafe
@@ -185,6 +197,13 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
             for old in [k for k in self._rows if k < len(self._tokens) - _ROWS_BEHIND]:
                 del self._rows[old]
         return row
+
+    def _is_json(self, tokens: list[int]) -> bool:
+        try:
+            json.loads(self._vocab._decode(tokens))
+        except ValueError:
+            return False
+        return True
 
     def _library_allowed(self, tokens: list[int]) -> tuple[list[int], Any]:
         """The library's allowed ids after `tokens` and its state for that prefix."""
@@ -284,7 +303,8 @@ class LMFormatEnforcerBackend(VocabBackend):
         enforcer = TokenEnforcer(self.vocab.data, parser)
         # TokenEnforcer replaces the parser's settings with its defaults; put ours back.
         parser.config = config
-        grammar = LMFormatEnforcerGrammar(enforcer, self.vocab)
+        grammar = LMFormatEnforcerGrammar(enforcer, self.vocab,
+                                          json_output=kind in ("json", "json_object"))
         try:
             grammar._library_allowed([])
         except Exception as e:  # the library raises bare Exception for what it lacks

@@ -69,9 +69,10 @@ from vllm.v1.structured_output.schema.merge import (
     pop_conditions,
 )
 from vllm.v1.structured_output.schema.one_of import rewrite_one_of
-from vllm.v1.structured_output.schema.patterns import rewrite_lookarounds
+from vllm.v1.structured_output.schema.patterns import rewrite_anchors, rewrite_lookarounds
 from vllm.v1.structured_output.schema.refs import drop_unreferenced_definitions
 from vllm.v1.structured_output.schema.rewrites import (
+    fold_enums,
     rewrite_conditionals,
     rewrite_contains,
     rewrite_dependencies,
@@ -120,6 +121,10 @@ def normalize_json_schema(
     _apply_draft(out, bool(_LEGACY_REF_DRAFTS.search(draft)))
     drop_unreferenced_definitions(out)
     _normalize_node(out, out, "#", disable_additional_properties, one_of_as_any_of)
+    fold_enums(out, out)
+    if isinstance(out, dict) and out.get("enum") == []:
+        raise GrammarCompileError(_FIELD, "no value satisfies the schema ('enum' beside the "
+                                  "keywords that refuse each of its values)")
     # The result is written in 2020-12's keywords (prefixItems, dependentRequired...), and
     # llguidance reads a schema by its `$schema`: a draft-07 label would hide them.
     out["$schema"] = DRAFT_2020_12
@@ -208,6 +213,7 @@ def _rewrite_node(
 ) -> None:
     """Every rewrite of one node, in the order they depend on each other."""
     rewrite_lookarounds(node)
+    rewrite_anchors(node, path)
     rewrite_unevaluated_properties(node, root)  # reads the `allOf` members as they are
     conditions = merge_all_of(node, root, path)
     rewrite_dependencies(node)

@@ -1,5 +1,12 @@
-"""Two everyday lookaround idioms of JSON-schema `pattern`s written without lookarounds, which
-neither backend compiles (docs/architecture.md section 5). Both rewrites are exact:
+"""JSON-schema `pattern`s in the forms every backend reads alike (docs/architecture.md section 5).
+
+A pattern matches anywhere in the string (`"^a"` holds for "ax"), while xgrammar, outlines and
+lm-format-enforcer match a pattern against the whole string. `anchor` writes a pattern so that
+both readings agree: `^[\s\S]*(?:P)[\s\S]*$`, without the padding on a side the pattern
+anchors itself ("ax" failed `"^a"` under xgrammar; found by the differential check).
+
+Two everyday lookaround idioms are written without lookarounds, which no backend compiles.
+Both rewrites are exact:
 
 - "contains one of each": `^(?=.*[a-z])(?=.*[0-9]).+$` (passwords) holds for the strings of
   `.` that contain each class; written as the alternatives of the orders in which the classes
@@ -19,7 +26,12 @@ from __future__ import annotations
 
 import itertools
 import re
+import re._constants as sre_constants
+import re._parser as sre_parse
 from typing import Any
+
+from vllm.exceptions import UnsupportedConstraintError
+from vllm.v1.structured_output.schema.regex_tree import children
 
 # One character of a pattern: a bracket class, an escape, or a plain character.
 _ATOM = r"(?:\[(?:\\.|[^\]\\])+\]|\\[^\s]|[^\\()\[\]{}.*+?|^$])"
@@ -30,6 +42,89 @@ _ENDS = re.compile(
     r"(?:\(\?<!(" + _ATOM + r")\))?\$$"
 )
 _MAX_CLASSES = 4
+
+
+_STARTS = (sre_constants.AT_BEGINNING, sre_constants.AT_BEGINNING_STRING)
+_ENDS_AT = (sre_constants.AT_END, sre_constants.AT_END_STRING)
+# Any character, newlines included: what a pattern may have around the part it matches.
+_ANY = "[\\s\\S]*"
+
+
+def rewrite_anchors(node: dict[str, Any], path: str) -> None:
+    """Writes, in place, `node`'s `pattern` and `patternProperties` names with `anchor`.
+    Raises UnsupportedConstraintError naming the pattern when an anchor inside it (`^a|b$`,
+    `\\b`) leaves no such spelling."""
+    if isinstance(node.get("pattern"), str):
+        node["pattern"] = _anchored_or_refuse(node["pattern"], f"{path}/pattern")
+    table = node.get("patternProperties")
+    if isinstance(table, dict):
+        node["patternProperties"] = {
+            _anchored_or_refuse(name, f"{path}/patternProperties"): sub
+            for name, sub in table.items()
+        }
+
+
+def _anchored_or_refuse(pattern: str, path: str) -> str:
+    written = anchor(pattern)
+    if written is None:
+        raise UnsupportedConstraintError(
+            "structured_outputs.json",
+            f"at {path}: pattern {pattern!r} has an anchor or word boundary inside it",
+        )
+    return written
+
+
+def anchor(pattern: str) -> str | None:
+    """`pattern`, matched anywhere in a string, written to match whole strings: the same
+    language read either way. Unchanged when anchored at both ends or unparsable (the
+    backends then report it); None when an anchor stands inside the pattern."""
+    try:
+        items = list(sre_parse.parse(pattern))
+    except (re.error, RecursionError, OverflowError):
+        return pattern
+    if _edge(items, 0, _STARTS) and _edge(items, -1, _ENDS_AT):
+        return pattern  # whole already, `^a$|^b$` (as the negation rewrites write) included
+    starts = bool(items) and items[0][0] is sre_constants.AT and items[0][1] in _STARTS
+    ends = bool(items) and items[-1][0] is sre_constants.AT and items[-1][1] in _ENDS_AT
+    inner = items[1 if starts else 0:len(items) - 1 if ends else len(items)]
+    if _has_anchor(inner):
+        return None
+    if starts and ends:
+        return pattern
+    core = pattern
+    if starts:
+        if not core.startswith("^"):
+            return None  # \A
+        core = core[1:]
+    if ends:
+        if not core.endswith("$"):
+            return None  # \Z
+        core = core[:-1]
+    return "^" + ("" if starts else _ANY) + "(?:" + core + ")" + ("" if ends else _ANY) + "$"
+
+
+def _edge(items: list[Any], index: int, anchors: tuple[Any, ...]) -> bool:
+    """Whether every way through parsed `items` has one of `anchors` first (index 0) or last
+    (index -1), through alternations and groups."""
+    if not items:
+        return False
+    op, arg = items[index]
+    if op is sre_constants.AT:
+        return arg in anchors
+    if op is sre_constants.BRANCH:
+        return all(_edge(list(branch), index, anchors) for branch in arg[1])
+    if op is sre_constants.SUBPATTERN:
+        return _edge(list(arg[-1]), index, anchors)
+    return False
+
+
+def _has_anchor(items: Any) -> bool:
+    for op, arg in items:
+        if op is sre_constants.AT:
+            return True
+        if any(_has_anchor(child) for child in children(op, arg)):
+            return True
+    return False
 
 
 def rewrite_lookarounds(node: dict[str, Any]) -> None:

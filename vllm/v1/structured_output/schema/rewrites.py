@@ -15,6 +15,7 @@ from typing import Any
 
 from vllm.v1.structured_output.schema.facts import (
     ANNOTATIONS,
+    decide,
     is_negated,
     is_number,
     kinds,
@@ -290,3 +291,41 @@ def _negate_condition(
     if not ways:
         return None  # the condition holds for every value the node allows
     return {"type": "object", "anyOf": ways}
+
+
+def fold_enums(node: Any, root: dict[str, Any]) -> None:
+    """Keeps, in place, of each `enum` (or `const`) only the values its sibling keywords
+    accept, and drops the siblings: xgrammar 0.2.9 and outlines enforce the listed values
+    alone (`{"enum": [2.5, null], "type": "number"}` accepted null; found by the differential
+    check). Exact where jsonschema decides every value; a node with an undecided value keeps
+    its siblings, for the backends' checks to refuse. A node left with no value is
+    `{"enum": []}`, which an `anyOf`/`oneOf` drops as a branch (the backends refuse it
+    elsewhere)."""
+    if not isinstance(node, dict):
+        return
+    listed = [node["const"]] if "const" in node else node.get("enum")
+    rest = {k: v for k, v in node.items() if k not in ("enum", "const") and k not in ANNOTATIONS}
+    if isinstance(listed, list) and rest:
+        verdicts = [decide(value, rest, root) for value in listed]
+        if None not in verdicts:
+            kept = [value for value, ok in zip(listed, verdicts) if ok]
+            for key in [k for k in node if k not in ANNOTATIONS]:
+                del node[key]
+            node["enum"] = kept
+            return
+    for sub, _ in subschemas(node, "#"):
+        fold_enums(sub, root)
+    for key in ("anyOf", "oneOf"):
+        branches = node.get(key)
+        if isinstance(branches, list) and branches:
+            left = [b for b in branches if b != _NOTHING]
+            if left:
+                node[key] = left
+            else:
+                node.clear()
+                node.update(_NOTHING)
+                return
+
+
+# The schema no value matches, as fold_enums writes it.
+_NOTHING: dict[str, Any] = {"enum": []}

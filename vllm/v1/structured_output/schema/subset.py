@@ -57,6 +57,12 @@ class SchemaSubset:
     # The backend drops the other keywords of a node whose `type` is a list
     # (lm-format-enforcer: `["string", "null"]` with `maxLength`).
     bare_type_lists: bool = False
+    # The backend writes only JSON numbers, and only integers for `integer` (lm-format-enforcer
+    # 0.11 accepts `76.E02`, `0E3715` for an integer, -0.5 for `["string", "integer"]`).
+    exact_numbers: bool = True
+    # The backend enforces `additionalProperties: false` on an object that lists no property,
+    # and `maxItems: 0` (lm-format-enforcer reads both as absent).
+    empty_limits: bool = True
 
 
 def _subschemas(node: dict[str, Any]) -> Iterator[Any]:
@@ -95,6 +101,11 @@ def check_subset(schema: Any, subset: SchemaSubset) -> None:
 
 def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
     """The combinations the libraries get wrong even where each keyword alone is fine."""
+    if node.get("enum") == []:
+        raise _refuse(subset, "'enum' with no value left once its sibling keywords are applied")
+    if isinstance(node.get("enum"), list) and any(
+            k not in ("enum", "const") and k not in ANNOTATIONS for k in node):
+        raise _refuse(subset, "keywords beside 'enum' (the library enforces the values alone)")
     all_of = node.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         raise _refuse(subset, "'allOf' with several schemas cannot be enforced")
@@ -121,6 +132,23 @@ def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
                 raise _refuse(
                     subset, f"'enum'/'const' value {value!r} (only strings needing no escape)"
                 )
+    if not subset.exact_numbers:
+        types = node.get("type")
+        types = types if isinstance(types, list) else [types]
+        if "integer" in types or "number" in types:
+            raise _refuse(subset, "numbers (type 'integer' or 'number')")
+        if not any(k in node for k in ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref")):
+            raise _refuse(subset, "a value of any type (numbers included)")
+        if "array" in types and "items" not in node and "prefixItems" not in node:
+            raise _refuse(subset, "array items of any type (numbers included)")
+        if ("object" in types and not node.get("properties")
+                and node.get("additionalProperties", True) is True):
+            raise _refuse(subset, "an object whose properties may hold any type (numbers included)")
+    if not subset.empty_limits:
+        if node.get("additionalProperties") is False and not node.get("properties"):
+            raise _refuse(subset, "'additionalProperties: false' on an object listing no property")
+        if node.get("maxItems") == 0:
+            raise _refuse(subset, "'maxItems: 0'")
     fmt = node.get("format")
     if fmt is not None and fmt not in subset.formats:
         raise _refuse(subset, f"string format {fmt!r}")

@@ -1,0 +1,182 @@
+"""The differential check (differential.py) at CI size, and one regression test per rule it
+led to: every backend, on generated schemas with a fixed seed, accepts no value jsonschema
+refuses; each combination found wrong is refused by name or rewritten exactly.
+
+At scale: scripts/differential_check.py --schemas 10000 (numbers in the README)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tests.v1.structured_output.differential import (
+    DRAFTS,
+    Checker,
+    SchemaGen,
+    Tally,
+    is_valid,
+    schemas,
+)
+from tests.v1.structured_output.walker import WalkVocab, token_bytes
+from vllm.config import StructuredOutputsConfig
+from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
+from vllm.model_executor.model_loader.demos import resolve_model_dir
+from vllm.sampling_params import StructuredOutputsParams
+from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.v1.structured_output.backends.auto import create_backend
+from vllm.v1.structured_output.schema.patterns import anchor
+
+SEED = 20261207
+# Per backend; outlines compiles an index per schema, so it gets fewer.
+COUNTS = {"xgrammar": 150, "guidance": 150, "outlines": 60, "lm-format-enforcer": 150}
+
+
+@pytest.fixture(scope="module")
+def small_vocab() -> tuple[Any, int, int, WalkVocab]:
+    """The small demo vocabulary (8k tokens): every backend compiles in milliseconds."""
+    model_dir = resolve_model_dir("demo-small-vocab")
+    tokenizer = get_tokenizer(model_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    vocab_size = 8256
+    return tokenizer, vocab_size, eos, WalkVocab.build(token_bytes(tokenizer), vocab_size, [eos])
+
+
+def _checker(name: str, small_vocab: tuple[Any, int, int, WalkVocab]) -> Checker:
+    tokenizer, vocab_size, eos, vocab = small_vocab
+    backend = create_backend(StructuredOutputsConfig(backend=name), tokenizer, vocab_size, [eos])
+    return Checker(name, backend, tokenizer, vocab, eos)
+
+
+def test_the_generator_covers_the_keywords_and_drafts() -> None:
+    generated = schemas(SEED, 300)
+    text = " ".join(map(str, generated))
+    for keyword in ("multipleOf", "minimum", "pattern", "format", "prefixItems", "contains",
+                    "uniqueItems", "patternProperties", "propertyNames", "dependentRequired",
+                    "dependencies", "additionalProperties", "$ref", "anyOf", "oneOf", "allOf",
+                    "'not'", "'if'", "enum", "const", "exclusiveMinimum"):
+        assert keyword in text, keyword
+    assert {s["$schema"] for s in generated} == set(DRAFTS.values())
+    # The same seed gives the same schemas (the failures below are reproducible).
+    assert schemas(SEED, 5) == schemas(SEED, 5)
+    assert SchemaGen(random.Random(1), "draft-04").root() != SchemaGen(
+        random.Random(2), "draft-04").root()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COUNTS))
+def test_no_backend_accepts_what_jsonschema_refuses(name: str, small_vocab) -> None:
+    checker = _checker(name, small_vocab)
+    tally, rng = Tally(), random.Random(SEED)
+    for schema in schemas(SEED, COUNTS[name]):
+        checker.check(schema, rng, tally)
+    unsound = [(f.schema, f.text) for f in tally.findings if f.kind == "unsound"]
+    assert unsound == []
+    assert tally.accepted >= COUNTS[name] // 5 and tally.instances >= 20 * tally.accepted
+
+
+# ---------------------------------------------------------------------------- the rules
+
+def _auto(small_vocab: tuple[Any, int, int, WalkVocab]) -> Checker:
+    tokenizer, vocab_size, eos, vocab = small_vocab
+    backend = create_backend(StructuredOutputsConfig(), tokenizer, vocab_size, [eos])
+    return Checker("auto", backend, tokenizer, vocab, eos)
+
+
+def _compile(checker: Checker, schema: dict[str, Any]) -> Any:
+    return checker.backend.compile_grammar(
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+
+
+def test_integer_multiple_beside_a_bound(small_vocab) -> None:
+    """xgrammar 0.2.9 drops `multipleOf` beside a bound (it wrote `{"length":4}`)."""
+    schema = {"type": "object", "properties": {
+        "length": {"type": "integer", "minimum": 0, "multipleOf": 12}}, "required": ["length"]}
+    with pytest.raises(UnsupportedConstraintError, match="'multipleOf' beside 'minimum'"):
+        _compile(_checker("xgrammar", small_vocab), schema)
+    auto = _auto(small_vocab)
+    grammar = _compile(auto, schema)
+    assert auto.accepts(grammar, '{"length":24}') and not auto.accepts(grammar, '{"length":4}')
+
+
+def test_draft04_required_beside_pattern_properties(small_vocab) -> None:
+    """The round's second sample: a draft-04 root's `required` beside an object property with
+    `additionalProperties: false` and `patternProperties`."""
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+              "required": ["controller", "hosts", "services"],
+              "properties": {"controller": {"type": "object", "additionalProperties": False,
+                                            "patternProperties": {"^x": {"type": "string"}}},
+                             "hosts": {"type": "array"}, "services": {"type": "array"}}}
+    auto = _auto(small_vocab)
+    grammar = _compile(auto, schema)
+    assert not auto.accepts(grammar, '{"controller":{}}')
+    assert auto.accepts(grammar, '{"controller":{},"hosts":[],"services":[]}')
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "outlines"])
+def test_enum_values_obey_their_sibling_keywords(name: str, small_vocab) -> None:
+    """xgrammar and outlines enforced the listed values alone (null passed `type: number`)."""
+    checker = _checker(name, small_vocab)
+    grammar = _compile(checker, {"enum": [2.5, None, "a"], "type": "number"})
+    assert checker.accepts(grammar, "2.5") and not checker.accepts(grammar, "null")
+    with pytest.raises(GrammarCompileError, match="no value satisfies"):
+        _compile(checker, {"enum": ["a", ""], "type": "number"})
+    with pytest.raises(UnsupportedConstraintError, match="'enum' with no value"):
+        _compile(checker, {"type": "object", "properties": {"r": {"enum": ["a"], "type": "null"}}})
+    # In an anyOf the branch goes, and the others stay.
+    grammar = _compile(checker, {"anyOf": [{"enum": ["a"], "type": "null"}, {"type": "boolean"}]})
+    assert checker.accepts(grammar, "true") and not checker.accepts(grammar, '"a"')
+
+
+def test_pattern_properties_overlapping_a_listed_property(small_vocab) -> None:
+    """xgrammar let a listed property take the pattern's schema instead of both."""
+    schema = {"type": "object", "properties": {"a": {"type": ["null", "integer"]}},
+              "propertyNames": {"maxLength": 1}}
+    with pytest.raises(UnsupportedConstraintError, match="matches the listed property 'a'"):
+        _compile(_checker("xgrammar", small_vocab), schema)
+    auto = _auto(small_vocab)
+    grammar = _compile(auto, schema)
+    assert auto.accepts(grammar, '{"a":1}') and not auto.accepts(grammar, '{"a":12.5}')
+
+
+def test_patterns_match_anywhere_in_the_string(small_vocab) -> None:
+    """A pattern is searched for, not matched whole: xgrammar refused "ax" for `^a`."""
+    assert anchor("^a") == "^(?:a)[\\s\\S]*$" and anchor("x") == "^[\\s\\S]*(?:x)[\\s\\S]*$"
+    assert anchor("^a$|^b$") == "^a$|^b$" and anchor("^a|b$") is None
+    checker = _checker("xgrammar", small_vocab)
+    grammar = _compile(checker, {"type": "string", "pattern": "^a"})
+    assert checker.accepts(grammar, '"ax"') and not checker.accepts(grammar, '"xa"')
+    with pytest.raises(UnsupportedConstraintError, match="anchor or word boundary"):
+        _compile(checker, {"type": "string", "pattern": "^a|b$"})
+
+
+def test_ipv4_with_leading_zeros(small_vocab) -> None:
+    """xgrammar writes octets with leading zeros ("088.81.46.77"), which ipv4 forbids."""
+    assert not is_valid("088.81.46.77", {"type": "string", "format": "ipv4"})
+    with pytest.raises(UnsupportedConstraintError, match="format 'ipv4'"):
+        _compile(_checker("xgrammar", small_vocab), {"type": "string", "format": "ipv4"})
+
+
+@pytest.mark.parametrize("schema, what", [
+    ({"type": "integer"}, "numbers"),
+    ({"type": "array"}, "array items of any type"),
+    ({"type": "object", "additionalProperties": False}, "listing no property"),
+    ({"type": "array", "items": {"type": "string"}, "maxItems": 0}, "'maxItems: 0'"),
+    ({"type": "string", "maxLength": 5}, "'maxLength'"),
+])
+def test_what_lm_format_enforcer_gets_wrong(schema: dict[str, Any], what: str,
+                                           small_vocab) -> None:
+    """Found by the check: `76.E02` for a number, any key in a closed empty object, items
+    beside `maxItems: 0`, strings one character past `maxLength`."""
+    with pytest.raises(UnsupportedConstraintError, match=what):
+        _compile(_checker("lm-format-enforcer", small_vocab), schema)
+
+
+def test_lm_format_enforcer_stops_only_on_json(small_vocab) -> None:
+    """The library read a string as closed after " »" and allowed the stop there."""
+    checker = _checker("lm-format-enforcer", small_vocab)
+    grammar = _compile(checker, {"type": "string", "minLength": 3})
+    tokens = checker.tokenizer.encode('"ab »', add_special_tokens=False)
+    accepted = grammar.validate_tokens(tokens + [checker.eos_id])
+    assert checker.eos_id not in accepted
