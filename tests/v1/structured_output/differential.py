@@ -524,14 +524,14 @@ class Checker:
         texts: dict[str, Any] = {}
         walk_rng = np.random.default_rng(rng.randrange(1 << 30))
         for _ in range(num_walks):
+            # A fresh grammar per walk: the engine never rolls a grammar back past its stop.
+            walker = self.backend.compile_grammar(params)
             try:
-                tokens, stopped = random_walk(grammar, self.vocab, walk_rng, max_steps=200)
+                tokens, stopped = random_walk(walker, self.vocab, walk_rng, max_steps=200)
             except AssertionError as e:
                 # A mask that leads nowhere fails the request; it never writes a wrong output.
                 tally.findings.append(Finding(self.name, "dead end", schema, "", str(e)[:300]))
                 return
-            finally:
-                grammar.rollback(grammar.num_processed_tokens)
             if stopped:
                 text = self.tokenizer.decode(tokens[:-1])
                 try:

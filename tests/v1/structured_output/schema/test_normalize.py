@@ -215,9 +215,13 @@ _KEY_PROBES: list[Any] = [{}, [], "x"] + [
          "propertyNames": {"pattern": "^[a-z]"}},
         {"type": "object", "properties": {"a": {}}, "additionalProperties": False,
          "propertyNames": {"pattern": "^a"}},
+        {"type": "object", "propertyNames": {"enum": ["a", "b"]},
+         "additionalProperties": {"type": "integer"}},
+        {"type": "object", "properties": {"a": {"type": "string"}},
+         "propertyNames": {"enum": ["a", "bb"]}},
     ],
     ids=["pattern", "length_with_extra_schema", "length_range", "listed_keys_match",
-         "closed_object"],
+         "closed_object", "names_with_extra_schema", "names_beside_listed"],
 )
 def test_property_names_become_pattern_properties(schema: dict[str, Any]) -> None:
     out = _compare(schema, _KEY_PROBES, exact=True)
@@ -230,7 +234,7 @@ def test_property_names_that_cannot_be_rewritten_stay() -> None:
         {"propertyNames": {"pattern": "^a", "maxLength": 3}},
         {"properties": {"a": {}}, "additionalProperties": {"type": "string"},
          "propertyNames": {"pattern": "^a"}},
-        {"propertyNames": {"enum": ["a", "b"]}},
+        {"propertyNames": {"enum": ["a", 1]}},
     ]:
         # It stays; its pattern is only written to match whole names (patterns.anchor).
         want = dict(schema["propertyNames"])

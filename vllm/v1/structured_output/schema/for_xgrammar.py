@@ -28,7 +28,7 @@ from vllm.v1.structured_output.schema.lengths import fold_lengths
 
 # xgrammar accepts these keywords but does not enforce them.
 _XGRAMMAR_UNENFORCED = (
-    "not", "if", "then", "else", "contains", "minContains", "maxContains",
+    "not", "if", "then", "else", "contains", "minContains", "maxContains", "propertyNames",
     "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
     "unevaluatedItems",
 )
@@ -172,6 +172,15 @@ def _check_xgrammar_node(node: Any, path: str) -> None:
     if node.get("format") == "ipv4":
         # Found by the differential check: "088.81.46.77" passed.
         raise bad("format 'ipv4' is written with leading zeros ('004'), which it forbids")
+    if node.get("format") in ("date", "date-time", "time"):
+        # Found by the differential check: "2023-02-30" and "09:37:60-23:38" passed.
+        raise bad(f"format {node['format']!r} admits days past the month's end and "
+                  "seconds of 60")
+    extra = node.get("additionalProperties")
+    if isinstance(node.get("patternProperties"), dict) and isinstance(extra, dict):
+        # "xq": "a" passed the additional schema though "^x" asked for an array.
+        raise bad("'patternProperties' beside an 'additionalProperties' schema (a key "
+                  "matching a pattern may take the additional schema instead)")
     if "format" in node and "pattern" in node:
         # xgrammar 0.2.9 enforces the format alone ("ftp://a" passed `^https?://` beside
         # `format: uri`; found by a walk through the corpus).

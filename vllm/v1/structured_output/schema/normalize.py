@@ -197,6 +197,25 @@ def _check_shapes(node: dict[str, Any], path: str) -> None:
             raise GrammarCompileError(_FIELD, f"at {path}: {key!r} must list strings")
 
 
+def _check_counted_keys(node: dict[str, Any], path: str) -> None:
+    """Refuses `minProperties` that keys no `properties` lists must help reach: a grammar
+    cannot keep such a key from repeating, and JSON keeps the last of repeated keys
+    (`{"b": 1, "b": 2}` passed `minProperties: 2` on xgrammar and llguidance)."""
+    low = node.get("minProperties")
+    if not isinstance(low, int) or isinstance(low, bool) or low < 2:
+        return
+    high = node.get("maxProperties")
+    if isinstance(high, int) and high < low:
+        return  # no value at all, which the satisfiability check names
+    listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = [n for n in node.get("required", []) if n in listed]
+    open_keys = "patternProperties" in node or node.get("additionalProperties", True) is not False
+    if open_keys and len(set(required)) < low:
+        raise UnsupportedConstraintError(
+            _FIELD, f"at {path}: 'minProperties' {low} counted over unlisted keys, which a "
+            "grammar cannot keep from repeating")
+
+
 def _drop_closed_names(node: dict[str, Any]) -> None:
     """Removes listed properties with the schema false from a closed object without
     patternProperties: they may not appear either way, and xgrammar refuses `false`."""
@@ -231,5 +250,6 @@ def _rewrite_node(
             node["additionalProperties"] = False
     distribute_any_of(node, root)
     _drop_closed_names(node)
+    _check_counted_keys(node, path)
 
 

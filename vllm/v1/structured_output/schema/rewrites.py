@@ -29,7 +29,8 @@ from vllm.v1.structured_output.schema.negate import negate
 
 def rewrite_property_names(node: dict[str, Any]) -> None:
     """`propertyNames` that is a pattern or a length range becomes the equivalent
-    `patternProperties` plus `additionalProperties: false`, which the backends enforce.
+    `patternProperties` plus `additionalProperties: false`, and one listing names becomes
+    those names listed in `properties`; the backends enforce both.
 
     Exact when the keys the node lists all match, and when the node has no
     `additionalProperties` schema that would now also apply to its listed keys.
@@ -41,6 +42,8 @@ def rewrite_property_names(node: dict[str, Any]) -> None:
     if not isinstance(names, dict) or "patternProperties" in node:
         return
     keys = {k for k in names if k not in ANNOTATIONS}
+    if keys <= {"enum", "type"} and _names_listed(node, names):
+        return
     if names.get("type", "string") != "string" or keys - {"type", "pattern", "minLength",
                                                            "maxLength"}:
         return
@@ -68,6 +71,26 @@ def rewrite_property_names(node: dict[str, Any]) -> None:
         return
     node["patternProperties"] = {regex: {} if extra is True else extra}
     node["additionalProperties"] = False
+
+
+def _names_listed(node: dict[str, Any], names: dict[str, Any]) -> bool:
+    """`propertyNames: {"enum": [...]}` written as those names listed in `properties` (each
+    with the `additionalProperties` schema unless it has its own) and nothing else allowed;
+    False (and `node` unchanged) when the names are not all strings or a listed key is not
+    among them."""
+    allowed = names.get("enum")
+    if (not isinstance(allowed, list) or not all(isinstance(n, str) for n in allowed)
+            or names.get("type", "string") != "string"):
+        return False
+    listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    if any(name not in allowed for name in listed):
+        return False
+    extra = node.get("additionalProperties", True)
+    node["properties"] = {**listed, **{n: ({} if extra is True else extra)
+                                       for n in allowed if n not in listed}}
+    node["additionalProperties"] = False
+    del node["propertyNames"]
+    return True
 
 
 def rewrite_min_properties(node: dict[str, Any]) -> None:
@@ -305,7 +328,8 @@ def fold_enums(node: Any, root: dict[str, Any]) -> None:
         return
     listed = [node["const"]] if "const" in node else node.get("enum")
     rest = {k: v for k, v in node.items() if k not in ("enum", "const") and k not in ANNOTATIONS}
-    if isinstance(listed, list) and rest:
+    # jsonschema reads `format` as an annotation: no verdict on it here.
+    if isinstance(listed, list) and rest and "format" not in rest:
         verdicts = [decide(value, rest, root) for value in listed]
         if None not in verdicts:
             kept = [value for value, ok in zip(listed, verdicts) if ok]
