@@ -452,11 +452,19 @@ def compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+# The formats jsonschema checks, and correctly, here: without rfc3339-validator it has no
+# `date-time` check and a `time` check that refuses every time ("12:30:00Z" included).
+_FORMAT_CHECKER = jsonschema.FormatChecker(formats=[
+    f for f, sample in FORMATS.items()
+    if f in jsonschema.FormatChecker.checkers and jsonschema.FormatChecker().conforms(sample, f)
+])
+
+
 def is_valid(value: Any, schema: dict[str, Any]) -> bool:
     """`jsonschema`'s verdict under the schema's own draft (exact decimal multipleOf), with
     formats asserted as the engine enforces them."""
     try:
-        validate_json(value, schema, format_checker=jsonschema.FormatChecker())
+        validate_json(value, schema, format_checker=_FORMAT_CHECKER)
     except jsonschema.ValidationError:
         return False
     except (ArithmeticError, ValueError):

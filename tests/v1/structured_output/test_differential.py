@@ -180,3 +180,33 @@ def test_lm_format_enforcer_stops_only_on_json(small_vocab) -> None:
     tokens = checker.tokenizer.encode('"ab »', add_special_tokens=False)
     accepted = grammar.validate_tokens(tokens + [checker.eos_id])
     assert checker.eos_id not in accepted
+
+
+def test_what_the_check_found_at_scale(small_vocab) -> None:
+    """Each found by the 10,000-schema run: refused where the backend would let a wrong
+    value through, served exactly by `auto` where another backend enforces it."""
+    xgrammar = _checker("xgrammar", small_vocab)
+    guidance = _checker("guidance", small_vocab)
+    # Feb 30 passed xgrammar's date; llguidance checks the month.
+    with pytest.raises(UnsupportedConstraintError, match="days past the month's end"):
+        _compile(xgrammar, {"type": "string", "format": "date"})
+    auto = _auto(small_vocab)
+    grammar = _compile(auto, {"type": "string", "format": "date"})
+    assert auto.accepts(grammar, '"2023-02-28"') and not auto.accepts(grammar, '"2023-02-30"')
+    # A propertyNames the rewrites leave (the listed `d` fails it) is no longer ignored.
+    with pytest.raises(UnsupportedConstraintError, match="'propertyNames' keyword"):
+        _compile(xgrammar, {"type": "object", "properties": {"d": {}}, "required": ["d"],
+                            "propertyNames": {"pattern": "^[a-c]$"}})
+    # A key matching a pattern took the additional schema ("xq": "a" past `^x`: array).
+    with pytest.raises(UnsupportedConstraintError, match="beside an 'additionalProperties'"):
+        _compile(xgrammar, {"type": "object", "additionalProperties": {"type": "string"},
+                            "patternProperties": {"^x": {"type": "array"}}})
+    # {"b": 1, "b": 2} passed minProperties 2 on both: JSON keeps the last key.
+    for checker in (xgrammar, guidance):
+        with pytest.raises(UnsupportedConstraintError, match="cannot keep from repeating"):
+            _compile(checker, {"type": "object", "minProperties": 2})
+    # 0 passed exclusiveMinimum 0 beside maximum 0.5 on llguidance (a wider range is fine).
+    with pytest.raises(UnsupportedConstraintError, match="admits 0"):
+        _compile(guidance, {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5})
+    grammar = _compile(guidance, {"type": "number", "exclusiveMinimum": 0, "maximum": 500})
+    assert not guidance.accepts(grammar, "0") and guidance.accepts(grammar, "0.5")

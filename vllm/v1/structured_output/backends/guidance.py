@@ -97,6 +97,7 @@ from vllm.v1.structured_output.backends.guidance_checks import (
     first_line,
     refuse_escape_blind_patterns,
     refuse_fractions,
+    refuse_open_bound,
 )
 from vllm.v1.structured_output.backends.structural_tag_lark import LarkWriter, parse_structural_tag
 from vllm.v1.structured_output.schema.for_xgrammar import GUIDANCE_FORMATS, XGRAMMAR_FORMATS
@@ -403,6 +404,7 @@ class GuidanceBackend(StructuredOutputBackend):
                 spell_out_min_properties(schema)
                 spell_formats(schema, _MISSING_FORMATS)
                 refuse_fractions(schema, "structured_outputs.json")
+                refuse_open_bound(schema, "structured_outputs.json")
             else:
                 # OpenAI's json_object means an object, never a top-level array or scalar.
                 schema = {"type": "object"}

@@ -8,7 +8,11 @@ import re
 from typing import Any
 
 from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
-from vllm.v1.structured_output.schema.facts import drop_fraction_branches
+from vllm.v1.structured_output.schema.facts import (
+    drop_fraction_branches,
+    is_number,
+    subschemas,
+)
 from vllm.v1.structured_output.schema.guidance_patterns import find_escape_blind_pattern
 
 # The longest error message a client gets.
@@ -150,3 +154,20 @@ def check_lark(text: str) -> None:
             f"rule attribute {attribute.group(1)}= (unsupported by llguidance in this engine: "
             "it prevents rollback)",
         )
+
+
+def refuse_open_bound(schema: Any, param: str, path: str = "#") -> None:
+    """Raises UnsupportedConstraintError at a number whose `exclusiveMinimum` is a whole k
+    with an upper bound below k + 1: llguidance 1.9.1 then admits k (`0` passed
+    `exclusiveMinimum: 0, maximum: 0.5`, `2` passed `exclusiveMinimum: 2, maximum: 2.9`;
+    found by the differential check; with a wider range it refuses k, as it should)."""
+    if isinstance(schema, dict):
+        low = schema.get("exclusiveMinimum")
+        highs = [schema[k] for k in ("maximum", "exclusiveMaximum") if is_number(schema.get(k))]
+        if (is_number(low) and float(low).is_integer() and schema.get("type") != "integer"
+                and any(high < low + 1 for high in highs)):
+            raise UnsupportedConstraintError(
+                param, f"at {path}: 'exclusiveMinimum' {low} with a maximum below {low + 1} "
+                f"admits {low} (unsupported by llguidance)")
+        for sub, sub_path in subschemas(schema, path):
+            refuse_open_bound(sub, param, sub_path)

@@ -175,20 +175,22 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
         row = np.zeros(self._vocab.words * 32, dtype=bool)
         try:
             allowed, state = self._library_allowed(tokens)
+            if allowed:
+                row[np.fromiter(allowed, dtype=np.int64, count=len(allowed))] = True
+            # The library keeps each prefix's list (up to the whole vocabulary in free text:
+            # about a megabyte per generated token); the row replaces it.
+            state.allowed_tokens = None
+            # The library may also think it can end where the text is no JSON at all (a
+            # string it read as closed after " »"; found by the differential check).
+            row[list(self._vocab.stop_ids)] = state.parser.can_end() and (
+                not self._json_output or self._is_json(tokens))
+            shortcut = state.parser.shortcut_key()
         except Exception:  # the library's own errors must not reach the engine's step
-            # Nothing allowed: whatever is sampled is rejected and only this request fails.
+            # Nothing allowed: whatever is sampled is rejected and only this request fails
+            # (an AttributeError of the library's parser was found by the differential check).
             logger.exception("lm-format-enforcer failed after %d tokens", len(tokens))
+            row[:] = False
             return row
-        if allowed:
-            row[np.fromiter(allowed, dtype=np.int64, count=len(allowed))] = True
-        # The library keeps each prefix's list (up to the whole vocabulary in free text:
-        # about a megabyte per generated token); the row replaces it.
-        state.allowed_tokens = None
-        # The library may also think it can end where the text is no JSON at all (a
-        # string it read as closed after " »"; found by the differential check).
-        row[list(self._vocab.stop_ids)] = state.parser.can_end() and (
-            not self._json_output or self._is_json(tokens))
-        shortcut = state.parser.shortcut_key()
         if isinstance(shortcut, tuple) and shortcut[:1] == ("json_freetext",):
             row &= ~self._vocab.string_unsafe
         if mine:
