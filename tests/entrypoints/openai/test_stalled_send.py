@@ -10,6 +10,7 @@ import logging
 import pytest
 from starlette.responses import JSONResponse, StreamingResponse
 
+from tests.utils_wait import wait_until
 from vllm.entrypoints.openai.stalled_send import StalledSendGuard
 
 TIMEOUT_S = 0.05
@@ -138,7 +139,6 @@ def test_a_drop_under_uvicorn_logs_one_warning_and_no_error() -> None:
     failed)."""
     import socket
     import threading
-    import time
 
     import uvicorn
 
@@ -178,17 +178,13 @@ def test_a_drop_under_uvicorn_logs_one_warning_and_no_error() -> None:
     client = socket.socket()
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     try:
-        deadline = time.monotonic() + HUNG_S
-        while not server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
+        assert wait_until(lambda: server.started, HUNG_S, 0.01), "uvicorn did not start"
         client.connect(("127.0.0.1", port))
         client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         # The client reads nothing. Wait (bounded) until the app has returned and uvicorn has
         # finished the request's task, i.e. until everything it logs about it is logged.
-        while not (state["returned"] and not server.server_state.tasks):
-            assert time.monotonic() < deadline, "the stalled response was never dropped"
-            time.sleep(0.01)
+        assert wait_until(lambda: state["returned"] and not server.server_state.tasks,
+                          HUNG_S, 0.01), "the stalled response was never dropped"
     finally:
         server.should_exit = True
         thread.join(HUNG_S)
