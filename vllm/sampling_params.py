@@ -31,7 +31,8 @@ LOGIT_BIAS_LIMIT = 100.0
 INT_FIELD_BOUNDS: dict[str, tuple[str, int, int]] = {
     **{
         name: ("int32", -(2**31), 2**31 - 1)
-        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs")
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs",
+                     "thinking_token_budget")
     },
     "seed": ("int64", -(2**63), 2**63 - 1),
 }
@@ -39,7 +40,7 @@ FLOAT32_FIELDS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"
 )
 # Integer fields that may be None (unset).
-_OPTIONAL_INT_FIELDS = frozenset({"seed", "max_tokens", "logprobs"})
+_OPTIONAL_INT_FIELDS = frozenset({"seed", "max_tokens", "logprobs", "thinking_token_budget"})
 _FLOAT32_MAX = 3.4028234663852886e38
 
 
@@ -240,6 +241,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     allowed_token_ids: list[int] | None = None
     # Words that must never appear in the output (matched as token sequences).
     bad_words: list[str] | None = None
+    # Most tokens the reply may write inside its thinking block before the engine ends it
+    # (needs a reasoning parser; None: no limit). See vllm/reasoning/budget.py.
+    thinking_token_budget: int | None = None
     # Filled by the engine from the tokenizer (bad_words as token sequences, each as written
     # and with a leading space); crosses the engine-core boundary with the rest.
     bad_words_token_ids: list[list[int]] | None = None
@@ -299,6 +303,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
                 "min_tokens",
                 f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise bad("thinking_token_budget",
+                      f"must be non-negative, got {self.thinking_token_budget}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not _is_int(self.prompt_logprobs, 0, MAX_LOGPROBS):

@@ -11,6 +11,7 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from vllm.reasoning.budget import ThinkingBudget
     from vllm.v1.structured_output.request import StructuredOutputRequest
 
 
@@ -97,6 +98,8 @@ class Request:
         self.error_message: str | None = None
         # Whose fault FINISHED_ERROR was (see ErrorKind); set with error_message.
         self.error_kind: ErrorKind | None = None
+        # Set by the scheduler when sampling_params.thinking_token_budget is set.
+        self.thinking_budget: ThinkingBudget | None = None
         self.structured_output_request: StructuredOutputRequest | None = None
         if sampling_params.structured_outputs is not None:
             from vllm.v1.structured_output.request import StructuredOutputRequest

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 
 from vllm.model_executor.model_loader.demo_scripted import SCRIPT
@@ -109,6 +110,29 @@ def test_budget_hit_while_thinking(servers, stream) -> None:
         reasoning, content, finish = (
             choice.message.reasoning_content, choice.message.content, choice.finish_reason)
     assert reasoning == "".join(SCRIPT[2:5]) and not content and finish == "length"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_thinking_token_budget_ends_the_thought_and_the_answer_validates(servers, mode) -> None:
+    thought = SCRIPT[SCRIPT.index("<think>") + 1:SCRIPT.index("</think>")]
+    reply = chat(servers[mode], response_format=JSON_FORMAT, temperature=1.0, seed=3,
+                 extra_body={"thinking_token_budget": 3})
+    choice = reply.choices[0]
+    assert choice.message.reasoning_content == "".join(thought[:3])
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    # The Responses API takes the same field.
+    response = servers[mode].client().responses.create(
+        model="demo-think", input="Answer with a digit.", max_output_tokens=40,
+        temperature=0, extra_body={"thinking_token_budget": 2})
+    reasoning = next(item for item in response.output if item.type == "reasoning")
+    assert reasoning.content[0].text == "".join(thought[:2])
+
+
+def test_negative_thinking_token_budget_is_a_400_naming_it(servers) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(servers["sync"], extra_body={"thinking_token_budget": -1})
+    assert e.value.body["param"] == "thinking_token_budget"
 
 
 # ---------------------------------------------------------------------- tools

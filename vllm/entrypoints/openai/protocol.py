@@ -158,6 +158,9 @@ class SamplingRequestFields(OpenAIBaseModel):
     return_tokens_as_token_ids: bool = False
     # Scores of the prompt's tokens: each one's logprob (and the top-k) under those before it.
     prompt_logprobs: int | None = None
+    # Most tokens the reply may think before the engine ends its thinking block (needs
+    # --reasoning-parser).
+    thinking_token_budget: int | None = None
     # Only these token ids may be sampled.
     allowed_token_ids: list[int] | None = None
     # Words that must never appear in the output.

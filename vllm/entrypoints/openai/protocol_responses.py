@@ -88,6 +88,7 @@ class ResponsesRequest(OpenAIBaseModel):
     min_p: float | None = None
     seed: int | None = None
     repetition_penalty: float | None = None
+    thinking_token_budget: int | None = None
     request_id: str | None = None
 
 

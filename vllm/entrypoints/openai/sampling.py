@@ -142,4 +142,5 @@ def _build(
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words,
         prompt_logprobs=prompt_logprobs,
+        thinking_token_budget=request.thinking_token_budget,
     )

@@ -157,6 +157,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatForResponses:
         "min_p": request.min_p,
         "seed": request.seed,
         "repetition_penalty": request.repetition_penalty,
+        "thinking_token_budget": request.thinking_token_budget,
         "stream": request.stream,
         "request_id": request.request_id or _item_id("resp"),
         "parallel_tool_calls": request.parallel_tool_calls,

@@ -85,7 +85,8 @@ class InputProcessor:
         Runs every admission rule of `validation` (the offline LLM and the server both come
         through here). Raises InvalidRequestError for an empty or too-long prompt, a prompt
         plus max_tokens past max_model_len, out-of-vocabulary token ids, invalid structured
-        outputs, and a LoRA adapter that is not enabled, unreadable or unfit for the model.
+        outputs, a thinking_token_budget without a reasoning parser, and a LoRA adapter
+        that is not enabled, unreadable or unfit for the model.
         The engine request carries its own copy of `params`, with the engine's fields
         filled in; `params` itself is left as it was.
         """
@@ -97,6 +98,13 @@ class InputProcessor:
         validation.check_stop_token_ids(params, self.vocab_size)
         if params.structured_outputs is not None:
             self.constraint_checker.validate(params.structured_outputs)
+        budget = params.thinking_token_budget
+        if budget is not None and self.constraint_checker.reasoning_parser is None:
+            raise InvalidRequestError(
+                "thinking_token_budget",
+                "needs a reasoning parser to know where thinking ends (start the server "
+                "with --reasoning-parser)",
+            )
         params = params.clone()
         if params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)

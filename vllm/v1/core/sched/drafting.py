@@ -73,8 +73,11 @@ class Drafter:
     def may_draft(self, request: Request) -> bool:
         """True when drafts for `request` can be verified exactly: its sampling at each
         position depends only on the model and the tokens before it, and its answer (if
-        constrained) has left any thinking block."""
+        constrained, or with a thinking budget) has left any thinking block."""
         if self.proposer is None:
+            return False
+        if request.thinking_budget is not None and request.thinking_budget.active:
+            # Drafts could run past the budget's end, which only a bitmask row enforces.
             return False
         params = request.sampling_params
         if (

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from vllm.exceptions import ErrorKind
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.engine import EngineCoreOutput
@@ -80,14 +82,17 @@ def check_stop(
 
 def append_output_tokens(request: Request, token_ids: list[int], max_model_len: int) -> list[int]:
     """Appends sampled tokens to `request` one by one, advancing its grammar (and reasoning
-    state), until check_stop ends it; returns the tokens kept.
+    state, and thinking budget), until check_stop ends it; returns the tokens kept.
 
     A token its grammar rejects is not appended: the bitmask should have excluded it, so the
     request ends with an INTERNAL error (an engine bug, not the client's fault).
     """
     kept: list[int] = []
     structured_req = request.structured_output_request
+    budget = request.thinking_budget
     for token in token_ids:
+        if budget is not None:
+            budget.advance(token)
         # Thinking tokens (and the `</think>` that ends them) never reach the grammar.
         grammar = (
             structured_req.grammar
@@ -174,15 +179,23 @@ def make_grammar_output(
     """Bitmasks for the live constrained requests that sample in `step` outside a thinking
     block, one row per sampled position (1 + drafts, less the exact fast-forward tokens,
     which are not sampled); None when there are none. Rows of positions that canonical
-    fast-forward forces allow only their canonical token."""
-    ids = [
-        req_id
-        for req_id in step.sampled_req_ids
-        if (r := requests.get(req_id)) is not None
-        and r.structured_output_request is not None
-        and not r.structured_output_request.thinking
-    ]
-    if not ids:
+    fast-forward forces allow only their canonical token. A request whose thinking budget
+    is spent gets one row allowing only its reasoning parser's end token, constrained or
+    not (vllm/reasoning/budget.py)."""
+    ids: list[str] = []
+    # Requests whose thinking budget is spent: their one row allows only the end token.
+    ending: list[tuple[str, int]] = []
+    for req_id in step.sampled_req_ids:
+        request = requests.get(req_id)
+        if request is None:
+            continue
+        budget = request.thinking_budget
+        if budget is not None and budget.must_end:
+            ending.append((req_id, budget.end_id))
+        elif (request.structured_output_request is not None
+              and not request.structured_output_request.thinking):
+            ids.append(req_id)
+    if not ids and not ending:
         return None
     drafts = step.scheduled_spec_decode_tokens
     skip = step.num_fast_forward_tokens
@@ -192,4 +205,18 @@ def make_grammar_output(
                            bitmask, skip)
     rows = [req_id for req_id in ids
             for _ in range(1 + len(drafts.get(req_id, ())) - skip.get(req_id, 0))]
+    if ending:
+        # A request with an active budget never drafts, so one row each.
+        bitmask = np.concatenate([bitmask, only_tokens([t for _, t in ending],
+                                                       bitmask.shape[1])])
+        rows += [req_id for req_id, _ in ending]
     return GrammarOutput(structured_output_request_ids=rows, grammar_bitmask=bitmask.copy())
+
+
+def only_tokens(token_ids: list[int], words: int) -> np.ndarray:
+    """Bitmask rows ([len(token_ids), words] int32), row i allowing token_ids[i] alone."""
+    rows = np.zeros((len(token_ids), words), dtype=np.int32)
+    for i, token in enumerate(token_ids):
+        # The bit pattern of an int32 word whose bit (token % 32) alone is set.
+        rows[i, token // 32] = np.array(1 << (token % 32), dtype=np.uint32).view(np.int32)
+    return rows

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from vllm.config import VllmConfig
 from vllm.exceptions import ErrorKind, InvalidRequestError
+from vllm.reasoning.budget import ThinkingBudget
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.drafting import Drafter
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -110,6 +111,14 @@ class Scheduler:
         """
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already in use")
+        budget = request.sampling_params.thinking_token_budget
+        if budget is not None:
+            parser = (self.structured_output_manager.reasoning_parser
+                      if self.structured_output_manager is not None else None)
+            if parser is None:
+                raise InvalidRequestError("thinking_token_budget", "needs a reasoning parser")
+            request.thinking_budget = ThinkingBudget.start(parser, budget,
+                                                           request.prompt_token_ids)
         if request.use_structured_output:
             assert self.structured_output_manager is not None
             try:

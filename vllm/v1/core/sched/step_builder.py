@@ -101,7 +101,14 @@ class StepBuilder:
             - len(self.spec_tokens.get(request.request_id, ()))
             == request.num_tokens + request.num_output_placeholders
         ]
-        structured = [r for r in sampled if r.use_structured_output]
+        # A request whose thinking budget may run out at this step's sample is masked like a
+        # constrained one: from its confirmed tokens only (so the bitmask may wait).
+        structured = [
+            r for r in sampled
+            if r.use_structured_output or (
+                r.thinking_budget is not None
+                and r.thinking_budget.may_run_out(r.num_output_placeholders))
+        ]
         return SchedulerOutput(
             scheduled_new_reqs=self.new_reqs,
             scheduled_cached_reqs=self.cached,
