@@ -338,11 +338,13 @@ def test_bad_tool_requests_are_400s_naming_the_field(servers, kwargs, param) -> 
 
 @pytest.fixture(scope="module")
 def canonical_server(start_server):
-    """Async, with forced tokens drafted in canonical mode (the mode that changes the most)."""
+    """Async, with forced tokens drafted in canonical mode (the mode that changes the most),
+    and every tool call strict by the server's policy."""
     return start_server("demo-think", "--max-model-len", "1024", "--reasoning-parser", "qwen3",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                         "--async-scheduling",
-                        "--structured-outputs-config.fast_forward", "canonical")
+                        "--structured-outputs-config.fast_forward", "canonical",
+                        "--tool-call-strict", "parameter")
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
@@ -369,3 +371,20 @@ def test_fast_forward_constrains_only_the_answer(canonical_server) -> None:
     assert choice.message.reasoning_content == THOUGHT
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
+def test_strict_policy_makes_calls_of_non_strict_open_tools_valid(canonical_server, sampling):
+    """--tool-call-strict parameter: the client sends no `strict` and open schemas, and every
+    call still names a requested tool and its arguments carry no unlisted property."""
+    open_schemas = {name: {k: v for k, v in schema.items() if k != "additionalProperties"}
+                    for name, schema in SCHEMAS.items()}
+    sent = [{"type": "function", "function": {"name": name, "parameters": schema}}
+            for name, schema in open_schemas.items()]
+    reply = chat(canonical_server, tools=sent, tool_choice="auto", max_tokens=150, **sampling)
+    c = reply.choices[0]
+    assert c.message.tool_calls, c.message
+    for call in c.message.tool_calls:
+        # call_pairs validates against the closed schemas.
+        assert call.function.name in open_schemas
+    assert call_pairs(c.message, c.finish_reason)

@@ -283,8 +283,36 @@ def test_a_chat_request_plans_its_tools_once(monkeypatch) -> None:
 
     monkeypatch.setattr(serving_chat, "plan_tools", counting)
     chat = serving_chat.OpenAIServingChat.__new__(serving_chat.OpenAIServingChat)
-    chat.tool_call_parser = "hermes"
+    chat.tool_call_parser, chat.tool_call_strict = "hermes", "off"
     r = request()
     first = chat.tool_plan(r)
     assert chat.tool_plan(r) is first and len(calls) == 1
     assert chat.tool_plan(request()) is not first and len(calls) == 2
+
+
+@pytest.mark.parametrize("parser", ["hermes", "mistral", "llama3_json", "qwen3_xml"])
+@pytest.mark.parametrize("choice", ["auto", "required", "named"])
+def test_strict_policy_makes_every_function_strict(parser, choice) -> None:
+    """--tool-call-strict: `off` is the client's plan unchanged; `function` is the plan the
+    client would get by marking every function strict; `parameter` that plan with closed
+    objects."""
+    tool_choice = (choice if choice != "named"
+                   else {"type": "function", "function": {"name": "get_weather"}})
+    loose = [{"type": "function", "function": {"name": "add", "parameters": ADD}},
+             {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}}
+              for t in loose]
+
+    def plan_of(tools, policy=None):
+        r = request(tools, tool_choice=tool_choice)
+        args = (r.tools, r.tool_choice, r.parallel_tool_calls, parser)
+        return plan_tools(*args) if policy is None else plan_tools(*args, policy)
+
+    assert plan_of(loose, "off") == plan_of(loose)
+    by_policy = plan_of(loose, "function")
+    assert by_policy == plan_of(strict) and not by_policy.closed
+    assert by_policy.constraint() is not None
+    closed = plan_of(loose, "parameter")
+    assert closed.closed and closed.constraint() == by_policy.constraint()
+    if choice == "auto":
+        assert plan_of(loose).constraint() is None  # no strict function, no constraint

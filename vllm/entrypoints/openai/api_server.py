@@ -75,6 +75,8 @@ class ServerOptions:
     # Reads tool calls out of replies with tool_choice "auto" (--enable-auto-tool-choice
     # --tool-call-parser); None: "auto" is refused.
     tool_call_parser: str | None = None
+    # --tool-call-strict: off, function or parameter (see entrypoints/openai/tools.py).
+    tool_call_strict: str = "off"
     # TLS: serve HTTPS with this key and certificate (both or neither).
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
@@ -107,6 +109,7 @@ def build_app(
     tool_call_parser: str | None = None,
     max_waiting_requests: int | None = None,
     allow_runtime_lora_updating: bool = False,
+    tool_call_strict: str = "off",
 ) -> FastAPI:
     """The FastAPI app serving `engine`. The app's lifespan shuts the engine down at exit.
 
@@ -129,7 +132,7 @@ def build_app(
     if models.lora_validator is not None and runtime_lora_updating_allowed(
             allow_runtime_lora_updating):
         add_lora_routes(app, models, max_body_bytes)
-    add_openai_routes(app, engine, models, gate, tool_call_parser)
+    add_openai_routes(app, engine, models, gate, tool_call_parser, tool_call_strict)
     add_error_handlers(app)
     # Inside the key check: a request without the key is never counted.
     app.add_middleware(InFlightCounter, gate=gate)
@@ -186,12 +189,13 @@ def add_openai_routes(
     models: OpenAIServingModels,
     gate: RequestGate,
     tool_call_parser: str | None,
+    tool_call_strict: str = "off",
 ) -> None:
     """POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize."""
     completion = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models, tool_call_parser)
+    chat = OpenAIServingChat(engine, models, tool_call_parser, tool_call_strict)
     tokenization = OpenAIServingTokenization(chat, models)
-    responses = OpenAIServingResponses(engine, models, tool_call_parser)
+    responses = OpenAIServingResponses(engine, models, tool_call_parser, tool_call_strict)
 
     @app.post("/v1/completions")
     async def create_completion(raw_request: Request) -> Response:
@@ -347,7 +351,7 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
     """
     app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes,
                     options.tool_call_parser, options.max_waiting_requests,
-                    options.allow_runtime_lora_updating)
+                    options.allow_runtime_lora_updating, options.tool_call_strict)
     if options.send_timeout > 0:
         app.add_middleware(StalledSendGuard, timeout_s=options.send_timeout)
     if options.allowed_origins:
@@ -390,6 +394,7 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(
         args.host, args.port, args.api_key, args.uvicorn_log_level, args.max_request_body_bytes,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        tool_call_strict=args.tool_call_strict,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,

@@ -41,7 +41,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     from vllm.engine.arg_utils import EngineArgs, parse_bytes
     from vllm.entrypoints.openai.protocol import DEFAULT_MAX_BODY_BYTES
-    from vllm.entrypoints.openai.tools import TOOL_CALL_PARSERS
+    from vllm.entrypoints.openai.tools import TOOL_CALL_PARSERS, TOOL_CALL_STRICT_LEVELS
 
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="Model directory, .gguf file, hub id ORG/NAME or demo model "
@@ -71,6 +71,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "<function=...><parameter=...>), mistral ([TOOL_CALLS][...]), "
                         "llama3_json (Llama 3.1+: {\"name\", \"parameters\"}); needed by "
                         "--enable-auto-tool-choice.")
+    parser.add_argument("--tool-call-strict", default="off", choices=TOOL_CALL_STRICT_LEVELS,
+                        help="Server policy for tool calls whatever the client sent: function "
+                        "(every call names a requested tool and its arguments follow that "
+                        "tool's parameters schema, as if every tool were strict), parameter "
+                        "(also no properties beyond the listed ones), off (only tools the "
+                        "client marks strict; default).")
     for flag, why in NO_EFFECT_SERVE_FLAGS.items():
         parser.add_argument(flag, action="store_true",
                             help=f"(no effect here: {why}).")

@@ -46,11 +46,14 @@ class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
     def __init__(
-        self, engine: AsyncLLM, models: OpenAIServingModels, tool_call_parser: str | None = None
+        self, engine: AsyncLLM, models: OpenAIServingModels, tool_call_parser: str | None = None,
+        tool_call_strict: str = "off",
     ) -> None:
         super().__init__(engine, models)
         # The --tool-call-parser of a server with --enable-auto-tool-choice, else None.
         self.tool_call_parser = tool_call_parser
+        # --tool-call-strict: off, function or parameter (see tools.py).
+        self.tool_call_strict = tool_call_strict
 
     @property
     def reasoning_parser(self) -> ReasoningParser | None:
@@ -78,7 +81,8 @@ class OpenAIServingChat(OpenAIServing):
                     f"{request.tool_choice or 'auto'!r} with strict or forced tools "
                     "cannot be combined with response_format or structured_outputs",
                 )
-            constraint = StructuredOutputsParams(**{given[0]: given[1]})
+            constraint = StructuredOutputsParams(**{given[0]: given[1]},
+                                                 disable_additional_properties=plan.closed)
         prompt = self.render(request)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
@@ -91,7 +95,8 @@ class OpenAIServingChat(OpenAIServing):
         and kept on the request. Raises InvalidRequestError naming the bad field."""
         if not request._tool_plan_made:
             request._tool_plan = plan_tools(request.tools, request.tool_choice,
-                                            request.parallel_tool_calls, self.tool_call_parser)
+                                            request.parallel_tool_calls, self.tool_call_parser,
+                                            self.tool_call_strict)
             request._tool_plan_made = True
         return request._tool_plan
 

@@ -11,6 +11,12 @@ tool calls are read back out of the model's text (whole, or as stream deltas).
   qwen3_xml). When a function is `strict`, the format's structural tag constrains every
   call's body (strict functions by their schema, the others to a JSON object), so free text
   stays free and calls stay valid.
+
+The server's `--tool-call-strict` policy makes calls strict whatever the client sent:
+`function` treats every function as `strict` (each call names a requested tool and its
+arguments follow that tool's `parameters`), `parameter` also closes every object of those
+schemas (no properties beyond the listed ones, as OpenAI's strict mode), and `off` leaves
+each function as the request says.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from vllm.entrypoints.openai.tool_parsers.calls import JsonCallList, ToolCall, n
 from vllm.exceptions import InvalidRequestError
 
 TOOL_CALL_PARSERS = tuple(sorted(FORMATS))
+# --tool-call-strict levels, weakest first.
+TOOL_CALL_STRICT_LEVELS = ("off", "function", "parameter")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
-__all__ = ["TOOL_CALL_PARSERS", "ToolCall", "ToolCallStream", "ToolPlan", "parse_reply",
+__all__ = ["TOOL_CALL_PARSERS", "TOOL_CALL_STRICT_LEVELS", "ToolCall", "ToolCallStream", "ToolPlan", "parse_reply",
            "plan_tools"]
 
 
@@ -46,6 +54,9 @@ class ToolPlan:
     parallel: bool = True
     # auto: the --tool-call-parser format the model writes calls in.
     parser: str | None = None
+    # --tool-call-strict parameter: every object of the arguments' schemas is closed
+    # (the constraint is compiled with disable_additional_properties).
+    closed: bool = False
 
     def constraint(self) -> tuple[str, Any] | None:
         """(StructuredOutputsParams field, value) of the plan's constraint, or None."""
@@ -125,10 +136,12 @@ def plan_tools(
     tool_choice: Any,
     parallel_tool_calls: bool | None,
     auto_parser: str | None,
+    strict_policy: str = "off",
 ) -> ToolPlan | None:
     """The plan of a request's `tools` / `tool_choice`, or None without tools.
 
-    `auto_parser` is the server's --tool-call-parser when --enable-auto-tool-choice is on.
+    `auto_parser` is the server's --tool-call-parser when --enable-auto-tool-choice is on;
+    `strict_policy` its --tool-call-strict level (see the module docstring).
     Raises InvalidRequestError naming the field: a malformed or duplicate function, a
     `parameters` that is not a JSON schema of an object, a tool_choice without tools or
     naming an unknown function, and `auto` on a server without a tool call parser.
@@ -150,7 +163,7 @@ def plan_tools(
         params = {"type": "object", "properties": {}} if fn.parameters is None else fn.parameters
         check_parameters(params, f"{where}.parameters")
         functions[fn.name] = params
-        if fn.strict:
+        if fn.strict or strict_policy != "off":
             strict.add(fn.name)
     mode, named = _choice(tool_choice, functions)
     if mode == "auto" and auto_parser is None:
@@ -161,7 +174,8 @@ def plan_tools(
         )
     return ToolPlan(mode, functions, frozenset(strict), named,
                     parallel=parallel_tool_calls is not False,
-                    parser=auto_parser if mode == "auto" else None)
+                    parser=auto_parser if mode == "auto" else None,
+                    closed=strict_policy == "parameter")
 
 
 def _choice(tool_choice: Any, functions: dict[str, Any]) -> tuple[str, str | None]:
