@@ -126,8 +126,9 @@ def test_a_ray_actor_killed_while_idle_turns_health_503(start_server, tmp_path) 
     home.mkdir()
     # Short, so the cluster's socket paths fit in it (a long one would send it to /tmp).
     tmp = Path(tempfile.mkdtemp(prefix="vh", dir="/tmp"))
+    # A periodic check far beyond the test's wait: the actor's death must wake the engine.
     server = start_server(MODEL, "--distributed-executor-backend", "ray", "--max-model-len",
-                          "512", "--disable-log-requests",
+                          "512", "--disable-log-requests", "--health-check-interval", "600",
                           env={"HOME": str(home), "TMPDIR": str(tmp)})
     deadline = time.monotonic() + DEADLINE_S
     while not (actors := _ray_worker_pids(server.proc.pid)) and time.monotonic() < deadline:
@@ -135,8 +136,8 @@ def test_a_ray_actor_killed_while_idle_turns_health_503(start_server, tmp_path) 
     assert len(actors) == 1, [(p, cmdline(p)) for p in descendants(server.proc.pid)]
     os.kill(actors[0], signal.SIGKILL)
 
-    r = _poll_health(server, lambda r: r.status_code != 200)
-    assert r.status_code == 503, "the dead actor was not noticed without traffic"
+    r = _poll_health(server, lambda r: r.status_code != 200, deadline_s=15.0)
+    assert r.status_code == 503, "the dead actor was not noticed at once without traffic"
     message = r.json()["error"]["message"]
     assert "RayExecutor: worker rank 0" in message, message
     _assert_clean(r.text)

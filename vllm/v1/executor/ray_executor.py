@@ -48,6 +48,37 @@ _CLOSE_TIMEOUT_S = 5.0
 _PEER_DEATH_GRACE_S = 3.0
 # --ray-placement values and the placement group strategy each one uses.
 PLACEMENTS = {"pack": "PACK", "spread": "SPREAD"}
+# The actors' concurrency group of RayWorker.watch, beside the default one that runs calls.
+_WATCH_GROUP = "watch"
+
+
+class _DeathPipe:
+    """A pipe whose read end turns readable once a rank has died (the executor's death
+    sentinel): written from Ray's callback threads, closed at release."""
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def fire(self) -> None:
+        """Makes the read end readable (once is enough: nobody reads it)."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._write_fd, b"!")
+            except BlockingIOError:  # full: already readable
+                pass
+
+    def close(self) -> None:
+        """Closes both ends. Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self.read_fd)
+                os.close(self._write_fd)
 
 
 def _import_ray() -> Any:
@@ -210,6 +241,7 @@ class _Cluster:
     local: _LocalCluster | None
     placement_group: Any = None
     actors: list[Any] = field(default_factory=list)
+    death_pipe: _DeathPipe | None = None
     released: bool = False
 
     def release(self) -> None:
@@ -234,6 +266,8 @@ class _Cluster:
                 pass
         if self.local is not None:
             self.local.stop(ray)
+        if self.death_pipe is not None:
+            self.death_pipe.close()
 
 
 class RayExecutor(Executor):
@@ -296,7 +330,7 @@ class RayExecutor(Executor):
         ip_of = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
         self._node_ids = [node_of[rank] for rank in range(self.world_size)]
         self.node_ips = [ip_of[node] for node in self._node_ids]
-        actor_class = ray.remote(RayWorker)
+        actor_class = ray.remote(concurrency_groups={_WATCH_GROUP: 1})(RayWorker)
         for rank in range(self.world_size):
             node = node_of[rank]
             local_rank = list(node_of.values())[:rank].count(node)
@@ -322,6 +356,31 @@ class RayExecutor(Executor):
         except FutureTimeoutError:
             raise RuntimeError(f"RayExecutor: ranks {gather.missing()} did not start within "
                                f"{_STARTUP_TIMEOUT_S:.0f} s") from None
+        self._watch(actors)
+
+    def _watch(self, actors: list[Any]) -> None:
+        """Keeps a `watch` call pending on every actor: Ray fails it when the actor dies,
+        which records the death and fires the death pipe, whether or not a call runs."""
+        pipe = self._cluster.death_pipe = _DeathPipe()
+        this = weakref.ref(self)  # the callbacks must not keep the executor alive
+
+        def on_end(rank: int, done: Future) -> None:
+            executor = this()
+            exc = done.exception()
+            if executor is None or exc is None or executor._cluster.released:
+                return
+            if executor._is_death(exc):
+                executor._explain(exc, rank, "between calls")
+                pipe.fire()
+
+        for rank, actor in enumerate(actors):
+            ref = actor.watch.options(concurrency_group=_WATCH_GROUP).remote()
+            ref.future().add_done_callback(lambda done, rank=rank: on_end(rank, done))
+
+    def death_sentinels(self) -> list[int]:
+        """The death pipe's read end (see _watch): readable once any rank has died."""
+        pipe = self._cluster.death_pipe
+        return [] if pipe is None else [pipe.read_fd]
 
     # ------------------------------------------------------------------ calls
 

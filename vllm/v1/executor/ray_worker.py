@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 from vllm.config import VllmConfig
 from vllm.v1.executor import worker_messages
@@ -29,6 +30,7 @@ class RayWorker:
 
     def __init__(self, rank: int, world_size: int, local_rank: int, output_rank: int) -> None:
         self._host = WorkerHost(rank, world_size, local_rank, output_rank)
+        self._closed = threading.Event()
 
     def address(self) -> tuple[str, int]:
         """This node's IP address and a TCP port free on it now (for torch.distributed's
@@ -63,6 +65,14 @@ class RayWorker:
         Ray's RayActorError instead)."""
         return os.getpid()
 
+    def watch(self) -> None:
+        """Returns once this rank is closed. The executor keeps one call of it pending on
+        its own concurrency group (so calls still run one at a time): Ray fails that call
+        the moment the actor dies, which tells the executor at once (RayExecutor
+        .death_sentinels)."""
+        self._closed.wait()
+
     def close(self) -> None:
-        """Leaves the distributed world. Idempotent."""
+        """Leaves the distributed world (and ends a pending `watch`). Idempotent."""
+        self._closed.set()
         self._host.close()
