@@ -10,6 +10,7 @@ import pytest
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from vllm.entrypoints.anthropic.errors import ANTHROPIC_PATHS
 from vllm.entrypoints.openai.api_server import build_app
 from vllm.entrypoints.openai.gate import OPEN_PATHS
 from vllm.v1.metrics.prometheus import PrometheusMetrics
@@ -46,13 +47,15 @@ def test_the_app_has_the_routes_this_test_expects() -> None:
     paths = {path for _, path in _routes()}
     assert {"/health", "/metrics", "/version", "/v1/models", "/v1/completions",
             "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+            "/v1/messages", "/v1/messages/count_tokens",
             "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/openapi.json",
             "/docs"} <= paths
 
 
 @pytest.mark.parametrize("method,path", _routes() + [("GET", "/nowhere"), ("GET", "/v1/x")])
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
-                                     {"Authorization": KEY}, {"Authorization": f"bearer {KEY}x"}])
+                                     {"Authorization": KEY}, {"Authorization": f"bearer {KEY}x"},
+                                     {"x-api-key": f"{KEY}x"}, {"x-api-key": f"Bearer {KEY}"}])
 def test_every_route_but_health_needs_the_key(method: str, path: str, headers) -> None:
     client = TestClient(_app(), raise_server_exceptions=False)
     r = client.request(method, path, headers=headers)
@@ -60,14 +63,20 @@ def test_every_route_but_health_needs_the_key(method: str, path: str, headers) -
         assert r.status_code == 200, r.text
     else:
         assert r.status_code == 401, (method, path, r.status_code, r.text)
-        if method != "HEAD":  # a HEAD answer has no body
+        if method == "HEAD":  # a HEAD answer has no body
+            return
+        if path in ANTHROPIC_PATHS:  # Anthropic's error shape on Anthropic's routes
+            assert r.json()["type"] == "error"
+            assert r.json()["error"]["type"] == "authentication_error"
+        else:
             assert r.json()["error"]["code"] == 401
 
 
 @pytest.mark.parametrize("path", ["/health", "/version", "/metrics", "/v1/models"])
-def test_the_key_opens_every_route(path: str) -> None:
+@pytest.mark.parametrize("headers", [{"Authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}])
+def test_the_key_opens_every_route(path: str, headers: dict[str, str]) -> None:
     client = TestClient(_app(), raise_server_exceptions=False)
-    r = client.get(path, headers={"Authorization": f"Bearer {KEY}"})
+    r = client.get(path, headers=headers)
     assert r.status_code == 200, r.text
 
 

@@ -22,10 +22,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from vllm import __version__
+from vllm.entrypoints.anthropic.errors import ANTHROPIC_PATHS
+from vllm.entrypoints.anthropic.errors import error_response as anthropic_error_response
+from vllm.entrypoints.anthropic.routes import add_anthropic_routes
 from vllm.entrypoints.openai.cli_args import warn_no_effect_flags
 from vllm.entrypoints.openai.drain import DrainingServer
 from vllm.entrypoints.openai.errors import error_response, exception_error
-from vllm.entrypoints.openai.gate import APIKeyMiddleware, InFlightCounter, RequestGate
+from vllm.entrypoints.openai.gate import (
+    APIKeyMiddleware,
+    InFlightCounter,
+    RequestGate,
+    route_path,
+)
 from vllm.entrypoints.openai.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     ChatCompletionRequest,
@@ -133,6 +141,7 @@ def build_app(
             allow_runtime_lora_updating):
         add_lora_routes(app, models, max_body_bytes)
     add_openai_routes(app, engine, models, gate, tool_call_parser, tool_call_strict)
+    add_anthropic_routes(app, engine, models, gate, tool_call_parser, tool_call_strict)
     add_error_handlers(app)
     # Inside the key check: a request without the key is never counted.
     app.add_middleware(InFlightCounter, gate=gate)
@@ -227,12 +236,14 @@ def add_openai_routes(
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Errors in OpenAI's shape: route/method errors keep their status, anything else is a
-    logged 500."""
+    """Errors in OpenAI's shape (Anthropic's on its routes): route/method errors keep their
+    status, anything else is a logged 500."""
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        """Route and method errors (404, 405) in OpenAI's error shape."""
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Route and method errors (404, 405) in the error shape of the API asked."""
+        if route_path(request.scope) in ANTHROPIC_PATHS:
+            return anthropic_error_response(str(exc.detail), exc.status_code)
         return error_response(str(exc.detail), exc.status_code)
 
     @app.exception_handler(Exception)

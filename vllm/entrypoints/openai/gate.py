@@ -12,6 +12,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from vllm.entrypoints.anthropic.errors import ANTHROPIC_PATHS
+from vllm.entrypoints.anthropic.errors import error_response as anthropic_error_response
 from vllm.entrypoints.openai.errors import error_response
 from vllm.entrypoints.openai.protocol import OpenAIBaseModel
 from vllm.entrypoints.openai.request_body import parse_request
@@ -26,34 +28,48 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class APIKeyMiddleware:
-    """Rejects every request without `Authorization: Bearer <api key>` (401), on every route
-    but /health: the API, /metrics, /version and unknown paths alike (so a client without the
-    key cannot even learn which routes exist)."""
+    """Rejects every request without the API key (401), on every route but /health: the API,
+    /metrics, /version and unknown paths alike (so a client without the key cannot even learn
+    which routes exist). The key comes as `Authorization: Bearer <key>` (OpenAI's clients) or
+    `x-api-key: <key>` (Anthropic's); the 401 of an Anthropic route is in Anthropic's shape."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._bearer = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        """Whether either header carries the key (compared in constant time)."""
+        bearer = key = None
+        for name, value in scope.get("headers", ()):
+            # The first of each header counts, as for any repeated single-valued header.
+            if name == b"authorization" and bearer is None:
+                bearer = value
+            elif name == b"x-api-key" and key is None:
+                key = value
+        # Both compared, so the time taken tells nothing about which header came close.
+        by_bearer = hmac.compare_digest(bearer or b"", self._bearer)
+        by_key = hmac.compare_digest(key or b"", self._key)
+        return by_bearer or by_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Passes the request on when its path is open or it carries the key; else a 401."""
-        if scope["type"] == "http" and route_path(scope) not in OPEN_PATHS:
-            given = b""
-            for name, value in scope.get("headers", ()):
-                if name == b"authorization":
-                    given = value
-                    break
-            if not hmac.compare_digest(given, self._expected):
-                response = error_response(
-                    "Unauthorized: a valid API key is required (Authorization: Bearer <key>)",
-                    401,
-                )
-                await response(scope, receive, send)
-                return
+        path = route_path(scope) if scope["type"] == "http" else ""
+        if scope["type"] == "http" and path not in OPEN_PATHS and not self._authorized(scope):
+            message = ("Unauthorized: a valid API key is required (Authorization: Bearer <key> "
+                       "or x-api-key: <key>)")
+            if path in ANTHROPIC_PATHS:
+                response = anthropic_error_response(message, 401)
+            else:
+                response = error_response(message, 401)
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
 # The routes that generate: the overload gate bounds these, and counts each from its first byte.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses",
+                              "/v1/messages"})
 
 
 def route_path(scope: Scope) -> str:

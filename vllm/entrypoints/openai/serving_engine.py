@@ -124,7 +124,7 @@ class OpenAIServing:
         created = int(time.time())
         if request.stream:
             return StreamingResponse(
-                sse_events(self._stream(request, streams, request_id, created, model)),
+                self.event_stream(self._stream(request, streams, request_id, created, model)),
                 media_type="text/event-stream",
             )
         try:
@@ -136,6 +136,11 @@ class OpenAIServing:
         if (failed := finish_error(finals)) is not None:
             return failed.response()
         return json_response(self._response(request, finals, request_id, created, model))
+
+    def event_stream(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The body of a streaming answer: `chunks` framed as this API frames a stream
+        (OpenAI's: then `[DONE]`, a failure as a final error event; see `sse_events`)."""
+        return sse_events(chunks)
 
     async def _collect(self, streams: list[RequestStream]) -> list[RequestOutput]:
         """The final output of each stream, in stream order."""
