@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,8 +34,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -210,6 +213,42 @@ def gauges(base: str) -> dict[str, float]:
     return out
 
 
+@contextlib.contextmanager
+def serve(model: str, server_args: str, port: int
+          ) -> Iterator[tuple[subprocess.Popen | None, Any]]:
+    """Runs `vllm serve MODEL --port PORT SERVER_ARGS` until healthy and yields (process,
+    log file); (None, log) when it exited or was not healthy within 300 s (its log's tail
+    is printed). Stops it (SIGTERM, then SIGKILL after 60 s) on exit."""
+    base = f"http://127.0.0.1:{port}"
+    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", model, "--port", str(port),
+           "--disable-log-requests", *shlex.split(server_args)]
+    # The server's log goes to a file: a pipe nobody reads would fill and block its logging.
+    log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log", delete=False)
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                print(Path(log.name).read_text()[-3000:], file=sys.stderr)
+                yield None, log
+                return
+            time.sleep(1)
+        yield server, log
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo-tiny")
@@ -224,24 +263,9 @@ def main() -> int:
     parser.add_argument("--bad", type=float, default=0.1)
     args = parser.parse_args()
     base = f"http://127.0.0.1:{args.port}"
-    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", args.model, "--port",
-           str(args.port), "--disable-log-requests", *shlex.split(args.server_args)]
-    # The server's log goes to a file: a pipe nobody reads would fill and block its logging.
-    log = tempfile.NamedTemporaryFile("w+", prefix="soak-server-", suffix=".log", delete=False)
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                print(Path(log.name).read_text()[-3000:], file=sys.stderr)
-                return 2
-            time.sleep(1)
+    with serve(args.model, args.server_args, args.port) as (server, log):
+        if server is None:
+            return 2
         capacity = asyncio.run(calibrate(base, args.model, args.calibrate, args.clients, args))
         rate = max(args.load * capacity, args.requests / args.duration)
         rss_start = rss_mib(server.pid)
@@ -253,12 +277,6 @@ def main() -> int:
         time.sleep(2)  # the last stats snapshot
         after = gauges(base)
         rss_end = rss_mib(server.pid)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
     print(f"{args.requests} requests in {elapsed:.0f} s; {json.dumps(tally.counts, sort_keys=True)}")
     print(f"gauges after: {after}; RSS {rss_start:.0f} -> {rss_end:.0f} MiB "
           f"({rss_end / rss_start:.3f}x)")
