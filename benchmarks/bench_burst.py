@@ -47,6 +47,8 @@ class BurstResult:
     admitted_latency_s: list[float] = field(default_factory=list)
     missing_retry_after: int = 0
     peak_waiting: float = 0.0
+    # /metrics answers read during the burst (the peak is only as good as they are many).
+    waiting_samples: int = 0
 
     def summary(self) -> dict[str, float | int]:
         """The counts and latency percentiles, for printing."""
@@ -57,6 +59,7 @@ class BurstResult:
             "other": sum(n for code, n in self.statuses.items() if code not in (200, 503)),
             "missing_retry_after": self.missing_retry_after,
             "peak_waiting": self.peak_waiting,
+            "waiting_samples": self.waiting_samples,
             "p50_s": round(percentile(lat, 0.50), 3),
             "p99_s": round(percentile(lat, 0.99), 3),
             "max_s": round(lat[-1], 3) if lat else 0.0,
@@ -86,8 +89,10 @@ async def burst(base: str, model: str, n: int, max_tokens: int) -> BurstResult:
     async def watch(http: httpx.AsyncClient) -> None:
         while not done.is_set():
             try:
-                result.peak_waiting = max(result.peak_waiting,
-                                          waiting((await http.get("/metrics")).text))
+                text = (await http.get("/metrics")).text
+                if not done.is_set():
+                    result.waiting_samples += 1
+                    result.peak_waiting = max(result.peak_waiting, waiting(text))
             except httpx.HTTPError:
                 pass
             await asyncio.sleep(0.05)
