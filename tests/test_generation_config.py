@@ -67,3 +67,27 @@ def test_server_fills_only_what_the_request_leaves_unset() -> None:
     assert (params.temperature, params.top_k) == (0.0, 5)
     params = _serving({}).sampling_params(CompletionRequest(prompt="x"), 8, None)
     assert (params.temperature, params.top_k) == (1.0, 0)
+
+
+def test_override_generation_config_extends_and_replaces_the_defaults(tmp_path: Path) -> None:
+    model = str(_model_with(tmp_path, SAMPLING))
+    config = ModelConfig(model, override_generation_config={"temperature": 0.5, "min_p": 0.1})
+    assert config.sampling_defaults == {"temperature": 0.5, "top_p": 0.8, "top_k": 20,
+                                        "repetition_penalty": 1.1, "min_p": 0.1}
+    # With "vllm" only the overrides apply; null drops the model's value.
+    only = ModelConfig(model, generation_config="vllm", override_generation_config={"top_k": 5})
+    assert only.sampling_defaults == {"top_k": 5}
+    dropped = ModelConfig(model, override_generation_config={"top_k": None})
+    assert "top_k" not in dropped.sampling_defaults and dropped.sampling_defaults["top_p"] == 0.8
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"max_new_tokens": 9}, "'max_new_tokens' not supported here"),
+    ({"temperature": -1}, r"override-generation-config\.temperature: must be non-negative"),
+    ({"top_k": "x"}, r"override-generation-config\.top_k"),
+    ([0.5], "must be a JSON object"),
+])
+def test_bad_override_generation_config_is_refused(override, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig("demo-tiny", override_generation_config=override)
+

@@ -32,10 +32,11 @@ TINY_MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
 
 
 def hf_config(name: str):
-    """A tiny transformers config for 'qwen3', 'qwen2', 'llama', 'llama3_rope',
+    """A tiny transformers config for 'qwen3', 'qwen2', 'llama', 'llama3_rope', 'mistral',
     'qwen3_moe', 'qwen2_moe' or 'mixtral'."""
     from transformers import (
         LlamaConfig,
+        MistralConfig,
         MixtralConfig,
         Qwen2Config,
         Qwen2MoeConfig,
@@ -54,6 +55,11 @@ def hf_config(name: str):
     if name == "llama3_rope":
         return LlamaConfig(**TINY, tie_word_embeddings=True, rope_scaling=dict(LLAMA3_ROPE),
                            architectures=["LlamaForCausalLM"])
+    if name == "mistral":
+        # head_dim * heads != hidden_size, as Mistral NeMo's; a sliding window of 64 positions
+        # (ModelConfig then serves at most 64 tokens, where full attention is the same).
+        return MistralConfig(**TINY, head_dim=32, sliding_window=64, tie_word_embeddings=False,
+                             architectures=["MistralForCausalLM"])
     if name == "qwen3_moe":
         # Three layers, the middle one dense (mlp_only_layers); renormalised top-k weights.
         fields = {**TINY, "num_hidden_layers": 3}

@@ -252,9 +252,61 @@ def test_reasoning_parser_flag_reaches_the_structured_outputs_config(
         clash.create_engine_config()
     with pytest.raises(ValueError, match="--reasoning-parser: 'mistral' is not one of"):
         serve_args("--structured-outputs-config.reasoning_parser", "mistral").create_engine_config()
-    with pytest.raises(SystemExit):
-        parse("serve", MODEL, "--reasoning-parser", "mistral")
-    assert "invalid choice" in capsys.readouterr().err
+    # Checked once a --reasoning-parser-plugin could have registered the name.
+    with pytest.raises(ValueError, match="--reasoning-parser: 'mistral' is not one of"):
+        serve_args("--reasoning-parser", "mistral").create_engine_config()
+    assert main(["serve", MODEL, "--reasoning-parser", "mistral", "--port", "0"]) == 2
+    assert "--reasoning-parser: 'mistral' is not one of" in capsys.readouterr().err
+
+
+PLUGIN = """
+from vllm.reasoning import ReasoningParserManager
+from vllm.reasoning.qwen3_reasoning_parser import Qwen3ReasoningParser
+
+
+@ReasoningParserManager.register_module("{name}")
+class PluginParser(Qwen3ReasoningParser):
+    always_thinks = True
+"""
+
+
+def test_reasoning_parser_plugin_registers_before_the_name_is_looked_up(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm.reasoning import ReasoningParserManager
+
+    plugin = tmp_path / "my_parsers.py"
+    plugin.write_text(PLUGIN.format(name="from_plugin_flag"))
+    with pytest.raises(ValueError, match="'from_plugin_flag' is not one of"):
+        serve_args("--reasoning-parser", "from_plugin_flag").create_engine_config()
+    config = serve_args("--reasoning-parser", "from_plugin_flag", "--reasoning-parser-plugin",
+                        str(plugin)).create_engine_config().structured_outputs_config
+    assert config.reasoning_parser == "from_plugin_flag"
+    assert config.reasoning_parser_plugin == str(plugin.resolve())
+    assert ReasoningParserManager.get_reasoning_parser("from_plugin_flag").always_thinks
+    # Refused at startup, naming the flag: a missing file, and one that raises.
+    assert main(["serve", MODEL, "--reasoning-parser-plugin", str(tmp_path / "no.py"),
+                 "--port", "0"]) == 2
+    assert "--reasoning-parser-plugin: " in capsys.readouterr().err
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ValueError, match="--reasoning-parser-plugin: importing .* RuntimeError: boom"):
+        serve_args("--reasoning-parser-plugin", str(broken)).create_engine_config()
+
+
+def test_enable_in_reasoning_and_override_generation_config_flags() -> None:
+    config = serve_args("--structured-outputs-config.enable_in_reasoning", "true",
+                        "--generation-config", "vllm",
+                        "--override-generation-config", '{"temperature": 0.25}',
+                        ).create_engine_config()
+    assert config.structured_outputs_config.enable_in_reasoning is True
+    assert config.model_config.sampling_defaults == {"temperature": 0.25}
+    assert serve_args().create_engine_config().structured_outputs_config.enable_in_reasoning \
+        is False
+    with pytest.raises(ValueError, match="enable_in_reasoning: must be true or false"):
+        serve_args("--structured-outputs-config.enable_in_reasoning", "1").create_engine_config()
+    with pytest.raises(ValueError, match="--override-generation-config: 'do_sample' not"):
+        serve_args("--override-generation-config", '{"do_sample": false}').create_engine_config()
 
 
 def test_speculative_config_flag_builds_the_config() -> None:

@@ -75,6 +75,9 @@ class ModelConfig:
     # --generation-config: "auto" (the model's generation_config.json gives the sampling
     # defaults of requests that leave a field unset), "vllm" (none), or a directory.
     generation_config: str = "auto"
+    # --override-generation-config: sampling defaults (SAMPLING_DEFAULT_KEYS) laid over those
+    # of the generation config (alone with generation_config "vllm"); a request's own wins.
+    override_generation_config: dict[str, Any] | None = None
     # Resolved in __post_init__.
     model_dir: Path = field(init=False)
     hf_config: Any = field(init=False, repr=False)
@@ -136,6 +139,19 @@ class ModelConfig:
         self.device = default_device()
         self.torch_dtype = self._resolve_dtype()
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        window = sliding_window_of(self.hf_config)
+        if window is not None and window < limit and self.max_model_len is None:
+            # Attention here has no window: within it, full attention is exact.
+            logger.warning("sliding_window %d: max_model_len defaults to it (attention here "
+                           "has no window; within it, full attention is the same)", window)
+            self.max_model_len = window
+        if window is not None and self.max_model_len is not None and self.max_model_len > window:
+            raise ValueError(
+                f"--max-model-len: {self.max_model_len} exceeds the model's sliding_window "
+                f"({window}); attention here has no sliding window, so only contexts up to "
+                f"{window} tokens (where full attention is the same) are served: give "
+                f"--max-model-len {window} or less"
+            )
         if self.max_model_len is None:
             self.max_model_len = limit
         elif self.max_model_len <= 0:
@@ -168,6 +184,14 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
     def _load_sampling_defaults(self) -> dict[str, Any]:
+        """The generation config's sampling defaults with --override-generation-config laid
+        over them. Raises ValueError naming the flag at fault."""
+        overrides = _check_generation_overrides(self.override_generation_config)
+        # null in an override drops the generation config's value (vLLM's default applies).
+        merged = {**self._read_generation_config(), **overrides}
+        return {k: v for k, v in merged.items() if v is not None}
+
+    def _read_generation_config(self) -> dict[str, Any]:
         if self.generation_config == "vllm":
             return {}
         directory = (self.model_dir if self.generation_config == "auto"
@@ -198,6 +222,45 @@ class ModelConfig:
         from vllm.transformers_utils.gguf_dir import find_gguf
 
         return find_gguf(self.model_dir)
+
+
+def sliding_window_of(hf_config: Any) -> int | None:
+    """The sliding attention window a model's config asks for, None when its layers attend
+    to every earlier position (no `sliding_window`, `use_sliding_window` false, or no layer
+    of `layer_types` a sliding one). Query i sees key j when i - j < window."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window or getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def _check_generation_overrides(overrides: object) -> dict[str, Any]:
+    """--override-generation-config as sampling defaults: a JSON object whose keys are among
+    SAMPLING_DEFAULT_KEYS and whose values SamplingParams accepts. Raises ValueError naming
+    the flag (and the key) otherwise, so that no request fails later for the operator's
+    mistake and no key is silently dropped."""
+    flag = "--override-generation-config"
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{flag}: must be a JSON object, got {overrides!r}")
+    unknown = sorted(set(overrides) - set(SAMPLING_DEFAULT_KEYS))
+    if unknown:
+        raise ValueError(
+            f"{flag}: {', '.join(map(repr, unknown))} not supported here; only the sampling "
+            f"defaults {', '.join(SAMPLING_DEFAULT_KEYS)} can be set (a request's own value "
+            "still wins)"
+        )
+    from vllm.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as e:
+        raise ValueError(f"{flag}.{e}") from None
+    return dict(overrides)
 
 
 def _load_hf_config(model_dir: Path) -> Any:
@@ -366,7 +429,8 @@ class LoRAConfig:
 
 
 # Architectures whose linear layers take adapters (dense Llama-family decoders).
-LORA_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                      "Qwen3ForCausalLM")
 
 
 # Verification costs one forward row per draft whether it is kept or not; beyond a handful

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from vllm.options import grammar_server_choices, parse_fast_forward
 from vllm.reasoning import PARSERS
@@ -42,6 +43,14 @@ class StructuredOutputsConfig:
     # How replies mark their thinking (qwen3, deepseek_r1; `vllm serve --reasoning-parser`):
     # the constraint applies only to the answer after `</think>` (docs/architecture.md §5).
     reasoning_parser: str | None = None
+    # --reasoning-parser-plugin: a Python file imported before `reasoning_parser` is looked
+    # up (here, and again in each engine-core process), so the parsers it registers with
+    # `@ReasoningParserManager.register_module("name")` can be named.
+    reasoning_parser_plugin: str | None = None
+    # With a reasoning parser, constrain the thinking too: the grammar applies from the
+    # reply's first token, as if there were no reasoning parser (the server still splits
+    # the text into reasoning and content). Off: only the answer after `</think>`.
+    enable_in_reasoning: bool = False
     # Compile workers: processes that check constraints in the API server (a worker past the
     # time limit is killed), and threads per lane in the engine. None: half the CPUs this
     # process may run on, at least 2 and at most 8.
@@ -77,6 +86,12 @@ class StructuredOutputsConfig:
             raise ValueError(
                 f"--structured-outputs-config.backend: {self.backend!r} is not one of "
                 f"{', '.join(grammar_server_choices())}"
+            )
+        self.import_reasoning_parser_plugin()
+        if not isinstance(self.enable_in_reasoning, bool):
+            raise ValueError(
+                "--structured-outputs-config.enable_in_reasoning: must be true or false, got "
+                f"{self.enable_in_reasoning!r}"
             )
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(
@@ -115,6 +130,18 @@ class StructuredOutputsConfig:
                 "--structured-outputs-config.max_whitespace: must be an integer in "
                 f"[0, {MAX_WHITESPACE_LIMIT}] or null, got {self.max_whitespace!r}"
             )
+
+    def import_reasoning_parser_plugin(self) -> None:
+        """Imports `reasoning_parser_plugin` (once per process; no-op without one), running
+        the user's module so its parsers register. Raises ValueError naming
+        --reasoning-parser-plugin when the file is missing or fails to import."""
+        if self.reasoning_parser_plugin:
+            from vllm.reasoning import ReasoningParserManager
+
+            ReasoningParserManager.import_reasoning_parser(self.reasoning_parser_plugin)
+            # Absolute, so an engine-core process finds it whatever its working directory.
+            self.reasoning_parser_plugin = str(
+                Path(self.reasoning_parser_plugin).expanduser().resolve())
 
     @property
     def num_compile_workers(self) -> int:

@@ -79,6 +79,12 @@ class EngineArgs:
                        "top_k, min_p, repetition_penalty) default to the model's "
                        "generation_config.json; vllm: to vLLM's own defaults; or a directory "
                        "holding a generation_config.json."))
+    override_generation_config: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help("JSON object of sampling defaults laid over --generation-config's, e.g. "
+                       "'{\"temperature\": 0.5}' (keys: temperature, top_p, top_k, min_p, "
+                       "repetition_penalty; null drops the model's value); a request's own "
+                       "value still wins. Other keys are refused.", type=json.loads))
     tokenizer: str | None = field(
         default=None,
         metadata=_help("Tokenizer directory or hub id (default: the model's)."))
@@ -197,8 +203,16 @@ class EngineArgs:
     reasoning_parser: str | None = field(
         default=None,
         metadata=_help("How the model marks its thinking: replies get `reasoning_content`, "
-                       "and structured outputs constrain only the answer after </think>.",
-                       choices=tuple(sorted(PARSERS))),
+                       "and structured outputs constrain only the answer after </think>. "
+                       f"Built in: {', '.join(sorted(PARSERS))}; or a name registered by "
+                       "--reasoning-parser-plugin."),
+    )
+    reasoning_parser_plugin: str | None = field(
+        default=None,
+        metadata=_help("A Python file imported (in the server and in each engine-core "
+                       "process) before --reasoning-parser is looked up: the parsers it "
+                       "registers with @ReasoningParserManager.register_module(\"name\") can "
+                       "be named by --reasoning-parser."),
     )
     structured_outputs_config: dict[str, Any] | StructuredOutputsConfig = field(
         default_factory=dict,
@@ -211,7 +225,9 @@ class EngineArgs:
                        "names it), disable_fallback, disable_any_whitespace, max_whitespace "
                        "(16; null: unbounded), one_of_as_any_of, compile_workers (half the CPUs, 2 to 8), "
                        "max_constraint_length (262144 characters), max_enum_values (8192, "
-                       "enum values of a schema or choices), max_json_depth (128).",
+                       "enum values of a schema or choices), max_json_depth (128), "
+                       "enable_in_reasoning (false; true: with --reasoning-parser the "
+                       "constraint applies from the first token, thinking included).",
                        type=json.loads),
     )
 
@@ -279,6 +295,7 @@ class EngineArgs:
             model=self.model or DEFAULT_MODEL_ID,
             hf_config_path=self.hf_config_path,
             generation_config=self.generation_config,
+            override_generation_config=self.override_generation_config,
             tokenizer=self.tokenizer,
             dtype=self.dtype,
             seed=self.seed,
@@ -306,6 +323,15 @@ class EngineArgs:
                     f"--reasoning-parser {self.reasoning_parser} and "
                     f"--structured-outputs-config.reasoning_parser {given} disagree"
                 )
+        plugin = self.reasoning_parser_plugin
+        if plugin is not None:
+            given = structured_options.get("reasoning_parser_plugin") or plugin
+            if given != plugin:
+                raise ValueError(
+                    f"--reasoning-parser-plugin {plugin} and "
+                    f"--structured-outputs-config.reasoning_parser_plugin {given} disagree"
+                )
+            structured_options["reasoning_parser_plugin"] = given
         if structured_options.get("disable_any_whitespace") is None:
             structured_options["disable_any_whitespace"] = serves_compact_json(model_config.model)
         structured_config = StructuredOutputsConfig(**structured_options)

@@ -232,6 +232,8 @@ class ReasoningParserManager:
     """The registry of reasoning parsers by name (what `--reasoning-parser NAME` picks)."""
 
     reasoning_parsers: dict[str, type[ReasoningParser]] = {}
+    # Resolved paths of the plugin files this process has imported.
+    _plugins_imported: set[str] = set()
 
     @classmethod
     def get_reasoning_parser(cls, name: str | None) -> type[ReasoningParser]:
@@ -281,14 +283,30 @@ class ReasoningParserManager:
     @classmethod
     def import_reasoning_parser(cls, plugin_path: str) -> None:
         """Imports the Python file at `plugin_path` so the parsers it registers can be named
-        (upstream's plugin hook). Raises ValueError when it cannot be loaded."""
-        path = Path(plugin_path)
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        if spec is None or spec.loader is None or not path.is_file():
-            raise ValueError(f"reasoning parser plugin {plugin_path!r} cannot be loaded")
+        (upstream's plugin hook, `--reasoning-parser-plugin`). A file already imported by
+        this process is not run again. Raises ValueError naming the flag when the file is
+        missing or raises while it is imported (with that error)."""
+        path = Path(plugin_path).expanduser().resolve()
+        if str(path) in cls._plugins_imported:
+            return
+        if not path.is_file():
+            raise ValueError(f"--reasoning-parser-plugin: {plugin_path!r} is not a file")
+        # A name of its own, so a plugin called json.py cannot replace the json module.
+        name = f"vllm_reasoning_plugin_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ValueError(f"--reasoning-parser-plugin: {plugin_path!r} is not a Python file")
         module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
-        spec.loader.exec_module(module)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # the user's code: any error is a startup error naming it
+            del sys.modules[name]
+            raise ValueError(
+                f"--reasoning-parser-plugin: importing {plugin_path!r} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        cls._plugins_imported.add(str(path))
 
 
 class _ParserNames(Mapping[str, bool]):

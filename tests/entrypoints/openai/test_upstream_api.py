@@ -1,8 +1,11 @@
 """Upstream vLLM's API surfaces beyond chat and completions, against one real server
-(demo-think with `--reasoning-parser qwen3`, tool calling and an API key): the metric names
-upstream's dashboards read, /tokenize and /detokenize, and /v1/responses."""
+(demo-think with Qwen3's reasoning parser loaded by `--reasoning-parser-plugin`, tool calling
+and an API key): the metric names upstream's dashboards read, /tokenize and /detokenize, and
+/v1/responses."""
 
 from __future__ import annotations
+
+import re
 
 import httpx
 import pytest
@@ -23,11 +26,38 @@ PHASE_HISTOGRAMS = (
 )
 
 
+# The server's reasoning parser comes from a plugin file (--reasoning-parser-plugin): Qwen3's
+# rules under a name of its own, so every reasoning test below runs the plugin's parser. It
+# says which processes built it.
+PLUGIN = """
+import os
+
+from vllm.reasoning import ReasoningParserManager
+from vllm.reasoning.qwen3_reasoning_parser import Qwen3ReasoningParser
+
+
+@ReasoningParserManager.register_module("qwen3_from_plugin")
+class PluginParser(Qwen3ReasoningParser):
+    def __init__(self, tokenizer, *ids):
+        super().__init__(tokenizer, *ids)
+        print(f"plugin parser built in pid {os.getpid()}", flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
-def server(start_server):
-    return start_server(MODEL, "--max-model-len", "1024", "--reasoning-parser", "qwen3",
+def server(start_server, tmp_path_factory):
+    plugin = tmp_path_factory.mktemp("plugin") / "think_plugin.py"
+    plugin.write_text(PLUGIN)
+    return start_server(MODEL, "--max-model-len", "1024",
+                        "--reasoning-parser", "qwen3_from_plugin",
+                        "--reasoning-parser-plugin", str(plugin),
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                         api_key=API_KEY)
+
+
+def test_the_plugin_parser_runs_in_the_server_and_the_engine_core(server) -> None:
+    built = {int(pid) for pid in re.findall(r"plugin parser built in pid (\d+)", server.log())}
+    assert built == {server.proc.pid, server.engine_pid}
 
 
 def test_upstream_request_histograms_count_every_request(server) -> None:
@@ -303,3 +333,33 @@ def test_responses_auto_tool_choice_streams_a_function_call_item(server) -> None
     args = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert args == [calls[0].arguments]
     assert final.tool_choice == "auto" and final.parallel_tool_calls is False
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", {"type": "function", "name": "pick"}])
+def test_responses_stream_function_call_arguments_as_openai_does(server, tool_choice) -> None:
+    """The openai client's own stream helper reassembles the streamed events (call item
+    added, argument deltas, arguments done, item done) into the function call that the
+    same request returns unstreamed."""
+    params = {"type": "object", "properties": {"word": {"enum": ["alpha", "omega"]},
+                                               "n": {"type": "integer", "minimum": 0}},
+              "required": ["word", "n"], "additionalProperties": False}
+    kwargs = dict(model=MODEL, input="Call it.", max_output_tokens=300, temperature=0,
+                  tools=[{"type": "function", "name": "pick", "parameters": params,
+                          "strict": True}],
+                  tool_choice=tool_choice, parallel_tool_calls=False)
+    client = server.client()
+    whole = client.responses.create(**kwargs)
+    want = [(i.name, i.arguments) for i in whole.output if i.type == "function_call"]
+    assert len(want) == 1
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [(i.name, i.arguments) for i in final.output if i.type == "function_call"] == want
+    index = next(e.output_index for e in events if e.type == "response.output_item.added"
+                 and e.item.type == "function_call")
+    mine = [e.type for e in events if getattr(e, "output_index", None) == index]
+    assert mine[0] == "response.output_item.added" and mine[-2:] == [
+        "response.function_call_arguments.done", "response.output_item.done"]
+    assert set(mine[1:-2]) == {"response.function_call_arguments.delta"}
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == want[0][1]

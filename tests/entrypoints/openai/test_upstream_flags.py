@@ -1,5 +1,6 @@
-"""`vllm serve` with an upstream command line: a hub id from the hub cache (offline), and
-upstream flags that have no effect here, which start the server with one warning each."""
+"""`vllm serve` with an upstream command line: a hub id from the hub cache (offline), upstream
+flags that have no effect here, which start the server with one warning each, and the chat
+template and generation-config flags."""
 
 from __future__ import annotations
 
@@ -15,16 +16,26 @@ from tests.utils_wait import wait_until
 
 from .conftest import RemoteServer
 
+CHAT_TEMPLATE = ("{{ greeting }}|{% for m in messages %}{{ m.role }}:{{ m.content }};"
+                 "{% endfor %}")
 NO_EFFECT = ("--disable-frontend-multiprocessing", "--enable-prompt-tokens-details",
              "--log-error-stack", "--disable-log-stats", "--swap-space", "4",
              "--no-enable-chunked-prefill")
 
 
 def test_serve_hub_id_with_upstream_flags(start_server, tmp_path: Path) -> None:
+    """Also --chat-template with --default-chat-template-kwargs, and
+    --override-generation-config over the model's generation config (which sets no
+    temperature: vLLM's 1.0 would apply)."""
     cache = build_hub_cache(tmp_path / "hub")
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     server: RemoteServer = start_server(
         "org/tiny", "--max-model-len", "256", "--tokenizer-mode", "auto",
         "--config-format", "hf", "--load-format", "auto", "--max-num-batched-tokens", "64",
+        "--chat-template", str(template), "--default-chat-template-kwargs",
+        '{"greeting": "hello"}', "--generation-config", "auto",
+        "--override-generation-config", '{"temperature": 0}',
         *NO_EFFECT,
         env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)},
     )
@@ -38,6 +49,24 @@ def test_serve_hub_id_with_upstream_flags(start_server, tmp_path: Path) -> None:
     out = server.client().completions.create(model="org/tiny", prompt="Hi", max_tokens=4,
                                              temperature=0)
     assert out.usage.completion_tokens == 4
+    # The override makes a request that leaves temperature unset greedy; one that sets it
+    # samples (seeded: three samples, not all the greedy text).
+    greedy = out.choices[0].text
+    unset = server.client().completions.create(model="org/tiny", prompt="Hi", max_tokens=4,
+                                               n=3, seed=1)
+    assert [c.text for c in unset.choices] == [greedy] * 3
+    hot = server.client().completions.create(model="org/tiny", prompt="Hi", max_tokens=4,
+                                             n=3, seed=1, temperature=1.0)
+    assert [c.text for c in hot.choices] != [greedy] * 3
+    # The template renders chat messages with the default variables, which a request's
+    # chat_template_kwargs override.
+    for kwargs, want in (({}, "hello|user:Hi;"), ({"greeting": "bye"}, "bye|user:Hi;")):
+        body = {"model": "org/tiny", "messages": [{"role": "user", "content": "Hi"}],
+                "chat_template_kwargs": kwargs}
+        tokens = httpx.post(server.url("/tokenize"), json=body).json()["tokens"]
+        text = httpx.post(server.url("/detokenize"),
+                          json={"model": "org/tiny", "tokens": tokens}).json()["prompt"]
+        assert text == want
 
 
 def test_serve_with_tls_cors_and_a_root_path(start_server, tmp_path: Path) -> None:

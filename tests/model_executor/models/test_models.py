@@ -17,14 +17,14 @@ from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.registry import get_model_class
 
-CHECKPOINTS = ["qwen3", "qwen2", "llama", "llama3_rope", "qwen3_sharded"]
+CHECKPOINTS = ["qwen3", "qwen2", "llama", "llama3_rope", "mistral", "qwen3_sharded"]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, object]]:
     """name -> (checkpoint dir, Hugging Face model with the same weights)."""
     out = {}
-    for i, name in enumerate(["qwen3", "qwen2", "llama", "llama3_rope"]):
+    for i, name in enumerate(["qwen3", "qwen2", "llama", "llama3_rope", "mistral"]):
         path = tmp_path_factory.mktemp(name)
         out[name] = (path, build_checkpoint(name, path, seed=i))
     path = tmp_path_factory.mktemp("qwen3_sharded")
@@ -139,6 +139,19 @@ def test_model_attributes(checkpoints, models) -> None:
     llama = models["llama"]
     assert llama.head_dim == 16
     assert not torch.equal(llama.lm_head.weight, llama.model.embed_tokens.weight)
+
+
+def test_mistral_sliding_window_bounds_max_model_len(checkpoints, models) -> None:
+    """MistralForCausalLM runs as Llama; its sliding_window (64) is honoured by serving no
+    context longer than the window, where full attention is the same."""
+    path = str(checkpoints["mistral"][0])
+    assert type(models["mistral"]).__name__ == "LlamaForCausalLM"
+    assert models["mistral"].head_dim == 32
+    assert ModelConfig(model=path).max_model_len == 64  # the window, not the 256 positions
+    assert ModelConfig(model=path, max_model_len=48).max_model_len == 48
+    with pytest.raises(ValueError, match=r"--max-model-len: 65 exceeds the model's "
+                                         r"sliding_window \(64\)"):
+        ModelConfig(model=path, max_model_len=65)
 
 
 def test_llama3_rope_frequencies_match_transformers(models) -> None:

@@ -607,6 +607,26 @@ def test_reasoning_state_from_prompt_and_first_token(
     assert grammar.num_processed_tokens == (0 if case == "never_closed" else len(SEQ) + 1)
 
 
+@pytest.mark.parametrize("kwargs", SCHEDULING[:2])
+@pytest.mark.parametrize("enable_in_reasoning", [True, False])
+def test_enable_in_reasoning_constrains_from_the_first_token(
+    make: MakeHarness, kwargs: dict, enable_in_reasoning: bool
+) -> None:
+    """structured_outputs_config.enable_in_reasoning: the grammar applies from the first
+    token even though deepseek_r1 says every reply starts thinking; without it, the reply
+    thinks freely (the fake model's tokens) and never reaches the grammar."""
+    h = make(**kwargs)
+    _reasoning(h, "deepseek_r1")
+    h.sched.config.structured_outputs_config.enable_in_reasoning = enable_in_reasoning
+    h.add(make_request("g", [3000, 3001], grammar=" ".join(map(str, SEQ)), max_tokens=6))
+    h.run()
+    if enable_in_reasoning:
+        assert h.tokens["g"] == [*SEQ, GRAMMAR_END] and h.finish_reason("g") == "stop"
+    else:
+        assert h.tokens["g"] == [1000 + k for k in range(6)]
+        assert h.finish_reason("g") == "length"
+
+
 @pytest.mark.parametrize("late", ["think", "end"])
 def test_preempted_while_reasoning_token_in_flight(make: MakeHarness, late: str) -> None:
     """y is preempted with its output 1 in flight: <think>'s successor or the `</think>`

@@ -106,6 +106,10 @@ class ServerOptions:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter exist (with --enable-lora) only with
     # this or VLLM_ALLOW_RUNTIME_LORA_UPDATING (--allow-runtime-lora-updating).
     allow_runtime_lora_updating: bool = False
+    # --chat-template's text (read and checked at startup; None: the model's) and
+    # --default-chat-template-kwargs, handed to the engine's input processor.
+    chat_template: str | None = None
+    default_chat_template_kwargs: dict[str, object] = field(default_factory=dict)
 
 
 def build_app(
@@ -360,6 +364,8 @@ def run_server(engine: AsyncLLM, models: OpenAIServingModels, metrics: Prometheu
 
     KeyboardInterrupt (Ctrl-C, or SIGTERM as the CLI maps it) propagates after the cleanup.
     """
+    engine.processor.chat_template = options.chat_template
+    engine.processor.default_chat_template_kwargs = dict(options.default_chat_template_kwargs)
     app = build_app(engine, models, metrics, options.api_key, options.max_request_body_bytes,
                     options.tool_call_parser, options.max_waiting_requests,
                     options.allow_runtime_lora_updating, options.tool_call_strict)
@@ -385,6 +391,7 @@ def _sigterm_to_interrupt(signum: int, frame: object) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Runs `vllm serve`; returns 0 after a clean shutdown, non-zero when startup fails."""
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.chat_utils import load_chat_template, parse_template_kwargs
 
     if args.model_tag and args.model and args.model_tag != args.model:
         print(f"error: MODEL {args.model_tag!r} and --model {args.model!r} disagree",
@@ -396,6 +403,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model_tag or args.model
     try:
+        chat_template = load_chat_template(args.chat_template)
+        template_kwargs = parse_template_kwargs(args.default_chat_template_kwargs)
         config = engine_args.create_engine_config()
         models = _serving_models(config, args.lora_modules or [], args.lora_allowed_dir)
     except ValueError as e:
@@ -412,6 +421,7 @@ def run_serve(args: argparse.Namespace) -> int:
         root_path=args.root_path, max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout, send_timeout=args.send_timeout,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        chat_template=chat_template, default_chat_template_kwargs=template_kwargs,
     )
     if options.max_waiting_requests is not None and options.max_waiting_requests < 0:
         print("error: --max-waiting-requests: must be at least 0", file=sys.stderr)

@@ -77,6 +77,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "tool's parameters schema, as if every tool were strict), parameter "
                         "(also no properties beyond the listed ones), off (only tools the "
                         "client marks strict; default).")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="The chat template of chat requests (and /v1/responses, "
+                        "/tokenize messages) instead of the model's: a Jinja file, or the "
+                        "template itself inline; checked at startup.")
+    parser.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                        help="Variables every chat template rendering gets, a JSON object "
+                        "(e.g. '{\"enable_thinking\": false}'); a request's "
+                        "chat_template_kwargs override them.")
     for flag, why in NO_EFFECT_SERVE_FLAGS.items():
         parser.add_argument(flag, action="store_true",
                             help=f"(no effect here: {why}).")

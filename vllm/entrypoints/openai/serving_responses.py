@@ -11,9 +11,7 @@ the chat path rejects is reported under its Responses name (`text.format`, `inpu
 from __future__ import annotations
 
 import contextvars
-import json
 import re
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,8 +27,15 @@ from vllm.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     ResponseUsage,
 )
+from vllm.entrypoints.openai.responses_events import (
+    ResponseEvents,
+    call_item,
+    item_id,
+    message_item,
+    reasoning_item,
+)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.streaming import merge_streams, sse
+from vllm.entrypoints.openai.streaming import merge_streams
 from vllm.entrypoints.openai.tools import ToolCall, ToolCallStream, parse_reply
 from vllm.exceptions import InvalidRequestError
 from vllm.lora.request import LoRARequest
@@ -64,11 +69,6 @@ class ChatForResponses(ChatCompletionRequest):
     """The chat request a Responses request becomes, carrying the original for the answer."""
 
     _origin: ResponsesRequest | None = PrivateAttr(default=None)
-
-
-def _item_id(prefix: str) -> str:
-    """A fresh output item id such as `msg_3f2a...`."""
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
@@ -159,7 +159,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatForResponses:
         "repetition_penalty": request.repetition_penalty,
         "thinking_token_budget": request.thinking_token_budget,
         "stream": request.stream,
-        "request_id": request.request_id or _item_id("resp"),
+        "request_id": request.request_id or item_id("resp"),
         "parallel_tool_calls": request.parallel_tool_calls,
     }
     fmt = request.text.format if request.text is not None else None
@@ -343,11 +343,11 @@ class OpenAIServingResponses(OpenAIServingChat):
         item_status = "incomplete" if cut else "completed"
         output: list[dict[str, Any]] = []
         if reasoning is not None:
-            output.append(_reasoning_item(_item_id("rs"), reasoning, item_status))
+            output.append(reasoning_item(item_id("rs"), reasoning, item_status))
         if content is not None and (content.strip() or not calls):
-            output.append(_message_item(_item_id("msg"), content, item_status))
+            output.append(message_item(item_id("msg"), content, item_status))
         for call in calls:
-            output.append(_call_item(call, item_status))
+            output.append(call_item(call.id, call.name, call.arguments, item_status))
         response = self._base(request, request_id, created, model)
         response.output = output
         response.status = "incomplete" if cut else "completed"
@@ -366,7 +366,7 @@ class OpenAIServingResponses(OpenAIServingChat):
     ) -> AsyncIterator[str]:
         """OpenAI's Responses stream events: created, in_progress, then each output item
         (added, its deltas, done) as the model writes it, then completed (or incomplete)."""
-        events = _ResponseEvents()
+        events = ResponseEvents()
         response = self._base(request, request_id, created, model)
         yield events.emit("response.created", response=response.model_dump(mode="json"))
         yield events.emit("response.in_progress", response=response.model_dump(mode="json"))
@@ -396,28 +396,26 @@ class OpenAIServingResponses(OpenAIServingChat):
                                                    parser.initial_state(out.prompt_token_ids))
                     reasoning, content = splitter.update(c.text, c.token_ids)
                 if reasoning:
-                    for e in events.write("reasoning", reasoning):
+                    for e in events.reasoning(reasoning):
                         yield e
+                calls: list[dict[str, Any]] = []
                 if tools is not None:
-                    content, _ = tools.update(content or "")
+                    # A function call's item opens once its name is known; its arguments
+                    # stream as the model writes them.
+                    content, calls = tools.update(content or "")
                     if c.finish_reason is not None and (rest := tools.finish()) is not None:
                         content = (content or "") + rest
-                if content:
-                    for e in events.write("message", content):
-                        yield e
-        for e in events.close_current():
+                for e in [*events.answer(content or ""), *events.tool_calls(calls)]:
+                    yield e
+        cut = finish_reason == "length"
+        for e in events.finish("incomplete" if cut else "completed"):
             yield e
-        # Tool calls are whole items: each is announced once the reply is complete.
         num_reasoning = 0
         if final_out is not None:
             whole = CompletionOutput(index=0, text=text_all, token_ids=token_ids,
                                      finish_reason=finish_reason)
-            _, _, calls, num_reasoning = self._split(final_out, whole, request)
-            for call in calls:
-                for e in events.call(call):
-                    yield e
+            num_reasoning = self._split(final_out, whole, request)[3]
         response.output = events.output
-        cut = finish_reason == "length"
         response.status = "incomplete" if cut else "completed"
         if cut:
             response.incomplete_details = {"reason": "max_output_tokens"}
@@ -425,123 +423,6 @@ class OpenAIServingResponses(OpenAIServingChat):
             response.usage = _usage(final_out, len(token_ids), num_reasoning)
         yield events.emit("response.incomplete" if cut else "response.completed",
                           response=response.model_dump(mode="json"))
-
-
-class _ResponseEvents:
-    """The server-sent events of one Responses stream and the output items they build.
-
-    Numbers every event; text arrives as deltas of the item being written (reasoning or
-    message), which is closed when the other kind starts or the reply ends.
-    """
-
-    def __init__(self) -> None:
-        self.sequence = 0
-        self.output: list[dict[str, Any]] = []
-        # The item being written: ("reasoning" | "message", its id, its text so far).
-        self.current: list[Any] | None = None
-
-    def emit(self, kind: str, **fields: Any) -> str:
-        """One event, numbered in stream order."""
-        body = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return f"event: {kind}\n" + sse(_dumps(body))
-
-    def write(self, kind: str, delta: str) -> list[str]:
-        """Events for `delta` of a `kind` item, opening the item (and closing the other
-        kind's) when needed."""
-        events: list[str] = []
-        if self.current is not None and self.current[0] != kind:
-            events += self.close_current()
-        index = len(self.output)
-        if self.current is None:
-            item_id = _item_id("rs" if kind == "reasoning" else "msg")
-            self.current = [kind, item_id, ""]
-            if kind == "reasoning":
-                added = {"type": "reasoning", "id": item_id, "summary": [],
-                         "content": [], "status": "in_progress"}
-                part = {"type": "reasoning_text", "text": ""}
-            else:
-                added = {"type": "message", "id": item_id, "role": "assistant",
-                         "content": [], "status": "in_progress"}
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            events.append(self.emit("response.output_item.added", output_index=index,
-                                    item=added))
-            events.append(self.emit("response.content_part.added", item_id=item_id,
-                                    output_index=index, content_index=0, part=part))
-        self.current[2] += delta
-        name = ("response.reasoning_text.delta" if kind == "reasoning"
-                else "response.output_text.delta")
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        events.append(self.emit(name, item_id=self.current[1], output_index=index,
-                                content_index=0, delta=delta, **extra))
-        return events
-
-    def close_current(self) -> list[str]:
-        """Events that finish the item being written (none if no item is open)."""
-        if self.current is None:
-            return []
-        kind, item_id, text = self.current
-        self.current = None
-        index = len(self.output)
-        if kind == "reasoning":
-            item = _reasoning_item(item_id, text, "completed")
-            events = [
-                self.emit("response.reasoning_text.done", item_id=item_id, output_index=index,
-                          content_index=0, text=text),
-                self.emit("response.content_part.done", item_id=item_id, output_index=index,
-                          content_index=0, part={"type": "reasoning_text", "text": text}),
-            ]
-        else:
-            item = _message_item(item_id, text, "completed")
-            events = [
-                self.emit("response.output_text.done", item_id=item_id, output_index=index,
-                          content_index=0, text=text, logprobs=[]),
-                self.emit("response.content_part.done", item_id=item_id, output_index=index,
-                          content_index=0, part=item["content"][0]),
-            ]
-        self.output.append(item)
-        events.append(self.emit("response.output_item.done", output_index=index, item=item))
-        return events
-
-    def call(self, call: ToolCall) -> list[str]:
-        """Events announcing one whole function-call item."""
-        item = _call_item(call, "completed")
-        index = len(self.output)
-        events = [
-            self.emit("response.output_item.added", output_index=index,
-                      item={**item, "arguments": "", "status": "in_progress"}),
-            self.emit("response.function_call_arguments.delta", item_id=item["id"],
-                      output_index=index, delta=call.arguments),
-            self.emit("response.function_call_arguments.done", item_id=item["id"],
-                      output_index=index, arguments=call.arguments),
-        ]
-        self.output.append(item)
-        events.append(self.emit("response.output_item.done", output_index=index, item=item))
-        return events
-
-
-def _dumps(body: dict[str, Any]) -> str:
-    """Compact JSON of one event."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-
-
-def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    """A reasoning output item holding the thinking as reasoning text."""
-    return {"type": "reasoning", "id": item_id, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": status}
-
-
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    """An assistant message output item with one output_text part."""
-    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [],
-                         "logprobs": []}]}
-
-
-def _call_item(call: ToolCall, status: str) -> dict[str, Any]:
-    """A function_call output item (its call_id is what a function_call_output answers)."""
-    return {"type": "function_call", "id": _item_id("fc"), "call_id": call.id,
-            "name": call.name, "arguments": call.arguments, "status": status}
 
 
 def _usage(final: RequestOutput, num_output: int, num_reasoning: int) -> ResponseUsage:

@@ -15,6 +15,8 @@ def _classes() -> dict[str, type[nn.Module]]:
 
     return {
         "LlamaForCausalLM": LlamaForCausalLM,
+        # Mistral's decoder is Llama's (a sliding_window is checked by ModelConfig).
+        "MistralForCausalLM": LlamaForCausalLM,
         "MixtralForCausalLM": MixtralForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
         "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

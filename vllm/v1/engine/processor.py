@@ -35,6 +35,10 @@ class InputProcessor:
         self.vocab_size = vllm_config.model_config.vocab_size
         self.max_n = vllm_config.scheduler_config.max_n
         self.lora_validator = LoRAValidator(vllm_config)
+        # --chat-template (None: the tokenizer's own) and --default-chat-template-kwargs
+        # (a request's chat_template_kwargs override them); set by the server.
+        self.chat_template: str | None = None
+        self.default_chat_template_kwargs: dict[str, Any] = {}
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None:
         """Raises InvalidRequestError when `num_prompts` prompts times `n` samples exceed
@@ -60,7 +64,9 @@ class InputProcessor:
         raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a dict")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        """Renders chat messages with the model's chat template (generation prompt added)."""
+        """Renders chat messages with the chat template (`chat_template` when set, else the
+        model's; generation prompt added unless `kwargs` say otherwise). `kwargs` are the
+        template's variables, laid over `default_chat_template_kwargs`."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages", "must be a non-empty list")
         for i, m in enumerate(messages):
@@ -69,7 +75,10 @@ class InputProcessor:
                     f"messages[{i}]",
                     "each message needs a 'role' and 'content'"
                 )
+        kwargs = {**self.default_chat_template_kwargs, **kwargs}
         kwargs.setdefault("add_generation_prompt", True)
+        if self.chat_template is not None:
+            kwargs.setdefault("chat_template", self.chat_template)
         return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
 
     def process(

@@ -58,6 +58,9 @@ class StructuredOutputManager:
                                         lambda: self.backend.allocate_token_bitmask(1))
         self.reasoning_parser: ReasoningParser | None = None
         if self._config.reasoning_parser is not None:
+            # An engine-core process is spawned: a plugin's parsers are registered only once
+            # its module is imported here too.
+            self._config.import_reasoning_parser_plugin()
             self.reasoning_parser = ReasoningParser.create(
                 self._config.reasoning_parser, self._load_tokenizer()
             )
@@ -113,7 +116,9 @@ class StructuredOutputManager:
 
         Side effects: registers the request (see num_live_grammars) until `clear`; the
         scheduler polls `request.structured_output_request.poll(compile_timeout_s)`. With a
-        reasoning parser, sets the request's reasoning state from its prompt.
+        reasoning parser, sets the request's reasoning state from its prompt, unless
+        `enable_in_reasoning` constrains the thinking too (the grammar then applies from the
+        first token, as without a parser).
         Raises RuntimeError after shutdown.
         """
         structured_req = request.structured_output_request
@@ -125,7 +130,7 @@ class StructuredOutputManager:
         ):
             return
         lane = self._lanes.lane(structured_req.params)  # RuntimeError after shutdown
-        if self.reasoning_parser is not None:
+        if self.reasoning_parser is not None and not self._config.enable_in_reasoning:
             structured_req.reasoning_parser = self.reasoning_parser
             structured_req.reasoning = self.reasoning_parser.initial_state(
                 request.prompt_token_ids
