@@ -5,8 +5,8 @@ number of tokens, `</think>`, a blank line and `<tool_call>`. With the qwen3 par
 N below the thought's length must give exactly the thought's first N tokens, then `</think>`,
 then the answer (which follows its constraint); a budget at or above the length changes
 nothing; budget 0 closes the block at once. Greedy and seeded outputs must be the same
-synchronously, with async scheduling, with n-gram drafts, and with two pipeline stages on the
-mp executor.
+synchronously, with async scheduling, with n-gram drafts, with exact fast-forward, and with
+two pipeline stages on the mp executor.
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ ENGINES = {
     "async": dict(async_scheduling=True),
     "async+ngram": dict(async_scheduling=True, speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+    # Exact fast-forward drafts the answer's forced tokens (outputs unchanged).
+    "async+ff": dict(async_scheduling=True, structured_outputs_config={"fast_forward": "exact"}),
     "pp2": dict(async_scheduling=True, pipeline_parallel_size=2,
                 distributed_executor_backend="mp"),
 }
@@ -130,7 +132,7 @@ def reference() -> list[list[int]]:
     return _run("sync")
 
 
-@pytest.mark.parametrize("name", ["async", "async+ngram",
+@pytest.mark.parametrize("name", ["async", "async+ngram", "async+ff",
                                   pytest.param("pp2", marks=pytest.mark.slow)])
 def test_budget_outputs_are_the_same_under_every_engine(reference, name: str) -> None:
     assert _run(name) == reference
