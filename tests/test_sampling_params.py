@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from vllm.sampling_params import (
     MAX_STOP_SEQUENCES,
     MAX_STOP_TOKEN_IDS,
+    RepetitionDetectionParams,
     SamplingParams,
 )
 
@@ -82,3 +84,32 @@ def test_boundary_values_are_accepted(kwargs):
 ])
 def test_has_penalties(kwargs: dict, expected: bool) -> None:
     assert SamplingParams(**kwargs).has_penalties is expected
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"max_pattern_size": 4, "min_count": 1}, "min_count"),
+    ({"max_pattern_size": 4}, "min_count"),
+    ({"max_pattern_size": 3, "min_pattern_size": 4, "min_count": 2}, "min_pattern_size"),
+    ({"max_pattern_size": -1}, "max_pattern_size"),
+    ({"max_pattern_size": 65537, "min_count": 2}, "max_pattern_size"),
+    ({"max_pattern_size": 4, "min_count": 1001}, "min_count"),
+    ({"max_pattern_size": 2.5, "min_count": 2}, "max_pattern_size"),
+    ({"max_pattern_size": True, "min_count": 2}, "max_pattern_size"),
+    ({"max_pattern": 4}, "max_pattern"),
+])
+def test_repetition_detection_ranges_name_the_field(options: dict, field: str) -> None:
+    with pytest.raises(ValueError) as e:
+        SamplingParams(repetition_detection=options)
+    assert e.value.param == f"repetition_detection.{field}"
+
+
+def test_repetition_detection_is_checked_again_and_crosses_the_engine_boundary() -> None:
+    params = SamplingParams(repetition_detection={"max_pattern_size": 8, "min_count": 3})
+    assert isinstance(params.repetition_detection, RepetitionDetectionParams)
+    assert params.repetition_detection.enabled
+    assert not RepetitionDetectionParams().enabled  # upstream's default: off
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded.repetition_detection == params.repetition_detection
+    params.repetition_detection.min_count = 1
+    with pytest.raises(ValueError, match="repetition_detection.min_count"):
+        params.verify()

@@ -1,4 +1,5 @@
-"""The names the engine's options accept: grammar backends, executors and fast-forward modes.
+"""The names the engine's options accept: grammar backends, executors, fast-forward modes and
+scheduling policies.
 
 The bottom layer (docs/architecture.md section 3): it imports nothing of the engine but its
 exception types, so `config/`, `sampling_params.py` and the argument parser check option
@@ -132,3 +133,13 @@ def parse_request_fast_forward(value: Any) -> str | None:
         raise InvalidRequestError(
             "structured_outputs.fast_forward", str(e).split(": ", 1)[1]
         ) from None
+
+
+# ------------------------------------------------------------- scheduling policies
+
+# --scheduling-policy: "fcfs" admits waiting requests in arrival order and preempts the
+# newest running one; "priority" orders both by a request's `priority` (lower first), then
+# arrival (vllm/v1/core/sched/request_queue.py).
+FCFS = "fcfs"
+PRIORITY = "priority"
+SCHEDULING_POLICIES = (FCFS, PRIORITY)

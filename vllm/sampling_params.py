@@ -103,6 +103,18 @@ def _int_keys(bias: Any) -> Any:
     return out
 
 
+def _repetition_params(options: dict[str, Any]) -> RepetitionDetectionParams:
+    """repetition_detection given as a dict; an unknown key is refused by name."""
+    known = {f.name for f in fields(RepetitionDetectionParams)}
+    unknown = sorted(str(k) for k in options if k not in known)
+    if unknown:
+        raise InvalidRequestError(
+            f"repetition_detection.{unknown[0]}",
+            f"unknown field; known: {', '.join(sorted(known))}",
+        )
+    return RepetitionDetectionParams(**options)
+
+
 def _is_unicode(text: str) -> bool:
     """False when `text` holds a lone surrogate (it cannot be encoded as UTF-8)."""
     try:
@@ -205,6 +217,56 @@ class StructuredOutputsParams:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+# Bounds of repetition_detection (upstream vLLM's): the longest pattern looked for, and the
+# most repeats a request may ask to see before it stops.
+MAX_PATTERN_SIZE = 65536
+MAX_MIN_COUNT = 1000
+
+
+@dataclass
+class RepetitionDetectionParams:
+    """Stops a request whose output ends in one pattern of `min_pattern_size` to
+    `max_pattern_size` tokens repeated `min_count` times in a row (upstream vLLM's fields).
+
+    `max_pattern_size` 0 turns detection off; `min_pattern_size` 0 means 1. The request
+    finishes with finish_reason "stop" and stop_reason "repetition_detected"
+    (vllm/v1/core/sched/repetition.py). Raises InvalidRequestError naming the field when a
+    value is not an integer in its range.
+    """
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        def field_error(name: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"repetition_detection.{name}", why)
+
+        for name, high in (("max_pattern_size", MAX_PATTERN_SIZE),
+                           ("min_pattern_size", MAX_PATTERN_SIZE),
+                           ("min_count", MAX_MIN_COUNT)):
+            value = getattr(self, name)
+            if not _is_int(value, 0, high):
+                raise field_error(name, f"must be an integer in [0, {high}], got {value!r}")
+        if self.min_pattern_size > self.max_pattern_size:
+            raise field_error(
+                "min_pattern_size",
+                f"must be at most max_pattern_size ({self.max_pattern_size}), got "
+                f"{self.min_pattern_size}",
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            # One occurrence of a pattern is no repetition: every output would stop at once.
+            raise field_error(
+                "min_count",
+                f"must be at least 2 when max_pattern_size is set, got {self.min_count}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when detection is on (max_pattern_size above 0)."""
+        return self.max_pattern_size > 0
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """How to generate tokens for one request (OpenAI-compatible semantics).
 
@@ -234,6 +296,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Stop a request stuck in a loop (see RepetitionDetectionParams; a dict is accepted).
+    repetition_detection: RepetitionDetectionParams | None = None
     # Token id -> bias added to its logit before sampling, in [-100, 100] (keys may be given
     # as decimal strings, as OpenAI's JSON does).
     logit_bias: dict[int, float] | None = None
@@ -259,6 +323,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
             self.top_k = 0
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = _repetition_params(self.repetition_detection)
         if self.logit_bias is not None:
             self.logit_bias = _int_keys(self.logit_bias)
         if self.bad_words is not None and isinstance(self.bad_words, str):
@@ -329,6 +395,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
         if any(not _is_int(t, 0, 2**31 - 1) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative int32 integers")
         self._verify_token_edits(bad)
+        repetition = self.repetition_detection
+        if repetition is not None:
+            if not isinstance(repetition, RepetitionDetectionParams):
+                raise bad("repetition_detection", "must be an object of max_pattern_size, "
+                          "min_pattern_size and min_count")
+            repetition.__post_init__()  # its values may have changed since it was built
 
     def _verify_token_edits(self, bad) -> None:
         """Checks logit_bias, allowed_token_ids and bad_words (vocabulary bounds are checked

@@ -437,3 +437,17 @@ def test_demo_models_serve_compact_json_unless_told(tmp_path) -> None:
     assert compact(EngineArgs(model=str(local))) is False
     assert compact(EngineArgs(model=str(local), structured_outputs_config={
         "disable_any_whitespace": True})) is True
+
+
+def test_scheduling_policy_flag_reaches_the_scheduler_config(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def policy(args: EngineArgs) -> str:
+        return args.create_engine_config().scheduler_config.policy
+
+    assert policy(serve_args()) == "fcfs"
+    assert policy(serve_args("--scheduling-policy", "priority")) == "priority"
+    assert policy(EngineArgs(model=MODEL, scheduling_policy="priority")) == "priority"
+    err = _main_error(capsys, "serve", MODEL, "--scheduling-policy", "lifo")
+    assert "--scheduling-policy" in err and "invalid choice: 'lifo'" in err
+    with pytest.raises(ValueError, match="--scheduling-policy"):
+        EngineArgs(model=MODEL, scheduling_policy="lifo").create_engine_config()

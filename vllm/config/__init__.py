@@ -14,6 +14,7 @@ import torch
 from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
 from vllm.config.parallel import ParallelConfig
 from vllm.config.structured_outputs import StructuredOutputsConfig
+from vllm.options import FCFS, SCHEDULING_POLICIES
 
 logger = logging.getLogger(__name__)
 
@@ -331,10 +332,15 @@ class SchedulerConfig:
     # Most sequences one request may ask for (n, times the prompts of a batched completion):
     # each costs front-end work and memory before the engine can push back.
     max_n: int = 128
+    # --scheduling-policy: "fcfs" or "priority" (vllm.options.SCHEDULING_POLICIES).
+    policy: str = FCFS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs: must be at least 1, got {self.max_num_seqs}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy: must be one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if self.max_n < 1:
             raise ValueError(f"--max-n: must be at least 1, got {self.max_n}")
         if self.max_num_batched_tokens is None:

@@ -25,7 +25,13 @@ from vllm.config import (
 from vllm.model_executor.model_loader.default_model import DEFAULT_MODEL_ID
 from vllm.model_executor.model_loader.demos import serves_compact_json
 from vllm.reasoning import PARSERS
-from vllm.options import describe_executors, executor_names, grammar_server_choices
+from vllm.options import (
+    FCFS,
+    SCHEDULING_POLICIES,
+    describe_executors,
+    executor_names,
+    grammar_server_choices,
+)
 from vllm.v1.structured_output.backends.registry import backends_for, request_only_for
 
 if TYPE_CHECKING:
@@ -147,6 +153,14 @@ class EngineArgs:
         default=128,
         metadata=_help("Most sequences one request may generate (n, times the prompts of a "
                        "batched completion); more is a 400."),
+    )
+    scheduling_policy: str = field(
+        default=FCFS,
+        metadata=_help("fcfs: waiting requests start in arrival order and the newest running "
+                       "request is preempted when KV blocks run out; priority: both go by each "
+                       "request's `priority` (lower first, then arrival), so the lowest-"
+                       "priority running request is preempted. Under fcfs a request's nonzero "
+                       "priority is refused.", choices=SCHEDULING_POLICIES),
     )
     async_scheduling: bool | None = field(
         default=None,
@@ -359,6 +373,7 @@ class EngineArgs:
                 max_model_len=model_config.max_model_len,
                 async_scheduling=resolve_async_scheduling(self.async_scheduling),
                 max_n=self.max_n,
+                policy=self.scheduling_policy,
             ),
             parallel_config=parallel_config,
             structured_outputs_config=structured_config,

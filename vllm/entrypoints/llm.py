@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from vllm import thread_policy
+from vllm.exceptions import InvalidRequestError
 from vllm.lora.request import LoRARequest
 from vllm.outputs import OutputKind, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -61,11 +62,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions for the prompts, in prompt order.
 
         `lora_request` runs every prompt with one adapter, or each with its own (a list,
         one per prompt; None entries use the base model); it needs `enable_lora=True`.
+        `priority` (one per prompt, lower first) orders them when the engine runs
+        `scheduling_policy="priority"`; a dict prompt may carry `cache_salt`.
 
         Every prompt is validated before any is queued, by the rules the server applies
         (`vllm/v1/engine/validation.py`), so a ValueError leaves the engine as it was. Among
@@ -98,7 +102,11 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
-        return self._run(prompts, params_list, use_tqdm, loras)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise InvalidRequestError(
+                "priority", f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params_list, use_tqdm, loras, priorities)
 
     def chat(
         self,
@@ -121,14 +129,15 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         loras: list[LoRARequest | None],
+        priorities: list[int],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         # Validate everything first so a bad prompt queues nothing.
         processed = [
             engine.processor.process(
-                str(next(self._counter)), prompt, params, lora_request=lora
+                str(next(self._counter)), prompt, params, lora_request=lora, priority=priority
             )
-            for prompt, params, lora in zip(prompts, params_list, loras)
+            for prompt, params, lora, priority in zip(prompts, params_list, loras, priorities)
         ]
         ids = [core.request_id for _, core in processed]
         try:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from vllm.exceptions import ErrorKind
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_utils import block_hash_salt
+from vllm.v1.core.sched.repetition import RepetitionDetector
 
 if TYPE_CHECKING:
     from vllm.reasoning.budget import ThinkingBudget
@@ -54,10 +56,21 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
+        """`priority` orders it under --scheduling-policy priority (lower first);
+        `cache_salt` keeps its prefix-cache blocks apart from those of other salts."""
         self.request_id = request_id
         # The adapter the request runs with (None: the base model).
         self.lora_request = lora_request
+        self.priority = priority
+        self.cache_salt = cache_salt
+        # The parent hash of its first KV block: requests share prefix-cache blocks only
+        # when their adapters and cache salts agree.
+        self.block_hash_salt = block_hash_salt(
+            lora_request.cache_salt if lora_request is not None else None, cache_salt
+        )
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -100,6 +113,12 @@ class Request:
         self.error_kind: ErrorKind | None = None
         # Set by the scheduler when sampling_params.thinking_token_budget is set.
         self.thinking_budget: ThinkingBudget | None = None
+        # Watches the outputs for a loop (sampling_params.repetition_detection), else None.
+        repetition = sampling_params.repetition_detection
+        self.repetition_detector = (
+            RepetitionDetector(repetition) if repetition is not None and repetition.enabled
+            else None
+        )
         self.structured_output_request: StructuredOutputRequest | None = None
         if sampling_params.structured_outputs is not None:
             from vllm.v1.structured_output.request import StructuredOutputRequest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -282,3 +283,109 @@ def test_prompt_logprobs_and_echo_scores(client):
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
                                           extra_body={"prompt_logprobs": 0})
     assert chat.model_extra["prompt_logprobs"][0] is None
+
+
+# ---------------------------------------------------------------------- upstream's request fields
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url(path), json={"model": MODEL, **body}, timeout=120)
+
+
+def _stream_chunks(server, path: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streaming request (the closing [DONE] left out)."""
+    chunks = []
+    with httpx.stream("POST", server.url(path), json={"model": MODEL, "stream": True, **body},
+                      timeout=120) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: "):]))
+    return chunks
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_return_token_ids(server, endpoint):
+    if endpoint == "completions":
+        path, body = "/v1/completions", {"prompt": PROMPT}
+        rendered = {"prompt": PROMPT, "add_special_tokens": False}
+    else:
+        path, body = "/v1/chat/completions", {"messages": MESSAGES}
+        rendered = {"messages": MESSAGES}
+    body.update(max_tokens=12, temperature=0, ignore_eos=True, return_token_ids=True)
+    reply = _post(server, path, body).json()
+    choice = reply["choices"][0]
+    text = choice["text"] if endpoint == "completions" else choice["message"]["content"]
+    prompt_ids = (choice if endpoint == "completions" else reply)["prompt_token_ids"]
+    assert len(choice["token_ids"]) == reply["usage"]["completion_tokens"] == 12
+    # The ids are what was generated and what was prompted.
+    back = _post(server, "/detokenize", {"tokens": choice["token_ids"]}).json()["prompt"]
+    assert back == text
+    assert prompt_ids == _post(server, "/tokenize", rendered).json()["tokens"]
+    # Streamed: each chunk's new ids, which add up to the same; the prompt's once, first.
+    chunks = _stream_chunks(server, path, body)
+    streamed = [i for c in chunks for ch in c["choices"] for i in ch.get("token_ids") or []]
+    assert streamed == choice["token_ids"]
+    holders = [c if endpoint == "chat" else c["choices"][0] for c in chunks if c["choices"]]
+    with_prompt = [h["prompt_token_ids"] for h in holders if h.get("prompt_token_ids")]
+    assert with_prompt == [prompt_ids] and holders[0].get("prompt_token_ids") == prompt_ids
+    # Without the field, no ids.
+    plain = _post(server, path, {**body, "return_token_ids": False}).json()
+    assert plain["choices"][0].get("token_ids") is None
+
+
+def test_cache_salt_separates_prefix_cache_hits(server):
+    prompt = "Salted prefix caching keeps tenants apart. " * 12  # several KV blocks
+
+    def cached(**extra) -> int:
+        reply = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, **extra})
+        assert reply.status_code == 200, reply.text
+        details = reply.json()["usage"].get("prompt_tokens_details") or {}
+        return details.get("cached_tokens", 0)
+
+    assert cached() == 0
+    assert cached(cache_salt="tenant-a") == 0  # a salt never shares with no salt
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached() > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("field, value, param", [
+    ("cache_salt", "", "cache_salt"),
+    # This server schedules first come first served: a priority would be ignored.
+    ("priority", 3, "priority"),
+    ("priority", "high", "priority"),
+    ("repetition_detection", {"max_pattern_size": 4, "min_count": 1},
+     "repetition_detection.min_count"),
+    ("repetition_detection", {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2},
+     "repetition_detection.min_pattern_size"),
+    ("repetition_detection", {"max_pattern_size": 70000, "min_count": 2},
+     "repetition_detection.max_pattern_size"),
+    ("repetition_detection", {"max_pattern": 4}, "repetition_detection.max_pattern"),
+])
+def test_bad_upstream_fields_are_a_400_naming_the_field(server, path, field, value, param):
+    body = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": MESSAGES}
+    reply = _post(server, path, {**body, "max_tokens": 2, field: value})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_repetition_detection_stops_a_loop(server, endpoint):
+    # Greedy decoding of the random demo model loops within a few tokens.
+    if endpoint == "completions":
+        path, body = "/v1/completions", {"prompt": PROMPT}
+    else:
+        path, body = "/v1/chat/completions", {"messages": MESSAGES}
+    body.update(max_tokens=40, temperature=0, ignore_eos=True, return_token_ids=True,
+                priority=0)
+    looped = _post(server, path, body).json()["choices"][0]
+    assert looped["finish_reason"] == "length" and len(looped["token_ids"]) == 40
+    detect = {"max_pattern_size": 4, "min_count": 4}
+    stopped = _post(server, path, {**body, "repetition_detection": detect}).json()["choices"][0]
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", "repetition_detected")
+    ids = stopped["token_ids"]
+    assert len(ids) < 40 and ids == looped["token_ids"][:len(ids)]
+    # The tail really repeats: some pattern of 1 to 4 tokens, 4 times in a row.
+    assert any(len(ids) >= 4 * n and ids[-4 * n:] == ids[-n:] * 4 for n in range(1, 5))

@@ -71,6 +71,7 @@ def make_config(
     enable_prefix_caching: bool = True,
     pipeline_parallel_size: int = 1,
     num_speculative_tokens: int = 0,
+    scheduling_policy: str = "fcfs",
 ) -> VllmConfig:
     """A VllmConfig over a copy of `model_config` with the given scheduler and cache sizes."""
     mc = copy.copy(model_config)
@@ -86,6 +87,7 @@ def make_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             async_scheduling=async_scheduling,
+            policy=scheduling_policy,
         ),
         parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
         speculative_config=(
@@ -110,12 +112,15 @@ def make_request(
     *,
     eos_ids: list[int] | None = None,
     grammar: str | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
     **params: object,
 ) -> Request:
     """A Request whose stop ids are set the way the engine sets them.
 
     `prompt` may be a length (tokens 1..n, distinct per request) or a token list; `grammar`
-    is a FakeBackend spec (space-separated token ids the output must follow).
+    is a FakeBackend spec (space-separated token ids the output must follow); `priority`
+    and `cache_salt` are the Request's own.
     """
     if isinstance(prompt, int):
         # Distinct per request id, so that prompts share no prefix-cache blocks by accident.
@@ -125,7 +130,7 @@ def make_request(
         params["structured_outputs"] = StructuredOutputsParams(regex=grammar)
     sp = SamplingParams(temperature=0.0, **params)  # type: ignore[arg-type]
     sp.update_from_model(EOS_IDS if eos_ids is None else eos_ids)
-    return Request(req_id, prompt, sp)
+    return Request(req_id, prompt, sp, priority=priority, cache_salt=cache_salt)
 
 
 def random_specs(

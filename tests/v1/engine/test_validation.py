@@ -186,3 +186,24 @@ def test_an_adapter_needs_lora_enabled() -> None:
     with pytest.raises(InvalidRequestError, match="not enabled") as info:
         check_engine_request([1, 2], _params(), lora, VOCAB, MAX_LEN, None)
     assert info.value.param == "lora_request"
+
+
+def test_priority_needs_the_priority_policy() -> None:
+    validation.check_priority(0, "fcfs")
+    validation.check_priority(-(2**63), "priority")
+    for priority, policy in ((1, "fcfs"), (2**63, "priority"), (True, "priority"),
+                             (1.5, "priority")):
+        with pytest.raises(InvalidRequestError) as info:
+            validation.check_priority(priority, policy)
+        assert info.value.param == "priority"
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
+        validation.check_priority(-1, "fcfs")
+
+
+@pytest.mark.parametrize("salt", ["", 7, b"salt"])
+def test_a_cache_salt_is_a_non_empty_string(salt: object) -> None:
+    validation.check_cache_salt(None)
+    validation.check_cache_salt("tenant")
+    with pytest.raises(InvalidRequestError) as info:
+        validation.check_cache_salt(salt)
+    assert info.value.param == "cache_salt"

@@ -121,6 +121,16 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     fast_forward: Any = None
 
 
+class RepetitionDetectionRequest(OpenAIBaseModel):
+    """The extra-body `repetition_detection` object: stop once the output ends in a pattern of
+    min_pattern_size (0: 1) to max_pattern_size tokens repeated min_count times (ranges are
+    checked by RepetitionDetectionParams, whose messages name the field)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+
 class SamplingRequestFields(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -165,6 +175,14 @@ class SamplingRequestFields(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     # Words that must never appear in the output.
     bad_words: list[str] | None = None
+    # Its place under --scheduling-policy priority (lower first); nonzero under fcfs is a 400.
+    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)
+    # Prefix-cache blocks are shared only with requests of the same salt (non-empty).
+    cache_salt: str | None = None
+    # The reply carries its token ids (`token_ids`) and the prompt's (`prompt_token_ids`).
+    return_token_ids: bool | None = None
+    # Stop a reply stuck in a loop (upstream's RepetitionDetectionParams).
+    repetition_detection: RepetitionDetectionRequest | None = None
 
 
 # ---------------------------------------------------------------------------- completions
@@ -202,6 +220,10 @@ class CompletionChoice(ResponseModel):
     # With prompt_logprobs: None, then per prompt token {token id: {logprob, rank,
     # decoded_token}} (upstream's shape).
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    # With return_token_ids: the generated ids (a stream chunk's new ones) and the prompt's
+    # (a stream sends them in the choice's first chunk).
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class PromptTokensDetails(ResponseModel):
@@ -367,6 +389,8 @@ class ChatChoice(ResponseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With return_token_ids: the reply's token ids.
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -380,6 +404,8 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
     # With prompt_logprobs (see CompletionChoice.prompt_logprobs).
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    # With return_token_ids: the prompt's token ids (the rendered conversation).
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(ResponseModel):
@@ -407,6 +433,8 @@ class ChatStreamChoice(ResponseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # With return_token_ids: the token ids this chunk adds.
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamResponse(ResponseModel):
@@ -418,6 +446,8 @@ class ChatCompletionStreamResponse(ResponseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    # With return_token_ids, in the first chunk: the prompt's token ids.
+    prompt_token_ids: list[int] | None = None
 
 
 # ---------------------------------------------------------------------------- tokenization

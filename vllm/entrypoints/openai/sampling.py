@@ -142,5 +142,7 @@ def _build(
         allowed_token_ids=request.allowed_token_ids,
         bad_words=request.bad_words,
         prompt_logprobs=prompt_logprobs,
+        repetition_detection=(request.repetition_detection.model_dump()
+                              if request.repetition_detection is not None else None),
         thinking_token_budget=request.thinking_token_budget,
     )

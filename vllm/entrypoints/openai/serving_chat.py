@@ -178,6 +178,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs=self._logprobs(c, request) if request.logprobs else None,
                     finish_reason=_finish_reason(c.finish_reason, bool(calls)),
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if request.return_token_ids else None,
                 )
             )
         return ChatCompletionResponse(
@@ -188,6 +189,8 @@ class OpenAIServingChat(OpenAIServing):
             usage=usage_info(len(final.prompt_token_ids), num_generated, final.num_cached_tokens),
             prompt_logprobs=(prompt_logprobs_json(final.prompt_logprobs)
                              if request.prompt_logprobs is not None else None),
+            prompt_token_ids=(list(final.prompt_token_ids) if request.return_token_ids
+                              else None),
         )
 
     async def _stream(
@@ -202,19 +205,23 @@ class OpenAIServingChat(OpenAIServing):
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
         num_prompt = num_generated = num_cached = 0
 
-        def chunk(choices: list[ChatStreamChoice]) -> str:
+        def chunk(choices: list[ChatStreamChoice],
+                  prompt_token_ids: list[int] | None = None) -> str:
             body = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model, choices=choices
+                id=request_id, created=created, model=model, choices=choices,
+                prompt_token_ids=prompt_token_ids,
             )
             if continuous:
                 body.usage = usage_info(num_prompt, num_generated, num_cached)
             return sse(body.model_dump_json())
 
-        # The role comes first, before the first token, as OpenAI sends it.
-        yield chunk([
-            ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-            for i in range(request.n)
-        ])
+        # The role comes first, before the first token, as OpenAI sends it (with
+        # return_token_ids, the prompt's ids come with it, as upstream sends them).
+        yield chunk(
+            [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+             for i in range(request.n)],
+            list(streams[0].prompt_token_ids) if request.return_token_ids else None,
+        )
         parser = self.reasoning_parser
         plan = self.tool_plan(request)
         splitters: dict[int, ReasoningStream] = {}
@@ -253,6 +260,7 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=self._logprobs(c, request) if request.logprobs else None,
                         finish_reason=_finish_reason(c.finish_reason, has_calls),
                         stop_reason=c.stop_reason,
+                        token_ids=list(c.token_ids) if request.return_token_ids else None,
                     )
                 )
             if choices:

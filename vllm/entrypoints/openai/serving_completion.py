@@ -71,6 +71,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse:
         choices = []
         num_prompt = num_generated = num_cached = 0
+        with_ids = bool(request.return_token_ids)
         for p, final in enumerate(finals):
             num_prompt += len(final.prompt_token_ids)
             num_cached += final.num_cached_tokens
@@ -91,6 +92,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         stop_reason=c.stop_reason,
                         prompt_logprobs=(prompt_logprobs_json(final.prompt_logprobs)
                                          if request.prompt_logprobs is not None else None),
+                        token_ids=list(c.token_ids) if with_ids else None,
+                        prompt_token_ids=list(final.prompt_token_ids) if with_ids else None,
                     )
                 )
         choices.sort(key=lambda c: c.index)
@@ -115,6 +118,9 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and bool(request.stream_options.continuous_usage_stats)
         offsets: dict[int, int] = {}
         echoed: set[int] = set()
+        with_ids = bool(request.return_token_ids)
+        # Choices whose prompt token ids were sent (return_token_ids: in its first chunk).
+        ids_sent: set[int] = set()
         prompt_counts: dict[int, int] = {}
         cached_counts: dict[int, int] = {}
         num_generated = 0
@@ -145,15 +151,19 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs = self._with_prompt(out, request, logprobs)
                 if not text and not c.token_ids and c.finish_reason is None:
                     continue
-                choices.append(
-                    CompletionChoice(
-                        index=index,
-                        text=text,
-                        logprobs=logprobs,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                    )
+                choice = CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
                 )
+                if with_ids:
+                    choice.token_ids = list(c.token_ids)
+                    if index not in ids_sent:
+                        ids_sent.add(index)
+                        choice.prompt_token_ids = list(out.prompt_token_ids)
+                choices.append(choice)
             if not choices:
                 continue
             chunk = CompletionStreamResponse(

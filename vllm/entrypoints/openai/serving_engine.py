@@ -118,7 +118,10 @@ class OpenAIServing:
             # A non-streaming request reads only its final output: none is built before.
             kind = OutputKind.DELTA if request.stream else OutputKind.FINAL_ONLY
             lora = self.models.lora_request(model)
-            streams = await self.add_requests(request_id, prompts, params, kind, lora)
+            streams = await self.add_requests(
+                request_id, with_cache_salt(prompts, request.cache_salt), params, kind, lora,
+                priority=request.priority,
+            )
         except (ValueError, EngineDeadError) as e:
             return exception_error(e).response()
         created = int(time.time())
@@ -176,16 +179,18 @@ class OpenAIServing:
         params: SamplingParams,
         kind: OutputKind,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Admits one engine request per prompt (with the adapter of `lora_request`, if
-        any). On any error, aborts the ones admitted and re-raises (ValueError: bad input;
-        EngineDeadError: no engine)."""
+        any, at `priority`). On any error, aborts the ones admitted and re-raises
+        (ValueError: bad input; EngineDeadError: no engine)."""
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
-                    await self.engine.add_request(rid, prompt, params, kind, lora_request)
+                    await self.engine.add_request(rid, prompt, params, kind, lora_request,
+                                                  priority)
                 )
         except BaseException:
             for s in streams:
@@ -213,6 +218,22 @@ class OpenAIServing:
             return []
         ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
         return [(t, finite(lp.logprob)) for t, lp in ranked]
+
+
+def with_cache_salt(prompts: list[Any], cache_salt: str | None) -> list[Any]:
+    """The prompts as the engine takes them with a request's `cache_salt`: each a dict
+    prompt carrying the salt (upstream's prompt field); unchanged without a salt."""
+    if cache_salt is None:
+        return prompts
+    out: list[Any] = []
+    for prompt in prompts:
+        if isinstance(prompt, dict):
+            out.append({**prompt, "cache_salt": cache_salt})
+        elif isinstance(prompt, str):
+            out.append({"prompt": prompt, "cache_salt": cache_salt})
+        else:
+            out.append({"prompt_token_ids": prompt, "cache_salt": cache_salt})
+    return out
 
 
 def usage_info(num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:

@@ -268,11 +268,13 @@ class OpenAIServingResponses(OpenAIServingChat):
         params: SamplingParams,
         kind: OutputKind,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """The chat path's admission, with a rejected constraint reported under the
         Responses field that gave it."""
         try:
-            return await super().add_requests(request_id, prompts, params, kind, lora_request)
+            return await super().add_requests(request_id, prompts, params, kind, lora_request,
+                                              priority)
         except InvalidRequestError as e:
             where = _CONSTRAINT_PARAM.get()
             if where is None or not (e.param or "").startswith("structured_outputs"):

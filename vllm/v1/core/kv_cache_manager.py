@@ -130,7 +130,8 @@ class KVCacheManager:
 
     def allocate_slots(self, request_id: str, num_computed_tokens: int, num_new_tokens: int,
                        token_ids: Sequence[int], new_computed_block_ids: Sequence[int] = (),
-                       num_lookahead_tokens: int = 0) -> list[int] | None:
+                       num_lookahead_tokens: int = 0,
+                       cache_salt: int | None = None) -> list[int] | None:
         """Make the request own enough blocks for its computed, new and lookahead tokens.
 
         `new_computed_block_ids` are prefix hits from `get_computed_blocks` for a request that
@@ -139,6 +140,9 @@ class KVCacheManager:
         None when too few blocks are free, in which case nothing changes.
         Side effects: every owned block full of known tokens (within the first
         min(num_computed_tokens + num_new_tokens, len(token_ids))) is registered in the cache.
+        `cache_salt` starts the hash chain of a request the manager does not know yet (one
+        admitted without a lookup, e.g. with prompt logprobs), as in `get_computed_blocks`,
+        so the blocks it registers are found only under its own salt.
         Raises ValueError on negative counts, or hit ids that are unknown, uncached, repeated,
         given to a request that already owns blocks, or not covered by the token counts.
         """
@@ -163,7 +167,7 @@ class KVCacheManager:
             return None
 
         if state is None:
-            state = self._reqs[request_id] = _RequestBlocks()
+            state = self._reqs[request_id] = _RequestBlocks(salt=cache_salt)
         if hits:
             # Touch before allocating so the new blocks cannot evict the hits.
             self.pool.touch(hits)

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # Stands in for the parent hash of a request's first block. hash(None) is derived from an
 # address in Python 3.11, so it would differ between processes; a fixed int does not.
 ROOT_PARENT_HASH = 0x5EED_B10C_CAC4E
+
+
+def block_hash_salt(lora_salt: int | None, cache_salt: str | None) -> int | None:
+    """The parent hash of a request's first block (None: the common root): its adapter's salt
+    (LoRARequest.cache_salt), mixed with the request's own `cache_salt` string when it has
+    one, so requests share blocks only when both agree."""
+    if cache_salt is None:
+        return lora_salt
+    # A digest, not hash(): str hashes are salted per process (as LoRARequest.cache_salt).
+    key = f"cache_salt\0{lora_salt}\0{cache_salt}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:

@@ -20,6 +20,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     # The adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # Its place under --scheduling-policy priority (lower first; 0 under fcfs).
+    priority: int = 0
+    # Prefix-cache blocks are shared only among requests of the same salt (None: no salt).
+    cache_salt: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -40,9 +40,12 @@ class RequestStream:
     (break, cancellation, client gone) aborts the request in the engine.
     """
 
-    def __init__(self, engine: AsyncLLM, request_id: str, delta: bool) -> None:
+    def __init__(self, engine: AsyncLLM, request_id: str, delta: bool,
+                 prompt_token_ids: list[int] | None = None) -> None:
         self.request_id = request_id
         self.delta = delta
+        # The prompt as the engine runs it, known before its first output.
+        self.prompt_token_ids: list[int] = prompt_token_ids or []
         self.finished = False
         self._engine = engine
         self._pending: RequestOutput | None = None
@@ -230,9 +233,11 @@ class AsyncLLM:
         params: SamplingParams,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Validates, tokenizes and admits a request (run with `lora_request`'s adapter, if
-        any); returns the stream of its outputs.
+        any, at `priority` under --scheduling-policy priority); returns the stream of its
+        outputs.
 
         Raises ValueError (bad prompt, parameters or constraint; too long for the context;
         duplicate request id) before anything reaches the engine, and EngineDeadError when the
@@ -245,7 +250,7 @@ class AsyncLLM:
             await self._check_compiles(params.structured_outputs)
         # Tokenizing a long prompt takes a while: never on the event loop.
         text, core_request = await asyncio.to_thread(
-            self.processor.process, request_id, prompt, params, arrival, lora_request
+            self.processor.process, request_id, prompt, params, arrival, lora_request, priority
         )
         # Checked again after the awaits: another request may have taken the id meanwhile.
         self._ensure_started()
@@ -276,7 +281,8 @@ class AsyncLLM:
         arrival: float,
     ) -> RequestStream:
         request_id = core_request.request_id
-        stream = RequestStream(self, request_id, delta=output_kind is OutputKind.DELTA)
+        stream = RequestStream(self, request_id, delta=output_kind is OutputKind.DELTA,
+                               prompt_token_ids=core_request.prompt_token_ids)
         child_ids = self.output_processor.add_request(
             request_id, text, core_request.prompt_token_ids, params, kind=output_kind
         )
@@ -309,6 +315,7 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yields the request's outputs as they are produced (see OutputKind); the last has
         `finished` set.
@@ -316,7 +323,8 @@ class AsyncLLM:
         Raises ValueError on bad input and EngineDeadError if the engine dies. Closing or
         cancelling the generator before the end aborts the request in the engine.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params, output_kind)
+        stream = await self.add_request(request_id, prompt, sampling_params, output_kind,
+                                        priority=priority)
         try:
             async for output in stream:
                 yield output

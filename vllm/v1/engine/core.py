@@ -101,7 +101,7 @@ class EngineCore:
             if isinstance(request, EngineCoreRequest):
                 request = Request(
                     request.request_id, request.prompt_token_ids, params, request.arrival_time,
-                    request.lora_request,
+                    request.lora_request, request.priority, request.cache_salt,
                 )
             self.scheduler.add_request(request)
         except Exception as e:

@@ -68,9 +68,12 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams,
+        priority: int = 0,
     ) -> None:
-        """Validates and queues a request. Raises ValueError on bad input; nothing is queued."""
-        text, core_request = self.processor.process(request_id, prompt, params)
+        """Validates and queues a request (`priority`: its place under --scheduling-policy
+        priority, lower first). Raises ValueError on bad input; nothing is queued."""
+        text, core_request = self.processor.process(request_id, prompt, params,
+                                                    priority=priority)
         self.add_processed_request(text, core_request, params)
 
     def add_processed_request(

@@ -88,6 +88,7 @@ class InputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Validates one request and returns (prompt text, engine request).
 
@@ -97,11 +98,16 @@ class InputProcessor:
         outputs, a thinking_token_budget without a reasoning parser, and a LoRA adapter
         that is not enabled, unreadable or unfit for the model.
         The engine request carries its own copy of `params`, with the engine's fields
-        filled in; `params` itself is left as it was.
+        filled in; `params` itself is left as it was. A dict prompt may carry `cache_salt`
+        (upstream's prompt field: a non-empty string); `priority` must be 0 unless the
+        engine runs --scheduling-policy priority.
         """
         if lora_request is not None:
             self.lora_validator.check(lora_request)
         self.check_num_sequences(1, params.n)
+        validation.check_priority(priority, self.config.scheduler_config.policy)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        validation.check_cache_salt(cache_salt)
         text, token_ids = self.tokenize(prompt)
         validation.check_prompt(token_ids, self.vocab_size, self.max_model_len)
         validation.check_stop_token_ids(params, self.vocab_size)
@@ -131,6 +137,8 @@ class InputProcessor:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             lora_request=lora_request,
+            priority=priority,
+            cache_salt=cache_salt,
         )
 
 

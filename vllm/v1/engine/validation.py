@@ -18,6 +18,7 @@ import numpy as np
 from vllm.config import LoRAConfig
 from vllm.exceptions import InvalidRequestError
 from vllm.lora.request import check_lora_enabled
+from vllm.options import PRIORITY
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams, check_numeric_fields
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -74,6 +75,27 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
             f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
             f"{num_prompt_tokens + max_tokens} in all"
         )
+
+
+def check_priority(priority: object, policy: str) -> None:
+    """Raises InvalidRequestError naming `priority` unless it is an int64 integer, and unless
+    it is 0 when the scheduling policy is not "priority" (fcfs would ignore it silently)."""
+    if not _is_int(priority) or not _INT64_MIN <= priority <= _INT64_MAX:  # type: ignore[operator]
+        raise InvalidRequestError("priority", f"must be an int64 integer, got {priority!r}")
+    if priority != 0 and policy != PRIORITY:
+        raise InvalidRequestError(
+            "priority",
+            f"is {priority}, but this engine schedules first come first served: start it "
+            "with --scheduling-policy priority (LLM(scheduling_policy=\"priority\")) to "
+            "order requests by priority",
+        )
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """Raises InvalidRequestError naming `cache_salt` unless it is None (no salt) or a
+    non-empty string."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise InvalidRequestError("cache_salt", "must be a non-empty string when given")
 
 
 def check_stop_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from vllm.exceptions import ErrorKind
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.core.sched.repetition import REPETITION_STOP_REASON
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.request import Request, RequestStatus
@@ -45,9 +46,8 @@ def find_cache_hit(kv_cache_manager: KVCacheManager, request: Request) -> tuple[
     if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
         # Its prompt's logits are needed: a hit would skip computing them.
         return [], 0
-    lora = request.lora_request
     return kv_cache_manager.get_computed_blocks(
-        request.request_id, request.all_token_ids, lora.cache_salt if lora is not None else None
+        request.request_id, request.all_token_ids, request.block_hash_salt
     )
 
 
@@ -55,11 +55,13 @@ def check_stop(
     request: Request, max_model_len: int, grammar: StructuredOutputGrammar | None = None
 ) -> bool:
     """True when `request` must stop after its newest output token; then its status says
-    why (and `stop_reason` names a stop token from `stop_token_ids`).
+    why (and `stop_reason` names a stop token from `stop_token_ids`, or is
+    "repetition_detected").
 
     In this order: a stop token once `min_tokens` are out, a `grammar` that has terminated
-    (the request's grammar when the token reached it, else None), `max_tokens`, and
-    `max_model_len`.
+    (the request's grammar when the token reached it, else None), `max_tokens`,
+    `max_model_len`, and a repetition (`repetition_detection`, once `min_tokens` are out).
+    Called once per output token, in order: it feeds the request's repetition detector.
     """
     params = request.sampling_params
     token = request.output_token_ids[-1]
@@ -76,6 +78,16 @@ def check_stop(
         return True
     if request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    detector = request.repetition_detector
+    if (
+        detector is not None
+        and detector.push(token)
+        and request.num_output_tokens >= params.min_tokens
+    ):
+        # A stop like any other: the grammar cannot end a loop inside a JSON string.
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = REPETITION_STOP_REASON
         return True
     return False
 

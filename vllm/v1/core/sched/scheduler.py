@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from vllm.config import VllmConfig
@@ -24,6 +23,7 @@ from vllm.v1.core.sched.postprocess import (
     num_new_tokens,
     take_first_scheduled_time,
 )
+from vllm.v1.core.sched.request_queue import WaitingQueue, add_running, make_waiting_queue
 from vllm.v1.core.sched.step_builder import StepBuilder
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.metrics.engine_stats import EngineCoreStats, GrammarStats
@@ -39,13 +39,16 @@ class Scheduler:
     """Decides, each step, which requests compute how many tokens, within one token budget
     (`max_num_batched_tokens`); schedule() takes, in this order:
 
-    1. Running requests, oldest admission first: each computes every token it has not
-       computed (its next token when decoding; tokens in flight count as known), or as many
-       as the budget leaves (a chunk of its prefill). Skipped: a request whose every allowed
-       token is already sampled or in flight (max_tokens, max_model_len), and one whose next
-       input is sampled in a step not yet issued (AsyncScheduler). When KV blocks run out,
-       the most recently admitted running request is preempted (freed, recomputed later).
-    2. Waiting requests, first come first served, unless step 1 preempted, while the budget,
+    1. Running requests, in the running list's order (oldest admission first; under
+       --scheduling-policy priority, by priority then arrival): each computes every token it
+       has not computed (its next token when decoding; tokens in flight count as known), or
+       as many as the budget leaves (a chunk of its prefill). Skipped: a request whose every
+       allowed token is already sampled or in flight (max_tokens, max_model_len), and one
+       whose next input is sampled in a step not yet issued (AsyncScheduler). When KV blocks
+       run out, the last running request is preempted (freed, recomputed later): the most
+       recently admitted one, or the lowest-priority one.
+    2. Waiting requests in the queue's order (first come first served, or by priority then
+       arrival; request_queue.py), unless step 1 preempted, while the budget,
        `max_num_seqs` and KV blocks allow: each computes its prompt (all its known tokens,
        once preempted) past its prefix-cache hit, or as much as the budget leaves. A request
        whose grammar still compiles, whose adapter would exceed `max_loras`, or whose
@@ -80,7 +83,9 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.structured_output_manager = structured_output_manager
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        # Scheduling policy: the waiting queue's order and the running list's (request_queue).
+        self.policy = sched.policy
+        self.waiting: WaitingQueue = make_waiting_queue(self.policy)
         self.running: list[Request] = []
         # Finished since the last schedule(): the runner must drop them.
         self.finished_req_ids: set[str] = set()
@@ -127,7 +132,7 @@ class Scheduler:
                 self.structured_output_manager.clear(request)
                 raise
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_with_error(self, request_id: str, message: str, kind: ErrorKind) -> None:
         """Ends a request with finish reason "error", `message` and `kind`, freeing everything
@@ -253,8 +258,10 @@ class Scheduler:
     def _allocate_or_preempt(
         self, request: Request, num_new: int, step: StepBuilder
     ) -> list[int] | None:
-        """Blocks for `num_new` more tokens of `request`, preempting the newest running
-        requests until they fit; None once `request` itself had to go."""
+        """Blocks for `num_new` more tokens of `request`, preempting the last running requests
+        (the newest, or the lowest-priority ones) until they fit; None once `request` itself
+        had to go. The running list is scheduled in order, so no victim was scheduled in this
+        step before it."""
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request.request_id, request.num_computed_tokens, num_new, request.all_token_ids
@@ -277,7 +284,7 @@ class Scheduler:
             r.lora_request.lora_int_id for r in self.running if r.lora_request is not None
         }
         while self.waiting and len(self.running) < self.max_num_seqs and not step.is_full():
-            request = self.waiting[0]
+            request = self.waiting.peek()
             lora = request.lora_request
             if not self._ready_to_admit(request) or (
                 lora is not None
@@ -286,13 +293,13 @@ class Scheduler:
             ):
                 # A request whose grammar failed has left the queue already.
                 if not request.is_finished():
-                    skipped.append(self.waiting.popleft())
+                    skipped.append(self.waiting.pop())
                 continue
             if not self._admit(request, step):
                 break
             if lora is not None:
                 adapters.add(lora.lora_int_id)
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.restore(skipped)
 
     def _admit(self, request: Request, step: StepBuilder) -> bool:
         """Moves the head of the queue to the running list with the tokens the budget leaves
@@ -300,17 +307,18 @@ class Scheduler:
         hit_blocks, num_hit = find_cache_hit(self.kv_cache_manager, request)
         num_new = min(request.num_tokens - num_hit, step.budget)
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks
+            request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks,
+            cache_salt=request.block_hash_salt,
         )
         if new_blocks is None:
             return False
-        self.waiting.popleft()
+        self.waiting.pop()
         request.num_computed_tokens = num_hit
         if request.status != RequestStatus.PREEMPTED:
             request.num_cached_tokens = num_hit
         step.add_admitted(request, num_new, self.kv_cache_manager.get_block_ids(request.request_id))
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        add_running(self.running, request, self.policy)
         return True
 
     def _schedule_drafts(self, step: StepBuilder) -> None:
@@ -382,7 +390,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
 
     # ------------------------------------------------------------------ grammar
 
