@@ -151,14 +151,22 @@ class RemoteServer:
             base_url=self.url("/v1"), api_key=self.api_key or "unused", max_retries=0, **kwargs
         )
 
+    def metrics_text(self) -> str:
+        """The body of GET /metrics (Prometheus text format)."""
+        return httpx.get(self.url("/metrics"), headers=self.headers(), timeout=10).text
+
     def metrics(self) -> dict[str, float]:
-        """/metrics as {name{labels}: value}, labels dropped when there is only model_name."""
-        text = httpx.get(self.url("/metrics"), headers=self.headers(), timeout=10).text
+        """/metrics as {name{labels}: value}. On a server with one engine its `engine="0"`
+        label is dropped, and then labels are dropped when only model_name is left."""
+        text = self.metrics_text()
+        single_engine = re.search(r'engine="[1-9]', text) is None
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):
                 continue
             key, _, value = line.rpartition(" ")
+            if single_engine:
+                key = key.replace('engine="0",', "")
             key = re.sub(r'\{model_name="[^"]*"\}', "", key)
             out[key] = float(value)
         return out

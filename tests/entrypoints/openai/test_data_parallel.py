@@ -82,8 +82,14 @@ def test_both_engines_serve(server) -> None:
     routed = _metric(server, "vllm:data_parallel_requests_routed")
     assert set(routed) == {"0", "1"} and min(routed.values()) >= 1, routed
     assert sum(routed.values()) == 8
-    # The engines' own stats are summed: both caches count.
     assert _metric(server, "vllm:data_parallel_engine_alive") == {"0": 1.0, "1": 1.0}
+    # Each engine's gauges and counters are its own series, labelled with its rank (its
+    # snapshot may trail the responses a little).
+    for gauge in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert wait_until(lambda g=gauge: set(_metric(server, g)) == {"0", "1"},
+                          timeout_s=20, interval_s=0.2), _metric(server, gauge)
+    generated = _metric(server, "vllm:generation_tokens")
+    assert set(generated) == {"0", "1"} and min(generated.values()) >= 8, generated
 
 
 def test_seeded_requests_give_what_one_engine_gives(server, one_engine) -> None:
@@ -105,7 +111,7 @@ def test_seeded_requests_give_what_one_engine_gives(server, one_engine) -> None:
 
 
 def test_an_abort_reaches_the_engine_holding_the_request(server) -> None:
-    before = _metric(server, "vllm:engine_aborted_requests").get("", 0.0)
+    before = sum(_metric(server, "vllm:engine_aborted_requests").values())
     body = {"model": MODEL, "prompt": "go", "max_tokens": 400, "ignore_eos": True,
             "stream": True}
     # Occupy one engine, so the stream below is the only request of the other.
@@ -116,7 +122,7 @@ def test_an_abort_reaches_the_engine_holding_the_request(server) -> None:
             assert next(line for line in r.iter_lines() if line.startswith("data: "))
         # Leaving the block closed the second stream: the server aborts that request.
         assert wait_until(
-            lambda: _metric(server, "vllm:engine_aborted_requests").get("", 0.0) >= before + 1,
+            lambda: sum(_metric(server, "vllm:engine_aborted_requests").values()) >= before + 1,
             timeout_s=20, interval_s=0.2), "no engine found the aborted request alive"
 
 

@@ -361,8 +361,15 @@ def test_fast_forward_keeps_strict_tool_arguments_valid(canonical_server, choice
     if choice == "named":
         assert [name for name, _ in pairs] == ["get_weather"]
     # The arguments' keys and punctuation are forced text: fast-forward did the writing.
-    after = canonical_server.wait_idle()["vllm:fast_forward_forced_tokens_total"]
-    assert after > before
+    metrics = canonical_server.wait_idle()
+    assert metrics["vllm:fast_forward_forced_tokens_total"] > before
+    # Drafts are counted by position too (upstream's per-position counter): kept drafts at
+    # position 0 are at least those at any later position.
+    per_pos = [metrics[key] for i in range(64) if (key := (
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total'
+        f'{{model_name="demo-think",position="{i}"}}')) in metrics]
+    assert per_pos and per_pos == sorted(per_pos, reverse=True), per_pos
+    assert sum(per_pos) == metrics["vllm:spec_decode_num_accepted_tokens_total"]
 
 
 def test_fast_forward_constrains_only_the_answer(canonical_server) -> None:

@@ -24,6 +24,39 @@ PHASE_HISTOGRAMS = (
     "vllm:time_per_output_token_seconds",
     "vllm:e2e_request_latency_seconds",
 )
+# Upstream vLLM V1's metrics (its "Production Metrics" list) as (name, type, the labels
+# each sample carries beside model_name and engine); histograms are named without
+# _bucket/_sum/_count, counters with _total.
+UPSTREAM_V1_METRICS = [
+    ("vllm:num_requests_running", "gauge", ()),
+    ("vllm:num_requests_waiting", "gauge", ()),
+    ("vllm:kv_cache_usage_perc", "gauge", ()),
+    ("vllm:cache_config_info", "gauge", ("block_size", "cache_dtype", "enable_prefix_caching",
+                                         "gpu_memory_utilization", "num_gpu_blocks")),
+    ("vllm:prefix_cache_queries_total", "counter", ()),
+    ("vllm:prefix_cache_hits_total", "counter", ()),
+    ("vllm:num_preemptions_total", "counter", ()),
+    ("vllm:prompt_tokens_total", "counter", ()),
+    ("vllm:generation_tokens_total", "counter", ()),
+    ("vllm:request_success_total", "counter", ("finished_reason",)),
+    ("vllm:spec_decode_num_drafts_total", "counter", ()),
+    ("vllm:spec_decode_num_draft_tokens_total", "counter", ()),
+    ("vllm:spec_decode_num_accepted_tokens_total", "counter", ()),
+    ("vllm:iteration_tokens_total", "histogram", ()),
+    ("vllm:request_prompt_tokens", "histogram", ()),
+    ("vllm:request_generation_tokens", "histogram", ()),
+    ("vllm:request_params_n", "histogram", ()),
+    ("vllm:request_params_max_tokens", "histogram", ()),
+    ("vllm:time_to_first_token_seconds", "histogram", ()),
+    ("vllm:time_per_output_token_seconds", "histogram", ()),
+    ("vllm:request_time_per_output_token_seconds", "histogram", ()),
+    ("vllm:inter_token_latency_seconds", "histogram", ()),
+    ("vllm:e2e_request_latency_seconds", "histogram", ()),
+    ("vllm:request_queue_time_seconds", "histogram", ()),
+    ("vllm:request_inference_time_seconds", "histogram", ()),
+    ("vllm:request_prefill_time_seconds", "histogram", ()),
+    ("vllm:request_decode_time_seconds", "histogram", ()),
+]
 
 
 # The server's reasoning parser comes from a plugin file (--reasoning-parser-plugin): Qwen3's
@@ -85,6 +118,38 @@ def test_upstream_request_histograms_count_every_request(server) -> None:
     assert delta("vllm:request_queue_time_seconds_sum") >= 0
     assert delta("vllm:request_decode_time_seconds_sum") > 0
     assert produced == sum(5 + i for i in range(num_requests))
+    # Upstream's request-parameter and step histograms, and the finish reasons.
+    assert delta("vllm:request_params_max_tokens_count") == num_requests
+    assert delta("vllm:request_params_max_tokens_sum") == produced  # ignore_eos: all used
+    assert delta("vllm:request_params_n_sum") == num_requests
+    assert delta("vllm:request_inference_time_seconds_count") == num_requests
+    assert delta("vllm:iteration_tokens_total_sum") == prompt_tokens + produced
+    assert delta("vllm:iteration_tokens_total_count") >= max(5 + i for i in range(num_requests))
+    length = 'vllm:request_success_total{finished_reason="length",model_name="demo-think"}'
+    assert delta(length) == num_requests
+
+
+def test_metrics_carry_upstream_v1_names_types_and_labels(server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client = server.client()
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0)
+    server.wait_idle()
+    samples: dict[str, tuple[str, list[dict[str, str]]]] = {}
+    for family in text_string_to_metric_families(server.metrics_text()):
+        for sample in family.samples:
+            entry = samples.setdefault(sample.name, (family.type, []))
+            entry[1].append({k: v for k, v in sample.labels.items() if k != "le"})
+    for name, kind, extra in UPSTREAM_V1_METRICS:
+        sample_name = f"{name}_count" if kind == "histogram" else name
+        assert sample_name in samples, name
+        got_kind, label_sets = samples[sample_name]
+        assert got_kind == kind, name
+        for labels in label_sets:
+            assert labels["model_name"] == MODEL and labels["engine"] == "0", (name, labels)
+            assert set(extra) <= set(labels) - {"model_name", "engine"}, (name, labels)
+            if name != "vllm:cache_config_info":
+                assert set(labels) == {"model_name", "engine", *extra}, (name, labels)
 
 
 def post(server, path: str, body: dict, auth: bool = True) -> httpx.Response:

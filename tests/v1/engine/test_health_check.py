@@ -328,7 +328,9 @@ def test_metrics_count_dead_engines_and_zero_their_gauges() -> None:
         for line in metrics.render().decode().splitlines():
             if line and not line.startswith("#"):
                 key, _, value = line.rpartition(" ")
-                out[key.replace('{model_name="m"}', "")] = float(value)
+                # One engine's engine="0" label dropped, then a lone model_name label.
+                key = key.replace('engine="0",', "").replace('{model_name="m"}', "")
+                out[key] = float(value)
         return out
 
     single = PrometheusMetrics("m")

@@ -33,7 +33,8 @@ def _stats(kv: dict | None = None, spec: dict | None = None, **changes: object
                         prefix_cache_queries=1200, prefix_cache_hits=480),
         spec=SpecDecodeStats(num_steps=11, num_draft_tokens=30, num_accepted_tokens=12,
                              num_forced_tokens=20, num_forced_kept_tokens=9,
-                             num_fast_forwarded_requests=4),
+                             num_fast_forwarded_requests=4,
+                             num_accepted_tokens_per_pos=[8, 3, 1]),
         grammar=GrammarStats([("guidance", "fallback", 4), ("xgrammar", "first_choice", 9)]),
     )
     stats = msgspec.structs.replace(
@@ -43,11 +44,14 @@ def _stats(kv: dict | None = None, spec: dict | None = None, **changes: object
 
 
 def _numbers(stats: EngineCoreStats) -> list[tuple[str, str]]:
-    """(part, field) of every number in the record but the timestamp; part "" is the top."""
+    """(part, field) of every number in the record but the timestamp; part "" is the top.
+    (Lists of numbers, such as the per-position counts, are checked on their own.)"""
     out = [("", f.name) for f in msgspec.structs.fields(stats)
            if isinstance(getattr(stats, f.name), (int, float)) and f.name != "timestamp"]
     for part in ("kv", "spec"):
-        out += [(part, f.name) for f in msgspec.structs.fields(getattr(stats, part))]
+        owner = getattr(stats, part)
+        out += [(part, f.name) for f in msgspec.structs.fields(owner)
+                if isinstance(getattr(owner, f.name), (int, float))]
     return out
 
 
@@ -63,7 +67,8 @@ def _samples(metrics: PrometheusMetrics) -> dict[str, tuple[str, float]]:
     out: dict[str, tuple[str, float]] = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         for sample in family.samples:
-            if sample.labels == {"model_name": MODEL} and family.type in ("gauge", "counter"):
+            if (sample.labels == {"model_name": MODEL, "engine": "0"}
+                    and family.type in ("gauge", "counter")):
                 out[sample.name] = (family.type, sample.value)
     return out
 
@@ -98,9 +103,13 @@ def test_prometheus_renders_the_record_as_the_vllm_gauges_and_counters() -> None
     metrics = PrometheusMetrics(MODEL)
     before = _samples(metrics)
     # Before the first snapshot only the front end's own engine gauges exist.
-    assert before["vllm:engine_alive"] == ("gauge", 1.0)
-    assert before["vllm:num_requests_api_server"] == ("gauge", 0.0)
     assert "vllm:num_requests_running" not in before
+    # The API server's own metrics describe no single engine: model_name only.
+    server_wide = {sample.name: sample.value
+                   for family in text_string_to_metric_families(metrics.render().decode())
+                   for sample in family.samples if sample.labels == {"model_name": MODEL}}
+    assert server_wide["vllm:engine_alive"] == 1.0
+    assert server_wide["vllm:num_requests_api_server"] == 0.0
     stats = _stats()
     metrics.record_engine_stats(_wire(stats))
     after = _samples(metrics)
@@ -199,3 +208,65 @@ def test_merge_sums_every_counter_of_every_part() -> None:
             continue
         owner, merged = (getattr(stats, part), getattr(total, part)) if part else (stats, total)
         assert getattr(merged, name) == 2 * getattr(owner, name), (part, name)
+
+
+def _by_labels(metrics: PrometheusMetrics, sample_name: str) -> dict[tuple, float]:
+    """{sorted (label, value) pairs but model_name: value} of one sample name."""
+    return {
+        tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name")): sample.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples if sample.name == sample_name
+    }
+
+
+def test_accepted_drafts_are_counted_and_rendered_by_position() -> None:
+    spec = SpecDecodeStats()
+    spec.record(num_drafts=3, num_accepted=2)
+    spec.record(num_drafts=2, num_accepted=0)
+    spec.record(num_drafts=4, num_accepted=4)
+    assert spec.num_accepted_tokens_per_pos == [2, 2, 1, 1]
+    frozen = spec.snapshot()
+    spec.record(num_drafts=1, num_accepted=1)
+    assert frozen.num_accepted_tokens_per_pos == [2, 2, 1, 1]  # a copy, not a view
+    merged = SpecDecodeStats.merge([frozen, SpecDecodeStats(num_accepted_tokens_per_pos=[5])])
+    assert merged.num_accepted_tokens_per_pos == [7, 2, 1, 1]
+    metrics = PrometheusMetrics(MODEL)
+    metrics.record_engine_stats(_wire(_stats()))
+    assert _by_labels(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total") == {
+        (("engine", "0"), ("position", str(i))): float(n) for i, n in enumerate([8, 3, 1])}
+
+
+def test_data_parallel_engines_each_render_their_own_snapshot() -> None:
+    from types import SimpleNamespace
+
+    def state(index: int, stats: EngineCoreStats | None) -> SimpleNamespace:
+        """What the collector reads of a data-parallel EngineState."""
+        return SimpleNamespace(index=index, stats=stats, alive=True, num_routed=0)
+
+    states = [state(0, _stats(num_running=2, kv={"usage": 0.5})),
+              state(1, _stats(num_running=7, kv={"usage": 0.25})),
+              state(2, None)]  # no snapshot yet: no series
+    metrics = PrometheusMetrics(MODEL, num_engines=3)
+    metrics.watch_engines(lambda: states)
+    assert _by_labels(metrics, "vllm:num_requests_running") == {
+        (("engine", "0"),): 2.0, (("engine", "1"),): 7.0}
+    assert _by_labels(metrics, "vllm:kv_cache_usage_perc") == {
+        (("engine", "0"),): 0.5, (("engine", "1"),): 0.25}
+    assert set(_by_labels(metrics, "vllm:num_preemptions_total")) == {
+        (("engine", "0"),), (("engine", "1"),)}
+    # The request metrics exist for every engine from the start.
+    assert set(_by_labels(metrics, "vllm:prompt_tokens_total")) == {
+        (("engine", str(i)),) for i in range(3)}
+
+
+def test_cache_config_info_labels_each_engine_with_its_cache() -> None:
+    from vllm.config import CacheConfig
+
+    metrics = PrometheusMetrics(MODEL, num_engines=2)
+    metrics.describe_cache(CacheConfig(block_size=32, cache_dtype="fp8"), [100, 120])
+    info = {dict(labels)["engine"]: dict(labels)
+            for labels in _by_labels(metrics, "vllm:cache_config_info")}
+    assert set(info) == {"0", "1"}
+    assert info["0"]["block_size"] == "32" and info["0"]["cache_dtype"] == "fp8"
+    assert (info["0"]["num_gpu_blocks"], info["1"]["num_gpu_blocks"]) == ("100", "120")
+    assert set(_by_labels(metrics, "vllm:cache_config_info").values()) == {1.0}

@@ -35,7 +35,7 @@ def test_get_metrics_counts_this_engines_requests_only(llms) -> None:
         hist = metrics[name]
         assert isinstance(hist, Histogram), name
         assert hist.count == 3, name
-        assert hist.labels == {"model_name": "demo-tiny"}
+        assert hist.labels == {"model_name": "demo-tiny", "engine": "0"}
         assert hist.buckets["+Inf"] == 3
     assert metrics["vllm:request_generation_tokens"].sum == produced
     assert metrics["vllm:request_prompt_tokens"].sum == prompts
@@ -43,6 +43,19 @@ def test_get_metrics_counts_this_engines_requests_only(llms) -> None:
     assert isinstance(generation, Counter) and generation.value == produced
     assert isinstance(metrics["vllm:num_requests_running"], Gauge)
     assert metrics["vllm:num_requests_running"].value == 0
+    # Upstream's request-parameter and step histograms: one observation per request
+    # (max_tokens 4 each) and per step (its prompt tokens finished + tokens generated).
+    assert metrics["vllm:request_params_max_tokens"].count == 3
+    assert metrics["vllm:request_params_max_tokens"].sum == 3 * 4
+    assert metrics["vllm:request_params_n"].sum == 3
+    assert metrics["vllm:iteration_tokens_total"].sum == prompts + produced
+    assert metrics["vllm:request_inference_time_seconds"].count == 3
+    finished = {m.labels["finished_reason"]: m.value for m in first.get_metrics()
+                if m.name == "vllm:request_success"}
+    lengths = sum(o.outputs[0].finish_reason == "length" for o in outs)
+    assert finished["length"] == lengths and sum(finished.values()) == 3
+    info = metrics["vllm:cache_config_info"]
+    assert info.labels["block_size"] == "16" and int(info.labels["num_gpu_blocks"]) > 0
     # The other engine in this process saw nothing.
     other = by_name(second.get_metrics())
     assert other["vllm:request_prompt_tokens"].count == 0

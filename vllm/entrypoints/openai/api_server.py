@@ -501,7 +501,8 @@ def _serve(
     model_config = config.model_config
     name = model_config.served_model_name
     try:
-        metrics = PrometheusMetrics(name, model_config.max_model_len)
+        metrics = PrometheusMetrics(name, model_config.max_model_len,
+                                    config.parallel_config.data_parallel_size)
         engine = AsyncLLM(config, log_requests=not args.disable_log_requests, metrics=metrics)
     except (ValueError, RuntimeError) as e:
         sock.close()

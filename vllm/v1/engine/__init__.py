@@ -63,3 +63,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0
+    # The data-parallel engine that sent them (set by the -dp client on arrival; 0 with one
+    # engine): the `engine` label of their requests' metrics.
+    engine_index: int = 0

@@ -24,7 +24,7 @@ from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
 from vllm.v1.metrics.engine_stats import EngineCoreStats
 from vllm.v1.metrics.prometheus import PrometheusMetrics
-from vllm.v1.metrics.stats import RequestStateStats
+from vllm.v1.metrics.stats import RequestStateStats, effective_max_tokens
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
@@ -171,10 +171,14 @@ class AsyncLLM:
         self.engine_core: EngineCoreClient | DataParallelClient
         if vllm_config.parallel_config.data_parallel_size > 1:
             self.engine_core = DataParallelClient(vllm_config, startup_timeout_s)
+            num_blocks = [client.num_blocks for client in self.engine_core.clients]
             if metrics is not None:
                 metrics.watch_engines(self.engine_core.engine_states)
         else:
             self.engine_core = EngineCoreClient(vllm_config, startup_timeout_s=startup_timeout_s)
+            num_blocks = [self.engine_core.num_blocks]
+        if metrics is not None:
+            metrics.describe_cache(vllm_config.cache_config, num_blocks)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -286,7 +290,10 @@ class AsyncLLM:
         child_ids = self.output_processor.add_request(
             request_id, text, core_request.prompt_token_ids, params, kind=output_kind
         )
-        stats = RequestStateStats(arrival, len(core_request.prompt_token_ids), num_seqs=params.n)
+        stats = RequestStateStats(
+            arrival, len(core_request.prompt_token_ids), num_seqs=params.n,
+            max_tokens=effective_max_tokens(params, len(core_request.prompt_token_ids),
+                                            self.model_config.max_model_len))
         self._requests[request_id] = _Tracked(stream, child_ids, stats)
         for child in child_ids:
             self._child_to_parent[child] = request_id
@@ -301,6 +308,8 @@ class AsyncLLM:
             if isinstance(e, (EngineDeadError, ValueError)) or not isinstance(e, Exception):
                 raise
             raise InvalidRequestError("request", f"cannot be sent to the engine: {e}") from e
+        if isinstance(self.engine_core, DataParallelClient):
+            stats.engine_index = self.engine_core.engine_of(child_ids[0])
         if self.log_requests:
             logger.info(
                 "Received request %s: %d prompt tokens, params=%s",
@@ -375,6 +384,7 @@ class AsyncLLM:
                     if (parent := parents.get(out.request_id)) is not None
                 ],
                 now,
+                outputs.engine_index,
             )
         results, to_abort = self.output_processor.process_outputs(outputs.outputs)
         if to_abort:

@@ -99,6 +99,11 @@ class DataParallelClient:
         """Every engine's routing counts, stats and health, by engine."""
         return self.engines
 
+    def engine_of(self, request_id: str) -> int:
+        """The index of the engine holding the unfinished request `request_id` (0 when no
+        engine holds it)."""
+        return next((s.index for s in self.engines if request_id in s.unfinished), 0)
+
     # ------------------------------------------------------------------ background tasks
 
     def start(
@@ -124,6 +129,7 @@ class DataParallelClient:
 
     def _outputs(self, index: int, outputs: EngineCoreOutputs) -> None:
         state = self.engines[index]
+        outputs.engine_index = index
         for out in outputs.outputs:
             state.unanswered.pop(out.request_id, None)
             if out.finished:
@@ -170,7 +176,7 @@ class DataParallelClient:
                     EngineCoreOutput(request_id, [], finish_reason="error", error=message,
                                      error_kind=ErrorKind.INTERNAL)
                     for request_id in lost
-                ]))
+                ], engine_index=index))
         elif self._on_dead is not None:
             callback, self._on_dead = self._on_dead, None
             callback(self.dead_reason or reason)

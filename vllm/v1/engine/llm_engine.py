@@ -19,7 +19,7 @@ from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import InputProcessor, child_requests
 from vllm.v1.metrics.prometheus import PrometheusMetrics
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
-from vllm.v1.metrics.stats import RequestStateStats
+from vllm.v1.metrics.stats import RequestStateStats, effective_max_tokens
 
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class LLMEngine:
         self.metrics = PrometheusMetrics(
             model_config.served_model_name or str(model_config.model), model_config.max_model_len
         )
+        self.metrics.describe_cache(vllm_config.cache_config, [self.engine_core.num_blocks])
         # Per live request: its timing stats; each engine (child) id -> its request id.
         self._stats: dict[str, RequestStateStats] = {}
         self._child_to_parent: dict[str, str] = {}
@@ -89,8 +90,11 @@ class LLMEngine:
         child_ids = self.output_processor.add_request(
             request_id, text, core_request.prompt_token_ids, params, output_kind
         )
+        num_prompt = len(core_request.prompt_token_ids)
         self._stats[request_id] = RequestStateStats(
-            time.monotonic(), len(core_request.prompt_token_ids), num_seqs=params.n
+            time.monotonic(), num_prompt, num_seqs=params.n,
+            max_tokens=effective_max_tokens(
+                params, num_prompt, self.vllm_config.model_config.max_model_len),
         )
         self._children[request_id] = list(child_ids)
         for child in child_ids:

@@ -76,6 +76,10 @@ class SpecDecodeStats(msgspec.Struct, array_like=True):
     num_forced_tokens: int = 0
     num_forced_kept_tokens: int = 0
     num_fast_forwarded_requests: int = 0
+    # Kept drafts by position in the draft (index 0: the first drafted token); as long as
+    # the longest draft verified so far. Drafts are kept as a prefix, so a verification
+    # that kept k drafts counts once at each of positions 0 .. k-1.
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
     def record(self, num_drafts: int, num_accepted: int, num_forced: int = 0) -> int:
         """Counts one verification of `num_drafts` drafts, the first `num_forced` of them
@@ -83,6 +87,11 @@ class SpecDecodeStats(msgspec.Struct, array_like=True):
         self.num_steps += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for position in range(min(num_accepted, num_drafts)):
+            per_pos[position] += 1
         kept_forced = min(num_forced, num_accepted)
         self.num_forced_tokens += num_forced
         self.num_forced_kept_tokens += kept_forced
@@ -90,12 +99,18 @@ class SpecDecodeStats(msgspec.Struct, array_like=True):
 
     def snapshot(self) -> SpecDecodeStats:
         """A copy that later counting does not change."""
-        return msgspec.structs.replace(self)
+        return msgspec.structs.replace(
+            self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
 
     @staticmethod
     def merge(parts: Sequence[SpecDecodeStats]) -> SpecDecodeStats:
-        """Several engines' counters as one: every counter adds up."""
-        return _sum(SpecDecodeStats, parts)
+        """Several engines' counters as one: every counter adds up (per position too)."""
+        longest = max((len(p.num_accepted_tokens_per_pos) for p in parts), default=0)
+        per_pos = [0] * longest
+        for part in parts:
+            for position, count in enumerate(part.num_accepted_tokens_per_pos):
+                per_pos[position] += count
+        return _sum(SpecDecodeStats, parts, num_accepted_tokens_per_pos=per_pos)
 
 
 class GrammarStats(msgspec.Struct, array_like=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -18,6 +19,12 @@ class RequestStateStats:
     num_seqs: int = 1
     # When the engine core first scheduled the request (same clock; None until known).
     first_scheduled_time: float | None = None
+    # The most tokens each sequence may generate (the request's max_tokens, or what the
+    # context leaves when it has none); None when unknown.
+    max_tokens: int | None = None
+    # The data-parallel engine serving the request (0 with one engine): the `engine` label
+    # of its metrics.
+    engine_index: int = 0
 
     def on_scheduled(self, when: float) -> None:
         """Records the engine's first-scheduled time (the earliest of the n sequences), kept
@@ -53,6 +60,9 @@ class RequestStateStats:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             mean_time_per_output_token=tpot,
+            n=self.num_seqs,
+            max_tokens=self.max_tokens,
+            engine_index=self.engine_index,
             queue_time=(
                 None if self.first_scheduled_time is None
                 else self.first_scheduled_time - self.arrival_time
@@ -64,6 +74,10 @@ class RequestStateStats:
             decode_time=(
                 None if self.first_token_time is None or self.last_token_time is None
                 else self.last_token_time - self.first_token_time
+            ),
+            inference_time=(
+                None if self.first_scheduled_time is None or self.last_token_time is None
+                else self.last_token_time - self.first_scheduled_time
             ),
         )
 
@@ -83,3 +97,18 @@ class FinishedRequestStats:
     queue_time: float | None = None
     prefill_time: float | None = None
     decode_time: float | None = None
+    # First schedule to last token (prefill and decode together); None without a token.
+    inference_time: float | None = None
+    # The request's sampling parameters n and max_tokens (None: unknown).
+    n: int = 1
+    max_tokens: int | None = None
+    # The data-parallel engine that served it.
+    engine_index: int = 0
+
+
+def effective_max_tokens(params: Any, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The most tokens each sequence of a request may generate: its SamplingParams'
+    max_tokens, or, when that is None, what the context leaves after the prompt."""
+    if params.max_tokens is not None:
+        return params.max_tokens
+    return max(0, max_model_len - num_prompt_tokens)
