@@ -51,6 +51,22 @@ def test_upstream_methods_split_text_and_ids() -> None:
     assert qwen.extract_reasoning_content_streaming("a", "a", "", [], [], []) is None
 
 
+def test_extract_reasoning_takes_the_arguments_upstream_passes() -> None:
+    qwen = Qwen3ReasoningParser(FakeTokenizer(VOCAB))
+    request = object()  # a chat or Responses request: the split does not depend on it
+    assert qwen.extract_reasoning_content("<think>a</think>b", request) == ("a", "b")
+    assert qwen.extract_reasoning("<think>a</think>b", request=request) == ("a", "b")
+    # A prompt that opened the block (DeepSeek-R1's template) makes the reply thinking from
+    # its first character; one that closed it, all answer; the text alone says neither.
+    opened, closed = [1, 9, 5], [1, 9, 5, 6]
+    assert qwen.extract_reasoning_content("a</think>b", request, opened) == ("a", "b")
+    assert qwen.extract_reasoning_content("a</think>b", None, prompt_token_ids=closed) == (
+        None, "a</think>b")
+    assert qwen.extract_reasoning("a</think>b", prompt_token_ids=opened,
+                                  model_output_token_ids=[9]) == ("a", "b")
+    assert qwen.extract_reasoning_content("<think>a</think>b", request, [1, 9]) == ("a", "b")
+
+
 def test_a_tokenizer_without_the_markers_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="--reasoning-parser qwen3: the tokenizer has no"):
         Qwen3ReasoningParser(FakeTokenizer({"<think>": 5}))

@@ -239,6 +239,21 @@ def test_serve_reports_layout_errors_before_starting(capsys: pytest.CaptureFixtu
     assert "more stages than the model's" in capsys.readouterr().err
 
 
+def test_disable_additional_properties_from_the_flag_and_from_llm_kwargs() -> None:
+    def closed(args: EngineArgs) -> bool:
+        return args.create_engine_config().structured_outputs_config.disable_additional_properties
+
+    assert closed(serve_args("--structured-outputs-config.disable_additional_properties",
+                             "true"))
+    # What LLM(structured_outputs_config={...}) builds.
+    assert closed(EngineArgs(model=MODEL, structured_outputs_config={
+        "disable_additional_properties": True}))
+    assert not closed(serve_args())
+    with pytest.raises(ValueError, match="disable_additional_properties: must be true or"):
+        closed(EngineArgs(model=MODEL, structured_outputs_config={
+            "disable_additional_properties": "yes"}))
+
+
 def test_reasoning_parser_flag_reaches_the_structured_outputs_config(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

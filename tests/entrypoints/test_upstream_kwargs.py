@@ -35,6 +35,7 @@ def llm() -> Iterator[LLM]:
         swap_space=0,
         gpu_memory_utilization=0.5,
         structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
+        attention_config={"backend": "TORCH_SDPA"},
     )
     try:
         yield engine
@@ -45,6 +46,7 @@ def llm() -> Iterator[LLM]:
 def test_upstream_style_llm_generates(llm: LLM) -> None:
     config = llm.llm_engine.vllm_config
     assert config.structured_outputs_config.backend == "xgrammar"
+    assert config.model_config.attention_backend == "torch"  # attention_config's TORCH_SDPA
     # max_num_batched_tokens below the default max_num_seqs lowers it instead of failing.
     assert config.scheduler_config.max_num_seqs == 64
     assert config.scheduler_config.max_num_batched_tokens == 64
@@ -77,6 +79,34 @@ def test_structured_outputs_config_as_dict_or_object() -> None:
         "guidance", True, "qwen3")
     with pytest.raises(ValueError, match="--structured-outputs-config: must be a JSON object"):
         _config(structured_outputs_config="xgrammar")
+
+
+def test_attention_config_as_dict_or_object() -> None:
+    import enum
+
+    from vllm.config import AttentionConfig
+
+    class Backend(enum.Enum):  # upstream passes its AttentionBackendEnum members
+        TRITON_ATTN = 1
+
+    def backend(config: object, **kwargs) -> str:
+        return _config(attention_config=config, **kwargs).model_config.attention_backend
+
+    assert backend(AttentionConfig(backend="CPU_ATTN")) == "torch"
+    assert backend({"backend": Backend.TRITON_ATTN}) == "triton"
+    assert backend({"backend": None, "flash_attn_version": None}) == "auto"  # asks nothing
+    assert backend({"backend": "auto"}, attention_backend="torch") == "torch"
+    for config, message in [
+        ({"backend": "FLASH_ATTN"}, "attention_config.backend: 'FLASH_ATTN' is not available"),
+        ({"use_cudnn_prefill": True}, "attention_config.use_cudnn_prefill: True is not"),
+        ({"backends": "triton"}, "attention_config.backends: unknown option"),
+        ("triton", "attention_config: must be a dict"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            backend(config)
+    with pytest.raises(ValueError, match="attention_config.backend 'triton_attn' and "
+                                         "--attention-backend torch disagree"):
+        backend({"backend": "triton_attn"}, attention_backend="torch")
 
 
 @pytest.mark.parametrize("mode", ["auto", "hf", "slow"])

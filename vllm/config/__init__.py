@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
+# Re-exported: upstream's code imports it from vllm.config.
+from vllm.config.attention import AttentionConfig as AttentionConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.options import FCFS, SCHEDULING_POLICIES

@@ -40,6 +40,10 @@ class StructuredOutputsConfig:
     # Treat a `oneOf` whose branches may overlap as `anyOf` (outputs may then match several
     # branches). Off: such a schema is refused; provably disjoint branches always work.
     one_of_as_any_of: bool = False
+    # Every JSON schema's objects get `additionalProperties: false` where they say nothing
+    # about extra keys, as a request's own `disable_additional_properties` asks (upstream's
+    # option): outputs then hold only the properties a schema lists.
+    disable_additional_properties: bool = False
     # How replies mark their thinking (qwen3, deepseek_r1; `vllm serve --reasoning-parser`):
     # the constraint applies only to the answer after `</think>` (docs/architecture.md §5).
     reasoning_parser: str | None = None
@@ -92,6 +96,11 @@ class StructuredOutputsConfig:
             raise ValueError(
                 "--structured-outputs-config.enable_in_reasoning: must be true or false, got "
                 f"{self.enable_in_reasoning!r}"
+            )
+        if not isinstance(self.disable_additional_properties, bool):
+            raise ValueError(
+                "--structured-outputs-config.disable_additional_properties: must be true or "
+                f"false, got {self.disable_additional_properties!r}"
             )
         if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
             raise ValueError(

@@ -22,6 +22,7 @@ from vllm.config import (
     StructuredOutputsConfig,
     VllmConfig,
 )
+from vllm.config.attention import resolve_attention_backend
 from vllm.model_executor.model_loader.default_model import DEFAULT_MODEL_ID
 from vllm.model_executor.model_loader.demos import serves_compact_json
 from vllm.reasoning import PARSERS
@@ -125,6 +126,13 @@ class EngineArgs:
     )
     enforce_eager: bool = field(default=False, metadata=_help("Disable CUDA graphs."))
     attention_backend: str = field(default="auto", metadata=_help("auto, torch or triton."))
+    attention_config: dict[str, Any] | Any | None = field(
+        default=None,
+        metadata=_help("JSON, e.g. '{\"backend\": \"TRITON_ATTN\"}' (upstream's "
+                       "AttentionConfig): backend TRITON_ATTN/triton, TORCH_SDPA/CPU_ATTN/"
+                       "torch or auto; another backend, or a FlashAttention/FlashInfer "
+                       "option away from its default, is refused.", type=json.loads),
+    )
     served_model_name: str | None = field(default=None, metadata=_help("Model name in the API."))
     block_size: int = field(default=16, metadata=_help("Tokens per KV block."))
     enable_prefix_caching: bool = field(default=True, metadata=_help("Reuse KV blocks of shared prefixes."))
@@ -237,7 +245,9 @@ class EngineArgs:
                        f"{', else '.join(backends_for('auto'))} when only it enforces the "
                        f"constraint, {' and '.join(request_only_for('auto'))} when a request "
                        "names it), disable_fallback, disable_any_whitespace, max_whitespace "
-                       "(16; null: unbounded), one_of_as_any_of, compile_workers (half the CPUs, 2 to 8), "
+                       "(16; null: unbounded), one_of_as_any_of, disable_additional_properties "
+                       "(false; true: every schema's objects closed to unlisted keys), "
+                       "compile_workers (half the CPUs, 2 to 8), "
                        "max_constraint_length (262144 characters), max_enum_values (8192, "
                        "enum values of a schema or choices), max_json_depth (128), "
                        "enable_in_reasoning (false; true: with --reasoning-parser the "
@@ -322,7 +332,8 @@ class EngineArgs:
             config_format=self.config_format,
             quantization=self.quantization,
             enforce_eager=self.enforce_eager,
-            attention_backend=self.attention_backend,
+            attention_backend=resolve_attention_backend(self.attention_config,
+                                                        self.attention_backend),
             served_model_name=self.served_model_name,
         )
         structured_options = _options(

@@ -177,16 +177,37 @@ class ReasoningParser:
         return ReasoningState.ENDED
 
     def extract_reasoning_content(
-        self, model_output: str, request: Any = None
+        self,
+        model_output: str,
+        request: Any = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        **kwargs: Any,
     ) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a whole reply's text."""
-        return self.split(self._text_state(model_output), model_output)
+        """(reasoning, content) of a whole reply's text.
+
+        Takes what upstream's versions pass, positionally or by name: `request` (the chat or
+        Responses request; the split does not depend on it) and `prompt_token_ids`, which,
+        when given, decide where the reply starts as the engine decides it (a prompt that
+        opened `<think>` or closed the block); without them the text decides. Any other
+        keyword argument a version passes is accepted and does not change the split.
+        """
+        state = self._text_state(model_output)
+        if prompt_token_ids is not None:
+            from_prompt = self.initial_state(prompt_token_ids)
+            if from_prompt != ReasoningState.UNDECIDED:
+                state = from_prompt
+        return self.split(state, model_output)
 
     def extract_reasoning(
-        self, model_output: str, request: Any = None
+        self,
+        model_output: str,
+        request: Any = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        **kwargs: Any,
     ) -> tuple[str | None, str | None]:
-        """Upstream's newer name of `extract_reasoning_content`."""
-        return self.extract_reasoning_content(model_output, request)
+        """Upstream's newer name of `extract_reasoning_content` (same arguments)."""
+        return self.extract_reasoning_content(model_output, request, prompt_token_ids,
+                                              **kwargs)
 
     def extract_reasoning_content_streaming(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -270,14 +271,28 @@ def test_auto_without_parallel_calls_stops_after_one(servers, stream) -> None:
 def test_auto_without_strict_tools_does_not_invent_calls(servers) -> None:
     reply = chat(servers["sync"], tools=tools(strict=False), temperature=0, max_tokens=30)
     message = reply.choices[0].message
-    assert message.tool_calls == [] and message.content.startswith("\n\n<tool_call>")
+    # No call: no tool_calls at all (as OpenAI answers), not an empty list.
+    assert message.tool_calls is None and message.content.startswith("\n\n<tool_call>")
 
 
 def test_tool_choice_none_writes_text(servers) -> None:
     reply = chat(servers["sync"], tools=tools(), tool_choice="none", temperature=0,
                  max_tokens=20)
     message = reply.choices[0].message
-    assert message.tool_calls == [] and message.content.startswith("\n\n<tool_call>")
+    assert message.tool_calls is None and message.content.startswith("\n\n<tool_call>")
+
+
+def test_a_reply_cut_off_before_its_call_is_named_has_no_tool_calls(servers) -> None:
+    # The reply ends at `<tool_call>` (max_tokens): a call begun, none named.
+    max_tokens = len(SCRIPT) - SCRIPT.index("<think>")
+    body = {"model": "demo-think", "messages": MESSAGES, "tools": tools(strict=True),
+            "temperature": 0, "max_tokens": max_tokens}
+    reply = httpx.post(servers["sync"].url("/v1/chat/completions"), json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["finish_reason"] == "length", choice
+    assert choice["message"]["content"].endswith("<tool_call>"), choice
+    assert "tool_calls" not in choice["message"], choice
 
 
 @pytest.mark.parametrize("choice", sorted(CHOICES))

@@ -377,8 +377,16 @@ class ResponseMessage(ResponseModel):
     # both names upstream has used.
     reasoning: str | None = None
     reasoning_content: str | None = None
-    # {"id", "type": "function", "function": {"name", "arguments"}} per call.
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # {"id", "type": "function", "function": {"name", "arguments"}} per call; None (left out
+    # of the JSON, as OpenAI leaves it out) when the reply made no call.
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        body = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(ResponseModel):

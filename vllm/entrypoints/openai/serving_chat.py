@@ -173,7 +173,7 @@ class OpenAIServingChat(OpenAIServing):
                     message=ResponseMessage(
                         role="assistant", content=content, reasoning=reasoning,
                         reasoning_content=reasoning,
-                        tool_calls=[call.as_dict() for call in calls],
+                        tool_calls=[call.as_dict() for call in calls] or None,
                     ),
                     logprobs=self._logprobs(c, request) if request.logprobs else None,
                     finish_reason=_finish_reason(c.finish_reason, bool(calls)),

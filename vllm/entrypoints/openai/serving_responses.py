@@ -321,9 +321,12 @@ class OpenAIServingResponses(OpenAIServingChat):
             state = parser.resolve(parser.initial_state(final.prompt_token_ids), c.token_ids)
             reasoning, content = parser.split(state, c.text)
             if reasoning is not None:
-                num_reasoning = len(c.token_ids) - len(parser.extract_content_ids(c.token_ids))
-                if not parser.is_reasoning_end(c.token_ids):
-                    num_reasoning = len(c.token_ids)
+                # The text splits at the first end token, so the thinking's tokens run up to
+                # and including that one (later end tokens belong to the answer); all of
+                # them when it never ends.
+                ids = list(c.token_ids)
+                num_reasoning = (ids.index(parser.end_id) + 1 if parser.end_id in ids
+                                 else len(ids))
         calls: list[ToolCall] = []
         plan = self.tool_plan(request)
         if plan is not None:

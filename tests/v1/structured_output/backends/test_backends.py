@@ -787,3 +787,15 @@ def test_ebnf_is_converted_for_guidance(guidance_backend: Any, tokenizer: Any) -
     params = StructuredOutputsParams(grammar='root ::= "x" [0-9]{1,3} ("!" | "?")')
     assert _accepts_whole(guidance_backend, params, tokenizer, "x123?")
     assert not _accepts_whole(guidance_backend, params, tokenizer, "x1234?")
+
+
+@pytest.mark.parametrize("grammar", ["this is not a grammar", "start: (\"a\""])
+def test_a_grammar_that_does_not_parse_is_reported_in_upstreams_words(
+    any_backend: Any, grammar: str
+) -> None:
+    """Lark text neither backend parses: a 400 naming the field, upstream's wording first."""
+    with pytest.raises(ValueError) as info:
+        any_backend.compile_grammar(StructuredOutputsParams(grammar=grammar))
+    message = str(info.value)
+    assert message.startswith("structured_outputs.grammar"), message
+    assert "Failed to convert the grammar" in message, message

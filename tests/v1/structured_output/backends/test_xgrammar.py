@@ -378,3 +378,12 @@ def test_has_xgrammar_unsupported_json_features_bad_input() -> None:
         has_xgrammar_unsupported_json_features("{not json")
     with pytest.raises(ValueError, match="schema: must be a JSON object"):
         has_xgrammar_unsupported_json_features(["type"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name,grammar", [(n, p["grammar"]) for n, p, _ in INVALID
+                                          if "grammar" in p])
+def test_a_grammar_that_does_not_parse_says_so_in_upstreams_words(
+    name: str, grammar: str, backend: XgrammarBackend
+) -> None:
+    with pytest.raises(ValueError, match="Failed to convert the grammar: "):
+        backend.compile_grammar(StructuredOutputsParams(grammar=grammar))

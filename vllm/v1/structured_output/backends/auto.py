@@ -11,6 +11,7 @@ request (outlines, lm-format-enforcer under `auto`) compile just the requests th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -72,6 +73,7 @@ class AutoBackend(StructuredOutputBackend):
         *,
         one_of_as_any_of: bool = False,
         on_request: Sequence[tuple[str, Callable[[], StructuredOutputBackend]]] = (),
+        disable_additional_properties: bool = False,
     ) -> None:
         if not factories:
             raise ValueError("factories: at least one backend is needed")
@@ -80,6 +82,8 @@ class AutoBackend(StructuredOutputBackend):
         # Backends used only for requests that name them (GRAMMAR_ON_REQUEST_ONLY in vllm/options.py).
         self._on_request = list(on_request)
         self._one_of_as_any_of = one_of_as_any_of
+        # The server's disable_additional_properties: set on every request's constraint.
+        self._disable_additional_properties = disable_additional_properties
         self._built: dict[str, StructuredOutputBackend] = {}
         # Guards _built and _owners, held only for lookups: a build holds its backend's
         # own lock, so compiles with built backends never wait behind it.
@@ -139,6 +143,9 @@ class AutoBackend(StructuredOutputBackend):
         a later backend is tried only when one refuses with UnsupportedConstraintError), and
         an UnsupportedConstraintError quoting every backend's refusal when none can enforce it.
         """
+        if self._disable_additional_properties and not params.disable_additional_properties:
+            # The server's setting, as if the request had asked for it (backends read it there).
+            params = dataclasses.replace(params, disable_additional_properties=True)
         if params.kind == "json":
             # Problems with the schema itself (no value satisfies it, an overlapping oneOf)
             # are no backend's to solve: refused before any backend is tried (or built).
@@ -245,7 +252,8 @@ def create_backend(
         (name, functools.partial(build, name)) for name in request_only_for(config.backend)
     ]
     return AutoBackend(
-        vocab_size, factories, one_of_as_any_of=config.one_of_as_any_of, on_request=on_request
+        vocab_size, factories, one_of_as_any_of=config.one_of_as_any_of, on_request=on_request,
+        disable_additional_properties=config.disable_additional_properties,
     )
 
 

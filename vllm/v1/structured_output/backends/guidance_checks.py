@@ -89,6 +89,9 @@ def compile_error(kind: str, message: str) -> GrammarCompileError:
     cleaned = clean_error(message)
     if _is_unsupported(message):
         return UnsupportedConstraintError(param, f"{cleaned} (unsupported by llguidance)")
+    if kind == "grammar":
+        # Upstream vLLM's wording for a grammar that does not parse, then the cause.
+        cleaned = f"Failed to convert the grammar: {cleaned}"
     return GrammarCompileError(param, cleaned)
 
 

@@ -79,6 +79,8 @@ from vllm.v1.structured_output.schema.normalize import check_xgrammar_support, n
 
 logger = logging.getLogger(__name__)
 
+# How a grammar that does not parse is reported (upstream vLLM's wording, then the cause).
+GRAMMAR_FAILED = "Failed to convert the grammar"
 # Bounds the compiled-grammar cache of a long-running server (a compiled grammar is ~0.3 MB).
 _CACHE_LIMIT_BYTES = 512 * 1024 * 1024
 
@@ -423,8 +425,12 @@ class XgrammarBackend(StructuredOutputBackend):
         except InvalidRequestError:
             raise  # found by our own checks, already naming its field
         except (ValueError, RuntimeError, TypeError) as e:
-            # xgrammar's own parse and compile errors: the constraint's fault, named by kind.
-            raise GrammarCompileError(f"structured_outputs.{kind}", _clean_error(e)) from e
+            # xgrammar's own parse and compile errors: the constraint's fault, named by kind
+            # (a grammar's in upstream's words, so clients matching them still do).
+            message = _clean_error(e)
+            if kind == "grammar":
+                message = f"{GRAMMAR_FAILED}: {message}"
+            raise GrammarCompileError(f"structured_outputs.{kind}", message) from e
         grammar = XgrammarGrammar(
             xgr.GrammarMatcher(compiled), self.vocab_size, self.masked_token_ids,
             self.vocab.utf8_guard,
