@@ -14,6 +14,7 @@ import torch
 from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
 # Re-exported: upstream's code imports it from vllm.config.
 from vllm.config.attention import AttentionConfig as AttentionConfig
+from vllm.config.multimodal import MultiModalConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.options import FCFS, SCHEDULING_POLICIES
@@ -274,9 +275,13 @@ def _load_hf_config(model_dir: Path) -> Any:
         raise ValueError(f"model: {model_dir} has no config.json")
     try:
         json.loads(path.read_text())
-        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # malformed JSON, unknown model_type, missing fields
         raise ValueError(f"model: malformed config.json in {model_dir}: {e}") from e
+    from vllm.config.multimodal import flatten_vl_config
+
+    # A vision-language config runs as its text config, with the vision part beside it.
+    return flatten_vl_config(config)
 
 
 def _load_eos_token_ids(model_dir: Path, hf_config: Any) -> list[int]:
@@ -463,9 +468,12 @@ class VllmConfig:
     speculative_config: SpeculativeConfig | None = None
     # None: LoRA adapters are off (--enable-lora turns them on).
     lora_config: LoRAConfig | None = None
+    # Images in prompts (limits; used with vision-language models).
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def __post_init__(self) -> None:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        self.multimodal_config.verify(self)
         if self.lora_config is not None:
             self._verify_lora()
         # The layout is checked in full before any process starts.

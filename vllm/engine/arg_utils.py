@@ -16,6 +16,7 @@ from vllm.config import (
     CacheConfig,
     LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -276,6 +277,25 @@ class EngineArgs:
         metadata=_help("With --enable-lora: loaded adapters kept on the host (default: "
                        "--max-loras)."),
     )
+    limit_mm_per_prompt: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help("Most images one prompt may carry, as JSON: '{\"image\": 2}' "
+                       "(default 999).", type=json.loads),
+    )
+    encoder_cache_size: int | None = field(
+        default=None,
+        metadata=_help("Image embeddings (one per placeholder token) the runner keeps for "
+                       "reuse once no prefill needs them (default: --max-num-batched-tokens)."),
+    )
+    allowed_local_media_path: str | None = field(
+        default=None,
+        metadata=_help("Directory under which file:// image URLs may be read (default: none)."),
+    )
+    allowed_media_domains: list[str] | None = field(
+        default=None,
+        metadata=_help("Host names whose http(s) image URLs may be fetched (default: none).",
+                       nargs="+"),
+    )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -292,6 +312,8 @@ class EngineArgs:
                 kwargs["type"] = f.metadata.get("type") or _scalar_type(f.type)
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
+            if "nargs" in f.metadata:
+                kwargs["nargs"] = f.metadata["nargs"]
             parser.add_argument(flag, *f.metadata.get("aliases", ()), dest=f.name, **kwargs)
         return parser
 
@@ -394,6 +416,12 @@ class EngineArgs:
                 max_lora_rank=self.max_lora_rank,
                 max_cpu_loras=self.max_cpu_loras,
             ) if self.enable_lora else None,
+            multimodal_config=MultiModalConfig(
+                limit_per_prompt=self.limit_mm_per_prompt or {},
+                encoder_cache_size=self.encoder_cache_size,
+                allowed_local_media_path=self.allowed_local_media_path,
+                allowed_media_domains=self.allowed_media_domains,
+            ),
         )
 
     def _max_num_seqs(self) -> int:

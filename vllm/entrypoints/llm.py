@@ -117,10 +117,22 @@ class LLM:
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of conversations (with an
-        adapter, or one per conversation, as in `generate`)."""
+        adapter, or one per conversation, as in `generate`). A message's content may be a
+        list of parts: text, image_url (data: URLs; file: and http(s): as the engine's
+        allowed_local_media_path / allowed_media_domains permit) and image_pil (a PIL
+        image), for a vision-language model."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         processor = self.llm_engine.processor
-        prompts = [processor.apply_chat_template(c, **template_kwargs) for c in conversations]
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            if any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                   and any(not isinstance(p, dict) or p.get("type") != "text"
+                           for p in m["content"]) for m in conversation):
+                chat = processor.chat_images(conversation)
+                text = processor.apply_chat_template(chat.messages, **template_kwargs)
+                prompts.append(chat.prompt(text))
+            else:
+                prompts.append(processor.apply_chat_template(conversation, **template_kwargs))
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vllm.exceptions import ErrorKind
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import block_hash_salt
+from vllm.v1.core.mm_block_keys import KeyedTokens
 from vllm.v1.core.sched.repetition import RepetitionDetector
 
 if TYPE_CHECKING:
+    from vllm.multimodal.inputs import ImageFeature
     from vllm.reasoning.budget import ThinkingBudget
     from vllm.v1.structured_output.request import StructuredOutputRequest
 
@@ -58,9 +61,11 @@ class Request:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        mm_features: list[ImageFeature] | None = None,
     ) -> None:
         """`priority` orders it under --scheduling-policy priority (lower first);
-        `cache_salt` keeps its prefix-cache blocks apart from those of other salts."""
+        `cache_salt` keeps its prefix-cache blocks apart from those of other salts;
+        `mm_features` are the prompt's images (their placeholders are in the prompt)."""
         self.request_id = request_id
         # The adapter the request runs with (None: the base model).
         self.lora_request = lora_request
@@ -79,6 +84,13 @@ class Request:
         # Prompt + confirmed outputs. Under async scheduling tokens still being sampled are
         # not here; they are counted in num_output_placeholders.
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.mm_features = mm_features or None
+        # What prefix-cache block hashes read: the tokens, with the images' content in
+        # place of their placeholders (mm_block_keys.py).
+        self.block_hash_tokens: Sequence[int] = (
+            KeyedTokens(self.all_token_ids, self.mm_features) if self.mm_features
+            else self.all_token_ids
+        )
         # Tokens whose KV is in the cache (or scheduled to be, within the current step).
         # While a verification is in flight it assumes every draft is kept; its output
         # takes back the rejected ones.

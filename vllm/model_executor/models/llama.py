@@ -239,16 +239,21 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
         intermediate: Intermediate | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | Intermediate:
         """Runs this stage's layers over [T] tokens at [T] positions.
 
-        The first stage embeds input_ids; a later stage starts from ``intermediate``, the
-        previous stage's (hidden, residual). The last stage returns the final-normed hidden
-        states [T, hidden]; another stage returns its (hidden, residual) for the next one.
-        Raises ValueError when a later stage gets no intermediate.
+        The first stage embeds input_ids, unless given their embeddings [T, hidden] as
+        ``inputs_embeds`` (a multimodal model's, with images in them); a later stage starts
+        from ``intermediate``, the previous stage's (hidden, residual). The last stage
+        returns the final-normed hidden states [T, hidden]; another stage returns its
+        (hidden, residual) for the next one. Raises ValueError when a later stage gets no
+        intermediate.
         """
         residual: torch.Tensor | None
-        if self.embed_tokens is not None:
+        if inputs_embeds is not None:
+            hidden, residual = inputs_embeds, None
+        elif self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         elif intermediate is None:
             raise ValueError("a pipeline stage after the first needs the previous (hidden, "

@@ -9,6 +9,7 @@ def _classes() -> dict[str, type[nn.Module]]:
     from vllm.model_executor.models.llama import LlamaForCausalLM
     from vllm.model_executor.models.mixtral import MixtralForCausalLM
     from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
     from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -20,6 +21,7 @@ def _classes() -> dict[str, type[nn.Module]]:
         "MixtralForCausalLM": MixtralForCausalLM,
         "Qwen2ForCausalLM": Qwen2ForCausalLM,
         "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+        "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     }

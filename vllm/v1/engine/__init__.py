@@ -6,6 +6,7 @@ import msgspec
 
 from vllm.exceptions import ErrorKind
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import ImageFeature
 from vllm.sampling_params import SamplingParams
 
 
@@ -24,6 +25,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     # Prefix-cache blocks are shared only among requests of the same salt (None: no salt).
     cache_salt: str | None = None
+    # The prompt's images, in prompt order (None: text only).
+    mm_features: list[ImageFeature] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -102,6 +102,7 @@ class EngineCore:
                 request = Request(
                     request.request_id, request.prompt_token_ids, params, request.arrival_time,
                     request.lora_request, request.priority, request.cache_salt,
+                    request.mm_features,
                 )
             self.scheduler.add_request(request)
         except Exception as e:

@@ -12,6 +12,9 @@ from vllm.config import VllmConfig
 from vllm.exceptions import InvalidRequestError
 from vllm.lora.request import LoRARequest
 from vllm.lora.validation import LoRAValidator
+from vllm.multimodal.inputs import ImageFeature
+from vllm.multimodal.chat import ChatImages, flatten_messages
+from vllm.multimodal.processor import IMAGE_PLACEHOLDER, MultiModalProcessor, prompt_images
 from vllm.sampling_params import SamplingParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine import validation
@@ -35,6 +38,9 @@ class InputProcessor:
         self.vocab_size = vllm_config.model_config.vocab_size
         self.max_n = vllm_config.scheduler_config.max_n
         self.lora_validator = LoRAValidator(vllm_config)
+        # Images in prompts (None: a text-only model, which refuses them).
+        self.mm_processor = MultiModalProcessor.for_model(vllm_config.model_config,
+                                                          vllm_config.multimodal_config)
         # --chat-template (None: the tokenizer's own) and --default-chat-template-kwargs
         # (a request's chat_template_kwargs override them); set by the server.
         self.chat_template: str | None = None
@@ -109,6 +115,7 @@ class InputProcessor:
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         validation.check_cache_salt(cache_salt)
         text, token_ids = self.tokenize(prompt)
+        token_ids, mm_features = self.process_images(prompt, token_ids)
         validation.check_prompt(token_ids, self.vocab_size, self.max_model_len)
         validation.check_stop_token_ids(params, self.vocab_size)
         if params.structured_outputs is not None:
@@ -139,7 +146,36 @@ class InputProcessor:
             lora_request=lora_request,
             priority=priority,
             cache_salt=cache_salt,
+            mm_features=mm_features,
         )
+
+    def chat_images(self, messages: list[Any]) -> ChatImages:
+        """The conversation with list contents made strings and their images loaded (an
+        image part becomes the model's placeholder; multimodal/chat.py). Raises
+        InvalidRequestError naming the part, also for images sent to a text-only model."""
+        mm = self.config.multimodal_config
+        return flatten_messages(
+            messages, IMAGE_PLACEHOLDER if self.mm_processor is not None else None,
+            str(self.config.model_config.served_model_name), mm.allowed_local_media_path,
+            mm.allowed_media_domains)
+
+    def process_images(
+        self, prompt: object, token_ids: list[int]
+    ) -> tuple[list[int], list[ImageFeature] | None]:
+        """A prompt's token ids with its image placeholders expanded, and its images
+        (None without any). Raises InvalidRequestError for images sent to a text-only
+        model and for images or placeholders the model's processor refuses."""
+        images, names = prompt_images(prompt)
+        if self.mm_processor is None:
+            if images:
+                raise InvalidRequestError(
+                    names[0], f"model {self.config.model_config.served_model_name!r} does "
+                    "not take images (it is not a vision-language model)")
+            return token_ids, None
+        if not images and self.mm_processor.image_token_id not in token_ids:
+            return token_ids, None
+        token_ids, features = self.mm_processor.process(token_ids, images, names)
+        return token_ids, features or None
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import ImageFeature
 from vllm.sampling_params import SamplingParams
 
 # How the runner stores the sampling parameters it puts in columns (see
@@ -35,6 +36,10 @@ class CachedRequestState:
     verified_drafts: bool = False
     # The adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # The prompt's images (None: text only), and their M-RoPE positions once the runner
+    # has built them (prompt table [3, prompt_len], delta of later tokens).
+    mm_features: list[ImageFeature] | None = None
+    mrope: tuple[np.ndarray, int] | None = None
 
 
 class InputBatch:

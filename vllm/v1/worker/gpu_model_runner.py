@@ -63,6 +63,7 @@ from vllm.v1.worker.sampling_inputs import SamplingInputs
 
 if TYPE_CHECKING:
     from vllm.lora.model_manager import LoRAModelManager
+    from vllm.v1.worker.mm_step import MultiModalInputs
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ class GPUModelRunner:
         self.logits_buffers: LogitsBuffers | None = None
         # LoRA slots of the model's layers (None: LoRA is off).
         self.lora: LoRAModelManager | None = None
+        # Image embeddings and M-RoPE positions (a vision-language model; else None).
+        self.mm: MultiModalInputs | None = None
         # Called on this thread as each forward pass starts, its inputs ready: the uni
         # executor hands the previous step's samples to the engine thread then.
         self.on_forward_start: Callable[[], None] | None = None
@@ -197,6 +200,13 @@ class GPUModelRunner:
         from vllm.model_executor.model_loader.loader import get_model
 
         self.model = get_model(self.config.model_config, self.parallel)
+        if getattr(self.model, "is_multimodal", False):
+            from vllm.v1.worker.mm_step import MultiModalInputs
+
+            size = self.config.multimodal_config.encoder_cache_size
+            if size is None:
+                size = self.config.scheduler_config.max_num_batched_tokens
+            self.mm = MultiModalInputs(self.model, size, self.buffers.to_device)
         if self.device.type == "cpu":
             covered = make_column_major(self.model)
             # Each planned product rounds a row alike for any row count from its min_rows on
@@ -290,6 +300,7 @@ class GPUModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 lora_request=new.lora_request,
+                mm_features=new.mm_features,
             )
             self.requests[new.req_id] = state
             batch.add(state)
@@ -349,6 +360,8 @@ class GPUModelRunner:
         """Runs the forward pass of one step and queues the logits of its sampling rows for
         sample_tokens (every call is matched by one sample_tokens call, in order)."""
         self._update_states(scheduler_output)
+        if self.mm is not None:
+            self.mm.update(scheduler_output)  # pins of finished and preempted requests
         if scheduler_output.total_num_scheduled_tokens == 0:
             self._steps.append(_Step([], [], [], [], None))
             return None
@@ -429,8 +442,9 @@ class GPUModelRunner:
             query_start_loc_cpu=torch.from_numpy(inputs.cu),
             seq_lens_cpu=torch.from_numpy(inputs.seq_lens),
         )
+        mm = self.mm.build(self.input_batch, inputs) if self.mm is not None else {}
         return self.model(
-            dev["input_ids"], dev["positions"], self.kv_caches, metadata, intermediate
+            dev["input_ids"], dev["positions"], self.kv_caches, metadata, intermediate, **mm
         )
 
     def _compute_logits(

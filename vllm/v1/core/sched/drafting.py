@@ -147,7 +147,7 @@ class Drafter:
             tokens = tokens[: step.budget]
             new_blocks = kv_cache_manager.allocate_slots(
                 req_id, request.num_computed_tokens, step.num_scheduled[req_id] + len(tokens),
-                request.all_token_ids,
+                request.block_hash_tokens,
             )
             if new_blocks is not None:
                 step.add_drafts(req_id, tokens, new_blocks, self.num_forced.get(req_id, 0),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import ImageFeature
 from vllm.sampling_params import SamplingParams
 
 
@@ -26,6 +27,9 @@ class NewRequestData:
     num_computed_tokens: int
     # The adapter the request runs with (None: the base model).
     lora_request: LoRARequest | None = None
+    # The prompt's images (None: text only); the runner keeps them while the request
+    # lives, preempted or not.
+    mm_features: list[ImageFeature] | None = None
 
 
 @dataclass

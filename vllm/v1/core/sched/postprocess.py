@@ -47,7 +47,7 @@ def find_cache_hit(kv_cache_manager: KVCacheManager, request: Request) -> tuple[
         # Its prompt's logits are needed: a hit would skip computing them.
         return [], 0
     return kv_cache_manager.get_computed_blocks(
-        request.request_id, request.all_token_ids, request.block_hash_salt
+        request.request_id, request.block_hash_tokens, request.block_hash_salt
     )
 
 

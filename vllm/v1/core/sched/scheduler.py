@@ -264,7 +264,8 @@ class Scheduler:
         step before it."""
         while True:
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request.request_id, request.num_computed_tokens, num_new, request.all_token_ids
+                request.request_id, request.num_computed_tokens, num_new,
+                request.block_hash_tokens,
             )
             if new_blocks is not None:
                 return new_blocks
@@ -307,7 +308,7 @@ class Scheduler:
         hit_blocks, num_hit = find_cache_hit(self.kv_cache_manager, request)
         num_new = min(request.num_tokens - num_hit, step.budget)
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request.request_id, num_hit, num_new, request.all_token_ids, hit_blocks,
+            request.request_id, num_hit, num_new, request.block_hash_tokens, hit_blocks,
             cache_salt=request.block_hash_salt,
         )
         if new_blocks is None:

@@ -69,6 +69,7 @@ class StepBuilder:
                 block_ids=block_ids,
                 num_computed_tokens=num_hit,
                 lora_request=request.lora_request,
+                mm_features=request.mm_features,
             ))
         request.num_tokens_sent = request.num_tokens
         self._take(request, num_new)

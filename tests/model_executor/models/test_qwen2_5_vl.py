@@ -1,0 +1,195 @@
+"""Qwen2.5-VL against transformers, on a tiny random checkpoint that transformers writes:
+image preprocessing and placeholder counts, every step's logits (one and two images of
+different sizes, text after and between images, decodes at M-RoPE's shifted positions),
+greedy tokens, text-only requests, LLM.chat with image parts, and the loader's layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.utils_models import capture_logits
+from tests.utils_vl import (
+    PLACEHOLDER,
+    build_vl_checkpoint,
+    expand_placeholders,
+    hf_image_inputs,
+    image,
+)
+from vllm import LLM, SamplingParams
+from vllm.config import ModelConfig
+from vllm.model_executor.model_loader.loader import get_model
+from vllm.multimodal.qwen_vl_image import QwenVLImageConfig, num_image_tokens, preprocess
+
+pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
+
+IMAGE_TOKEN = 151655
+MAX_TOKENS = 32
+# (image sizes, question): one image, two of different sizes, none.
+PROMPTS = [
+    ([(30, 45)], "What is in the picture?"),
+    ([(40, 56)], "Describe it."),
+    ([(30, 45), (40, 56)], "Compare the two."),
+    ([(64, 20)], "A tall one."),
+    ([(12, 9)], "A tiny one (scaled up to the minimum)."),
+    ([(90, 120), (30, 45)], "Big, then small."),
+    ([], "No image at all."),
+    ([(50, 50)], ""),
+]
+
+
+def _text(sizes: list[tuple[int, int]], question: str) -> str:
+    images = "".join(f"Picture {i}: {PLACEHOLDER}\n" for i in range(len(sizes)))
+    return f"<|im_start|>user\n{images}{question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _images(k: int, sizes: list[tuple[int, int]]):
+    return [image(h, w, seed=100 * k + i) for i, (h, w) in enumerate(sizes)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    return path, build_vl_checkpoint(path, seed=0)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    engine = LLM(str(checkpoint[0]), dtype="float32", max_model_len=512,
+                 kv_cache_memory=64 << 20, max_num_seqs=8)
+    yield engine
+    engine.shutdown()
+
+
+def _hf_inputs(tokenizer, k: int, sizes, question: str) -> dict[str, torch.Tensor]:
+    """transformers' input for a prompt: its processor's pixels and expanded ids."""
+    ids = tokenizer.encode(_text(sizes, question), add_special_tokens=False)
+    if not sizes:
+        return {"input_ids": torch.tensor([ids])}
+    pix = hf_image_inputs(_images(k, sizes))
+    counts = (pix["image_grid_thw"].prod(-1) // 4).tolist()  # merge 2 x 2
+    ids = expand_placeholders(ids, IMAGE_TOKEN, counts)
+    return {"input_ids": torch.tensor([ids]), "pixel_values": pix["pixel_values"],
+            "image_grid_thw": pix["image_grid_thw"],
+            "mm_token_type_ids": (torch.tensor([ids]) == IMAGE_TOKEN).int()}
+
+
+def test_preprocessing_and_placeholder_counts_match_transformers(checkpoint) -> None:
+    path, _ = checkpoint
+    config = QwenVLImageConfig.from_dir(path, ModelConfig(model=str(path)).hf_config
+                                        .vision_config)
+    sizes = [(30, 45), (40, 56), (12, 9), (90, 120), (300, 7)]
+    images = [image(h, w, seed=i) for i, (h, w) in enumerate(sizes)]
+    want = hf_image_inputs(images)
+    ours = [preprocess(im, config) for im in images]
+    assert [list(g) for _, g in ours] == want["image_grid_thw"].tolist()
+    np.testing.assert_allclose(np.concatenate([p for p, _ in ours]),
+                               want["pixel_values"].numpy(), rtol=0, atol=1e-6)
+    counts = [num_image_tokens(g, config) for _, g in ours]
+    assert counts == (want["image_grid_thw"].prod(-1) // 4).tolist()
+    assert len(set(counts)) == len(counts)  # the sizes give different counts
+
+
+def test_logits_and_greedy_tokens_match_transformers(checkpoint, llm) -> None:
+    _, hf = checkpoint
+    tokenizer = llm.get_tokenizer()
+    prompts = [{"prompt": _text(s, q), "multi_modal_data": {"image": _images(k, s)}}
+               if s else _text(s, q) for k, (s, q) in enumerate(PROMPTS)]
+    captured = capture_logits(llm)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True), use_tqdm=False)
+    agree = total = 0
+    for k, ((sizes, question), out) in enumerate(zip(PROMPTS, outs)):
+        inputs = _hf_inputs(tokenizer, k, sizes, question)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        assert out.prompt_token_ids == prompt_ids  # the processor's expansion
+        got_ids = list(out.outputs[0].token_ids)
+        with torch.inference_mode():
+            # Teacher-forced on the engine's tokens: every step's logits at once.
+            forced = dict(inputs, input_ids=torch.tensor([prompt_ids + got_ids]))
+            if sizes:
+                forced["mm_token_type_ids"] = (forced["input_ids"] == IMAGE_TOKEN).int()
+            want = hf(**forced).logits[0, len(prompt_ids) - 1:-1]
+            greedy = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 min_new_tokens=MAX_TOKENS)[0, len(prompt_ids):].tolist()
+        got = torch.stack(captured[out.request_id])
+        assert want.std() > 0.5
+        assert (got - want).abs().max().item() < 1e-4, (k, sizes)
+        agree += sum(a == b for a, b in zip(got_ids, greedy))
+        total += MAX_TOKENS
+    assert agree >= 0.9 * total, (agree, total)
+
+
+def test_text_only_requests_run_as_the_text_model(checkpoint, llm) -> None:
+    """A text request's logits are transformers' text model's, alone and batched beside
+    an image request."""
+    _, hf = checkpoint
+    text = _text([], "Just text, please.")
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    captured = capture_logits(llm)
+    alone = llm.generate([text], params, use_tqdm=False)[0]
+    mixed = llm.generate([{"prompt": _text([(30, 45)], "x"),
+                           "multi_modal_data": {"image": image(30, 45, 7)}}, text],
+                         params, use_tqdm=False)[1]
+    assert mixed.outputs[0].token_ids == alone.outputs[0].token_ids
+    ids = list(alone.prompt_token_ids) + list(alone.outputs[0].token_ids)
+    with torch.inference_mode():
+        want = hf(input_ids=torch.tensor([ids])).logits[0, len(alone.prompt_token_ids) - 1:-1]
+    for out in (alone, mixed):
+        assert (torch.stack(captured[out.request_id]) - want).abs().max().item() < 1e-4
+
+
+def test_chat_with_image_parts_equals_generate(llm) -> None:
+    pictures = [image(30, 45, 1), image(40, 56, 2)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    chat = llm.chat([{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": pictures[0]},
+        {"type": "text", "text": "and"},
+        {"type": "image_pil", "image_pil": pictures[1]},
+    ]}], params, use_tqdm=False)[0]
+    text = f"<|im_start|>user\n{PLACEHOLDER}and{PLACEHOLDER}<|im_end|>\n<|im_start|>assistant\n"
+    plain = llm.generate({"prompt": text, "multi_modal_data": {"image": pictures}}, params,
+                         use_tqdm=False)[0]
+    assert chat.prompt_token_ids == plain.prompt_token_ids
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    # Another image, another answer: the image reaches the model.
+    other = llm.generate({"prompt": text, "multi_modal_data": {
+        "image": [pictures[1], pictures[0]]}}, params, use_tqdm=False)[0]
+    assert other.outputs[0].token_ids != plain.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("images, prompt, match", [
+    ([], PLACEHOLDER, r"prompt: has 1 image placeholders .* but 0 images"),
+    ("two", PLACEHOLDER, r"prompt: has 1 image placeholders .* but 2 images"),
+    (["not an image"], PLACEHOLDER, r"multi_modal_data.image\[0\]: must be a PIL image"),
+])
+def test_bad_image_prompts_are_refused(llm, images, prompt, match) -> None:
+    if images == "two":
+        images = [image(8, 8, 0), image(8, 8, 1)]
+    with pytest.raises(ValueError, match=match):
+        llm.generate({"prompt": prompt, "multi_modal_data": {"image": images}},
+                     use_tqdm=False)
+
+
+def test_nested_checkpoint_layout_loads(checkpoint, tmp_path) -> None:
+    """The newer layout (model.visual.*, model.language_model.*) loads the same weights;
+    a missing vision tensor is named."""
+    path, _ = checkpoint
+    for name in ("config.json", "preprocessor_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    flat = load_file(path / "model.safetensors")
+    nested = {("model.visual." + k[7:] if k.startswith("visual.") else
+               "model.language_model." + k[6:] if k.startswith("model.") else k): v
+              for k, v in flat.items()}
+    save_file(nested, tmp_path / "model.safetensors")
+    config = dict(dtype="float32", attention_backend="torch")
+    a = get_model(ModelConfig(model=str(path), **config)).state_dict()
+    b = get_model(ModelConfig(model=str(tmp_path), **config)).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    del nested["model.visual.merger.ln_q.weight"]
+    save_file(nested, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensor 'visual.merger.ln_q.weight'"):
+        get_model(ModelConfig(model=str(tmp_path), **config))
