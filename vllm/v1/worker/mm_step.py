@@ -43,7 +43,7 @@ class EncoderCache:
     def get(self, feature: ImageFeature, req_id: str,
             encode: Callable[[ImageFeature], torch.Tensor]) -> torch.Tensor:
         """The image's embeddings [length, hidden], encoded now unless cached; pins them
-        for `req_id` until `unpin`."""
+        for `req_id` until `unpin`, and evicts what the budget then asks of the others."""
         key = feature.content_hash
         embeds = self.entries.get(key)
         if embeds is None:
@@ -57,6 +57,7 @@ class EncoderCache:
         else:
             self.entries.move_to_end(key)
         self.pins.setdefault(key, set()).add(req_id)
+        self._evict()
         return embeds
 
     def unpin(self, key: str, req_id: str) -> None:
