@@ -307,3 +307,15 @@ def test_failed_requests_release_their_request_id(server, http):
                                       "request_id": rid})
     assert ok.status_code == 200, ok.text
     assert server.wait_idle()["vllm:num_requests_api_server"] == 0
+
+
+def test_an_image_for_a_text_only_model_is_a_400_naming_the_model(http) -> None:
+    png = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAA"
+           "AElFTkSuQmCC")  # one pixel
+    content = [{"type": "text", "text": "what is it?"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}}]
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    error = assert_error(http.post(CHAT, json=body), 400, "messages[0].content[1]")
+    assert f"model {MODEL!r} does not take images" in error["message"]
+    assert http.post(CHAT, json={"model": MODEL, "max_tokens": 2,
+                                 "messages": MESSAGES}).status_code == 200

@@ -37,6 +37,7 @@ from vllm.exceptions import InvalidRequestError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.reasoning import ReasoningParser, ReasoningStream
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.multimodal.chat import ChatImages
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 
@@ -83,7 +84,8 @@ class OpenAIServingChat(OpenAIServing):
                 )
             constraint = StructuredOutputsParams(**{given[0]: given[1]},
                                                  disable_additional_properties=plan.closed)
-        prompt = self.render(request)
+        text, chat = self.render_prompt(request)
+        prompt = chat.prompt(text)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -101,24 +103,17 @@ class OpenAIServingChat(OpenAIServing):
         return request._tool_plan
 
     def render(self, request: ChatCompletionRequest) -> str:
-        """The prompt text of the conversation. Raises ValueError for unusable messages."""
-        messages: list[dict[str, Any]] = []
-        for i, m in enumerate(request.messages):
-            msg = m.model_dump(exclude_none=True)
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise InvalidRequestError(
-                            f"messages[{i}].content",
-                            "only text parts are supported"
-                        )
-                    texts.append(part["text"])
-                msg["content"] = "".join(texts)
-            elif content is None:
-                msg["content"] = ""
-            messages.append(msg)
+        """The prompt text of the conversation (an image as the model's placeholder).
+        Raises ValueError for unusable messages."""
+        return self.render_prompt(request)[0]
+
+    def render_prompt(self, request: ChatCompletionRequest) -> tuple[str, ChatImages]:
+        """The prompt text of the conversation and the images its parts carry (loaded and
+        checked; vllm/multimodal/chat.py). Raises ValueError for unusable messages or
+        images, naming the part."""
+        chat = self.engine.processor.chat_images(
+            [m.model_dump(exclude_none=True) for m in request.messages])
+        messages = chat.messages
         kwargs = dict(request.chat_template_kwargs or {})
         if request.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", request.reasoning_effort)
@@ -130,7 +125,7 @@ class OpenAIServingChat(OpenAIServing):
         else:
             kwargs["add_generation_prompt"] = request.add_generation_prompt
         try:
-            return self.engine.processor.apply_chat_template(messages, **kwargs)
+            return self.engine.processor.apply_chat_template(messages, **kwargs), chat
         except ValueError:
             raise
         except Exception as e:  # template errors (jinja) are the request's fault

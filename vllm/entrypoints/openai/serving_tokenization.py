@@ -89,15 +89,18 @@ class OpenAIServingTokenization:
                     "tools": (None if request.tools is None
                               else [t.model_dump(exclude_none=True) for t in request.tools]),
                 })
-                text = self.chat.render(chat_request)
+                text, chat = self.chat.render_prompt(chat_request)
                 # Only the rendered text has a length to check (the template adds to it).
                 error = self._text_too_long("messages", "the rendered conversation",
                                             len(text))
                 if error is not None:
                     raise error
             else:
-                text = request.prompt
+                text, chat = request.prompt, None
             tokens = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+            if chat is not None and chat.images:
+                # Each image counts its placeholder tokens, as the engine will see them.
+                tokens, _ = self.chat.engine.processor.process_images(chat.prompt(text), tokens)
             strs = (self.tokenizer.convert_ids_to_tokens(tokens)
                     if request.return_token_strs else None)
             return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len,

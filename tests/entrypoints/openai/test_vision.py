@@ -1,0 +1,157 @@
+"""`vllm serve` of a tiny random Qwen2.5-VL written by the test: the official openai client
+sends images (data URL, a file under --allowed-local-media-path, an http URL of
+--allowed-media-domains served on loopback) with a JSON schema and gets valid objects;
+/tokenize counts an image's placeholders; bad images, too many images, URLs the flags do
+not allow and unknown part types are 400s naming messages[i].content[j], and the server
+keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from http import server as http_server
+
+import httpx
+import jsonschema
+import pytest
+from PIL import Image
+
+from tests.entrypoints.openai.test_errors import assert_error
+from tests.utils_vl import build_vl_checkpoint, image
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]},
+                   "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["color", "count"],
+    "additionalProperties": False,
+}
+CHAT = "/v1/chat/completions"
+
+
+def _png(picture: Image.Image) -> bytes:
+    out = io.BytesIO()
+    picture.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _data_url(data: bytes, kind: str = "png") -> str:
+    return f"data:image/{kind};base64," + base64.b64encode(data).decode()
+
+
+def _message(*urls: str, text: str = "What color, and how many?") -> list[dict]:
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A directory with one PNG, served over http on loopback as well."""
+    root = tmp_path_factory.mktemp("media")
+    (root / "cat.png").write_bytes(_png(image(40, 56, 5)))
+
+    class Handler(http_server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = http_server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server(start_server, tmp_path_factory, media):
+    path = tmp_path_factory.mktemp("qwen2_5_vl_serve")
+    build_vl_checkpoint(path, seed=2)
+    return start_server(
+        str(path), "--served-model-name", "tiny-vl", "--max-model-len", "512",
+        "--kv-cache-memory", "64MiB", "--limit-mm-per-prompt", '{"image": 2}',
+        "--allowed-local-media-path", str(media[0]), "--allowed-media-domains", "127.0.0.1",
+        "--structured-outputs-config.disable_any_whitespace", "true",
+        "--disable-log-requests",
+    )
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, headers=server.headers(), timeout=60) as c:
+        yield c
+
+
+def test_openai_client_image_with_json_schema(server, media) -> None:
+    client = server.client()
+    urls = [_data_url(_png(image(64, 48, 1))), (media[0] / "cat.png").as_uri(),
+            f"{media[1]}/cat.png"]
+    answers = []
+    for url in urls:
+        reply = client.chat.completions.create(
+            model="tiny-vl", messages=_message(url), max_tokens=40, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "count", "schema": SCHEMA}},
+        )
+        answer = json.loads(reply.choices[0].message.content)
+        jsonschema.validate(answer, SCHEMA)
+        answers.append(reply.usage.prompt_tokens)
+    # The file and the http URL are one image: the same placeholder count.
+    assert answers[1] == answers[2]
+    two = client.chat.completions.create(model="tiny-vl", messages=_message(urls[0], urls[1]),
+                                         max_tokens=4, temperature=0)
+    assert two.usage.prompt_tokens > answers[0]
+
+
+def test_tokenize_counts_image_placeholders(http) -> None:
+    url = _data_url(_png(image(64, 64, 3)))  # 16 x 16 patches: 64 placeholder tokens
+    with_image = http.post("/tokenize", json={"model": "tiny-vl", "messages": _message(url)})
+    without = http.post("/tokenize", json={"model": "tiny-vl", "messages": _message()})
+    assert with_image.status_code == 200, with_image.text
+    # <|vision_start|><|vision_end|> and 64 <|image_pad|>.
+    assert with_image.json()["count"] - without.json()["count"] == 66
+
+
+@pytest.mark.parametrize("part, param, message", [
+    ({"type": "image_url", "image_url": {"url": _data_url(_png(image(32, 32, 4))[:200])}},
+     "messages[0].content[1]", "cannot decode"),  # a truncated PNG
+    ({"type": "image_url", "image_url": {"url": _data_url(b"<svg></svg>", "svg+xml")}},
+     "messages[0].content[1]", "supported format"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}},
+     "messages[0].content[1]", "base64"),
+    ({"type": "image_url", "image_url": {"url": "ftp://example.com/a.png"}},
+     "messages[0].content[1]", "data:, file: or http"),
+    ({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}},
+     "messages[0].content[1]", "outside --allowed-local-media-path"),
+    ({"type": "image_url", "image_url": {"url": "http://localhost:9/cat.png"}},
+     "messages[0].content[1]", "not allowed"),
+    ({"type": "image_url", "image_url": {"url": "x", "detail": "high"}},
+     "messages[0].content[1].image_url.detail", "only 'auto'"),
+    ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+     "messages[0].content[1]", "not supported"),
+])
+def test_bad_parts_are_400s_naming_the_part(http, part, param, message) -> None:
+    body = {"model": "tiny-vl", "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
+    error = assert_error(http.post(CHAT, json=body), 400, param)
+    assert message in error["message"], error
+
+
+def test_oversized_and_too_many_images_then_still_serving(http, media) -> None:
+    huge = io.BytesIO()
+    Image.new("1", (9000, 8000)).save(huge, format="PNG")  # 72 megapixels, a small file
+    body = {"model": "tiny-vl", "max_tokens": 2, "messages": _message(_data_url(huge.getvalue()))}
+    error = assert_error(http.post(CHAT, json=body), 400, "messages[0].content[1]")
+    assert "over the limit" in error["message"]
+    url = _data_url(_png(image(16, 16, 9)))
+    body = {"model": "tiny-vl", "max_tokens": 2, "messages": _message(url, url, url)}
+    error = assert_error(http.post(CHAT, json=body), 400, "messages[0].content[3]")
+    assert "at most 2" in error["message"]
+    ok = http.post(CHAT, json={"model": "tiny-vl", "max_tokens": 2,
+                               "messages": _message(url, (media[0] / "cat.png").as_uri())})
+    assert ok.status_code == 200, ok.text
