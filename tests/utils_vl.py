@@ -3,8 +3,10 @@ a preprocessor config, and images to feed it."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +60,19 @@ def build_vl_checkpoint(path: Path, seed: int = 0):
         shutil.copy(tokenizer_dir / name, path / name)
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     return hf
+
+
+_BUILT: dict[int, tuple[Path, object]] = {}
+
+
+def shared_vl_checkpoint(seed: int = 0) -> tuple[Path, object]:
+    """(directory, transformers model) of a checkpoint built once per test process (each
+    build writes ~40 MB; the modules that only read it share one). Removed at exit."""
+    if seed not in _BUILT:
+        path = Path(tempfile.mkdtemp(prefix=f"tiny-qwen2_5_vl-{seed}-"))
+        atexit.register(shutil.rmtree, path, True)
+        _BUILT[seed] = (path, build_vl_checkpoint(path, seed))
+    return _BUILT[seed]
 
 
 def image(height: int, width: int, seed: int) -> Image.Image:

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from tests.entrypoints.openai.test_errors import assert_error
-from tests.utils_vl import build_vl_checkpoint, image
+from tests.utils_vl import image, shared_vl_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -69,11 +69,9 @@ def media(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(start_server, tmp_path_factory, media):
-    path = tmp_path_factory.mktemp("qwen2_5_vl_serve")
-    build_vl_checkpoint(path, seed=2)
+def server(start_server, media):
     return start_server(
-        str(path), "--served-model-name", "tiny-vl", "--max-model-len", "512",
+        str(shared_vl_checkpoint()[0]), "--served-model-name", "tiny-vl", "--max-model-len", "512",
         "--kv-cache-memory", "64MiB", "--limit-mm-per-prompt", '{"image": 2}',
         "--allowed-local-media-path", str(media[0]), "--allowed-media-domains", "127.0.0.1",
         "--structured-outputs-config.disable_any_whitespace", "true",

@@ -13,10 +13,10 @@ from safetensors.torch import load_file, save_file
 from tests.utils_models import capture_logits
 from tests.utils_vl import (
     PLACEHOLDER,
-    build_vl_checkpoint,
     expand_placeholders,
     hf_image_inputs,
     image,
+    shared_vl_checkpoint,
 )
 from vllm import LLM, SamplingParams
 from vllm.config import ModelConfig
@@ -50,9 +50,8 @@ def _images(k: int, sizes: list[tuple[int, int]]):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
-    return path, build_vl_checkpoint(path, seed=0)
+def checkpoint():
+    return shared_vl_checkpoint()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from tests.utils_models import capture_logits
-from tests.utils_vl import PLACEHOLDER, build_vl_checkpoint, image
+from tests.utils_vl import PLACEHOLDER, image, shared_vl_checkpoint
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
@@ -57,10 +57,8 @@ def _requests() -> tuple[list[dict], list[SamplingParams]]:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("qwen2_5_vl_engine")
-    build_vl_checkpoint(path, seed=1)
-    return str(path)
+def checkpoint() -> str:
+    return str(shared_vl_checkpoint()[0])
 
 
 def _engine(checkpoint: str, **kwargs) -> LLM:
