@@ -24,7 +24,8 @@ from vllm.exceptions import InvalidRequestError
 
 # What each refused content block would need.
 _UNSUPPORTED_BLOCKS = {
-    "image": "image blocks are not supported: no vision model is loaded",
+    "image": "image blocks are not supported on /v1/messages (a vision-language model takes "
+             "images as image_url parts on /v1/chat/completions)",
     "document": "document blocks are not supported: no document model is loaded",
     "search_result": "search_result blocks are not supported",
     "container_upload": "container_upload blocks are not supported",
