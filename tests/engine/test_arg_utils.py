@@ -381,7 +381,11 @@ def test_drafts_with_pipeline_stages(flags: tuple[str, str]) -> None:
 
 
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "eagle"}, r"--speculative-config.method: 'eagle' is not supported"),
+    ({"method": "eagle"}, r"--speculative-config.method: 'eagle' \(EAGLE-1/2 heads, which "
+                          r"read the target's last hidden state\) is not supported; use an "
+                          r"EAGLE-3 head with method 'eagle3'"),
+    ({"method": "medusa"}, r"--speculative-config.method: 'medusa' is not supported"),
+    ({"method": "eagle3"}, r"--speculative-config.model: required with method"),
     ({"method": "draft_model"}, r"--speculative-config.model: required with method"),
     ({"method": "ngram", "model": "demo-tiny"}, r"--speculative-config.model: required"),
     ({"num_speculative_tokens": 0}, r"num_speculative_tokens: must be a positive integer"),

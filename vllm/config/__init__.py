@@ -16,6 +16,11 @@ from vllm.attention.kv_cache_dtype import check_kv_cache_dtype
 from vllm.config.attention import AttentionConfig as AttentionConfig
 from vllm.config.multimodal import MultiModalConfig
 from vllm.config.parallel import ParallelConfig
+from vllm.config.speculative import (
+    FAST_FORWARD_TOKENS as FAST_FORWARD_TOKENS,
+    MAX_SPECULATIVE_TOKENS as MAX_SPECULATIVE_TOKENS,
+    SpeculativeConfig,
+)
 from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.options import FCFS, SCHEDULING_POLICIES
 
@@ -360,57 +365,6 @@ class SchedulerConfig:
 
 
 @dataclass
-class SpeculativeConfig:
-    """Speculative decoding (CLI: `--speculative-config JSON`; docs/architecture.md §11).
-
-    Each step, a request may carry up to `num_speculative_tokens` drafted tokens that the
-    model verifies in one forward pass; the tokens kept are exactly those the target model
-    would have produced (greedy) or distributed as it would sample them (random).
-    """
-
-    # "ngram": prompt lookup over the request's own tokens (prompt and output).
-    # "draft_model": greedy decoding with `model`, a smaller model with the same vocabulary.
-    # "grammar": only what a constrained request's grammar forces next (grammar
-    # fast-forward); unconstrained requests never draft.
-    method: str = "ngram"
-    # Most drafted tokens per request and step.
-    num_speculative_tokens: int = 3
-    # ngram: the shortest and longest suffix of the tokens looked up earlier in them.
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    # draft_model: its directory, or a demo model name (demo-tiny drafts for demo).
-    model: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model", "grammar"):
-            raise ValueError(
-                f"--speculative-config.method: {self.method!r} is not supported; use 'ngram' "
-                "(prompt lookup), 'draft_model' or 'grammar' (forced tokens only)"
-            )
-        if (self.method == "draft_model") != (self.model is not None):
-            raise ValueError(
-                "--speculative-config.model: required with method 'draft_model' and only "
-                "with it"
-            )
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"--speculative-config.{name}: must be a positive integer, got {value!r}"
-                )
-        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(
-                f"--speculative-config.num_speculative_tokens: at most "
-                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
-            )
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"--speculative-config.prompt_lookup_min ({self.prompt_lookup_min}) must not "
-                f"exceed prompt_lookup_max ({self.prompt_lookup_max})"
-            )
-
-
-@dataclass
 class LoRAConfig:
     """LoRA adapters (CLI: `--enable-lora --max-loras --max-lora-rank --max-cpu-loras`).
 
@@ -446,14 +400,6 @@ LORA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Qwen3ForCausalLM")
 
 
-# Verification costs one forward row per draft whether it is kept or not; beyond a handful
-# of tokens a lookup draft is rarely kept whole.
-MAX_SPECULATIVE_TOKENS = 16
-# Most forced tokens one fast-forward step appends: a JSON key with its quotes and colon is
-# a few tokens; longer forced runs continue in the next step.
-FAST_FORWARD_TOKENS = 8
-
-
 @dataclass
 class VllmConfig:
     """Everything the engine needs, checked once at startup."""
@@ -479,6 +425,8 @@ class VllmConfig:
         # The layout is checked in full before any process starts.
         self.parallel_config.verify_with_model_config(self.model_config)
         self.parallel_config.verify_devices(self.model_config.device)
+        if self.speculative_config is not None:
+            self.speculative_config.verify_with_target(self.model_config, self.parallel_config)
 
     def _verify_lora(self) -> None:
         """Raises ValueError for a setup LoRA adapters do not run under."""

@@ -40,6 +40,11 @@ def build_proposer(config: VllmConfig) -> Proposer | None:
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                              spec.num_speculative_tokens)
+    if spec.method == "eagle3":
+        from vllm.v1.spec_decode.worker_drafts import WorkerDrafts
+
+        # The runner's head drafts (eagle3_proposer.py); the scheduler serves its drafts.
+        return WorkerDrafts(spec.num_speculative_tokens)
     from vllm.model_executor.model_loader.demos import resolve_model_dir
     from vllm.v1.spec_decode.draft_model_proposer import DraftModelProposer
 
