@@ -31,6 +31,9 @@ class ModelRunnerOutput:
     # Request id -> why it cannot go on (its LoRA adapter failed to load in the worker): the
     # engine core ends it with that error; its tokens of this step are dropped.
     failed: dict[str, str] | None = None
+    # EAGLE-3: request id -> the drafts the worker's head proposed after this step's tokens
+    # (None: the method drafts elsewhere). The scheduler cuts and checks them (§11).
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 class AsyncModelRunnerOutput(ABC):

@@ -1,4 +1,4 @@
-"""Oracle: speculative decoding (n-gram or draft-model drafts) changes no output token.
+"""Oracle: speculative decoding (n-gram, draft-model or EAGLE-3 drafts) changes no output token.
 
 Greedy requests must give the tokens they give without drafts, and so must seeded random
 ones (each kept token is the target's own sample at its position, and the seed mixes in the
@@ -8,8 +8,9 @@ constraint forces runs of single-token positions, which exact fast-forward appen
 proposer runs sync and async on the uni executor, async on mp (the sync mp transport is the
 async one's), with forced preemption, and async with chunked prefill (the scheduler tests
 cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
-async on uni with chunked prefill, and async on mp with forced preemption; with two pipeline
-stages, n-gram drafts with forced preemption and grammar fast-forward. Every structured output must pass the grammar
+async on uni with chunked prefill, and async on mp with forced preemption; an EAGLE-3 head
+(drafting in the runner) sync on uni, async on uni with forced preemption and async on mp;
+with two pipeline stages, n-gram drafts with forced preemption and grammar fast-forward. Every structured output must pass the grammar
 oracle, and drafts must have been kept; under async scheduling some, of constrained requests
 too, must have been drafted while the request's previous step was still in flight.
 """
@@ -77,7 +78,8 @@ def _params(ratio: float) -> list[SamplingParams]:
     return out
 
 
-def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str):
+def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str,
+         ratios: tuple[float, ...] = RATIOS):
     """executor: "uni", "mp", or "pp2" (mp with two pipeline stages)."""
     llm = LLM(
         "demo-tiny",
@@ -109,17 +111,20 @@ def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str
         # Draft lists whose grammar, at sampling, rejected a draft: they assumed tokens in
         # flight that did not come.
         refuted = [0]
+        # Every constrained request's drafts as its bitmask rows were made.
+        constrained_drafts: list[list[int]] = []
         fill_draft_rows = structured_output.fill_draft_rows
 
         def recording_fill_draft_rows(req_id, grammar, drafts, bitmask, first):
             refuted[0] += len(grammar.validate_tokens(drafts)) < len(drafts)
+            constrained_drafts.append(list(drafts))
             fill_draft_rows(req_id, grammar, drafts, bitmask, first)
 
         scheduler.schedule = recording_schedule
         with mock.patch.object(structured_output, "fill_draft_rows",
                                recording_fill_draft_rows):
-            results = generate_all(llm, RATIOS, _prompts, _params)
-        return results, scheduler, stale, stale_constrained, refuted[0]
+            results = generate_all(llm, ratios, _prompts, _params)
+        return results, scheduler, stale, stale_constrained, refuted[0], constrained_drafts
     finally:
         llm.shutdown()
 
@@ -127,6 +132,25 @@ def _run(spec: str | None, async_scheduling: bool, executor: str, condition: str
 @pytest.fixture(scope="module")
 def reference():
     return _run(None, False, "uni", "plain")[0]
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory):
+    """An EAGLE-3 head for demo-tiny (original layout, over the first 32000 token ids) that
+    mostly drafts the target's own prediction at the position before, so that runs of one
+    token keep its drafts; its layer adds a little noise, so other drafts are rejected."""
+    from transformers import AutoConfig
+
+    from tests.utils_eagle3 import write_eagle3_head
+    from vllm.model_executor.model_loader.demos import resolve_model_dir
+
+    target = resolve_model_dir("demo-tiny")
+    head = write_eagle3_head(tmp_path_factory.mktemp("eagle3"), AutoConfig.from_pretrained(target),
+                             aux_layer_ids=[0, 1, 2], draft_vocab=list(range(32000)),
+                             echo=target, scale=0.002)
+    SPECS["eagle3"] = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}
+    yield
+    del SPECS["eagle3"]
 
 
 @pytest.mark.slow
@@ -143,10 +167,16 @@ def reference():
         ("draft", True, "uni", "chunked"),
         ("draft", True, "mp", "preemption"),
         ("ngram", True, "pp2", "preemption"),
+        ("eagle3", False, "uni", "plain"),
+        ("eagle3", True, "uni", "preemption"),
+        ("eagle3", True, "mp", "plain"),
     ],
 )
-def test_drafts_change_no_output(reference, spec, async_scheduling, executor, condition) -> None:
-    got, scheduler, stale, stale_constrained, refuted = _run(
+def test_drafts_change_no_output(reference, request, spec, async_scheduling, executor,
+                                 condition) -> None:
+    if spec == "eagle3":
+        request.getfixturevalue("eagle3_head")
+    got, scheduler, stale, stale_constrained, refuted, _ = _run(
         spec, async_scheduling, executor, condition)
     assert_same(got, reference, RATIOS)
     # Async: drafting requests, constrained ones too, do not wait for their previous step's
@@ -178,7 +208,7 @@ def test_fast_forward_changes_no_output(reference, async_scheduling, executor, c
     """Grammar fast-forward (exact) appends only tokens that their position allows alone,
     for constrained requests only, never sampled, and the outputs are exactly those
     without it; every one of them is kept."""
-    got, scheduler, stale, stale_constrained, _ = _run(
+    got, scheduler, stale, stale_constrained, _, _ = _run(
         "grammar", async_scheduling, executor, condition)
     assert_same(got, reference, RATIOS)
     stats = scheduler.drafter.stats
@@ -187,3 +217,30 @@ def test_fast_forward_changes_no_output(reference, async_scheduling, executor, c
     assert stale == stale_constrained  # unconstrained requests never draft
     if condition == "preemption":
         assert scheduler.num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_grammar_refused_drafts_change_no_output(reference, tmp_path, monkeypatch) -> None:
+    """An EAGLE-3 head that only ever drafts <|im_start|>, which no constraint allows: under
+    async scheduling, with half the requests constrained, the outputs are those without
+    drafts, and no constrained request ever verifies that token (its drafts stop before the
+    first token its grammar refuses), while the unconstrained ones do."""
+    from transformers import AutoConfig
+
+    from tests.utils_eagle3 import write_eagle3_head
+    from vllm.model_executor.model_loader.demos import resolve_model_dir
+
+    refused = 151_644  # <|im_start|>
+    target = AutoConfig.from_pretrained(resolve_model_dir("demo-tiny"))
+    head = write_eagle3_head(tmp_path / "head", target, aux_layer_ids=[0, 1, 2],
+                             draft_vocab=[refused])
+    monkeypatch.setitem(SPECS, "refused", {"method": "eagle3", "model": str(head),
+                                           "num_speculative_tokens": 3})
+    got, scheduler, _, _, _, constrained_drafts = _run("refused", True, "uni", "plain",
+                                                       ratios=(0.5,))
+    assert_same(got, reference, (0.5,))
+    assert constrained_drafts  # forced tokens were drafted and verified
+    assert not any(refused in drafts for drafts in constrained_drafts)
+    stats = scheduler.drafter.stats
+    assert stats.num_draft_tokens > stats.num_forced_tokens  # the head drafted too
+    assert stats.num_accepted_tokens == stats.num_forced_kept_tokens  # and none was kept

@@ -231,6 +231,32 @@ class LlamaModel(nn.Module):
         self.norm: RMSNorm | None = None
         if layout.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 (set_aux_layers): layer index -> slots of `aux_hidden` it fills.
+        self._aux_slots: dict[int, list[int]] = {}
+        self.aux_hidden: torch.Tensor | None = None
+
+    def set_aux_layers(self, layer_ids: tuple[int, ...], max_tokens: int) -> None:
+        """Makes every forward copy the residual stream entering each layer of `layer_ids`
+        (len(layers): the last layer's output, before the final norm) into slot j of
+        `aux_hidden` ([max_tokens, len(layer_ids) * hidden]: rows of the forward's tokens,
+        slot j in columns j * hidden onwards). A fixed buffer, so a CUDA graph replays the
+        copies too. Raises ValueError for a layer this stage does not run."""
+        weight = self.layers[self.stage.start].input_layernorm.weight
+        slots: dict[int, list[int]] = {}
+        for j, layer in enumerate(layer_ids):
+            if not (self.stage.start <= layer < self.stage.stop or layer == self.stage.stop):
+                raise ValueError(f"auxiliary layer {layer} is not run by this stage")
+            slots.setdefault(layer, []).append(j)
+        self.aux_hidden = torch.zeros(max_tokens, len(layer_ids) * weight.shape[0],
+                                      device=weight.device, dtype=weight.dtype)
+        self._aux_slots = slots
+
+    def _keep_aux(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        assert self.aux_hidden is not None
+        stream = hidden if residual is None else hidden + residual
+        width = stream.shape[1]
+        for j in self._aux_slots[layer]:
+            self.aux_hidden[: stream.shape[0], j * width : (j + 1) * width].copy_(stream)
 
     def forward(
         self,
@@ -260,9 +286,14 @@ class LlamaModel(nn.Module):
                              "residual) as intermediate")
         else:
             hidden, residual = intermediate
+        aux = self._aux_slots
         for i, kv_cache in zip(self.stage, kv_caches, strict=True):
+            if i in aux:
+                self._keep_aux(i, hidden, residual)
             hidden, residual = self.layers[i](positions, hidden, residual, kv_cache, metadata)
         assert residual is not None  # every stage has at least one layer
+        if self.stage.stop in aux:
+            self._keep_aux(self.stage.stop, hidden, residual)
         if self.norm is None:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

@@ -12,7 +12,8 @@ NO_TOKEN = -1
 
 
 def verify_drafts(
-    sampled: torch.Tensor, num_rows: Sequence[int], drafts: Sequence[Sequence[int]]
+    sampled: torch.Tensor, num_rows: Sequence[int], drafts: Sequence[Sequence[int]],
+    guesses: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keeps, per request, the drafts that match the target's own samples, plus one token.
 
@@ -29,6 +30,10 @@ def verify_drafts(
     (the draft is a point mass q) this is exactly the standard accept/resample rule: draft d
     is kept with probability p(d) = min(1, p(d)/q(d)), and a rejected position emits a
     sample of p conditioned on differing from d, which is the normalised max(0, p - q).
+
+    `guesses` ([n, at least max(num_rows) - 1] on the device, NO_TOKEN - 1 past each
+    request's drafts) replaces `drafts` as the values compared where the drafts' values
+    live on the device only (EAGLE-3 drafts the runner put in); `drafts` still gives counts.
     """
     sampled = sampled.to(torch.int64)
     width = max(num_rows)
@@ -41,14 +46,16 @@ def verify_drafts(
     # Row j of request i is flat row starts[i] + j; `total` picks the padding below.
     starts = np.cumsum(rows) - rows
     index = np.where(cols[None, :] < rows[:, None], starts[:, None] + cols[None, :], total)
-    guesses = np.full((len(rows), width - 1), NO_TOKEN - 1, dtype=np.int64)  # never matches
-    for i, tokens in enumerate(drafts):
-        if tokens:
-            guesses[i, : len(tokens)] = tokens
     device = sampled.device
+    if guesses is None:
+        host = np.full((len(rows), width - 1), NO_TOKEN - 1, dtype=np.int64)  # never matches
+        for i, tokens in enumerate(drafts):
+            if tokens:
+                host[i, : len(tokens)] = tokens
+        guesses = torch.from_numpy(host).to(device, non_blocking=True)
     padded = torch.cat([sampled, sampled.new_full((1,), NO_TOKEN)])
     table = padded[torch.from_numpy(index).to(device, non_blocking=True)]
-    match = table[:, :-1] == torch.from_numpy(guesses).to(device, non_blocking=True)
+    match = table[:, :-1] == guesses[:, : width - 1]
     accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(dim=1)
     keep = torch.arange(width, device=device)[None, :] <= accepted[:, None]
     tokens = torch.where(keep, table, torch.full_like(table, NO_TOKEN))

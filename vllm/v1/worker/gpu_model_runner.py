@@ -29,7 +29,6 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -42,16 +41,13 @@ from vllm.distributed.parallel_state import ParallelContext
 from vllm.model_executor.layers import batch_invariant_linear
 from vllm.model_executor.layers.column_major import make_column_major
 from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
-from vllm.v1.outputs import (
-    EMPTY_MODEL_RUNNER_OUTPUT,
-    AsyncModelRunnerOutput,
-    LogprobsLists,
-    ModelRunnerOutput,
-)
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.sample.sampler import LogprobsTensors, Sampler
+from vllm.v1.spec_decode.eagle3_proposer import Eagle3Proposer
 from vllm.v1.spec_decode.verify import NO_TOKEN, verify_drafts, with_fast_forward
 from vllm.v1.worker.cuda_graph import DecodeGraphs, capture_decode_graphs
 from vllm.v1.worker.device_feedback import DeviceFeedback
+from vllm.v1.worker.executed_step import ExecutedStep
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, grammar_mask
 from vllm.v1.worker.input_buffers import InputBuffers
@@ -80,43 +76,6 @@ def kv_block_bytes(
     """Bytes of one KV block (keys and values of block_size tokens) across num_layers
     layers when the cache stores `dtype`."""
     return num_layers * block_size * 2 * num_kv_heads * head_dim * dtype.itemsize
-
-
-@dataclass
-class _Step:
-    """What execute_model leaves for sample_tokens."""
-
-    req_ids: list[str]  # scheduled requests, batch order
-    sampled_req_ids: list[str]  # the requests that sample, batch order
-    # Their states, kept by reference rather than by batch row: a later step's forward may
-    # run before this step is sampled, and it can move rows or drop finished and preempted
-    # requests.
-    sampled_states: list[CachedRequestState]
-    # Drafted tokens of each sampling request ([] for most), verified by this step.
-    drafts: list[list[int]]
-    # [sum(num_sampled_rows), vocab] float32: a row per sampled position.
-    logits: torch.Tensor | None
-    # Per sampling request, how many of its first drafts are fast-forward tokens (each the
-    # only token its position allows): the positions before them get no logits and no
-    # sample (docs/architecture.md §11).
-    skipped: list[int] = field(default_factory=list)
-    # Steps with drafts: [len(drafts)] int64 on the device, the position of each sampling
-    # request's last input before its drafts (where its newest kept token goes from).
-    draft_bases: torch.Tensor | None = None
-    # Requests with prompt_logprobs: the part of the prompt this step computed.
-    prompt_logprobs: dict[str, tuple[int, LogprobsLists]] | None = None
-    # Requests whose LoRA adapter failed to load this step -> why.
-    failed: dict[str, str] = field(default_factory=dict)
-    # The pooled tensor `logits` is a view of (CPU), given back once the step is sampled.
-    logits_buffer: torch.Tensor | None = None
-
-    @property
-    def num_rows(self) -> list[int]:
-        return [1 + len(d) for d in self.drafts]
-
-    @property
-    def num_sampled_rows(self) -> list[int]:
-        return [1 + len(d) - k for d, k in zip(self.drafts, self.skipped)]
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -167,7 +126,7 @@ class GPUModelRunner:
         self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._unsettled: deque[SampledTokens] = deque()
         # Executed steps not sampled yet, oldest first (see module docstring).
-        self._steps: deque[_Step] = deque()
+        self._steps: deque[ExecutedStep] = deque()
         sched = vllm_config.scheduler_config
         self.buffers = InputBuffers(
             max(sched.max_num_batched_tokens, self.max_num_reqs, self.min_rows),
@@ -187,6 +146,8 @@ class GPUModelRunner:
         self.logits_buffers: LogitsBuffers | None = None
         # LoRA slots of the model's layers (None: LoRA is off).
         self.lora: LoRAModelManager | None = None
+        # The EAGLE-3 head that drafts after each sampled step (None: another method).
+        self.eagle3: Eagle3Proposer | None = None
         # Image embeddings and M-RoPE positions (a vision-language model; else None).
         self.mm: MultiModalInputs | None = None
         # Called on this thread as each forward pass starts, its inputs ready: the uni
@@ -233,6 +194,9 @@ class GPUModelRunner:
         takes_out = "out" in inspect.signature(self.model.compute_logits).parameters
         if self.device.type == "cpu" and takes_out and self.parallel.layout.tp_size == 1:
             self.logits_buffers = LogitsBuffers(self.vocab_size)
+        spec = self.config.speculative_config
+        if spec is not None and spec.method == "eagle3":
+            self.eagle3 = Eagle3Proposer(self.config, self.model, self.buffers.max_num_tokens)
         if self.config.lora_config is not None:
             from vllm.lora.model_manager import LoRAModelManager
 
@@ -245,7 +209,8 @@ class GPUModelRunner:
         """Bytes one KV block takes across all layers, in the cache's dtype (an FP8 cache's
         blocks are half those of a 16-bit one, a quarter of float32's)."""
         assert self.model is not None
-        return kv_block_bytes(
+        head = self.eagle3.block_bytes() if self.eagle3 is not None else 0
+        return head + kv_block_bytes(
             self.model.num_layers, self.block_size, self.model.num_kv_heads,
             self.model.head_dim, self.kv_cache_dtype,
         )
@@ -259,6 +224,8 @@ class GPUModelRunner:
         self.kv_caches = [
             zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(self.model.num_layers)
         ]
+        if self.eagle3 is not None:
+            self.eagle3.init_cache(num_blocks, zeroed)
         if (
             self.device.type == "cuda"
             and not self.config.model_config.enforce_eager
@@ -282,6 +249,8 @@ class GPUModelRunner:
         for req_id in sorted(scheduler_output.finished_req_ids):
             self.requests.pop(req_id, None)
             self._remove_row(req_id)
+        if self.eagle3 is not None:
+            self.eagle3.forget(scheduler_output.finished_req_ids)
         for req_id in sorted(scheduler_output.preempted_req_ids):
             self._remove_row(req_id)
         for req_id, kept in scheduler_output.num_kept_blocks.items():
@@ -363,12 +332,14 @@ class GPUModelRunner:
         if self.mm is not None:
             self.mm.update(scheduler_output)  # pins of finished and preempted requests
         if scheduler_output.total_num_scheduled_tokens == 0:
-            self._steps.append(_Step([], [], [], [], None))
+            self._steps.append(ExecutedStep([], [], [], [], None))
             return None
         inputs = prepare(
             self.input_batch, scheduler_output, self.block_size, self.graphs, self.min_rows
         )
         dev = self._stage(inputs)
+        if self.eagle3 is not None:
+            self.eagle3.fill_drafts(inputs, scheduler_output.worker_drafts, dev["input_ids"])
         failed = self._set_loras(inputs)
         if self.on_forward_start is not None:
             self.on_forward_start()
@@ -378,6 +349,8 @@ class GPUModelRunner:
             self.parallel.send_next(torch.stack(hidden))
         step = self._compute_logits(scheduler_output, inputs, dev, hidden)
         step.failed = failed
+        if self.eagle3 is not None and step.sampled_req_ids:
+            self.eagle3.capture(step, inputs, dev, self.input_batch)
         self._steps.append(step)
         self._settle(block=False)
         return None
@@ -453,13 +426,13 @@ class GPUModelRunner:
         inputs: StepInputs,
         dev: dict[str, torch.Tensor],
         hidden: torch.Tensor,
-    ) -> _Step:
+    ) -> ExecutedStep:
         """What sample_tokens needs of this step: on the last stage, the logits of each
         sampling request's last position and of its drafts' positions, and prompt logprobs."""
         req_ids, drafts = inputs.req_ids, inputs.drafts
         sampled = set(scheduler_output.sampled_req_ids)
         pick = [i for i, r in enumerate(req_ids) if r in sampled]
-        step = _Step(
+        step = ExecutedStep(
             req_ids=req_ids,
             sampled_req_ids=[req_ids[i] for i in pick],
             sampled_states=[self.input_batch.states[inputs.rows[i]] for i in pick],
@@ -550,7 +523,11 @@ class GPUModelRunner:
                 self.logits_buffers.give(step.logits_buffer)
         self.parallel.broadcast(result.sampled_token_ids)
         samples = with_fast_forward(result.sampled_token_ids, step.drafts, step.skipped)
-        token_ids, last = verify_drafts(samples, step.num_rows, step.drafts)
+        token_ids, last = verify_drafts(samples, step.num_rows, step.drafts, step.guesses)
+        proposals = None
+        if step.head is not None:
+            proposals = self.eagle3.propose(step.head, token_ids, step.num_rows,
+                                            step.sampled_req_ids)
         logprobs = result.logprobs
         if logprobs is not None and len(row_states) > len(states):
             # Requests with logprobs never draft: their one row is their first.
@@ -564,7 +541,7 @@ class GPUModelRunner:
             state.verified_drafts |= bool(drafts)
         sampled = SampledTokens(
             step.sampled_req_ids, states, positions, token_ids, logprobs, self.copy_stream,
-            step.drafts,
+            step.drafts, proposals,
         )
         if not self.pipelined:
             newest = None

@@ -29,6 +29,7 @@ class InputBuffers:
         self, max_num_tokens: int, max_num_reqs: int, max_num_blocks: int, device: torch.device
     ) -> None:
         self.device = device
+        self.max_num_tokens = max_num_tokens
         self.on_cpu = device.type == "cpu"
         if self.on_cpu:
             return

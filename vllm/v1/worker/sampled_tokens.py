@@ -28,7 +28,10 @@ class SampledTokens:
         logprobs: LogprobsTensors | None,
         copy_stream,
         drafts: list[list[int]],
+        proposals: torch.Tensor | None = None,
     ) -> None:
+        """`proposals` ([len(req_ids), k] on the device): EAGLE-3's drafts after each
+        request's new tokens, copied to the host with them (None: none)."""
         self.req_ids = req_ids
         # The states verified with drafts: how many tokens they kept is on the device only.
         self.verified = {id(state) for state, d in zip(states, drafts) if d}
@@ -43,6 +46,9 @@ class SampledTokens:
         self._lists: list[list[int]] | None = None
         # [len(req_ids), 1 + most drafts]: the kept ids of each request, then NO_TOKEN.
         tensors = [token_ids]
+        self._num_proposals = int(proposals is not None)
+        if proposals is not None:
+            tensors.append(proposals)
         if logprobs is not None:
             tensors += [logprobs.token_ids, logprobs.logprobs, logprobs.ranks]
         if copy_stream is None:
@@ -79,10 +85,18 @@ class SampledTokens:
     def logprobs(self) -> LogprobsLists | None:
         """The sampled tokens' logprobs on the host (None: none asked); waits for the copy."""
         self.wait()
-        if len(self._host) == 1:
+        if len(self._host) == 1 + self._num_proposals:
             return None
-        ids, lps, ranks = self._host[1:]
+        ids, lps, ranks = self._host[1 + self._num_proposals :]
         return LogprobsLists(ids.tolist(), lps.tolist(), ranks.tolist())
+
+
+    def proposals(self) -> dict[str, list[int]] | None:
+        """EAGLE-3's drafts by request id on the host (None: none); waits for the copy."""
+        if not self._num_proposals:
+            return None
+        self.wait()
+        return dict(zip(self.req_ids, self._host[1].cpu().tolist()))
 
 
 def split_rows(host: np.ndarray) -> list[list[int]]:
@@ -117,6 +131,7 @@ class AsyncOutput(AsyncModelRunnerOutput):
         """The step's output, rows in req_ids order; waits for the host copy."""
         lists = self._sampled.token_lists()
         lp = self._sampled.logprobs()
+        proposals = self._sampled.proposals()
         if self._sampled_req_ids == self._req_ids:
             # Every request of the step sampled (a decode step): rows are already in order.
             return ModelRunnerOutput(
@@ -125,6 +140,7 @@ class AsyncOutput(AsyncModelRunnerOutput):
                 logprobs=lp,
                 prompt_logprobs=self._prompt_logprobs,
                 failed=self._failed,
+                draft_token_ids=proposals,
             )
         tokens = dict(zip(self._sampled_req_ids, lists))
         if lp is not None:
@@ -142,4 +158,5 @@ class AsyncOutput(AsyncModelRunnerOutput):
             logprobs=lp,
             prompt_logprobs=self._prompt_logprobs,
             failed=self._failed,
+            draft_token_ids=proposals,
         )

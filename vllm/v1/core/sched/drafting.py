@@ -63,6 +63,9 @@ class Drafter:
         self.num_fast_forward: dict[str, int] = {}
         # Forced tokens kept so far, by live request id (for num_fast_forwarded_requests).
         self._kept_forced: dict[str, int] = {}
+        # Requests of the latest propose() whose drafts are placeholders the worker fills in
+        # (a proposer whose drafts the worker makes: EAGLE-3).
+        self.worker_filled: set[str] = set()
 
     def mode(self, request: Request) -> str:
         """The request's fast-forward mode (off for an unconstrained one)."""
@@ -110,9 +113,12 @@ class Drafter:
         if self.proposer is None:
             return {}
         forced_only = isinstance(self.proposer, ForcedTokensOnly)
+        # A worker-side proposer drafts after an in-flight step's tokens itself.
+        fills = getattr(self.proposer, "fills_in_flight", False)
         contexts: dict[str, _Context] = {}
         self.num_forced = {}
         self.num_fast_forward = {}
+        self.worker_filled = set()
         for request, assumed in candidates:
             if forced_only and self.mode(request) == OFF:
                 continue
@@ -125,7 +131,14 @@ class Drafter:
         })
         drafts: dict[str, list[int]] = {}
         for req_id, context in contexts.items():
-            if tokens := _finish(context, proposed.get(req_id, [])):
+            proposal = proposed.get(req_id, [])
+            if fills and context.guessed and context.assumed is None and context.limit > 0:
+                # Unconstrained, its step in flight: placeholders of the count it may draft
+                # (the first stands for the in-flight sample, as a guess would); the runner
+                # puts its own drafts after that step's tokens in their place.
+                proposal = [context.tokens[-1]] * context.limit
+                self.worker_filled.add(req_id)
+            if tokens := _finish(context, proposal):
                 drafts[req_id] = tokens
                 if context.num_forced:
                     self.num_forced[req_id] = context.num_forced
@@ -151,7 +164,8 @@ class Drafter:
             )
             if new_blocks is not None:
                 step.add_drafts(req_id, tokens, new_blocks, self.num_forced.get(req_id, 0),
-                                self.num_fast_forward.get(req_id, 0))
+                                self.num_fast_forward.get(req_id, 0),
+                                req_id in self.worker_filled)
 
     def record(self, req_id: str, num_drafts: int, num_accepted: int, num_forced: int) -> None:
         """Counts the verification of a request's `num_drafts` drafts (the first
@@ -159,6 +173,14 @@ class Drafter:
         kept_forced = self.stats.record(num_drafts, num_accepted, num_forced)
         if kept_forced:
             self._kept_forced[req_id] = self._kept_forced.get(req_id, 0) + kept_forced
+
+    def take_proposal(self, request: Request, drafts: list[int]) -> None:
+        """Keeps the drafts a worker proposed after the request's tokens as they stand now
+        (EAGLE-3: they come with the step's output); a proposer that drafts in the engine
+        core has no use for them."""
+        store = getattr(self.proposer, "store", None)
+        if store is not None:
+            store(request.request_id, request.num_tokens, drafts)
 
     def release(self, req_id: str) -> None:
         """Forgets whatever the proposer keeps for a finished request, and counts it if it

@@ -104,6 +104,9 @@ class SchedulerOutput:
     # certain: the runner computes no logits, bitmask row or sample for their positions
     # and keeps them as they are.
     num_fast_forward_tokens: dict[str, int] = field(default_factory=dict)
+    # EAGLE-3: requests whose drafts are placeholders (they were scheduled while a step of
+    # theirs was in flight): the runner puts its own newest drafts for them in their place.
+    worker_drafts: set[str] = field(default_factory=set)
     # Monotonic step counter (debugging and batch-queue bookkeeping).
     step_id: int = 0
 

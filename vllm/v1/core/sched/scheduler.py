@@ -438,6 +438,9 @@ class Scheduler:
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
             self._release_placeholders(request, 1 + len(drafts or ()))
             new_ids = append_output_tokens(request, token_ids, self.max_model_len)
+            proposals = model_runner_output.draft_token_ids
+            if proposals is not None and req_id in proposals and not request.is_finished():
+                self.drafter.take_proposal(request, proposals[req_id])
             if drafts is not None:
                 forced = scheduler_output.num_forced_tokens.get(req_id, 0)
                 self._verified(request, len(drafts), len(token_ids) - 1, len(new_ids), forced)

@@ -29,6 +29,8 @@ class StepBuilder:
     forced: dict[str, int] = field(default_factory=dict)
     # Certain tokens among them (exact fast-forward), the first ones.
     fast_forward: dict[str, int] = field(default_factory=dict)
+    # Requests whose drafts the runner fills in (EAGLE-3 under async scheduling).
+    worker_drafts: set[str] = field(default_factory=set)
     # Running requests' new block ids, by id: the lists in `cached`, which drafts extend.
     _running_blocks: dict[str, list[int]] = field(default_factory=dict)
 
@@ -79,10 +81,14 @@ class StepBuilder:
         return self.scheduled[: len(self._running_blocks)]
 
     def add_drafts(self, req_id: str, drafts: list[int], new_blocks: list[int],
-                   num_forced: int = 0, num_fast_forward: int = 0) -> None:
+                   num_forced: int = 0, num_fast_forward: int = 0,
+                   worker_filled: bool = False) -> None:
         """Adds drafts after a running request's scheduled token, with the blocks they took;
         the first `num_forced` of them (at most all) are forced by its grammar, and the first
-        `num_fast_forward` are certain (exact fast-forward: never sampled)."""
+        `num_fast_forward` are certain (exact fast-forward: never sampled). `worker_filled`:
+        they are placeholders the runner replaces with its own."""
+        if worker_filled:
+            self.worker_drafts.add(req_id)
         self._running_blocks[req_id].extend(new_blocks)
         self.spec_tokens[req_id] = drafts
         if num_forced:
@@ -125,6 +131,7 @@ class StepBuilder:
             scheduled_spec_decode_tokens=self.spec_tokens,
             num_forced_tokens=self.forced,
             num_fast_forward_tokens=self.fast_forward,
+            worker_drafts=self.worker_drafts,
             step_id=step_id,
         )
 
