@@ -156,6 +156,7 @@ class Eagle3Proposer:
         nxt = (inputs.starts + inputs.num_sched).astype(np.int64)
         known = nxt < batch.num_known_tokens[rows]
         after = np.where(known, batch.token_ids[rows, np.where(known, nxt, 0)], 0)
+        max_len = max(1, int(inputs.seq_lens[:num_reqs].max()))
         step.head = HeadStep(
             hidden=self.head.combine(self.aux.aux_hidden[:num_tokens]),
             input_ids=dev["input_ids"][:num_tokens].clone(),
@@ -163,7 +164,8 @@ class Eagle3Proposer:
             slot_mapping=dev["slot_mapping"][:num_tokens].clone(),
             query_start_loc=dev["query_start_loc"][: num_reqs + 1].clone(),
             seq_lens=dev["seq_lens"][:num_reqs].clone(),
-            block_table=dev["block_table"][:num_reqs].clone(),
+            # Only the blocks the step's positions reach (drafting starts inside them).
+            block_table=dev["block_table"][:num_reqs, : -(-max_len // self.block_size)].clone(),
             cu=inputs.cu[: num_reqs + 1].copy(), seq_lens_host=inputs.seq_lens[:num_reqs].copy(),
             after=_dev(after.astype(np.int64), self.device), sampled=picks,
         )
