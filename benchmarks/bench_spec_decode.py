@@ -2,16 +2,19 @@
 
     .venv/bin/python benchmarks/bench_spec_decode.py [--model demo] [--num-prompts 32] \
         [--output-len 64] [--num-speculative-tokens 3] [--repeats 3] \
-        [--draft-model demo-tiny] [--workloads stories,repetitive] \
-        [--json results/bench_spec_decode.json]
+        [--draft-model demo-tiny] [--method eagle3 --head DIR] \
+        [--workloads stories,repetitive] [--json results/bench_spec_decode.json]
 
-Drafts come from n-gram prompt lookup, or with `--draft-model` from that model.
+Drafts come from n-gram prompt lookup, with `--draft-model` from that model, or with
+`--method eagle3 --head DIR` from that EAGLE-3 head (benchmarks/train_eagle3.py trains one).
 
 For sync and async scheduling (uni executor) one engine is started with speculative
 decoding; every cell, {workload} x {0 %, 100 % JSON-schema requests}, then runs with drafts
 off and on in turn, `--repeats` times interleaved (these machines are noisy: back-to-back runs
 in one process are the fairest comparison). Drafts off means the scheduler's proposer is
-switched off, which is exactly an engine started without `--speculative-config`.
+switched off, which is exactly an engine started without `--speculative-config` (with
+EAGLE-3 the runner's head and the target's copies of its hidden states are switched off
+too).
 Requests are greedy with ignore_eos, so every run generates the same number of tokens.
 `stories` are bench_offline's prompts; `repetitive` prompts repeat a record several times,
 the text where prompt lookup pays. Prints median tokens/s with the min-max range, the ratio
@@ -51,6 +54,7 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
     """One generate call with the scheduler's proposer on or off; its tokens/s and drafts."""
     scheduler = llm.llm_engine.engine_core.scheduler
     scheduler.drafter.proposer = proposer if drafts else None
+    switch_head(llm, drafts)
     spec = scheduler.drafter.stats
     before = (spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens)
     # Forward passes, counted as the steps scheduled with tokens: a noise-free measure of
@@ -80,6 +84,22 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
             "accepted": accepted, "forwards": forwards}
 
 
+# The runner's EAGLE-3 drafter and the target's auxiliary-layer slots, by engine, while off.
+_HEADS: dict[int, tuple] = {}
+
+
+def switch_head(llm: LLM, on: bool) -> None:
+    """Turns an in-process engine's EAGLE-3 head (the runner's drafting and the target's
+    copies of its hidden states) on or off; nothing for other methods."""
+    runner = llm.llm_engine.engine_core.model_executor.worker.model_runner
+    aux = runner.model.model
+    if not on and runner.eagle3 is not None:
+        _HEADS[id(llm)] = (runner.eagle3, aux._aux_slots)
+        runner.eagle3, aux._aux_slots = None, {}
+    elif on and id(llm) in _HEADS:
+        runner.eagle3, aux._aux_slots = _HEADS.pop(id(llm))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="demo")
@@ -89,14 +109,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--draft-model", default=None,
                         help="draft with this model (same vocabulary) instead of n-gram lookup")
+    parser.add_argument("--method", default=None, choices=("ngram", "draft_model", "eagle3"),
+                        help="default: draft_model with --draft-model, else ngram")
+    parser.add_argument("--head", default=None, help="--method eagle3: the head's directory")
     parser.add_argument("--workloads", default="stories,repetitive")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
     args = parser.parse_args()
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": 4}
-    if args.draft_model:
+    method = args.method or ("draft_model" if args.draft_model else "ngram")
+    if method == "draft_model":
+        if not args.draft_model:
+            parser.error("--method draft_model needs --draft-model")
         spec = {"method": "draft_model", "model": args.draft_model,
+                "num_speculative_tokens": args.num_speculative_tokens}
+    elif method == "eagle3":
+        if not args.head:
+            parser.error("--method eagle3 needs --head DIR (benchmarks/train_eagle3.py)")
+        spec = {"method": "eagle3", "model": args.head,
                 "num_speculative_tokens": args.num_speculative_tokens}
     results: dict[str, dict] = {}
     print(f"{'cell':26s} {'none tok/s (range)':>22s} {'drafts tok/s (range)':>22s} "
