@@ -1,10 +1,18 @@
-"""Smoke test of benchmarks/train_eagle3.py: a few self-distillation steps on demo-tiny fit
-its own text (the loss falls), and the head it writes is read, checked and served by the
-engine, drafting."""
+"""Tests of benchmarks/train_eagle3.py: a few self-distillation steps on demo-tiny fit its own
+text (the loss falls), and the head it writes is read, checked and served by the engine,
+drafting; its training forward is the speculators package's test-time training."""
 
 from __future__ import annotations
 
 from tests.benchmarks.scripts import load_script
+from tests.model_executor.models.test_eagle3_head import (  # noqa: F401 (fixtures)
+    LENGTH,
+    STEPS,
+    _reference,
+    _write_head,
+    speculators,
+    target,
+)
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.transformers_utils.eagle3_config import read_eagle3_head
@@ -35,3 +43,35 @@ def test_a_few_steps_fit_the_text_and_write_a_head_the_engine_serves(tmp_path) -
         assert llm.llm_engine.engine_core.scheduler.drafter.stats.num_draft_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_the_training_forward_is_speculators_test_time_training(speculators, target,
+                                                                tmp_path) -> None:
+    """The head with the script's dense test-time-training attention gives, at every
+    position and step, the logits of the speculators package's own training forward (the
+    next tokens fed at each step, padding past the end) within 1e-5."""
+    import torch
+
+    from vllm.model_executor.models.eagle3_head import Eagle3Head
+
+    target_dir, target_config = target
+    path = _write_head(speculators, target_dir, target_config, tmp_path / "head", "llama", 1,
+                       seed=4)
+    head = Eagle3Head(read_eagle3_head(path, target_config),
+                      train_eagle3.DenseTestTimeAttention, 64)
+    head.load_weights()
+    gen = torch.Generator().manual_seed(5)
+    aux = torch.randn(LENGTH, 3 * target_config.hidden_size, generator=gen)
+    tokens = torch.randint(0, target_config.vocab_size, (LENGTH + 1,), generator=gen)
+    want = _reference(speculators, path, aux, tokens[1:])
+    for layer in head.layers:
+        layer.self_attn.attn.reset()
+    padded = torch.cat([tokens, tokens.new_zeros(STEPS)])
+    positions = torch.arange(LENGTH)
+    hidden = head.combine(aux)
+    with torch.no_grad():
+        for s in range(STEPS):
+            out = head(padded[1 + s : 1 + s + LENGTH], hidden, positions + s, [None], None)
+            valid = LENGTH - s  # past the text's end both are fed padding
+            assert (head.compute_logits(out)[:valid] - want[s][:valid]).abs().max() < 1e-5, s
+            hidden = head.carry(out)
