@@ -9,7 +9,8 @@ proposer runs sync and async on the uni executor, async on mp (the sync mp trans
 async one's), with forced preemption, and async with chunked prefill (the scheduler tests
 cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
 async on uni with chunked prefill, and async on mp with forced preemption; an EAGLE-3 head
-(drafting in the runner) sync on uni, async on uni with forced preemption and async on mp;
+(drafting in the runner) sync on uni and async on mp with forced preemption (async on uni
+in the grammar-refused test below and in tests/v1/spec_decode/test_eagle3_proposer.py);
 with two pipeline stages, n-gram drafts with forced preemption and grammar fast-forward. Every structured output must pass the grammar
 oracle, and drafts must have been kept; under async scheduling some, of constrained requests
 too, must have been drafted while the request's previous step was still in flight.
@@ -168,8 +169,7 @@ def eagle3_head(tmp_path_factory):
         ("draft", True, "mp", "preemption"),
         ("ngram", True, "pp2", "preemption"),
         ("eagle3", False, "uni", "plain"),
-        ("eagle3", True, "uni", "preemption"),
-        ("eagle3", True, "mp", "plain"),
+        ("eagle3", True, "mp", "preemption"),
     ],
 )
 def test_drafts_change_no_output(reference, request, spec, async_scheduling, executor,
