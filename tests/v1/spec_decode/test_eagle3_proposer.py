@@ -83,9 +83,13 @@ def _check_chain(head: Eagle3Head, hf, tokens: list[int], drafts: list[int],
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_proposals_are_the_heads_greedy_chain(models, async_scheduling) -> None:
+    """Async: a batch of four. Sync: one request at a time in 8-token steps, so that steps
+    computing only part of a prompt (nothing sampled) must feed the head's cache too."""
     root, hf, vocab = models
+    shape = ({"max_num_seqs": 4} if async_scheduling
+             else {"max_num_seqs": 1, "max_num_batched_tokens": 8})
     llm = LLM(model=str(root / "target"), tokenizer=str(build_demo_model("demo-tiny")),
-              dtype="float32", max_model_len=128, block_size=4, max_num_seqs=4,
+              dtype="float32", max_model_len=128, block_size=4, **shape,
               async_scheduling=async_scheduling,
               speculative_config={"method": "eagle3", "model": str(root / "head"),
                                   "num_speculative_tokens": K})
@@ -162,7 +166,7 @@ def _what_if_all_kept(proposer, scheduler, found: list) -> None:
     propose = proposer.propose
 
     def wrapped(step, kept, num_rows, req_ids):
-        if max(num_rows) > 1:
+        if kept is not None and max(num_rows) > 1:
             caches = [c.clone() for c in proposer.kv_caches]
             latest = dict(proposer._latest)
             first = torch.as_tensor(step.cu[1:][step.sampled] - num_rows)

@@ -184,12 +184,14 @@ class Eagle3Proposer:
         return torch.where(_dev(used, self.device), out, torch.full_like(out, NO_TOKEN - 1))
 
     @torch.inference_mode()
-    def propose(self, step: HeadStep, kept: torch.Tensor, num_rows: list[int],
-                req_ids: list[str]) -> torch.Tensor:
+    def propose(self, step: HeadStep, kept: torch.Tensor | None, num_rows: list[int],
+                req_ids: list[str]) -> torch.Tensor | None:
         """The drafts [len(req_ids), num_speculative_tokens] (target ids, on the device) after
         each sampling request's kept tokens: `kept` is verification's table ([n, width], the
-        kept ids of row j then NO_TOKEN), `num_rows` its rows per request. Side effect: the
-        head's cache holds the step's positions; the drafts become each request's newest."""
+        kept ids of row j then NO_TOKEN), `num_rows` its rows per request; None when no
+        request sampled (prompt chunks only: the cache is caught up, nothing is drafted).
+        Side effect: the head's cache holds the step's positions; the drafts become each
+        request's newest."""
         head, device = self.head, self.device
         num_tokens = len(step.input_ids)
         num_reqs = len(step.after)
@@ -199,11 +201,12 @@ class Eagle3Proposer:
         nxt[_dev(ends - 1, device)] = step.after
         rows = np.asarray(num_rows, dtype=np.int64)
         first = ends[step.sampled] - rows  # flat index of each sampling request's first row
-        cols = np.arange(kept.shape[1], dtype=np.int64)
-        # Index lists known on the host: a boolean mask would make the device sync.
-        which, col = np.nonzero(cols[None, :] < rows[:, None])
-        nxt[_dev(first[which] + col, device)] = kept[_dev(which, device),
-                                                     _dev(col, device)].clamp(min=0)
+        if kept is not None:
+            cols = np.arange(kept.shape[1], dtype=np.int64)
+            # Index lists known on the host: a boolean mask would make the device sync.
+            which, col = np.nonzero(cols[None, :] < rows[:, None])
+            nxt[_dev(first[which] + col, device)] = kept[_dev(which, device),
+                                                         _dev(col, device)].clamp(min=0)
         metadata = AttentionMetadata(
             num_actual_tokens=num_tokens, num_reqs=num_reqs,
             max_query_len=int(np.diff(step.cu).max()), max_seq_len=int(step.seq_lens_host.max()),
@@ -213,6 +216,8 @@ class Eagle3Proposer:
             seq_lens_cpu=torch.from_numpy(step.seq_lens_host),
         )
         out = head(nxt, step.hidden, step.positions, self.kv_caches, metadata)
+        if kept is None:
+            return None
         accepted = (kept != NO_TOKEN).sum(dim=1) - 1
         last = _dev(first, device) + accepted
         hidden = out[last]

@@ -349,7 +349,7 @@ class GPUModelRunner:
             self.parallel.send_next(torch.stack(hidden))
         step = self._compute_logits(scheduler_output, inputs, dev, hidden)
         step.failed = failed
-        if self.eagle3 is not None and step.sampled_req_ids:
+        if self.eagle3 is not None and self.last_stage:
             self.eagle3.capture(step, inputs, dev, self.input_batch)
         self._steps.append(step)
         self._settle(block=False)
@@ -488,6 +488,8 @@ class GPUModelRunner:
                 state.num_output_tokens += 1
             return EMPTY_MODEL_RUNNER_OUTPUT
         if step.logits is None:
+            if step.head is not None:  # prompt chunks only: the head's cache follows them
+                self.eagle3.propose(step.head, None, [], [])
             out = ModelRunnerOutput(
                 req_ids=step.req_ids,
                 sampled_token_ids=[[] for _ in step.req_ids],
