@@ -8,7 +8,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 import msgspec
@@ -412,3 +414,50 @@ def test_a_fired_sentinel_is_confirmed_by_reaping_the_worker() -> None:
         assert not is_alive_confirmed(proc)
     finally:
         proc.close()
+
+
+def _sleep_a_minute() -> None:
+    time.sleep(60)
+
+
+def test_a_worker_reaped_by_two_threads_at_once_is_reported_killed_by_both() -> None:
+    """The reader thread (its socket closed) and the engine core's health check (the sentinel
+    fired) see a killed worker at the same moment. Reaping one process from two threads
+    races: the loser's waitpid fails while the winner has not stored the exit code yet, so
+    it saw "still running" (or the worker alive). Both must name the signal."""
+    import multiprocessing.connection
+
+    from vllm.v1.executor.multiproc_executor import _WorkerGroup
+
+    ctx = multiprocessing.get_context("fork")
+    for _ in range(20):
+        proc = ctx.Process(target=_sleep_a_minute, daemon=True)
+        proc.start()
+        group = _WorkerGroup.__new__(_WorkerGroup)
+        group._procs = [proc]
+        group._lock = threading.Lock()
+        group._reap_lock = threading.Lock()
+        group._error, group._closed = None, False
+        group._order, group._calls = deque(), {}
+        messages: list[str] = []
+        start = threading.Barrier(2)
+
+        def reader() -> None:
+            start.wait()
+            messages.append(group._worker_exited(0))
+
+        def checker() -> None:
+            start.wait()
+            with pytest.raises(RuntimeError) as e:
+                group.check()
+            messages.append(str(e.value))
+
+        os.kill(proc.pid, signal.SIGKILL)
+        # Both start from the fired sentinel, as in the engine.
+        assert multiprocessing.connection.wait([proc.sentinel], 10)
+        threads = [threading.Thread(target=reader), threading.Thread(target=checker)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(messages) == 2 and all("SIGKILL" in m for m in messages), messages

@@ -122,6 +122,10 @@ class _WorkerGroup:
         ).output_rank
         self.pids: list[int] = []
         self._lock = threading.Lock()
+        # Held while a worker is reaped: the reader thread and the health check may reap the
+        # same dead worker at once, and from two threads one waitpid fails before the other
+        # has stored the exit code (the worker then looks alive, or "still running").
+        self._reap_lock = threading.Lock()
         self._calls: dict[int, _Call] = {}
         self._order: deque[_Call] = deque()
         # Ids only match replies to calls (the order is _order's), so they are taken before
@@ -220,8 +224,10 @@ class _WorkerGroup:
         with self._lock:
             self._raise_if_unusable()
         for rank, proc in enumerate(self._procs):
-            if not is_alive_confirmed(proc):
-                message = self._death_message(rank)
+            with self._reap_lock:
+                alive = is_alive_confirmed(proc)
+                message = "" if alive else self._death_message(rank)
+            if not alive:
                 self._fail(message)
                 raise RuntimeError(self._error or message)
 
@@ -230,6 +236,13 @@ class _WorkerGroup:
             raise RuntimeError(self._error)
         if self._closed:
             raise RuntimeError("MultiprocExecutor: the executor has been shut down")
+
+    def _worker_exited(self, rank: int) -> str:
+        """The death message of worker `rank`, whose sentinel fired, once it is reaped (at
+        most _REAP_TIMEOUT_S)."""
+        with self._reap_lock:
+            self._procs[rank].join(_REAP_TIMEOUT_S)
+            return self._death_message(rank)
 
     def _death_message(self, rank: int) -> str:
         proc = self._procs[rank]
@@ -311,8 +324,7 @@ class _WorkerGroup:
                 dead = [rank for fd, rank in sentinels.items() if fd in events]
                 if dead:
                     if not self._closed:
-                        self._procs[dead[0]].join(_REAP_TIMEOUT_S)
-                        self._fail(self._death_message(dead[0]))
+                        self._fail(self._worker_exited(dead[0]))
                     return
         except Exception as exc:
             if not self._closed:
