@@ -717,6 +717,9 @@ def assert_all_released(harness: Harness, som: StructuredOutputManager) -> None:
     assert som.num_live_grammars == 0
 
 
+MakeHarness = Callable[..., "Harness"]  # what harness_factory yields
+
+
 @contextlib.contextmanager
 def harness_factory(
     model_config: ModelConfig, **defaults: object

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from tests.v1.core.sched_utils import (
+    MakeHarness,
     CYCLE,
     SPEC_CONDITIONS,
     cyclic,
@@ -25,7 +26,6 @@ from tests.v1.core.sched_utils import (
     GRAMMAR_END,
     Harness,
     default_policy,
-    demo_model_config,
     make_request,
 )
 from vllm.config import ModelConfig
@@ -34,13 +34,7 @@ from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.request import Request, RequestStatus
 
-MakeHarness = Callable[..., Harness]
 ABORTED = RequestStatus.FINISHED_ABORTED
-
-
-@pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    return demo_model_config()
 
 
 @pytest.fixture

@@ -5,23 +5,20 @@ with drafts), with fake model outputs."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from tests.v1.core.sched_utils import (
+    MakeHarness,
     CYCLE,
-    Harness,
     cyclic,
-    demo_model_config,
     harness_factory,
     make_request,
 )
 from vllm.config import ModelConfig
 from vllm.sampling_params import RepetitionDetectionParams
 from vllm.v1.core.sched.repetition import REPETITION_STOP_REASON, RepetitionDetector
-
-MakeHarness = Callable[..., Harness]
 
 
 def repeated_tail(tokens: list[int], params: RepetitionDetectionParams) -> int | None:
@@ -64,11 +61,6 @@ def test_detector_refuses_params_with_detection_off() -> None:
 
 
 # ---------------------------------------------------------------------- through the scheduler
-
-
-@pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    return demo_model_config()
 
 
 @pytest.fixture

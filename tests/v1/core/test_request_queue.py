@@ -4,18 +4,14 @@ and the prefix-cache salt a request's `cache_salt` adds to its adapter's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import pytest
 
 from tests.v1.core.sched_utils import (
+    MakeHarness,
     Harness,
     default_policy,
-    demo_model_config,
-    harness_factory,
     make_request,
 )
-from vllm.config import ModelConfig
 from vllm.lora.request import LoRARequest
 from vllm.v1.core.kv_cache_utils import block_hash_salt
 from vllm.v1.core.sched.request_queue import (
@@ -24,20 +20,7 @@ from vllm.v1.core.sched.request_queue import (
     make_waiting_queue,
 )
 
-MakeHarness = Callable[..., Harness]
 MODES = [False, True]  # async scheduling off / on
-
-
-@pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    return demo_model_config()
-
-
-@pytest.fixture
-def make(model_config: ModelConfig) -> Iterator[MakeHarness]:
-    """Builds harnesses; at teardown every request is gone and the KV pool is full."""
-    with harness_factory(model_config) as factory:
-        yield factory
 
 
 def first_steps(h: Harness) -> dict[str, int]:

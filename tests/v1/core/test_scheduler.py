@@ -2,42 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgspec
 import pytest
 
 from tests.v1.core.sched_utils import (
+    MakeHarness,
     CYCLE,
     SPEC_CONDITIONS,
     cyclic,
-    harness_factory,
     spec_workload,
     EOS,
     GRAMMAR_END,
-    Harness,
     default_policy,
-    demo_model_config,
     make_request,
 )
-from vllm.config import ModelConfig
 from vllm.exceptions import ErrorKind, InvalidRequestError
 from vllm.v1.metrics.engine_stats import EngineCoreStats
 from vllm.v1.request import RequestStatus
-
-MakeHarness = Callable[..., Harness]
-
-
-@pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    return demo_model_config()
-
-
-@pytest.fixture
-def make(model_config: ModelConfig) -> Iterator[MakeHarness]:
-    """Builds sync harnesses; at teardown every request is gone and the KV pool is full."""
-    with harness_factory(model_config) as factory:
-        yield factory
 
 
 def expected(req_id: str, n: int) -> list[int]:
