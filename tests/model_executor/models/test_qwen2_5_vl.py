@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from tests.utils_models import capture_logits
 from tests.utils_vl import (
     PLACEHOLDER,
-    expand_placeholders,
+    chat_prompt,
+    greedy_agreement_with_transformers,
     hf_image_inputs,
     image,
     shared_vl_checkpoint,
@@ -21,11 +22,14 @@ from tests.utils_vl import (
 from vllm import LLM, SamplingParams
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.loader import get_model
-from vllm.multimodal.qwen_vl_image import QwenVLImageConfig, num_image_tokens, preprocess
+from vllm.multimodal.qwen_vl_image import (
+    QwenVLImageConfig,
+    num_image_tokens,
+    preprocess,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
-IMAGE_TOKEN = 151655
 MAX_TOKENS = 32
 # (image sizes, question): one image, two of different sizes, none.
 PROMPTS = [
@@ -40,15 +44,6 @@ PROMPTS = [
 ]
 
 
-def _text(sizes: list[tuple[int, int]], question: str) -> str:
-    images = "".join(f"Picture {i}: {PLACEHOLDER}\n" for i in range(len(sizes)))
-    return f"<|im_start|>user\n{images}{question}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _images(k: int, sizes: list[tuple[int, int]]):
-    return [image(h, w, seed=100 * k + i) for i, (h, w) in enumerate(sizes)]
-
-
 @pytest.fixture(scope="module")
 def checkpoint():
     return shared_vl_checkpoint()
@@ -60,19 +55,6 @@ def llm(checkpoint):
                  kv_cache_memory=64 << 20, max_num_seqs=8)
     yield engine
     engine.shutdown()
-
-
-def _hf_inputs(tokenizer, k: int, sizes, question: str) -> dict[str, torch.Tensor]:
-    """transformers' input for a prompt: its processor's pixels and expanded ids."""
-    ids = tokenizer.encode(_text(sizes, question), add_special_tokens=False)
-    if not sizes:
-        return {"input_ids": torch.tensor([ids])}
-    pix = hf_image_inputs(_images(k, sizes))
-    counts = (pix["image_grid_thw"].prod(-1) // 4).tolist()  # merge 2 x 2
-    ids = expand_placeholders(ids, IMAGE_TOKEN, counts)
-    return {"input_ids": torch.tensor([ids]), "pixel_values": pix["pixel_values"],
-            "image_grid_thw": pix["image_grid_thw"],
-            "mm_token_type_ids": (torch.tensor([ids]) == IMAGE_TOKEN).int()}
 
 
 def test_preprocessing_and_placeholder_counts_match_transformers(checkpoint) -> None:
@@ -93,43 +75,18 @@ def test_preprocessing_and_placeholder_counts_match_transformers(checkpoint) -> 
 
 def test_logits_and_greedy_tokens_match_transformers(checkpoint, llm) -> None:
     _, hf = checkpoint
-    tokenizer = llm.get_tokenizer()
-    prompts = [{"prompt": _text(s, q), "multi_modal_data": {"image": _images(k, s)}}
-               if s else _text(s, q) for k, (s, q) in enumerate(PROMPTS)]
-    captured = capture_logits(llm)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                ignore_eos=True), use_tqdm=False)
-    agree = total = 0
-    for k, ((sizes, question), out) in enumerate(zip(PROMPTS, outs)):
-        inputs = _hf_inputs(tokenizer, k, sizes, question)
-        prompt_ids = inputs["input_ids"][0].tolist()
-        assert out.prompt_token_ids == prompt_ids  # the processor's expansion
-        got_ids = list(out.outputs[0].token_ids)
-        with torch.inference_mode():
-            # Teacher-forced on the engine's tokens: every step's logits at once.
-            forced = dict(inputs, input_ids=torch.tensor([prompt_ids + got_ids]))
-            if sizes:
-                forced["mm_token_type_ids"] = (forced["input_ids"] == IMAGE_TOKEN).int()
-            want = hf(**forced).logits[0, len(prompt_ids) - 1:-1]
-            greedy = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 min_new_tokens=MAX_TOKENS)[0, len(prompt_ids):].tolist()
-        got = torch.stack(captured[out.request_id])
-        assert want.std() > 0.5
-        assert (got - want).abs().max().item() < 1e-4, (k, sizes)
-        agree += sum(a == b for a, b in zip(got_ids, greedy))
-        total += MAX_TOKENS
-    assert agree >= 0.9 * total, (agree, total)
+    assert greedy_agreement_with_transformers(llm, hf, PROMPTS, MAX_TOKENS) >= 0.9
 
 
 def test_text_only_requests_run_as_the_text_model(checkpoint, llm) -> None:
     """A text request's logits are transformers' text model's, alone and batched beside
     an image request."""
     _, hf = checkpoint
-    text = _text([], "Just text, please.")
+    text = chat_prompt([], "Just text, please.")
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     captured = capture_logits(llm)
     alone = llm.generate([text], params, use_tqdm=False)[0]
-    mixed = llm.generate([{"prompt": _text([(30, 45)], "x"),
+    mixed = llm.generate([{"prompt": chat_prompt([(30, 45)], "x"),
                            "multi_modal_data": {"image": image(30, 45, 7)}}, text],
                          params, use_tqdm=False)[1]
     assert mixed.outputs[0].token_ids == alone.outputs[0].token_ids

@@ -54,6 +54,11 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     supports_cuda_graphs = False
     # The runner gives it a MultiModalStep (vllm/v1/worker/mm_step.py).
     is_multimodal = True
+    # Qwen3-VL's layout of the M-RoPE frequencies (layers/mrope.py) and its name in errors.
+    mrope_interleaved: bool = False
+    family: str = "Qwen2.5-VL"
+    # The M-RoPE sections when the config names none (None: it must name them).
+    default_mrope_section: tuple[int, int, int] | None = None
 
     def __init__(
         self,
@@ -63,20 +68,25 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     ) -> None:
         super().__init__(hf_config, attn_backend_cls, parallel)
         if self.parallel.layout.pp_size > 1:
-            raise ValueError("--pipeline-parallel-size: Qwen2.5-VL runs on one pipeline stage "
-                             "only (tensor parallelism works)")
+            raise ValueError(f"--pipeline-parallel-size: {self.family} runs on one pipeline "
+                             "stage only (tensor parallelism works)")
         params = rope_parameters(hf_config)
-        section = params.get("mrope_section")
+        section = params.get("mrope_section") or self.default_mrope_section
         if section is None:
             raise ValueError("rope_parameters.mrope_section: missing from the text config "
-                             "of a Qwen2.5-VL model")
+                             f"of a {self.family} model")
         for i in self.model.stage:
             attn = self.model.layers[i].self_attn
             attn.rotary_emb = MRotaryEmbedding(
-                self.head_dim, hf_config.max_position_embeddings, params, list(section)
+                self.head_dim, hf_config.max_position_embeddings, params, list(section),
+                self.mrope_interleaved,
             )
-        self.visual = Qwen2_5_VisionTransformer(hf_config.vision_config)
+        self.visual = self.make_vision_tower(hf_config.vision_config)
         self.image_token_id: int = hf_config.image_token_id
+
+    def make_vision_tower(self, vision_config: Any) -> torch.nn.Module:
+        """The family's vision tower (its parameters load from the checkpoint's visual.*)."""
+        return Qwen2_5_VisionTransformer(vision_config)
 
     def embed_image(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """The language-model embeddings of one image's placeholder tokens:

@@ -19,7 +19,8 @@ from torch import nn
 
 from vllm.model_executor.layers.layernorm import RMSNorm
 
-_ACTIVATIONS = {
+# The vision towers' activations by their config names.
+VISION_ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -37,10 +38,10 @@ class VisionMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        if act not in _ACTIVATIONS:
+        if act not in VISION_ACTIVATIONS:
             raise ValueError(f"vision_config.hidden_act: {act!r} is not supported (one of "
-                             f"{', '.join(_ACTIVATIONS)})")
-        self.act = _ACTIVATIONS[act]
+                             f"{', '.join(VISION_ACTIVATIONS)})")
+        self.act = VISION_ACTIVATIONS[act]
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)

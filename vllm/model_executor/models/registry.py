@@ -13,6 +13,7 @@ def _classes() -> dict[str, type[nn.Module]]:
     from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM
     from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+    from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
     return {
         "LlamaForCausalLM": LlamaForCausalLM,
@@ -24,6 +25,7 @@ def _classes() -> dict[str, type[nn.Module]]:
         "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
         "Qwen3ForCausalLM": Qwen3ForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+        "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     }
 
 
