@@ -54,17 +54,20 @@ def flatten_messages(
     messages: list[Any], placeholder: str | None, model_name: str,
     allowed_local_media_path: str | None = None,
     allowed_media_domains: list[str] | None = None,
+    message_names: list[str] | None = None,
 ) -> ChatImages:
     """The conversation with every list content made a string, its images loaded.
 
     `placeholder` is the text an image part becomes (None: the model takes no images, and
-    an image part is refused naming `model_name`). Raises InvalidRequestError naming the
-    part for a part of an unknown type, a text part without text, and any image that
-    cannot be loaded (media.py)."""
+    an image part is refused naming `model_name`). `message_names` says how the client
+    named each message (default messages[i]; /v1/responses names its input items). Raises
+    InvalidRequestError naming the part for a part of an unknown type, a text part without
+    text, and any image that cannot be loaded (media.py)."""
     out = ChatImages(messages=[])
     for i, message in enumerate(messages):
+        where = message_names[i] if message_names is not None else f"messages[{i}]"
         if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{i}]", "must be an object")
+            raise InvalidRequestError(where, "must be an object")
         msg = dict(message)
         content = msg.get("content")
         if content is None:
@@ -72,7 +75,7 @@ def flatten_messages(
         elif isinstance(content, list):
             texts: list[str] = []
             for j, part in enumerate(content):
-                name = f"messages[{i}].content[{j}]"
+                name = f"{where}.content[{j}]"
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text":
                     if not isinstance(part.get("text"), str):

@@ -3,7 +3,8 @@ sends images (data URL, a file under --allowed-local-media-path, an http URL of
 --allowed-media-domains served on loopback) with a JSON schema and gets valid objects;
 /tokenize counts an image's placeholders; bad images, too many images, URLs the flags do
 not allow and unknown part types are 400s naming messages[i].content[j], and the server
-keeps serving."""
+keeps serving. /v1/responses takes input_image parts under the same rules, its errors
+naming input[i].content[j]."""
 
 from __future__ import annotations
 
@@ -153,3 +154,48 @@ def test_oversized_and_too_many_images_then_still_serving(http, media) -> None:
     ok = http.post(CHAT, json={"model": "tiny-vl", "max_tokens": 2,
                                "messages": _message(url, (media[0] / "cat.png").as_uri())})
     assert ok.status_code == 200, ok.text
+
+
+def test_responses_input_image_with_json_schema(server, media) -> None:
+    """/v1/responses input_image parts (a data URL, an allowed http URL) under a JSON
+    schema give valid objects, and take the image's placeholders as chat does."""
+    client = server.client()
+    url = _data_url(_png(image(64, 48, 1)))
+    fmt = {"format": {"type": "json_schema", "name": "count", "schema": SCHEMA}}
+    tokens = []
+    for image_url in (url, f"{media[1]}/cat.png", None):
+        content = [{"type": "input_text", "text": "What color, and how many?"}]
+        if image_url is not None:
+            content.append({"type": "input_image", "image_url": image_url, "detail": "auto"})
+        response = client.responses.create(
+            model="tiny-vl", input=[{"role": "user", "content": content}],
+            max_output_tokens=40, temperature=0, text=fmt)
+        assert response.status == "completed", response
+        jsonschema.validate(json.loads(response.output_text), SCHEMA)
+        tokens.append(response.usage.input_tokens)
+    chat = client.chat.completions.create(model="tiny-vl", messages=_message(url),
+                                          max_tokens=1)
+    assert tokens[0] == chat.usage.prompt_tokens
+    assert tokens[2] < tokens[1] < tokens[0]  # 48 x 64 is 48 tokens; cat.png fewer
+
+
+@pytest.mark.parametrize("part, param, message", [
+    ({"type": "input_image", "image_url": _data_url(_png(image(32, 32, 4))[:200])},
+     "input[1].content[1]", "cannot decode"),
+    ({"type": "input_image", "image_url": "file:///etc/hostname"},
+     "input[1].content[1]", "outside --allowed-local-media-path"),
+    ({"type": "input_image", "file_id": "file-1"}, "input[1].content[1].file_id", "not stored"),
+    ({"type": "input_image"}, "input[1].content[1].image_url", "non-empty string"),
+    ({"type": "input_image", "image_url": "x", "detail": "low"},
+     "input[1].content[1].detail", "only 'auto'"),
+    ({"type": "input_image", "image_url": "x", "size": 3}, "input[1].content[1].size",
+     "not a field"),
+    ({"type": "input_file", "file_data": "x"}, "input[1].content[1]", "input_image"),
+])
+def test_responses_bad_image_parts_are_400s_naming_the_part(http, part, param,
+                                                            message) -> None:
+    body = {"model": "tiny-vl", "max_output_tokens": 2, "instructions": "Be brief.",
+            "input": [{"role": "user", "content": "Hello."},
+                      {"role": "user", "content": [{"type": "input_text", "text": "hi"}, part]}]}
+    error = assert_error(http.post("/v1/responses", json=body), 400, param)
+    assert message in error["message"], error

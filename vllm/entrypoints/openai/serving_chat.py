@@ -107,12 +107,17 @@ class OpenAIServingChat(OpenAIServing):
         Raises ValueError for unusable messages."""
         return self.render_prompt(request)[0]
 
+    def message_names(self, request: ChatCompletionRequest) -> list[str] | None:
+        """How the client named each message in errors; None: messages[i]."""
+        return None
+
     def render_prompt(self, request: ChatCompletionRequest) -> tuple[str, ChatImages]:
         """The prompt text of the conversation and the images its parts carry (loaded and
         checked; vllm/multimodal/chat.py). Raises ValueError for unusable messages or
         images, naming the part."""
         chat = self.engine.processor.chat_images(
-            [m.model_dump(exclude_none=True) for m in request.messages])
+            [m.model_dump(exclude_none=True) for m in request.messages],
+            self.message_names(request))
         messages = chat.messages
         kwargs = dict(request.chat_template_kwargs or {})
         if request.reasoning_effort is not None:

@@ -46,6 +46,8 @@ from vllm.v1.engine.async_llm import RequestStream
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# The fields of an input_image content part.
+_IMAGE_FIELDS = frozenset({"type", "image_url", "file_id", "detail"})
 # Fields the Responses API has that this engine does not implement, and why.
 _REFUSED = (
     ("previous_response_id", "responses are not stored here: send the whole conversation "
@@ -69,17 +71,64 @@ class ChatForResponses(ChatCompletionRequest):
     """The chat request a Responses request becomes, carrying the original for the answer."""
 
     _origin: ResponsesRequest | None = PrivateAttr(default=None)
+    # The Responses name of each message (instructions, input[i]) for errors.
+    _message_names: list[str] | None = PrivateAttr(default=None)
 
 
-def _input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages of `instructions` and `input`. Raises InvalidRequestError naming the
-    input item (and part) that cannot be a message."""
+def _image_part(part: dict[str, Any], name: str) -> dict[str, Any]:
+    """The chat image_url part of an input_image part (the chat path loads the image under
+    the server's media rules). Raises InvalidRequestError naming the field for an unknown
+    field, a file_id, a missing image_url or a detail other than auto."""
+    unknown = sorted(set(part) - _IMAGE_FIELDS)
+    if unknown:
+        raise InvalidRequestError(f"{name}.{unknown[0]}",
+                                  "is not a field of an input_image part")
+    if part.get("file_id") is not None:
+        raise InvalidRequestError(f"{name}.file_id", "files are not stored here: send the "
+                                  "image as image_url (a data URL, or a URL the server allows)")
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError(f"{name}.image_url", "must be a non-empty string (a data "
+                                  "URL, or a file:// or http(s) URL the server allows)")
+    if part.get("detail", "auto") not in (None, "auto"):
+        raise InvalidRequestError(f"{name}.detail", "only 'auto' is supported (the model's "
+                                  "processor sizes every image)")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _message_content(content: list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A message's content parts as chat content: the joined text, or, when an image is
+    among them, chat parts in the same order (so content[j] keeps its index in errors).
+    Raises InvalidRequestError naming a part that is neither text nor input_image."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            parts.append(_image_part(part, f"{where}.content[{j}]"))
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise InvalidRequestError(
+                f"{where}.content[{j}]",
+                "only text parts (input_text, output_text) and input_image parts are supported",
+            )
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _input_messages(request: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
+    """The chat messages of `instructions` and `input`, and the Responses name of each.
+    Raises InvalidRequestError naming the input item (and part) that cannot be a message."""
     messages: list[dict[str, Any]] = []
+    names: list[str] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
+        names.append("instructions")
     if isinstance(request.input, str):
         messages.append({"role": "user", "content": request.input})
-        return messages
+        names.append("input")
+        return messages, names
     for i, item in enumerate(request.input):
         kind = item.get("type", "message")
         where = f"input[{i}]"
@@ -91,19 +140,11 @@ def _input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
                 )
             content = item.get("content")
             if isinstance(content, list):
-                texts = []
-                for j, part in enumerate(content):
-                    if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS \
-                            or not isinstance(part.get("text"), str):
-                        raise InvalidRequestError(
-                            f"{where}.content[{j}]",
-                            "only text parts (input_text, output_text) are supported",
-                        )
-                    texts.append(part["text"])
-                content = "".join(texts)
+                content = _message_content(content, where)
             elif not isinstance(content, str):
                 raise InvalidRequestError(f"{where}.content", "must be a string or a list of parts")
             messages.append({"role": role, "content": content})
+            names.append(where)
         elif kind == "function_call":
             name, arguments = item.get("name"), item.get("arguments")
             call_id = item.get("call_id")
@@ -121,6 +162,7 @@ def _input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                names.append(where)
         elif kind == "function_call_output":
             output, call_id = item.get("output"), item.get("call_id")
             if not isinstance(output, str) or not isinstance(call_id, str):
@@ -128,6 +170,7 @@ def _input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
                     where, "a function_call_output item needs string call_id and output"
                 )
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+            names.append(where)
         elif kind == "reasoning":
             continue  # earlier thinking is not sent back to the model, as chat templates do
         else:
@@ -138,7 +181,7 @@ def _input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
             )
     if not messages:
         raise InvalidRequestError("input", "must hold at least one message")
-    return messages
+    return messages, names
 
 
 def to_chat_request(request: ResponsesRequest) -> ChatForResponses:
@@ -147,9 +190,10 @@ def to_chat_request(request: ResponsesRequest) -> ChatForResponses:
     for name, why in _REFUSED:
         if getattr(request, name) not in (None, False):
             raise InvalidRequestError(name, why)
+    messages, names = _input_messages(request)
     chat: dict[str, Any] = {
         "model": request.model,
-        "messages": _input_messages(request),
+        "messages": messages,
         "max_completion_tokens": request.max_output_tokens,
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -207,6 +251,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatForResponses:
         loc = ".".join(map(str, first.get("loc", ())))
         raise InvalidRequestError(responses_param(loc) or "input", first["msg"]) from None
     converted._origin = request
+    converted._message_names = names
     return converted
 
 
@@ -230,6 +275,10 @@ class OpenAIServingResponses(OpenAIServingChat):
     """Runs Responses requests through the chat path and answers with response objects."""
 
     id_prefix = "resp"
+
+    def message_names(self, request: ChatCompletionRequest) -> list[str] | None:
+        """Errors about a message or its parts name the Responses input item."""
+        return request._message_names if isinstance(request, ChatForResponses) else None
 
     async def create_response(self, request: ResponsesRequest, raw_request: Request) -> Response:
         """The HTTP response of one Responses request (errors in OpenAI's shape)."""

@@ -149,15 +149,17 @@ class InputProcessor:
             mm_features=mm_features,
         )
 
-    def chat_images(self, messages: list[Any]) -> ChatImages:
+    def chat_images(self, messages: list[Any],
+                    message_names: list[str] | None = None) -> ChatImages:
         """The conversation with list contents made strings and their images loaded (an
         image part becomes the model's placeholder; multimodal/chat.py). Raises
-        InvalidRequestError naming the part, also for images sent to a text-only model."""
+        InvalidRequestError naming the part (under `message_names`, default messages[i]),
+        also for images sent to a text-only model."""
         mm = self.config.multimodal_config
         return flatten_messages(
             messages, IMAGE_PLACEHOLDER if self.mm_processor is not None else None,
             str(self.config.model_config.served_model_name), mm.allowed_local_media_path,
-            mm.allowed_media_domains)
+            mm.allowed_media_domains, message_names)
 
     def process_images(
         self, prompt: object, token_ids: list[int]
