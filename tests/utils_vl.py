@@ -4,6 +4,7 @@ tokenizer and a preprocessor config, and images to feed them."""
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import shutil
 import tempfile
@@ -115,7 +116,8 @@ def hf_image_inputs(images: list[Image.Image],
         Qwen2VLImageProcessorPil,
     )
 
-    settings = {k: v for k, v in (preprocessor or PREPROCESSOR).items()
+    # A deep copy: the processor writes min/max_pixels into the size dict it is given.
+    settings = {k: copy.deepcopy(v) for k, v in (preprocessor or PREPROCESSOR).items()
                 if k != "image_processor_type"}
     processor = Qwen2VLImageProcessorPil(**settings)
     return dict(processor(images=images, return_tensors="pt"))

@@ -83,9 +83,17 @@ class MultiModalConfig:
     # --allowed-media-domains: host names whose http(s) image URLs may be fetched (None or
     # empty: none may).
     allowed_media_domains: list[str] | None = None
+    # --mm-processor-kwargs: the image processor's pixel bounds over the model's own
+    # (multimodal/processor_kwargs.py); normalized to {"min_pixels", "max_pixels"}.
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        # Imported here: the processor modules import this one.
+        from vllm.multimodal.processor_kwargs import check_processor_kwargs
+
         self.limit_per_prompt = check_limit_per_prompt(self.limit_per_prompt)
+        self.mm_processor_kwargs = check_processor_kwargs(self.mm_processor_kwargs,
+                                                          "--mm-processor-kwargs")
         if self.encoder_cache_size is not None and self.encoder_cache_size < 0:
             raise ValueError(f"--encoder-cache-size: must be >= 0, got "
                              f"{self.encoder_cache_size}")
@@ -93,8 +101,12 @@ class MultiModalConfig:
     def verify(self, vllm_config: Any) -> None:
         """Refuses, naming the flag, what a vision-language model does not run with yet:
         pipeline stages and speculative decoding (its M-RoPE positions are built on the
-        host per token, and drafts move positions on the device)."""
+        host per token, and drafts move positions on the device), and
+        --mm-processor-kwargs on a text-only model."""
         if not is_vl_config_flat(vllm_config.model_config.hf_config):
+            if self.mm_processor_kwargs:
+                raise ValueError("--mm-processor-kwargs: the model is not a vision-language "
+                                 "model (it has no image processor)")
             return
         if vllm_config.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("--pipeline-parallel-size: vision-language models run on one "

@@ -287,6 +287,13 @@ class EngineArgs:
         metadata=_help("Image embeddings (one per placeholder token) the runner keeps for "
                        "reuse once no prefill needs them (default: --max-num-batched-tokens)."),
     )
+    mm_processor_kwargs: dict[str, Any] | None = field(
+        default=None,
+        metadata=_help("Image processor settings over the model's, as JSON: "
+                       "'{\"min_pixels\": 3136, \"max_pixels\": 1003520}' (or size's "
+                       "shortest_edge/longest_edge); a request's mm_processor_kwargs win.",
+                       type=json.loads),
+    )
     allowed_local_media_path: str | None = field(
         default=None,
         metadata=_help("Directory under which file:// image URLs may be read (default: none)."),
@@ -421,6 +428,7 @@ class EngineArgs:
                 encoder_cache_size=self.encoder_cache_size,
                 allowed_local_media_path=self.allowed_local_media_path,
                 allowed_media_domains=self.allowed_media_domains,
+                mm_processor_kwargs=self.mm_processor_kwargs,
             ),
         )
 

@@ -114,13 +114,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generates replies to one conversation or a list of conversations (with an
         adapter, or one per conversation, as in `generate`). A message's content may be a
         list of parts: text, image_url (data: URLs; file: and http(s): as the engine's
         allowed_local_media_path / allowed_media_domains permit) and image_pil (a PIL
-        image), for a vision-language model."""
+        image), for a vision-language model, whose images `mm_processor_kwargs` sizes
+        (min_pixels, max_pixels) over the engine's settings."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         processor = self.llm_engine.processor
         prompts: list[Prompt] = []
@@ -130,9 +132,11 @@ class LLM:
                            for p in m["content"]) for m in conversation):
                 chat = processor.chat_images(conversation)
                 text = processor.apply_chat_template(chat.messages, **template_kwargs)
-                prompts.append(chat.prompt(text))
+                prompts.append(chat.prompt(text, mm_processor_kwargs))
             else:
-                prompts.append(processor.apply_chat_template(conversation, **template_kwargs))
+                text = processor.apply_chat_template(conversation, **template_kwargs)
+                prompts.append(text if mm_processor_kwargs is None else
+                               {"prompt": text, "mm_processor_kwargs": mm_processor_kwargs})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(

@@ -26,13 +26,18 @@ class ChatImages:
     images: list[Image.Image] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
 
-    def prompt(self, text: str) -> str | dict[str, Any]:
+    def prompt(self, text: str, mm_processor_kwargs: dict[str, Any] | None = None
+               ) -> str | dict[str, Any]:
         """The engine prompt of the rendered `text`: a dict with the images when there are
-        any (their names go along for error messages), else the text."""
-        if not self.images:
-            return text
-        return {"prompt": text, "multi_modal_data": {"image": self.images},
-                "_image_names": self.names}
+        any (their names go along for error messages) and the request's
+        mm_processor_kwargs when given, else the text."""
+        out: dict[str, Any] = {"prompt": text}
+        if self.images:
+            out.update({"multi_modal_data": {"image": self.images},
+                        "_image_names": self.names})
+        if mm_processor_kwargs is not None:
+            out["mm_processor_kwargs"] = mm_processor_kwargs
+        return out if len(out) > 1 else text
 
 
 def _image_url(part: dict[str, Any], name: str) -> object:

@@ -18,6 +18,7 @@ from PIL import Image
 from vllm.config.multimodal import MultiModalConfig, is_vl_config_flat
 from vllm.exceptions import InvalidRequestError
 from vllm.multimodal.inputs import ImageFeature
+from vllm.multimodal.processor_kwargs import apply_processor_kwargs, check_processor_kwargs
 from vllm.multimodal.qwen_vl_image import QwenVLImageConfig, num_image_tokens, preprocess
 
 # Most pixels an image may have before it is resized (a 64-megapixel photo passes; a
@@ -55,8 +56,9 @@ class MultiModalProcessor:
     def __init__(self, model_config: Any, mm_config: MultiModalConfig) -> None:
         hf = model_config.hf_config
         self.image_token_id: int = hf.image_token_id
-        self.image_config = QwenVLImageConfig.from_dir(model_config.model_dir,
-                                                       hf.vision_config)
+        self.image_config = apply_processor_kwargs(
+            QwenVLImageConfig.from_dir(model_config.model_dir, hf.vision_config),
+            mm_config.mm_processor_kwargs or {}, "--mm-processor-kwargs")
         self.max_images = mm_config.limit("image")
 
     @classmethod
@@ -67,15 +69,25 @@ class MultiModalProcessor:
             return None
         return cls(model_config, mm_config)
 
+    def image_config_for(self, kwargs: object,
+                         field: str = "mm_processor_kwargs") -> QwenVLImageConfig:
+        """The settings one prompt's images are processed with: the server's, under the
+        prompt's `kwargs` (its mm_processor_kwargs, None for none). Raises
+        InvalidRequestError naming `field`.KEY for kwargs that are refused."""
+        return apply_processor_kwargs(self.image_config, check_processor_kwargs(kwargs, field),
+                                      field)
+
     def process(
         self, token_ids: list[int], images: Sequence[object], names: Sequence[str],
-        prompt_field: str = "prompt",
+        prompt_field: str = "prompt", image_config: QwenVLImageConfig | None = None,
     ) -> tuple[list[int], list[ImageFeature]]:
         """(expanded token ids, one ImageFeature per image). `names` says how the client
         named each image (messages[0].content[1], multi_modal_data.image[0]); errors name
-        it, or `prompt_field` for placeholders that do not match the images. Raises
+        it, or `prompt_field` for placeholders that do not match the images. The images
+        are processed with `image_config` (default: the server's). Raises
         InvalidRequestError for too many images, an image that is not a PIL image, too
         large or of an unusable shape, and for placeholder runs that do not match."""
+        config = image_config or self.image_config
         if len(images) > self.max_images:
             raise InvalidRequestError(
                 names[self.max_images] if len(names) > self.max_images else prompt_field,
@@ -93,8 +105,8 @@ class MultiModalProcessor:
         features: list[ImageFeature] = []
         done = 0
         for (start, run), image, name in zip(runs, images, names, strict=True):
-            patches, grid = self._preprocess(image, name)
-            count = num_image_tokens(grid, self.image_config)
+            patches, grid = self._preprocess(image, name, config)
+            count = num_image_tokens(grid, config)
             if run not in (1, count):
                 raise InvalidRequestError(
                     prompt_field, f"an image placeholder run of {run} tokens fits neither one "
@@ -109,7 +121,7 @@ class MultiModalProcessor:
         out.extend(token_ids[done:])
         return out, features
 
-    def _preprocess(self, image: object, name: str):
+    def _preprocess(self, image: object, name: str, config: QwenVLImageConfig):
         if not isinstance(image, Image.Image):
             raise InvalidRequestError(name, f"must be a PIL image, got {type(image).__name__}")
         if image.width * image.height > MAX_IMAGE_PIXELS:
@@ -119,7 +131,7 @@ class MultiModalProcessor:
         if image.width < 1 or image.height < 1:
             raise InvalidRequestError(name, "image is empty")
         try:
-            return preprocess(image, self.image_config)
+            return preprocess(image, config)
         except ValueError as e:
             raise InvalidRequestError(name, str(e)) from None
         except OSError as e:  # truncated or corrupt image data, found while decoding
@@ -129,7 +141,8 @@ class MultiModalProcessor:
 def prompt_images(prompt: object) -> tuple[list[object], list[str]]:
     """The images of a dict prompt's `multi_modal_data` ({"image": image or list}) and the
     name of each for error messages (the server passes its own under "_image_names").
-    Raises InvalidRequestError for another shape or modality."""
+    Raises InvalidRequestError for another shape or modality (a dict prompt's
+    mm_processor_kwargs are read by MultiModalProcessor.image_config_for)."""
     if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
         return [], []
     data = prompt["multi_modal_data"]

@@ -199,3 +199,32 @@ def test_responses_bad_image_parts_are_400s_naming_the_part(http, part, param,
                       {"role": "user", "content": [{"type": "input_text", "text": "hi"}, part]}]}
     error = assert_error(http.post("/v1/responses", json=body), 400, param)
     assert message in error["message"], error
+
+
+def test_mm_processor_kwargs_per_request(http) -> None:
+    """A request's mm_processor_kwargs size its images (chat, /tokenize, /v1/responses
+    alike); a refused key is a 400 naming it."""
+    url = _data_url(_png(image(64, 64, 3)))  # 16 x 16 patches: 64 placeholder tokens
+    small = {"max_pixels": 1024}  # 32 x 32 pixels: 8 x 8 patches, 16 tokens
+    body = {"model": "tiny-vl", "max_tokens": 1, "messages": _message(url)}
+    counts = []
+    for kwargs in (None, small):
+        extra = {} if kwargs is None else {"mm_processor_kwargs": kwargs}
+        chat = http.post(CHAT, json={**body, **extra})
+        assert chat.status_code == 200, chat.text
+        tokens = http.post("/tokenize", json={"model": "tiny-vl", "messages": _message(url),
+                                              **extra})
+        assert tokens.status_code == 200, tokens.text
+        assert tokens.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+        counts.append(tokens.json()["count"])
+    assert counts[0] - counts[1] == 64 - 16
+    response = http.post("/v1/responses", json={
+        "model": "tiny-vl", "max_output_tokens": 1, "mm_processor_kwargs": small,
+        "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "What color, and how many?"},
+            {"type": "input_image", "image_url": url}]}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["input_tokens"] == counts[1]
+    error = assert_error(http.post(CHAT, json={**body, "mm_processor_kwargs": {"fps": 2}}),
+                         400, "mm_processor_kwargs.fps")
+    assert "not supported" in error["message"]

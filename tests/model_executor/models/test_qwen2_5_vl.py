@@ -12,7 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from tests.utils_models import capture_logits
 from tests.utils_vl import (
+    IMAGE_TOKEN_ID,
     PLACEHOLDER,
+    PREPROCESSOR,
     chat_prompt,
     greedy_agreement_with_transformers,
     hf_image_inputs,
@@ -21,7 +23,10 @@ from tests.utils_vl import (
 )
 from vllm import LLM, SamplingParams
 from vllm.config import ModelConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.model_loader.demo_model import build_demo_model
 from vllm.model_executor.model_loader.loader import get_model
+from vllm.multimodal.processor import MultiModalProcessor
 from vllm.multimodal.qwen_vl_image import (
     QwenVLImageConfig,
     num_image_tokens,
@@ -149,3 +154,44 @@ def test_nested_checkpoint_layout_loads(checkpoint, tmp_path) -> None:
     save_file(nested, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing tensor 'visual.merger.ln_q.weight'"):
         get_model(ModelConfig(model=str(tmp_path), **config))
+
+
+def test_mm_processor_kwargs_flag_and_prompt_field(checkpoint, llm) -> None:
+    """A prompt's mm_processor_kwargs (generate and LLM.chat) and the engine's
+    --mm-processor-kwargs size an image as transformers' processor does with the same
+    kwargs; a prompt's keys win over the engine's; refused keys are named."""
+    path, _ = checkpoint
+    picture = image(64, 64, 1)
+    small = {"min_pixels": 256, "max_pixels": 1024}
+
+    def hf_count(settings: dict) -> int:
+        grid = hf_image_inputs([picture], {**PREPROCESSOR, **settings})["image_grid_thw"]
+        return int(grid.prod(-1).item()) // 4
+
+    want_small, want_default = hf_count(small), hf_count({})
+    assert want_small < want_default
+    text = chat_prompt([(64, 64)], "x")
+    params = SamplingParams(max_tokens=1)
+    prompt = {"prompt": text, "multi_modal_data": {"image": picture}}
+    outs = llm.generate([dict(prompt, mm_processor_kwargs=small), prompt], params,
+                        use_tqdm=False)
+    chat = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": picture}]}],
+                    params, use_tqdm=False, mm_processor_kwargs=small)[0]
+    counts = [o.prompt_token_ids.count(IMAGE_TOKEN_ID) for o in (*outs, chat)]
+    assert counts == [want_small, want_default, want_small]
+    with pytest.raises(ValueError, match=r"^mm_processor_kwargs\.fps: .*not supported"):
+        llm.generate(dict(prompt, mm_processor_kwargs={"fps": 1}), use_tqdm=False)
+
+    # The flag, as the engine's processor reads it (no engine needed).
+    config = EngineArgs(model=str(path), mm_processor_kwargs={
+        "size": {"shortest_edge": 256, "longest_edge": 1024}}).create_engine_config()
+    processor = MultiModalProcessor.for_model(config.model_config, config.multimodal_config)
+    ids = [IMAGE_TOKEN_ID]
+    assert len(processor.process(ids, [picture], ["x"])[0]) == want_small
+    own = processor.image_config_for({"max_pixels": 4096})
+    assert len(processor.process(ids, [picture], ["x"], image_config=own)[0]) == want_default
+    with pytest.raises(ValueError, match=r"^--mm-processor-kwargs\.fps: "):
+        EngineArgs(model=str(path), mm_processor_kwargs={"fps": 1}).create_engine_config()
+    with pytest.raises(ValueError, match=r"^--mm-processor-kwargs: .*not a vision-language"):
+        EngineArgs(model=str(build_demo_model("demo-tiny")),
+                   mm_processor_kwargs=small).create_engine_config()

@@ -335,6 +335,9 @@ class ChatCompletionRequest(SamplingRequestFields):
     verbosity: str | None = None
     # Passed to the chat template as `reasoning_effort` (templates that know it use it).
     reasoning_effort: str | None = None
+    # Upstream's image processor overrides for this request's images (min_pixels,
+    # max_pixels; multimodal/processor_kwargs.py).
+    mm_processor_kwargs: dict[str, Any] | None = None
     # OpenAI fields that would change the reply and that this engine does not implement: a
     # 400 naming them when set (modalities only when it asks for more than text).
     modalities: list[str] | None = None
@@ -482,6 +485,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     return_token_strs: bool | None = False
+    # As in chat: the images are counted as this request's settings size them.
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeResponse(ResponseModel):

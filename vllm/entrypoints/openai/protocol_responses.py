@@ -90,6 +90,7 @@ class ResponsesRequest(OpenAIBaseModel):
     repetition_penalty: float | None = None
     thinking_token_budget: int | None = None
     request_id: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 class ResponseUsage(ResponseModel):

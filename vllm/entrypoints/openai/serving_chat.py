@@ -85,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
             constraint = StructuredOutputsParams(**{given[0]: given[1]},
                                                  disable_additional_properties=plan.closed)
         text, chat = self.render_prompt(request)
-        prompt = chat.prompt(text)
+        prompt = chat.prompt(text, request.mm_processor_kwargs)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens

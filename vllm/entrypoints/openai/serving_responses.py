@@ -205,6 +205,7 @@ def to_chat_request(request: ResponsesRequest) -> ChatForResponses:
         "stream": request.stream,
         "request_id": request.request_id or item_id("resp"),
         "parallel_tool_calls": request.parallel_tool_calls,
+        "mm_processor_kwargs": request.mm_processor_kwargs,
     }
     fmt = request.text.format if request.text is not None else None
     if fmt is not None and fmt.type == "json_schema":

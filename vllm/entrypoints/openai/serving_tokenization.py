@@ -98,9 +98,10 @@ class OpenAIServingTokenization:
             else:
                 text, chat = request.prompt, None
             tokens = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-            if chat is not None and chat.images:
+            if chat is not None and (chat.images or request.mm_processor_kwargs is not None):
                 # Each image counts its placeholder tokens, as the engine will see them.
-                tokens, _ = self.chat.engine.processor.process_images(chat.prompt(text), tokens)
+                prompt = chat.prompt(text, request.mm_processor_kwargs)
+                tokens, _ = self.chat.engine.processor.process_images(prompt, tokens)
             strs = (self.tokenizer.convert_ids_to_tokens(tokens)
                     if request.return_token_strs else None)
             return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len,

@@ -165,18 +165,25 @@ class InputProcessor:
         self, prompt: object, token_ids: list[int]
     ) -> tuple[list[int], list[ImageFeature] | None]:
         """A prompt's token ids with its image placeholders expanded, and its images
-        (None without any). Raises InvalidRequestError for images sent to a text-only
-        model and for images or placeholders the model's processor refuses."""
+        (None without any), processed under a dict prompt's `mm_processor_kwargs` when it
+        has them. Raises InvalidRequestError for images or mm_processor_kwargs sent to a
+        text-only model, refused mm_processor_kwargs, and images or placeholders the
+        model's processor refuses."""
         images, names = prompt_images(prompt)
+        kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
         if self.mm_processor is None:
-            if images:
+            if images or kwargs is not None:
                 raise InvalidRequestError(
-                    names[0], f"model {self.config.model_config.served_model_name!r} does "
+                    names[0] if images else "mm_processor_kwargs",
+                    f"model {self.config.model_config.served_model_name!r} does "
                     "not take images (it is not a vision-language model)")
             return token_ids, None
+        # Checked even without images: a refused key is refused whatever the prompt.
+        image_config = self.mm_processor.image_config_for(kwargs)
         if not images and self.mm_processor.image_token_id not in token_ids:
             return token_ids, None
-        token_ids, features = self.mm_processor.process(token_ids, images, names)
+        token_ids, features = self.mm_processor.process(token_ids, images, names,
+                                                        image_config=image_config)
         return token_ids, features or None
 
 
