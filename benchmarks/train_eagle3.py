@@ -2,15 +2,20 @@
 
     .venv/bin/python benchmarks/train_eagle3.py --out results/eagle3-smollm2 \
         [--model MODEL] [--num-prompts 256] [--output-len 192] [--steps 2000] [--lr 3e-4] \
-        [--draft-vocab 8192] [--ttt-steps 3] [--aux-layers 2,15,27] [--seed 0]
+        [--draft-vocab 8192] [--ttt-steps 3] [--aux-layers 2,15,27] [--seed 0] \
+        [--greedy-share 0.3] [--val-share 0.05]
 
 then serve with `--speculative-config '{"method": "eagle3", "model": OUT}'`.
 
-1. *Data*: the target (the engine, temperature 0.8) answers `--num-prompts` chat prompts,
-   so the head learns the target's distribution on the target's own text.
+1. *Data*: the target (the engine; greedy for `--greedy-share` of them, else temperature
+   0.8) answers `--num-prompts` varied prompts (eagle3_prompts.py: chat requests of many
+   kinds and subjects, and plain-text openings without the chat template), so the head
+   learns the target's distribution on the target's own text, in the states it visits both
+   with and without the chat template, sampled and greedy.
 2. *Target states*: one forward of the target (the engine's model class) per sequence gives
-   the residual stream entering the auxiliary layers and the target's logits at every
-   position; the draft vocabulary is the `--draft-vocab` most frequent tokens of the data.
+   the residual stream entering the auxiliary layers and the final hidden state (the
+   target's logits over the draft vocabulary are computed from it when a sequence is
+   trained on); the draft vocabulary is the `--draft-vocab` most frequent tokens of the data.
 3. *Training*: the engine's own head module (model_executor/models/eagle3_head.py), its
    attention swapped for a dense one that does EAGLE-3's test-time training: step 0 reads
    the target's states at every position; step s feeds back the head's own hidden state
@@ -19,7 +24,12 @@ then serve with `--speculative-config '{"method": "eagle3", "model": OUT}'`.
    ahead sees). The loss is the cross-entropy against the target's distribution over the
    draft vocabulary, step s weighted 0.8^s. The LM head starts as the target's rows, the
    final norm as the target's; the token embedding is the target's (not trained, not saved).
-4. *Output*: the original EAGLE-3 layout (config.json, model.safetensors with fc, midlayer,
+4. *Held-out check*: `--val-share` of the sequences are never trained on; at the end the
+   script prints the head's top-1 agreement with the target's greedy token at each
+   test-time step on them (teacher-forced: what acceptance per draft position would be if
+   the earlier drafts were right). The training figure overstates it: each sequence is
+   seen several times.
+5. *Output*: the original EAGLE-3 layout (config.json, model.safetensors with fc, midlayer,
    norm, lm_head, d2t, t2d), which the engine reads (transformers_utils/eagle3_config.py).
 
 Default `--model`: the engine's default (SmolLM2-135M-Instruct), auxiliary layers upstream's
@@ -39,33 +49,39 @@ from typing import Any
 
 import torch
 
-TOPICS = ["the ocean", "a small village", "quantum computers", "green tea", "a robot",
-          "jazz", "honey bees", "the moon", "bread", "trains", "volcanoes", "chess"]
-ASKS = ["Write a short story about {}.", "Explain {} to a child.", "List three facts about {}.",
-        "Give me a JSON object describing {}.", "Write a poem about {}.",
-        "What are the pros and cons of {}?", "Summarise the history of {} in a paragraph."]
 
+def generate_data(model: str | None, num_prompts: int, output_len: int, seed: int,
+                  greedy_share: float = 0.3) -> list[list[int]]:
+    """The target's own text: prompt and reply token ids, one list per prompt of
+    eagle3_prompts.make_prompts (chat ones through the chat template, plain ones as they
+    are), each reply greedy with probability `greedy_share`, else sampled."""
+    from eagle3_prompts import make_prompts
 
-def prompts(n: int, seed: int) -> list[list[dict[str, str]]]:
-    """n one-message chat conversations."""
-    rng = random.Random(seed)
-    return [[{"role": "user", "content": rng.choice(ASKS).format(rng.choice(TOPICS))}]
-            for _ in range(n)]
-
-
-def generate_data(model: str | None, num_prompts: int, output_len: int,
-                  seed: int) -> list[list[int]]:
-    """The target's own conversations: prompt and sampled reply token ids, one list each."""
     from vllm import LLM, SamplingParams
 
+    rng = random.Random(seed)
+    items = make_prompts(num_prompts, seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=output_len)
+              if rng.random() < greedy_share else
+              SamplingParams(temperature=0.8, top_p=0.95, max_tokens=output_len, seed=seed + i)
+              for i in range(num_prompts)]
+    chat = [i for i, p in enumerate(items) if p.chat is not None]
+    plain = [i for i, p in enumerate(items) if p.chat is None]
     llm = LLM(model, max_num_seqs=max(1, min(num_prompts, 64)))
+    outs: dict[int, Any] = {}
     try:
-        params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=output_len,
-                                 seed=seed + i) for i in range(num_prompts)]
-        outs = llm.chat(prompts(num_prompts, seed), params, use_tqdm=False)
+        if chat:
+            done = llm.chat([items[i].chat for i in chat], [params[i] for i in chat],
+                            use_tqdm=False)
+            outs.update(zip(chat, done))
+        if plain:
+            done = llm.generate([items[i].text for i in plain], [params[i] for i in plain],
+                                use_tqdm=False)
+            outs.update(zip(plain, done))
     finally:
         llm.shutdown()
-    return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    return [list(outs[i].prompt_token_ids) + list(outs[i].outputs[0].token_ids)
+            for i in range(num_prompts)]
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -88,8 +104,8 @@ def load_target(config: Any, aux_layers: list[int], max_tokens: int):
 @torch.no_grad()
 def target_states(target, tokens: list[int], block_size: int = 16
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence through the target: (auxiliary states [T, n_aux * hidden], logits
-    [T, vocab]) in float32 on the target's device."""
+    """One sequence through the target: (auxiliary states [T, n_aux * hidden], final hidden
+    states [T, hidden], the LM head's input) in float32 on the target's device."""
     from vllm.attention.backends.abstract import AttentionMetadata
 
     device = target.lm_head.weight.device
@@ -109,7 +125,7 @@ def target_states(target, tokens: list[int], block_size: int = 16
         slot_mapping=positions.clone(), query_start_loc_cpu=cu, seq_lens_cpu=seq)
     hidden = target(torch.tensor(tokens, device=device), positions, caches, metadata)
     aux = target.model.aux_hidden[:n].float().clone()
-    return aux, target.compute_logits(hidden).float()
+    return aux, hidden.float().clone()
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, vocab: int) -> list[int]:
@@ -184,40 +200,67 @@ def new_head(target, target_config: Any, vocab: list[int], aux_layers: list[int]
     return head
 
 
-def ttt_loss(head, aux: torch.Tensor, tokens: torch.Tensor, target_logprobs: torch.Tensor,
-             steps: int, decay: float = 0.8) -> tuple[torch.Tensor, float]:
-    """The test-time-training loss over one sequence, and step 0's top-1 agreement with
-    the target: `target_logprobs` [T, draft vocab] are the target's log-probabilities over
-    the draft vocabulary at each position (of the token after it)."""
+def ttt_steps_logits(head, aux: torch.Tensor, tokens: torch.Tensor, steps: int):
+    """Yields (s, the head's draft-vocabulary logits [valid, draft vocab] of test-time step
+    s) over one sequence: row i predicts the token at i + 2 + s (rows whose token lies past
+    the text's end are left out)."""
     for layer in head.layers:
         layer.self_attn.attn.reset()
     n = len(tokens) - 1  # position i reads token i + 1
     positions = torch.arange(n, device=aux.device)
     hidden = head.combine(aux[:n])
     # Step s feeds token i + 1 + s at index i: past the text's end, padding (as speculators
-    # does), whose outputs no loss reads.
+    # does), whose outputs nothing reads.
     padded = torch.cat([tokens, tokens.new_zeros(steps)])
-    total = aux.new_zeros(())
-    agree = 0.0
     for s in range(steps):
         valid = n - 1 - s  # index i predicts the token after position i + 1 + s
         if valid <= 0:
             break
         out = head(padded[1 + s : 1 + s + n], hidden, positions + s,
                    [None] * head.num_layers, None)
-        logprobs = torch.log_softmax(head.compute_logits(out[:valid]), dim=-1)
-        want = target_logprobs[1 + s : 1 + s + valid]
+        yield s, head.compute_logits(out[:valid])
+        hidden = head.carry(out)
+
+
+def ttt_loss(head, aux: torch.Tensor, tokens: torch.Tensor, target_logprobs: torch.Tensor,
+             steps: int, decay: float = 0.8) -> tuple[torch.Tensor, float]:
+    """The test-time-training loss over one sequence, and step 0's top-1 agreement with
+    the target: `target_logprobs` [T, draft vocab] are the target's log-probabilities over
+    the draft vocabulary at each position (of the token after it)."""
+    total = aux.new_zeros(())
+    agree = 0.0
+    for s, logits in ttt_steps_logits(head, aux, tokens, steps):
+        logprobs = torch.log_softmax(logits, dim=-1)
+        want = target_logprobs[1 + s : 1 + s + len(logits)]
         total = total + decay**s * -(want.exp() * logprobs).sum(-1).mean()
         if s == 0:
             agree = float((logprobs.argmax(-1) == want.argmax(-1)).float().mean())
-        hidden = head.carry(out)
     return total, agree
 
 
+@torch.no_grad()
+def held_out_agreement(head, data: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                       steps: int, lm_head: torch.Tensor) -> list[float]:
+    """Per test-time step, the share of positions (over `data`: (aux, tokens, final hidden
+    states)) where the head's top-1, mapped to a target id, is the target's greedy token
+    (argmax of `lm_head` [vocab, hidden] over the final hidden state, the whole vocabulary:
+    a token outside the draft vocabulary is a miss, as when drafting)."""
+    hits, counts = [0] * steps, [0] * steps
+    for aux, tokens, final in data:
+        for s, logits in ttt_steps_logits(head, aux, tokens, steps):
+            want = (final[1 + s : 1 + s + len(logits)] @ lm_head.T).argmax(-1)
+            hits[s] += int((head.d2t_ids[logits.argmax(-1)] == want).sum())
+            counts[s] += len(logits)
+    return [h / c if c else 0.0 for h, c in zip(hits, counts)]
+
+
 def train(head, data: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], steps: int,
-          lr: float, ttt_steps: int, log_every: int = 50) -> list[float]:
+          lr: float, ttt_steps: int, draft_lm_head: torch.Tensor,
+          log_every: int = 50) -> list[float]:
     """AdamW with a cosine decay over `steps` steps, one sequence per step (cycling through
-    `data`: (aux, tokens, target log-probs)); returns each step's loss."""
+    `data`: (aux, tokens, final hidden states); the target's log-probabilities over the
+    draft vocabulary come from the final states and `draft_lm_head`, the target's LM head
+    rows of the draft vocabulary); returns each step's loss."""
     trainable = [p for n, p in head.named_parameters() if not n.startswith("embed")]
     for p in trainable:
         p.requires_grad_(True)
@@ -227,7 +270,9 @@ def train(head, data: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], ste
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1)))
-        aux, tokens, target_logprobs = data[step % len(data)]
+        aux, tokens, final = data[step % len(data)]
+        with torch.no_grad():
+            target_logprobs = torch.log_softmax(final @ draft_lm_head.T, dim=-1)
         loss, agree = ttt_loss(head, aux, tokens, target_logprobs, ttt_steps)
         optimizer.zero_grad()
         loss.backward()
@@ -274,7 +319,8 @@ def save_head(head, out: Path, vocab: list[int], target_config: Any) -> None:
 def run(args: argparse.Namespace) -> list[float]:
     """The whole pipeline (module docstring); returns the training losses."""
     t0 = time.perf_counter()
-    sequences = generate_data(args.model, args.num_prompts, args.output_len, args.seed)
+    sequences = generate_data(args.model, args.num_prompts, args.output_len, args.seed,
+                              args.greedy_share)
     print(f"{len(sequences)} sequences, {sum(map(len, sequences))} tokens "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
     from vllm.engine.arg_utils import EngineArgs
@@ -285,18 +331,26 @@ def run(args: argparse.Namespace) -> list[float]:
     aux_layers = ([int(x) for x in args.aux_layers.split(",")] if args.aux_layers
                   else default_aux_layers(hf.num_hidden_layers))
     target = load_target(model_config, aux_layers, longest)
-    vocab = draft_vocabulary(sequences, args.draft_vocab, hf.vocab_size)
-    index = torch.tensor(vocab, device=target.lm_head.weight.device)
+    # The held-out sequences: the last ones (the prompts come in random order).
+    num_val = min(len(sequences) - 1, round(len(sequences) * args.val_share))
+    num_train = len(sequences) - num_val
+    vocab = draft_vocabulary(sequences[:num_train], args.draft_vocab, hf.vocab_size)
+    lm_head = target.lm_head.weight.detach().float()
+    draft_lm_head = lm_head[torch.tensor(vocab, device=lm_head.device)]
     data = []
     for seq in sequences:
-        aux, logits = target_states(target, seq)
-        tokens = torch.tensor(seq, device=aux.device)
-        data.append((aux, tokens, torch.log_softmax(logits[:, index], dim=-1)))
+        aux, final = target_states(target, seq)
+        data.append((aux, torch.tensor(seq, device=aux.device), final))
     print(f"target states of aux layers {aux_layers} ({time.perf_counter() - t0:.0f} s)",
           flush=True)
+    train_data, val_data = data[:num_train], data[num_train:]
     head = new_head(target, hf, vocab, aux_layers, args.out, args.seed,
                     longest + args.ttt_steps)
-    losses = train(head, data, args.steps, args.lr, args.ttt_steps)
+    losses = train(head, train_data, args.steps, args.lr, args.ttt_steps, draft_lm_head)
+    if val_data:
+        agree = held_out_agreement(head, val_data, args.ttt_steps, lm_head)
+        print(f"held-out top-1 agreement with the target's greedy token per step "
+              f"({num_val} sequences): {' '.join(f'{a:.3f}' for a in agree)}", flush=True)
     save_head(head, args.out, vocab, hf)
     print(f"wrote {args.out} ({time.perf_counter() - t0:.0f} s)", flush=True)
     return losses
@@ -316,6 +370,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--aux-layers", default=None,
                         help="comma-separated target layers (default: 2,L/2,L-3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--greedy-share", type=float, default=0.3,
+                        help="share of the target's replies generated greedily (else sampled)")
+    parser.add_argument("--val-share", type=float, default=0.05,
+                        help="share of the sequences held out of training, to report on")
     return parser.parse_args(argv)
 
 

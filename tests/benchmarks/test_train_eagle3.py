@@ -17,6 +17,7 @@ from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.transformers_utils.eagle3_config import read_eagle3_head
 
+eagle3_prompts = load_script("eagle3_prompts")  # train_eagle3 imports it by name
 train_eagle3 = load_script("train_eagle3")
 
 
@@ -75,3 +76,52 @@ def test_the_training_forward_is_speculators_test_time_training(speculators, tar
             valid = LENGTH - s  # past the text's end both are fed padding
             assert (head.compute_logits(out)[:valid] - want[s][:valid]).abs().max() < 1e-5, s
             hidden = head.carry(out)
+
+
+def test_prompts_are_many_and_varied() -> None:
+    """The training prompts: mostly distinct (a head trained on a few dozen templated
+    conversations fits them and guesses poorly elsewhere), chat requests of several kinds
+    and plain-text openings in about the stated shares, the same for the same seed."""
+    prompts = eagle3_prompts.make_prompts(400, seed=3)
+    texts = [p.text if p.chat is None else p.chat[0]["content"] for p in prompts]
+    assert len(set(texts)) >= 340  # the old fixed list had 84
+    plain = [p for p in prompts if p.chat is None]
+    assert 0.25 * 400 < len(plain) < 0.45 * 400
+    asks = [p.chat[0]["content"] for p in prompts if p.chat is not None]
+    assert sum("JSON" in a for a in asks) > 20 and sum("function" in a for a in asks) > 20
+    assert eagle3_prompts.make_prompts(400, seed=3) == prompts
+    assert eagle3_prompts.make_prompts(400, seed=4) != prompts
+
+
+def test_held_out_agreement_compares_each_step_with_the_targets_greedy_token(
+        speculators, target, tmp_path) -> None:
+    """Step 0's row i predicts the token after position i + 1, the target's greedy token
+    there (the argmax of the LM head over the final state at i + 1): a target made to
+    agree with the head's step-0 guess on the first half of the rows, and to differ on the
+    rest, gives exactly one half; the other steps are checked the same way, shifted."""
+    import torch
+
+    from vllm.model_executor.models.eagle3_head import Eagle3Head
+
+    target_dir, target_config = target
+    path = _write_head(speculators, target_dir, target_config, tmp_path / "head", "llama", 1,
+                       seed=6)
+    head = Eagle3Head(read_eagle3_head(path, target_config),
+                      train_eagle3.DenseTestTimeAttention, 64)
+    head.load_weights()
+    gen = torch.Generator().manual_seed(8)
+    vocab = target_config.vocab_size
+    aux = torch.randn(LENGTH, 3 * target_config.hidden_size, generator=gen)
+    tokens = torch.randint(0, vocab, (LENGTH + 1,), generator=gen)
+    with torch.no_grad():
+        guesses = [head.d2t_ids[logits.argmax(-1)]
+                   for _, logits in train_eagle3.ttt_steps_logits(head, aux, tokens, STEPS)]
+    for s in range(STEPS):
+        want = guesses[s].clone()
+        half = len(want) // 2
+        want[half:] = (want[half:] + 1) % vocab
+        final = torch.zeros(LENGTH + 1, vocab)
+        final[torch.arange(len(want)) + 1 + s, want] = 1.0  # one-hot through an identity head
+        agree = train_eagle3.held_out_agreement(head, [(aux, tokens, final)], STEPS,
+                                                torch.eye(vocab))
+        assert agree[s] == half / len(want), (s, agree)

@@ -10,7 +10,8 @@ async one's), with forced preemption, and async with chunked prefill (the schedu
 cover sync chunking); the draft-model proposer (demo-tiny drafting for itself) sync on uni,
 async on uni with chunked prefill, and async on mp with forced preemption; an EAGLE-3 head
 (drafting in the runner) sync on uni and async on mp with forced preemption (async on uni
-in the grammar-refused test below and in tests/v1/spec_decode/test_eagle3_proposer.py);
+in the grammar-refused test below and in tests/v1/spec_decode/test_eagle3_proposer.py;
+at k = 1 with every request constrained, async on uni, in the last test below);
 with two pipeline stages, n-gram drafts with forced preemption and grammar fast-forward. Every structured output must pass the grammar
 oracle, and drafts must have been kept; under async scheduling some, of constrained requests
 too, must have been drafted while the request's previous step was still in flight.
@@ -244,3 +245,32 @@ def test_grammar_refused_drafts_change_no_output(reference, tmp_path, monkeypatc
     stats = scheduler.drafter.stats
     assert stats.num_draft_tokens > stats.num_forced_tokens  # the head drafted too
     assert stats.num_accepted_tokens == stats.num_forced_kept_tokens  # and none was kept
+
+
+@pytest.mark.slow
+def test_constrained_requests_get_head_drafts_at_k1_under_async(eagle3_head) -> None:
+    """One EAGLE-3 draft per step (k = 1) under async scheduling, every request constrained
+    (a regex any text meets, so the grammar refuses none of the head's drafts): a
+    constrained request drafts from the head's drafts one step stale, which must reach past
+    the in-flight step's draft and sample, so the head drafts further for such steps. The
+    head's drafts are verified and some kept, and the outputs are those without drafts."""
+    anything = StructuredOutputsParams(regex=r"[\s\S]*")
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, structured_outputs=anything,
+                             **({"temperature": 0.0} if i % 2 else {"temperature": 1.0,
+                                                                     "seed": 40 + i}))
+              for i in range(4)]
+    prompts = _prompts()[:4]
+    spec = {**SPECS["eagle3"], "num_speculative_tokens": 1}
+    results = []
+    for speculative_config in (None, spec):
+        llm = LLM("demo-tiny", max_model_len=160, max_num_seqs=4, async_scheduling=True,
+                  speculative_config=speculative_config)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            stats = llm.llm_engine.engine_core.scheduler.drafter.stats
+        finally:
+            llm.shutdown()
+        results.append([list(o.outputs[0].token_ids) for o in outs])
+    assert results[1] == results[0]
+    assert stats.num_forced_tokens == 0
+    assert stats.num_accepted_tokens > 0

@@ -22,7 +22,7 @@ import torch
 
 from tests.utils_eagle3 import write_eagle3_head
 from tests.utils_models import TINY, build_checkpoint
-from vllm import LLM, SamplingParams
+from vllm import LLM, SamplingParams, StructuredOutputsParams
 from vllm.attention.backends.abstract import AttentionMetadata
 from vllm.attention.backends.torch_backend import TorchAttentionBackend
 from vllm.model_executor.model_loader.demo_model import build_demo_model
@@ -83,8 +83,10 @@ def _check_chain(head: Eagle3Head, hf, tokens: list[int], drafts: list[int],
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_proposals_are_the_heads_greedy_chain(models, async_scheduling) -> None:
-    """Async: a batch of four. Sync: one request at a time in 8-token steps, so that steps
-    computing only part of a prompt (nothing sampled) must feed the head's cache too."""
+    """Async: a batch of four, one of them constrained (by a regex any text meets), so
+    that steps sampling it draft 2K + 1 tokens. Sync: one request at a time in 8-token
+    steps, so that steps computing only part of a prompt (nothing sampled) must feed the
+    head's cache too."""
     root, hf, vocab = models
     shape = ({"max_num_seqs": 4} if async_scheduling
              else {"max_num_seqs": 1, "max_num_batched_tokens": 8})
@@ -114,7 +116,11 @@ def test_proposals_are_the_heads_greedy_chain(models, async_scheduling) -> None:
     prompts = [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in (3, 9, 14, 6)]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)]
-    outs = llm.generate(prompts, [params[i % 2] for i in range(4)], use_tqdm=False)
+    params = [params[i % 2] for i in range(4)]
+    if async_scheduling:
+        params[0] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                   structured_outputs=StructuredOutputsParams(regex=r"[\s\S]*"))
+    outs = llm.generate(prompts, params, use_tqdm=False)
     stats = scheduler.drafter.stats
     llm.shutdown()
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
@@ -124,8 +130,9 @@ def test_proposals_are_the_heads_greedy_chain(models, async_scheduling) -> None:
     head.load_weights()
     draft_index = {t: d for d, t in enumerate(vocab)}
     for tokens, drafts in seen + what_if:
-        assert len(drafts) == K
+        assert len(drafts) in ((K, 2 * K + 1) if async_scheduling else (K,))
         _check_chain(head, hf, tokens, drafts, draft_index)
+    assert any(len(d) == 2 * K + 1 for _, d in seen) == async_scheduling
     assert bool(what_if) != async_scheduling
     assert stats.num_draft_tokens > 0  # the engine verified the head's drafts
 
@@ -165,7 +172,7 @@ def _what_if_all_kept(proposer, scheduler, found: list) -> None:
     (tokens of that world, its drafts) per request that verified drafts."""
     propose = proposer.propose
 
-    def wrapped(step, kept, num_rows, req_ids):
+    def wrapped(step, kept, num_rows, req_ids, depth=None):
         if kept is not None and max(num_rows) > 1:
             caches = [c.clone() for c in proposer.kv_caches]
             latest = dict(proposer._latest)
@@ -175,7 +182,7 @@ def _what_if_all_kept(proposer, scheduler, found: list) -> None:
                 drafts = step.input_ids[first[i] + 1 : first[i] + rows]
                 fake[i, : rows - 1] = drafts
                 fake[i, rows - 1] = kept[i, 0]
-            drafts = propose(step, fake, num_rows, req_ids).tolist()
+            drafts = propose(step, fake, num_rows, req_ids, depth).tolist()
             for c, saved in zip(proposer.kv_caches, caches):
                 c.copy_(saved)
             proposer._latest = latest
@@ -183,7 +190,7 @@ def _what_if_all_kept(proposer, scheduler, found: list) -> None:
                 if rows > 1:
                     world = list(scheduler.requests[req_id].all_token_ids)
                     found.append((world + fake[i, :rows].tolist(), drafts[i]))
-        return propose(step, kept, num_rows, req_ids)
+        return propose(step, kept, num_rows, req_ids, depth)
 
     proposer.propose = wrapped
 

@@ -21,6 +21,13 @@ the device:
 The drafts go back with the step's output (the scheduler cuts and checks them like any
 proposer's); under async scheduling the runner also puts them in place of the placeholders
 the scheduler drafted for a request whose step was in flight (`fill_drafts`).
+
+A constrained request cannot take placeholders (its grammar must check its drafts before
+the step's bitmask is made), so under async scheduling the scheduler drafts for it from
+the head's drafts one step stale: they must run past the in-flight step's drafts (up to k)
+and a guess of its sample before the k new ones begin. So when a step samples a
+constrained request under async scheduling the head drafts 2k + 1 tokens (`chain_length`);
+only the first k fill placeholders.
 """
 
 from __future__ import annotations
@@ -80,8 +87,11 @@ class Eagle3Proposer:
         self.block_size = vllm_config.cache_config.block_size
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device, self.dtype = mc.device, mc.torch_dtype
-        # Drafted positions run up to num_tokens past the last kept one.
-        max_position = mc.max_model_len + self.num_tokens + 1
+        # The longest chain drafted (chain_length): 2k + 1 under async scheduling.
+        self.max_depth = (2 * self.num_tokens + 1
+                          if vllm_config.scheduler_config.async_scheduling else self.num_tokens)
+        # Drafted positions run up to max_depth past the last kept one.
+        max_position = mc.max_model_len + self.max_depth + 1
         with torch.device(self.device):
             head = Eagle3Head(spec.draft_head, target.attn_backend_cls, max_position,
                               target.model.embed_tokens)
@@ -92,7 +102,7 @@ class Eagle3Proposer:
         self.aux = target.model
         self.reads_host_lengths = target.attn_backend_cls.reads_host_lengths
         # Scratch blocks per drafting row: drafted positions past the last kept one's block.
-        self.scratch_blocks = (self.num_tokens - 1) // self.block_size + 1
+        self.scratch_blocks = (self.max_depth - 1) // self.block_size + 1
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         # Newest drafts per request id: (the step's [n, K] tensor, the request's row in it).
@@ -117,6 +127,11 @@ class Eagle3Proposer:
             total, self.block_size, self.head.num_kv_heads, self.head.head_dim)
         self.kv_caches = [alloc(shape, self.dtype, self.device)
                           for _ in range(self.head.num_layers)]
+
+    def chain_length(self, constrained: bool) -> int:
+        """How many tokens to draft after a step: 2k + 1 when it samples a constrained
+        request under async scheduling (module docstring), else k."""
+        return self.max_depth if constrained else self.num_tokens
 
     def forget(self, req_ids: set[str]) -> None:
         """Drops the newest drafts of finished requests."""
@@ -185,14 +200,17 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, step: HeadStep, kept: torch.Tensor | None, num_rows: list[int],
-                req_ids: list[str]) -> torch.Tensor | None:
-        """The drafts [len(req_ids), num_speculative_tokens] (target ids, on the device) after
-        each sampling request's kept tokens: `kept` is verification's table ([n, width], the
-        kept ids of row j then NO_TOKEN), `num_rows` its rows per request; None when no
-        request sampled (prompt chunks only: the cache is caught up, nothing is drafted).
+                req_ids: list[str], depth: int | None = None) -> torch.Tensor | None:
+        """The drafts [len(req_ids), depth] (target ids, on the device; depth: k unless
+        given, at most chain_length's longest) after each sampling request's kept tokens:
+        `kept` is verification's table ([n, width], the kept ids of row j then NO_TOKEN),
+        `num_rows` its rows per request; None when no request sampled (prompt chunks only:
+        the cache is caught up, nothing is drafted).
         Side effect: the head's cache holds the step's positions; the drafts become each
         request's newest."""
         head, device = self.head, self.device
+        depth = self.num_tokens if depth is None else depth
+        assert 1 <= depth <= self.max_depth
         num_tokens = len(step.input_ids)
         num_reqs = len(step.after)
         ends = step.cu[1 : num_reqs + 1].astype(np.int64)
@@ -224,11 +242,11 @@ class Eagle3Proposer:
         position = step.positions[last]
         table = step.block_table[_dev(step.sampled, device)]
         drafts = [head.d2t_ids[head.compute_logits(hidden).argmax(dim=-1)]]
-        if self.num_tokens > 1:
+        if depth > 1:
             table = self._draft_table(table, position)
-            bound = int(step.seq_lens_host.max()) + self.num_tokens
+            bound = int(step.seq_lens_host.max()) + depth
             hidden = head.carry(hidden)
-            for _ in range(self.num_tokens - 1):
+            for _ in range(depth - 1):
                 position = position + 1
                 out = head(drafts[-1], hidden, position, self.kv_caches,
                            self._draft_metadata(table, position, bound))

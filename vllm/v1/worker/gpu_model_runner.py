@@ -528,8 +528,9 @@ class GPUModelRunner:
         token_ids, last = verify_drafts(samples, step.num_rows, step.drafts, step.guesses)
         proposals = None
         if step.head is not None:
-            proposals = self.eagle3.propose(step.head, token_ids, step.num_rows,
-                                            step.sampled_req_ids)
+            proposals = self.eagle3.propose(
+                step.head, token_ids, step.num_rows, step.sampled_req_ids,
+                self.eagle3.chain_length(grammar_output is not None))
         logprobs = result.logprobs
         if logprobs is not None and len(row_states) > len(states):
             # Requests with logprobs never draft: their one row is their first.
