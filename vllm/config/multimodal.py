@@ -100,17 +100,14 @@ class MultiModalConfig:
 
     def verify(self, vllm_config: Any) -> None:
         """Refuses, naming the flag, what a vision-language model does not run with yet:
-        pipeline stages and speculative decoding (its M-RoPE positions are built on the
-        host per token, and drafts move positions on the device), and
-        --mm-processor-kwargs on a text-only model."""
+        speculative decoding (its M-RoPE positions are built on the host per token, and
+        drafts move positions on the device), and --mm-processor-kwargs on a text-only
+        model."""
         if not is_vl_config_flat(vllm_config.model_config.hf_config):
             if self.mm_processor_kwargs:
                 raise ValueError("--mm-processor-kwargs: the model is not a vision-language "
                                  "model (it has no image processor)")
             return
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError("--pipeline-parallel-size: vision-language models run on one "
-                             "pipeline stage here (use --tensor-parallel-size)")
         if vllm_config.speculative_config is not None:
             raise ValueError("--speculative-config: speculative decoding (fast-forward "
                              "included) is not supported with vision-language models yet")

@@ -61,6 +61,21 @@ def test_a_matrix_it_cannot_relay_keeps_the_larger_padding() -> None:
     assert not make_column_major(model)
     assert model.dense.weight.t().is_contiguous()  # what it could relay, it did
 
+    class Tower(nn.Module):
+        multiplies_step_rows = False  # a vision tower: one image's patches, not step rows
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+    class WithTower(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = Linear(8, 8)
+            self.visual = Tower()
+
+    assert make_column_major(WithTower())
+
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_runner_pads_cpu_steps_as_the_row_plans_ask_unless_adapters_multiply(lora: bool) -> None:

@@ -2,7 +2,7 @@
 (DeepStack from two vision blocks into the first two language-model layers, interleaved
 M-RoPE, a learned position table resampled to each grid): placeholder counts, every step's
 logits and greedy tokens on one and two images of several sizes and on text alone, with
-prefill chunks that cut the images' placeholder runs."""
+prefill chunks that cut the images' placeholder runs; -pp 2 gives one stage's tokens."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ import pytest
 
 from tests.utils_vl import (
     QWEN3_PREPROCESSOR,
+    chat_prompt,
     greedy_agreement_with_transformers,
     hf_image_inputs,
     image,
+    prompt_images,
     shared_vl_checkpoint,
 )
-from vllm import LLM
+from vllm import LLM, SamplingParams
 from vllm.config import ModelConfig
 from vllm.multimodal.qwen_vl_image import QwenVLImageConfig, num_image_tokens, preprocess
 
@@ -50,15 +52,36 @@ def test_placeholder_counts_match_transformers(checkpoint) -> None:
     assert len(set(counts)) == len(counts)
 
 
-def test_logits_and_greedy_tokens_match_transformers(checkpoint) -> None:
-    """Prefills of 24 tokens a step cut every image run, so each step takes a slice of an
-    image's main and DeepStack rows from the encoder cache."""
-    path, hf = checkpoint
-    llm = LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory=64 << 20,
-              max_num_seqs=4, max_num_batched_tokens=24)
+def _engine(path, **kwargs) -> LLM:
+    # Prefills of 24 tokens a step cut every image run, so each step takes a slice of an
+    # image's main and DeepStack rows from the encoder cache.
+    return LLM(str(path), dtype="float32", max_model_len=512, kv_cache_memory=64 << 20,
+               max_num_seqs=4, max_num_batched_tokens=24, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint):
+    engine = _engine(checkpoint[0])
+    yield engine
+    engine.shutdown()
+
+
+def test_logits_and_greedy_tokens_match_transformers(checkpoint, llm) -> None:
+    assert greedy_agreement_with_transformers(llm, checkpoint[1], PROMPTS, 16,
+                                              QWEN3_PREPROCESSOR) >= 0.9
+
+
+def test_pipeline_parallel_equals_one_stage(checkpoint, llm) -> None:
+    """-pp 2: the first stage merges the images and adds DeepStack embedding 0, the second
+    holds a vision tower too (its layer takes DeepStack embedding 1); chunked prefill cuts
+    the image runs on both. The tokens are one stage's."""
+    prompts = [{"prompt": chat_prompt(s, q), "multi_modal_data": {"image": prompt_images(k, s)}}
+               for k, (s, q) in enumerate(PROMPTS[:2])]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = _engine(checkpoint[0], pipeline_parallel_size=2)
     try:
-        agreement = greedy_agreement_with_transformers(llm, hf, PROMPTS, 16,
-                                                       QWEN3_PREPROCESSOR)
+        got = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
     finally:
-        llm.shutdown()
-    assert agreement >= 0.9
+        engine.shutdown()
+    assert got == want

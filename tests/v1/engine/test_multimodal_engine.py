@@ -1,8 +1,8 @@
 """The engine with images (tiny random Qwen2.5-VL): the vision tower runs once per image
 across a prefill split into chunks that cut image runs; preemption and recomputation keep
 the image; prefix-cache blocks are keyed by image content; async scheduling equals sync on
-JSON-schema requests with images (and so do chunked, preempted and -tp 2 runs); what
-the engine refuses for such a model fails at startup naming the flag."""
+JSON-schema requests with images (and so do chunked, preempted, -tp 2 and -pp 2 runs);
+speculative decoding fails at startup naming the flag."""
 
 from __future__ import annotations
 
@@ -132,10 +132,16 @@ def test_prefix_cache_keys_blocks_by_image(sync_llm) -> None:
     assert (logits["b"] - logits["a"]).abs().max() > 1e-2  # the image reached the model
 
 
-def test_tensor_parallel_mp_executor_equals_uni(checkpoint, sync_outputs) -> None:
-    """-tp 2 on the mp executor, async: each rank runs the whole vision tower and half the
-    heads; the tokens are one rank's."""
-    engine = _engine(checkpoint, tensor_parallel_size=2)
+@pytest.mark.parametrize("kwargs", [
+    dict(tensor_parallel_size=2),
+    dict(pipeline_parallel_size=2, max_num_batched_tokens=24),
+], ids=["tp2", "pp2-chunked"])
+def test_parallel_mp_executor_equals_uni(checkpoint, sync_outputs, kwargs) -> None:
+    """On the mp executor, async: -tp 2 (each rank runs the whole vision tower and half
+    the heads) and -pp 2 with prefills of 24 tokens a step (the first stage encodes and
+    merges the images, the second takes only the M-RoPE positions) give one rank's
+    tokens."""
+    engine = _engine(checkpoint, **kwargs)
     try:
         prompts, params = _requests()
         outs = engine.generate(prompts, params, use_tqdm=False)
@@ -144,11 +150,6 @@ def test_tensor_parallel_mp_executor_equals_uni(checkpoint, sync_outputs) -> Non
         engine.shutdown()
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    (dict(pipeline_parallel_size=2), "--pipeline-parallel-size"),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-     "--speculative-config"),
-])
-def test_refused_at_startup(checkpoint, kwargs, flag) -> None:
-    with pytest.raises(ValueError, match=f"^{flag}: .*vision-language"):
-        _engine(checkpoint, **kwargs)
+def test_speculative_decoding_refused_at_startup(checkpoint) -> None:
+    with pytest.raises(ValueError, match="^--speculative-config: .*vision-language"):
+        _engine(checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 2})

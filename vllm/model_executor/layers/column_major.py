@@ -4,7 +4,9 @@ The runner stores every full-precision dense weight and vocabulary table column-
 (``W.T`` contiguous, so ``x @ W.T`` is a plain "NN" product whose weight rows the native
 few-row kernel streams; layers/batch_invariant_linear.py). It is also the faster layout for MKL at one
 row and at large batches. Where a model has other matrices (quantized layers, fused experts),
-the runner keeps padding every step to the larger row count (docs/architecture.md §6).
+the runner keeps padding every step to the larger row count (docs/architecture.md §6). A
+submodule whose class sets ``multiplies_step_rows = False`` (a vision tower: it multiplies one
+image's patches, never the step's token rows) is left out of that count.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def make_column_major(model: nn.Module) -> bool:
     ``model`` column-major (same shape and values, transposed strides), and says whether
     that covers every matrix the model multiplies by: True when no other parameter of two
     or more dimensions is left (quantized layers, fused experts), so that the row plans of
-    these layers decide the padding alone.
+    these layers decide the padding alone. Parameters of submodules that set
+    ``multiplies_step_rows = False`` never see a step's rows and do not count.
 
     Side effect: replaces those modules' ``weight`` parameters; a weight shared by two
     modules (tied embeddings) stays shared.
@@ -42,6 +45,9 @@ def make_column_major(model: nn.Module) -> bool:
                                               requires_grad=False)
         module.weight = relaid[id(weight)]
     covered = {id(p) for p in relaid.values()}
+    for module in model.modules():
+        if not getattr(module, "multiplies_step_rows", True):
+            covered.update(id(p) for p in module.parameters())
     return all(p.dim() < 2 or id(p) in covered for p in model.parameters())
 
 

@@ -4,7 +4,9 @@ tower (qwen2_5_vl_vision.py) at the image placeholder positions.
 The runner hands the model a step's multimodal inputs (`MultiModalStep`): the image
 embeddings of the placeholder positions this step computes and the three M-RoPE positions
 of every token. A step without them (only text requests) runs as Qwen2 does, M-RoPE on
-equal positions being plain RoPE. Checkpoints come in two layouts, both read: the one
+equal positions being plain RoPE. Under pipeline parallelism every stage takes the M-RoPE
+positions; only the stages that use image rows (the first; with DeepStack, also those
+running its layers) hold the vision tower and get the rows. Checkpoints come in two layouts, both read: the one
 transformers writes (`visual.*`, `model.*`, `lm_head.*`) and the newer nested one
 (`model.visual.*`, `model.language_model.*`).
 """
@@ -47,8 +49,9 @@ class MultiModalStep:
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
-    """Qwen2.5-VL over flat varlen batches with a paged KV cache (one rank, or tensor
-    parallel; the vision tower is replicated on every rank)."""
+    """Qwen2.5-VL over flat varlen batches with a paged KV cache (tensor parallel: the
+    vision tower is replicated on every rank; pipeline parallel: on the stages that use
+    image rows)."""
 
     # Per-step positions are built on the host from each request's images.
     supports_cuda_graphs = False
@@ -60,6 +63,12 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     # The M-RoPE sections when the config names none (None: it must name them).
     default_mrope_section: tuple[int, int, int] | None = None
 
+    @staticmethod
+    def num_deepstack_layers(vision_config: Any) -> int:
+        """How many of the first decoder layers take an extra image embedding after them
+        (Qwen3-VL's DeepStack; none here)."""
+        return 0
+
     def __init__(
         self,
         hf_config: Any,
@@ -67,9 +76,6 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__(hf_config, attn_backend_cls, parallel)
-        if self.parallel.layout.pp_size > 1:
-            raise ValueError(f"--pipeline-parallel-size: {self.family} runs on one pipeline "
-                             "stage only (tensor parallelism works)")
         params = rope_parameters(hf_config)
         section = params.get("mrope_section") or self.default_mrope_section
         if section is None:
@@ -81,7 +87,11 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                 self.head_dim, hf_config.max_position_embeddings, params, list(section),
                 self.mrope_interleaved,
             )
-        self.visual = self.make_vision_tower(hf_config.vision_config)
+        deepstack = self.num_deepstack_layers(hf_config.vision_config)
+        # Only a stage that uses image rows holds the tower (the runner then encodes there).
+        uses_images = (self.parallel.layout.is_first_stage
+                       or any(i < deepstack for i in self.model.stage))
+        self.visual = self.make_vision_tower(hf_config.vision_config) if uses_images else None
         self.image_token_id: int = hf_config.image_token_id
 
     def make_vision_tower(self, vision_config: Any) -> torch.nn.Module:
@@ -90,7 +100,10 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def embed_image(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """The language-model embeddings of one image's placeholder tokens:
-        [t * h * w / merge**2, hidden_size], in the model's dtype."""
+        [t * h * w / merge**2, hidden_size], in the model's dtype. Only on a stage with the
+        tower (RuntimeError otherwise)."""
+        if self.visual is None:
+            raise RuntimeError("this pipeline stage has no vision tower")
         return self.visual(pixels, grid_thw).to(self.model.layers[self.model.stage.start]
                                                 .input_layernorm.weight.dtype)
 
@@ -103,16 +116,39 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         intermediate: Intermediate | None = None,
         mm: MultiModalStep | None = None,
     ) -> torch.Tensor | Intermediate:
-        """As Qwen2's forward; with `mm`, the image embeddings replace the embeddings of
-        their placeholder rows and the M-RoPE positions replace `positions`."""
+        """As Qwen2's forward (this stage's layers; see LlamaModel.forward); with `mm`, the
+        M-RoPE positions replace `positions`, and on the first stage the image rows' main
+        embeddings (their first hidden_size columns) replace their token embeddings. Any
+        further columns are DeepStack embeddings: the i-th is added to those rows after
+        decoder layer i."""
         if mm is None:
             return super().forward(input_ids, positions, kv_caches, attn_metadata, intermediate)
-        assert self.model.embed_tokens is not None  # one pipeline stage (see __init__)
-        hidden = self.model.embed_tokens(input_ids)
-        if mm.embed_rows.numel():
-            hidden = hidden.index_copy(0, mm.embed_rows, mm.embeds.to(hidden.dtype))
-        return self.model(input_ids, mm.mrope_positions, kv_caches, attn_metadata,
-                          intermediate, inputs_embeds=hidden)
+        model = self.model
+        rows, width = mm.embed_rows, self.hidden_size
+        deepstack: list[torch.Tensor] = []
+        if rows.numel() and mm.embeds.shape[1] > width:
+            deepstack = list(mm.embeds[:, width:].split(width, dim=1))
+        residual: torch.Tensor | None = None
+        if model.embed_tokens is not None:
+            hidden = model.embed_tokens(input_ids)
+            if rows.numel():
+                hidden = hidden.index_copy(0, rows, mm.embeds[:, :width].to(hidden.dtype))
+        elif intermediate is None:
+            raise ValueError("a pipeline stage after the first needs the previous (hidden, "
+                             "residual) as intermediate")
+        else:
+            hidden, residual = intermediate
+        for i, kv_cache in zip(model.stage, kv_caches, strict=True):
+            hidden, residual = model.layers[i](mm.mrope_positions, hidden, residual, kv_cache,
+                                               attn_metadata)
+            if i < len(deepstack):
+                # The stream is hidden + residual: adding to either adds to the stream.
+                hidden = hidden.index_add(0, rows, deepstack[i].to(hidden.dtype))
+        assert residual is not None  # every stage has at least one layer
+        if model.norm is None:
+            return hidden, residual
+        hidden, _ = model.norm(hidden, residual)
+        return hidden
 
     def _checkpoint_targets(self) -> dict[str, tuple[str, str, int | None]]:
         # The vision tower loads apart (load_weights), never through the text machinery.
@@ -125,7 +161,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         """Loads the language model as Qwen2 does and the vision tower whole on every rank.
         Raises ValueError naming a vision tensor that is missing, unknown or misshapen (and
         what Qwen2's loader raises for the rest)."""
-        vision = dict(self.visual.named_parameters())
+        vision = dict(self.visual.named_parameters()) if self.visual is not None else {}
         loaded: set[str] = set()
 
         def text_weights() -> Iterator[tuple[str, torch.Tensor | CheckpointTensor]]:
@@ -137,6 +173,8 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                 if not name.startswith("visual."):
                     yield name, value
                     continue
+                if self.visual is None:
+                    continue  # a later pipeline stage without the tower
                 local = name[len("visual."):]
                 param = vision.get(local)
                 if param is None:

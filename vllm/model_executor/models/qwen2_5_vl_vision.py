@@ -165,6 +165,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
     """Maps one image's patches to its language-model embeddings
     [t * h * w / merge**2, out_hidden_size]."""
 
+    # Its products see one image's patches, never a step's token rows: the runner's row
+    # padding ignores them (layers/column_major.py), on every pipeline stage alike.
+    multiplies_step_rows = False
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.merge = config.spatial_merge_size

@@ -118,6 +118,9 @@ class Qwen3VisionTransformer(nn.Module):
     ([n, out_hidden_size], one [n, out_hidden_size] per deepstack_visual_indexes entry, in
     block order), n = t * h * w / merge**2."""
 
+    # As Qwen2.5-VL's tower: its products never see a step's token rows.
+    multiplies_step_rows = False
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.merge = config.spatial_merge_size

@@ -8,7 +8,8 @@ request recomputing, a prefix-cache hit ending inside the run all take the rows 
 compute from the same embeddings). Once no request needs them, they stay for reuse by
 later requests with the same image, least recently used first out, up to
 --encoder-cache-size rows. Encoding an image alone gives the same rows whatever else is in
-the step, so a request's numbers do not depend on its batch.
+the step, so a request's numbers do not depend on its batch. A pipeline stage whose model
+has no vision tower builds only the M-RoPE positions.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class MultiModalInputs:
         self.merge = model.config.vision_config.spatial_merge_size
         self.cache = EncoderCache(budget)
         self.to_device = to_device
+        # A pipeline stage without the vision tower takes only the M-RoPE positions.
+        self.encodes = getattr(model, "visual", None) is not None
         # Request id -> content hashes it holds pins on.
         self._held: dict[str, set[str]] = {}
 
@@ -116,6 +119,8 @@ class MultiModalInputs:
             lo, hi = int(inputs.cu[i]), int(inputs.cu[i + 1])
             start = int(inputs.starts[i])
             mrope[:, lo:hi] = step_positions(inputs.positions[lo:hi], *self._table(state))
+            if not self.encodes:
+                continue
             for feature in state.mm_features:
                 first, last = max(start, feature.offset), min(start + hi - lo, feature.end)
                 if first >= last:
