@@ -5,8 +5,8 @@
 #       (run from anywhere; default RESULT_DIR results/gpu-check-<time>)
 #
 # --quick (the default) is sized to finish in about 7 minutes on one H200, installs included:
-# every step has a time cap and the caps add up to 7 minutes (tests 150 s, decode 75 s,
-# sweep 200 s; a capped step keeps what it measured so far). --full runs the long versions
+# every step has a time cap and the caps add up to 7 minutes (tests 140 s, decode 75 s,
+# step profile 70 s, sweep 140 s; a capped step keeps what it measured so far). --full runs the long versions
 # (upstream's sweep load shape: an hour or more).
 #
 # 1. installs the wheels in ./.whl (or $WHEEL_DIR) into /tmp/site (make them beforehand on a machine with network
@@ -17,7 +17,11 @@
 # 3. runs the CUDA tests (attention kernels, HF equivalence, graphs, the device bitmask, the
 #    runner with lagging device-to-host copies, async = sync; --full adds speculative decoding),
 #    benchmarks/bench_attention.py (--full) and benchmarks/bench_decode.py (decode tok/s at
-#    batch 1, 64, 256 with and without CUDA graphs; --quick decodes 64 tokens, --full 128);
+#    batch 1, 64, 256 with and without CUDA graphs; --quick decodes 64 tokens, --full 128)
+#    and benchmarks/gpu_profile.py --triton (torch.profiler over decode steps at batch 1, 64,
+#    256 and a 100% JSON batch: wall / device-busy ms, idle gaps and what the host ran in
+#    them, graph and eager launches, syncs; Chrome traces in RESULT_DIR/profile; the host
+#    cost of each Triton kernel launch);
 # 4. runs the GPU preset of benchmarks/structured_sweep.py (Qwen3-1.7B config, dummy weights,
 #    rate 200, output length 128): ratios 0/0.2/0.8/1.0 JSON, sync and async, uni and mp;
 #    --quick 400 prompts once, --full 4000 prompts, 3 repeats;
@@ -27,8 +31,8 @@
 # status is that of the first failed step.
 #
 # Knobs (environment): PYTHON (python3), WHEEL_DIR (.whl), SITE_DIR (/tmp/site), SKIP_NATIVE, SKIP_TESTS,
-# SKIP_BENCH_ATTENTION, SKIP_BENCH_DECODE, SKIP_SWEEP (set to 1 to skip), TEST_TIMEOUT (s),
-# DECODE_TIMEOUT (s), DECODE_OUTPUT_LEN, SWEEP_NUM_PROMPTS, SWEEP_CONFIGS
+# SKIP_BENCH_ATTENTION, SKIP_BENCH_DECODE, SKIP_PROFILE, SKIP_SWEEP (set to 1 to skip),
+# TEST_TIMEOUT (s), DECODE_TIMEOUT (s), DECODE_OUTPUT_LEN, PROFILE_TIMEOUT (s), PROFILE_STEPS, SWEEP_NUM_PROMPTS, SWEEP_CONFIGS
 # (sync/uni,async/uni,sync/mp,async/mp), SWEEP_RATIOS, SWEEP_REPEATS, SWEEP_TIMEOUT (s), SWEEP_PRESET
 # (gpu); ALLOW_CPU=1 lets the script go on without CUDA (to try its mechanics on a CPU with
 # SWEEP_PRESET=cpu-overhead).
@@ -56,15 +60,18 @@ TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
             tests/model_executor/layers/test_fused_moe_triton.py
             tests/model_executor/layers/quantization
             tests/v1/worker/test_gpu_model_runner.py tests/v1/worker/test_cuda_graph.py
+            tests/v1/worker/test_post_layer.py tests/v1/sample/ops/test_dense_sampling.py
             tests/v1/structured_output/test_utils.py tests/v1/sample/ops/test_race_sampling.py
             tests/v1/engine/test_async_sync_equivalence.py)
 if [ "$MODE" = quick ]; then
-  : "${SKIP_NATIVE:=1}" "${SKIP_BENCH_ATTENTION:=1}" "${TEST_TIMEOUT:=150}"
-  : "${DECODE_TIMEOUT:=75}" "${DECODE_OUTPUT_LEN:=64}"
+  : "${SKIP_NATIVE:=1}" "${SKIP_BENCH_ATTENTION:=1}" "${TEST_TIMEOUT:=140}"
+  : "${DECODE_TIMEOUT:=75}" "${DECODE_OUTPUT_LEN:=64}" "${PROFILE_TIMEOUT:=70}"
+  : "${PROFILE_STEPS:=4}"
   : "${SWEEP_NUM_PROMPTS:=400}" "${SWEEP_RATIOS:=0,0.2,0.8,1.0}" "${SWEEP_REPEATS:=1}"
-  : "${SWEEP_TIMEOUT:=200}"
+  : "${SWEEP_TIMEOUT:=140}"
 else
   : "${TEST_TIMEOUT:=1200}" "${DECODE_TIMEOUT:=900}" "${DECODE_OUTPUT_LEN:=128}"
+  : "${PROFILE_TIMEOUT:=600}" "${PROFILE_STEPS:=8}"
   : "${SWEEP_RATIOS:=0,0.2,0.8,1.0}" "${SWEEP_REPEATS:=3}" "${SWEEP_TIMEOUT:=3600}"
   TEST_PATHS+=(tests/v1/engine/test_spec_decode_equivalence.py)
 fi
@@ -167,6 +174,12 @@ fi
 if [ "${SKIP_BENCH_DECODE:-0}" != 1 ]; then
   step bench_decode timeout "$DECODE_TIMEOUT" "$PY" benchmarks/bench_decode.py \
     --output-len "$DECODE_OUTPUT_LEN" --json "$RESULT_DIR/decode.json"
+fi
+
+# Where a decode step's time goes (host vs device), and the Triton launch costs.
+if [ "${SKIP_PROFILE:-0}" != 1 ]; then
+  step step_profile timeout "$PROFILE_TIMEOUT" "$PY" benchmarks/gpu_profile.py --triton \
+    --steps "$PROFILE_STEPS" --out-dir "$RESULT_DIR/profile"
 fi
 
 # 4. The structured-output sweep.

@@ -3,8 +3,8 @@
     python benchmarks/gpu_check_table.py RESULT_DIR
 
 Reads what gpu_check.sh left in RESULT_DIR: steps.tsv (a line per step: name, exit status,
-seconds), the steps' logs, decode.json (bench_decode.py) and sweep/sweep.json
-(structured_sweep.py). A step that did not run shows as "skipped"; a missing or unreadable
+seconds), the steps' logs, decode.json (bench_decode.py), profile/profile.json
+(gpu_profile.py) and sweep/sweep.json (structured_sweep.py). A step that did not run shows as "skipped"; a missing or unreadable
 result file shows as "no result" instead of failing the table.
 """
 
@@ -69,6 +69,33 @@ def decode_rows(result_dir: Path, steps: dict[str, tuple[int, int]]) -> list[Row
     return rows
 
 
+def profile_rows(result_dir: Path, steps: dict[str, tuple[int, int]]) -> list[Row]:
+    """A row per profiled run of gpu_profile.py: median wall and device-busy ms per decode
+    step, syncs and kernel launches outside graphs per step."""
+    status = _status(steps, "step_profile")
+    try:
+        runs = json.loads((result_dir / "profile" / "profile.json").read_text())["runs"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [("step profile", "gpu_profile.py", status if "step_profile" not in steps
+                 else f"{status}: no result")]
+    rows = []
+    for run in runs:
+        done = run.get("steps") or []
+        if not done:
+            rows.append(("step profile", run.get("name", "?"), "no decode step recorded"))
+            continue
+
+        def median(key: str, done: list = done) -> float:
+            values = sorted(float(s[key]) for s in done)
+            return values[len(values) // 2]
+
+        text = (f"wall {median('wall_ms'):.2f} ms, device busy {median('busy_ms'):.2f} ms, "
+                f"{median('syncs'):.0f} syncs, {median('eager_launches'):.0f} eager launches, "
+                f"{median('graph_replays'):.0f} graph replays per step")
+        rows.append(("step profile", run.get("name", "?"), text))
+    return rows
+
+
 def sweep_rows(result_dir: Path, steps: dict[str, tuple[int, int]]) -> list[Row]:
     """A row per (configuration, ratio): req/s (with its ratio to sync/uni), output tok/s,
     and the share of structured outputs that were correct."""
@@ -109,6 +136,7 @@ def table(result_dir: Path) -> str:
     rows += cuda_tests_rows(result_dir, steps)
     rows.append(("attention kernels", "bench_attention.py", _status(steps, "bench_attention")))
     rows += decode_rows(result_dir, steps)
+    rows += profile_rows(result_dir, steps)
     rows += sweep_rows(result_dir, steps)
     total = sum(seconds for _, seconds in steps.values())
     rows.append(("total", "all steps", f"{total} s"))

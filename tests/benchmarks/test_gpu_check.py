@@ -41,6 +41,12 @@ def _write_results(result_dir: Path) -> None:
     result.add("async/uni", "0.0", _cell(12.5))
     result.add("async/uni", "1.0", _cell(11.7, 0.99))
     result.errors["async/mp"] = "server exited\nlast line"
+    (result_dir / "profile").mkdir()
+    step = {"wall_ms": 5.0, "busy_ms": 2.5, "syncs": 1, "eager_launches": 12,
+            "graph_replays": 2}
+    (result_dir / "profile" / "profile.json").write_text(json.dumps({"runs": [
+        {"name": "decode-b1", "steps": [step, dict(step, wall_ms=7.0), dict(step, wall_ms=6.0)]},
+        {"name": "json-b64", "steps": []}]}))
     (result_dir / "sweep").mkdir()
     (result_dir / "sweep" / "sweep.json").write_text(json.dumps(result.to_dict()))
 
@@ -55,6 +61,9 @@ def test_the_table_shows_every_step_and_its_numbers(tmp_path: Path) -> None:
     assert "| attention kernels | bench_attention.py | skipped |" in lines
     assert "| decode tok/s | batch 1 | graphs 300.0 / eager 100.0 = 3.00x |" in lines
     assert "| decode tok/s | batch 64 | graphs 9000.0 / eager 6000.0 = 1.50x |" in lines
+    assert ("| step profile | decode-b1 | wall 6.00 ms, device busy 2.50 ms, 1 syncs, 12 eager "
+            "launches, 2 graph replays per step |" in lines)
+    assert "| step profile | json-b64 | no decode step recorded |" in lines
     assert "| sweep | sync/uni, 0% structured | 10.00 req/s, 1280 tok/s |" in lines
     assert ("| sweep | async/uni, 0% structured | 12.50 req/s (1.25x sync/uni), 1600 tok/s |"
             in lines)
@@ -71,6 +80,7 @@ def test_missing_and_broken_results_do_not_break_the_table(tmp_path: Path) -> No
     assert "| CUDA tests | pytest | skipped |" in table
     assert "| decode tok/s | graphs / eager | FAILED (exit 124), 110 s: no result |" in table
     assert "| sweep | req/s | skipped |" in table
+    assert "| step profile | gpu_profile.py | skipped |" in table
     assert gpu_check_table.main([]) == 2
 
 
@@ -106,7 +116,8 @@ def test_quick_mode_runs_its_steps_and_prints_the_table_on_a_cpu(tmp_path: Path)
     (the heavy steps are skipped; the environment check still runs)."""
     # No wheels: a developer's .whl (made for the GPU machine's Python) must not matter here.
     env = dict(os.environ, PYTHON=sys.executable, ALLOW_CPU="1", SKIP_TESTS="1",
-               SKIP_BENCH_DECODE="1", SKIP_SWEEP="1", WHEEL_DIR=str(tmp_path / "no-wheels"))
+               SKIP_BENCH_DECODE="1", SKIP_PROFILE="1", SKIP_SWEEP="1",
+               WHEEL_DIR=str(tmp_path / "no-wheels"))
     result_dir = tmp_path / "out"
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_check.sh"), str(result_dir)],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -14,10 +14,12 @@ Rows are processed in chunks: on a CPU a few rows at a time so the vocabulary-si
 temporaries stay in cache (large fresh tensors cost page faults and memory bandwidth), on
 other devices the whole batch at once. Every row's result depends on that row alone.
 
-Device syncs (only on non-CPU devices; on a CPU they cost nothing): with top-k, reading the
-largest k to size torch.topk; with top-k or top-p, finding the rows whose kept set is not
-inside the candidates (they get a full sort). The common paths (greedy, temperature, min-p,
-penalties, logprobs) never sync.
+Off the CPU the sampler runs its fixed-shape path (`fixed_shape`, ops/dense_sampling.py):
+every row goes through the same operations, top-k / top-p take a full sort of every row of a
+batch that uses them, and nothing reads a device value on the host, so a step never waits for
+the device here (the default path would, to size torch.topk by the largest k and to find the
+rows its candidates cannot decide). On a CPU those reads cost nothing and the candidates are
+much cheaper than a full sort, so the CPU keeps the default path; both give the same tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from torch import nn
 
 from vllm import _custom_ops as ops
 from vllm.v1.sample.metadata import GREEDY_TEMPERATURE, GrammarMask, SamplingMetadata
+from vllm.v1.sample.ops.dense_sampling import (
+    DenseRows,
+    choose_plan,
+    host_noise_keys,
+    sample_dense,
+)
 from vllm.v1.sample.ops.penalties import apply_penalties, ban_tokens, pad_token_lists
 from vllm.v1.sample.ops.race_sampling import race_blocks, race_candidates, seeded_key
 from vllm.v1.sample.ops.token_edits import add_bias, ban_completions, keep_only
@@ -84,8 +92,10 @@ class Sampler(nn.Module):
         top_p_candidates: int = TOP_P_CANDIDATES,
         race_block: int = RACE_BLOCK,
         chunk_rows: int | None = None,
+        fixed_shape: bool | None = None,
     ) -> None:
-        """`chunk_rows` overrides the rows per chunk (default: ~4 MiB on CPU, all otherwise)."""
+        """`chunk_rows` overrides the rows per chunk (default: ~4 MiB on CPU, all otherwise).
+        `fixed_shape` picks the path (module docstring): None = fixed-shape off the CPU only."""
         super().__init__()
         if top_p_candidates < 1:
             raise ValueError(f"top_p_candidates: must be positive, got {top_p_candidates}")
@@ -96,6 +106,11 @@ class Sampler(nn.Module):
         self.top_p_candidates = top_p_candidates
         self.race_block = race_block
         self.chunk_rows = chunk_rows
+        self.fixed_shape = fixed_shape
+
+    def is_fixed_shape(self, device: torch.device) -> bool:
+        """Whether logits on `device` take the fixed-shape path."""
+        return device.type != "cpu" if self.fixed_shape is None else self.fixed_shape
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Samples a token per row. `logits` is not modified, except that the grammar mask of
@@ -121,7 +136,8 @@ class Sampler(nn.Module):
                 "grammar_mask: needs contiguous float32 CPU logits, got "
                 f"{logits.dtype} on {dev} (apply the mask to the logits instead)"
             )
-        if metadata.all_greedy and k is None and not bans and not _edits(metadata):
+        fixed = self.is_fixed_shape(dev)
+        if metadata.all_greedy and k is None and not bans and not _edits(metadata) and not fixed:
             # Nothing but the argmax reads the logits: one pass, the mask read on the way.
             return SamplerOutput(_argmax(logits, grammar), None)
         if grammar is not None:
@@ -140,7 +156,13 @@ class Sampler(nn.Module):
             hi = min(n, lo + step)
             raw = logits[lo:hi].float()
             x = self._edit(raw, metadata, bans, lo, hi)
-            tokens[lo:hi] = self._sample(x, _rows(metadata, keys, lo, hi))
+            if fixed:
+                plan = choose_plan(metadata.all_greedy,
+                                   metadata.top_k is not None or metadata.top_p is not None)
+                tokens[lo:hi] = sample_dense(x, _dense_rows(metadata, keys, lo, hi, dev), plan,
+                                             self.race_block)
+            else:
+                tokens[lo:hi] = self._sample(x, _rows(metadata, keys, lo, hi))
             if lp is not None:
                 _logprobs(raw, tokens[lo:hi], k, lp, lo, hi)
         return SamplerOutput(tokens, lp)
@@ -332,11 +354,14 @@ def _apply_grammar(logits: torch.Tensor, grammar: GrammarMask) -> None:
 
 def _noise_keys(md: SamplingMetadata, n: int, dev: torch.device) -> torch.Tensor:
     """[n, 2] int64 keys: seeded rows mix (seed, position); the rest come from the generator
-    in one batched draw."""
+    in one batched draw (on the host for a CPU generator, then one copy to `dev`)."""
+    gen = md.generator
+    gen_dev = gen.device if gen is not None else torch.device("cpu")
+    if gen_dev.type == "cpu":
+        keys = host_noise_keys(md.seeds, md.output_positions, gen)
+        return keys if dev.type == "cpu" else keys.to(dev, non_blocking=True)
     seeded = [i for i, s in enumerate(md.seeds) if s is not None]
     if len(seeded) < n:
-        gen = md.generator
-        gen_dev = gen.device if gen is not None else torch.device("cpu")
         keys = torch.randint(
             0, 1 << 32, (n, 2), generator=gen, device=gen_dev, dtype=torch.int64
         ).to(dev)
@@ -363,6 +388,24 @@ def _rows(md: SamplingMetadata, keys: torch.Tensor | None, lo: int, hi: int) -> 
         _slice(md.top_p, lo, hi),
         _slice(md.min_p, lo, hi),
         None if keys is None else keys[lo:hi],
+    )
+
+
+def _dense_rows(
+    md: SamplingMetadata, keys: torch.Tensor | None, lo: int, hi: int, dev: torch.device
+) -> DenseRows:
+    """Rows [lo, hi) of the metadata with every parameter present ('off' where absent)."""
+    n = hi - lo
+
+    def column(t: torch.Tensor | None, off: float, dtype: torch.dtype) -> torch.Tensor:
+        return t[lo:hi] if t is not None else torch.full((n,), off, dtype=dtype, device=dev)
+
+    return DenseRows(
+        column(md.temperature, 0.0, torch.float32),
+        column(md.top_k, 0, torch.int64),
+        column(md.top_p, 1.0, torch.float32),
+        column(md.min_p, 0.0, torch.float32),
+        keys[lo:hi] if keys is not None else torch.zeros((n, 2), dtype=torch.int64, device=dev),
     )
 
 

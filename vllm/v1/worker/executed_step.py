@@ -41,6 +41,9 @@ class ExecutedStep:
     failed: dict[str, str] = field(default_factory=dict)
     # The pooled tensor `logits` is a view of (CPU), given back once the step is sampled.
     logits_buffer: torch.Tensor | None = None
+    # Decode steps sampled by the post-layer function (post_layer.py): [padded, hidden] the
+    # last hidden state of each request, in place of `logits` (None otherwise).
+    hidden_rows: torch.Tensor | None = None
     # EAGLE-3: what the head needs of this step to draft once it is sampled.
     head: HeadStep | None = None
     # EAGLE-3: [len(drafts), max drafts] on the device, each sampling request's drafts as

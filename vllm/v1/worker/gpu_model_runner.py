@@ -53,6 +53,7 @@ from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, grammar_mask
 from vllm.v1.worker.input_buffers import InputBuffers
 from vllm.v1.worker.input_prep import StepInputs, prepare
 from vllm.v1.worker.logits_buffers import LogitsBuffers
+from vllm.v1.worker.post_layer import PostLayer, sampler_graphs_enabled
 from vllm.v1.worker.prompt_logprobs import compute_prompt_logprobs
 from vllm.v1.worker.sampled_tokens import AsyncOutput, SampledTokens
 from vllm.v1.worker.sampling_inputs import SamplingInputs
@@ -121,7 +122,9 @@ class GPUModelRunner:
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.max_num_reqs, mc.max_model_len, self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
-        generator = torch.Generator(device=self.device)
+        # On the host on every device: the post-layer graphs read the keys it draws from the
+        # step's one upload (post_layer.py), and the eager path draws the same ones.
+        generator = torch.Generator()
         generator.manual_seed(mc.seed)
         self.copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._unsettled: deque[SampledTokens] = deque()
@@ -142,6 +145,8 @@ class GPUModelRunner:
             self.buffers.to_device, generator, self.vocab_size, self.device, self._in_flight
         )
         self.graphs: DecodeGraphs | None = None
+        # LM head + sampling of decode steps from fixed buffers, in CUDA graphs (post_layer.py).
+        self.post_layer: PostLayer | None = None
         # Reused logits memory (CPU models whose compute_logits takes `out`; see load_model).
         self.logits_buffers: LogitsBuffers | None = None
         # LoRA slots of the model's layers (None: LoRA is off).
@@ -239,6 +244,12 @@ class GPUModelRunner:
                 self.model, self.buffers, self.kv_caches, self.max_num_reqs,
                 self.config.model_config.max_model_len,
             )
+        if self.graphs is not None and self.eagle3 is None and sampler_graphs_enabled():
+            self.post_layer = PostLayer(
+                self.model.compute_logits, self.model.hidden_size, self.dtype, self.vocab_size,
+                self.max_num_reqs, self.device, self.sampling_inputs.generator,
+            )
+            self.post_layer.capture()
 
     # ------------------------------------------------------------------ state
 
@@ -443,7 +454,11 @@ class GPUModelRunner:
         step.skipped = [skip.get(req_ids[i], 0) for i in pick]
         if not self.last_stage:
             return step
-        if pick:
+        decode = len(pick) == inputs.num_reqs == inputs.num_tokens and not any(step.drafts)
+        if pick and decode and self.post_layer is not None:
+            step.hidden_rows = self.post_layer.gather(hidden, inputs.cu[1:][pick],
+                                                      self.buffers.to_device)
+        elif pick:
             # The last position of each sampling request, and the ones of its drafts before it
             # (fast-forward tokens aside: the positions before them sample nothing).
             ends = inputs.cu[1:][pick]
@@ -487,7 +502,7 @@ class GPUModelRunner:
             for state in step.sampled_states:
                 state.num_output_tokens += 1
             return EMPTY_MODEL_RUNNER_OUTPUT
-        if step.logits is None:
+        if step.logits is None and step.hidden_rows is None:
             if step.head is not None:  # prompt chunks only: the head's cache follows them
                 self.eagle3.propose(step.head, None, [], [])
             out = ModelRunnerOutput(
@@ -497,7 +512,6 @@ class GPUModelRunner:
                 failed=step.failed or None,
             )
             return out if step.req_ids else EMPTY_MODEL_RUNNER_OUTPUT
-        logits = step.logits
         num_rows = step.num_sampled_rows
         self._settle_verified(step.sampled_states)
         first_rows = np.cumsum([0] + num_rows[:-1]).tolist()
@@ -506,8 +520,15 @@ class GPUModelRunner:
         # position num_output_tokens + skipped + j (docs/architecture.md §11).
         row_states = [s for s, n in zip(states, num_rows) for _ in range(n)]
         offsets = [k + j for n, k in zip(num_rows, step.skipped) for j in range(n)]
-        metadata = self.sampling_inputs.build(row_states, offsets)
-        if grammar_output is not None:
+        result = None
+        if step.hidden_rows is not None:  # None back: a request needs the eager path
+            result = self.post_layer.sample(step.hidden_rows, states, grammar_output,
+                                            step.sampled_req_ids)
+            if result is None:
+                step.logits = self.model.compute_logits(step.hidden_rows)[: len(states)]
+        logits = step.logits
+        metadata = self.sampling_inputs.build(row_states, offsets) if result is None else None
+        if grammar_output is not None and result is None:
             to_row = dict(zip(step.sampled_req_ids, first_rows))
             on_cpu = logits.device.type == "cpu" and logits.dtype == torch.float32
             if on_cpu and logits.is_contiguous():
@@ -516,7 +537,7 @@ class GPUModelRunner:
             else:
                 apply_grammar_bitmask(logits, grammar_output, to_row)
         try:
-            result = self.sampler(logits, metadata)
+            result = result or self.sampler(logits, metadata)
         finally:
             del logits
             step.logits = None

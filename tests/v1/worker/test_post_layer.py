@@ -1,0 +1,316 @@
+"""The post-layer function (LM head + bitmask + sampling from fixed buffers) and its buffers:
+one upload per step, one operation sequence per (size, plan, grammar) whatever each row's
+mode, nothing that would make a CUDA host wait (counted with OpAudit, never timed); and in
+the engine (CPU, run eagerly) the same tokens as the eager path, with the operations outside
+the model not growing with the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.v1.core.sched.output import GrammarOutput
+from vllm.v1.sample.ops.dense_sampling import Plan
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.worker.gpu_input_batch import CachedRequestState
+from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask
+from vllm.v1.worker.op_audit import OpAudit
+from vllm.v1.worker.post_layer import PostLayer
+from vllm.v1.worker.sampling_buffers import SamplingBuffers
+from vllm.v1.worker.sampling_inputs import SamplingInputs
+
+VOCAB = 100
+
+
+def _params(n: int, mode: str) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    greedy = mode == "greedy"
+    return {
+        "keys": rng.integers(0, 1 << 32, (n, 2), dtype=np.int64),
+        "top_k": np.full(n, 5 if mode == "filtered" else 0, dtype=np.int64),
+        "temperature": np.full(n, 0.0 if greedy else 0.8, dtype=np.float32),
+        "top_p": np.full(n, 0.7 if mode == "filtered" else 1.0, dtype=np.float32),
+        "min_p": np.full(n, 0.1 if mode == "min_p" else 0.0, dtype=np.float32),
+    }
+
+
+def test_buffers_take_one_copy_per_step_and_pad_with_off_rows() -> None:
+    buffers = SamplingBuffers(8, VOCAB, torch.device("cpu"))
+    mask = np.zeros((3, buffers.words), dtype=np.int32)
+    mask[2, 0] = 0b1010
+    audit = OpAudit("cpu")
+    with audit:
+        buffers.stage(_params(3, "filtered"), [2], 4, mask)
+    assert audit.counts()["aten.copy_"] == 1 and audit.syncs == []
+    rows = buffers.rows(4)
+    assert rows.top_k.tolist() == [5, 5, 5, 0]
+    assert rows.temperature.tolist()[3] == 0.0 and rows.top_p.tolist()[3] == 1.0
+    assert rows.keys[3].tolist() == [0, 0]
+    bits = buffers.bitmask(4)
+    assert bits[2, 0] == 0b1010 and (bits[[0, 1, 3]] == -1).all()
+    with pytest.raises(ValueError, match="mask_rows"):
+        buffers.stage(None, [4], 4, np.zeros((5, buffers.words), dtype=np.int32))
+
+
+def _post_layer(max_rows: int = 8) -> PostLayer:
+    head = torch.nn.Linear(16, VOCAB, bias=False).requires_grad_(False)
+    torch.nn.init.normal_(head.weight, std=2.0, generator=torch.Generator().manual_seed(0))
+    return PostLayer(lambda h: head(h).float(), 16, torch.float32, VOCAB, max_rows,
+                     torch.device("cpu"), torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("plan", list(Plan))
+def test_one_operation_sequence_per_size_plan_and_grammar(plan: Plan) -> None:
+    """Rows of every mode staged in turn (and new hidden states): the same operations, none
+    that would wait, so one captured graph replays every step of that size and plan."""
+    post = _post_layer()
+    mask = np.full((4, post.buffers.words), -1, dtype=np.int32)
+    mask[1, :2] = 0
+    for grammar in (False, True):
+        sequences = []
+        for mode in ("greedy", "random", "min_p", "filtered"):
+            post.buffers.stage(_params(4, mode), [1] if grammar else [], 4, mask)
+            post.hidden.normal_()
+            audit = OpAudit("cpu")
+            with audit:
+                post.run(4, plan, grammar)
+            assert audit.syncs == [] and audit.downloads == []
+            sequences.append(audit.ops)
+        assert all(s == sequences[0] for s in sequences), grammar
+        if grammar and plan is Plan.GREEDY:
+            assert int(post.tokens[1]) >= 64  # the mask forbids the row's first 64 tokens
+
+
+def test_sample_gives_the_samplers_tokens_with_a_grammar() -> None:
+    """PostLayer.sample against the runner's eager path on the same hidden rows: LM head,
+    native bitmask, SamplingInputs metadata and the default Sampler, with a generator
+    seeded alike (it must advance alike). A request with logprobs gets None back, and
+    nothing is drawn for it."""
+    post = _post_layer()
+    specs = [{"temperature": 0.0}, {"temperature": 0.8, "seed": 3}, {"temperature": 1.0},
+             {"temperature": 1.0, "top_k": 5}, {"temperature": 0.7, "top_p": 0.6, "min_p": 0.05}]
+    states = [CachedRequestState(f"r{i}", [1, 2], SamplingParams(**spec), [], 2,
+                                 num_output_tokens=i) for i, spec in enumerate(specs)]
+    req_ids = [s.req_id for s in states]
+    hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(1))
+    rows = post.gather(hidden, np.array([2, 4, 6, 9, 12]), torch.from_numpy)
+    assert rows.shape == (8, 16)  # padded to the ladder's size
+    rng = np.random.default_rng(2)
+    grammar = GrammarOutput(["r1", "r3"], rng.integers(-(2**31), 2**31, (2, 4), dtype=np.int32))
+    reference = torch.Generator().manual_seed(0)
+    for _ in range(2):  # twice: the generators must stay in step
+        got = post.sample(rows, states, grammar, req_ids).sampled_token_ids
+        logits = post.compute_logits(rows)[:5].contiguous()
+        apply_grammar_bitmask(logits, grammar, {r: i for i, r in enumerate(req_ids)})
+        metadata = SamplingInputs(torch.from_numpy, reference, VOCAB, torch.device("cpu"),
+                                  list).build(states)
+        want = Sampler(fixed_shape=False)(logits, metadata).sampled_token_ids
+        assert torch.equal(got, want)
+    before = post.generator.get_state()
+    states.append(CachedRequestState("r5", [1], SamplingParams(temperature=1.0, logprobs=1),
+                                     [], 1))
+    rows = post.gather(hidden, np.arange(1, 7), torch.from_numpy)
+    assert post.sample(rows, states, None, req_ids + ["r5"]) is None
+    assert torch.equal(post.generator.get_state(), before)
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM("demo-tiny", max_model_len=96, max_num_seqs=32, async_scheduling=True)
+    yield engine
+    engine.shutdown()
+
+
+def _runner(llm):
+    return llm.llm_engine.engine_core.model_executor.worker.model_runner
+
+
+def _attach(llm, audits: list | None = None) -> PostLayer:
+    """A PostLayer for the engine's runner (on a CPU the runner makes none itself)."""
+    runner = _runner(llm)
+    head = runner.model.compute_logits
+
+    def compute_logits(hidden):
+        if audits:  # the LM head is the model's: leave it out of the counts
+            with audits[-1].paused():
+                return head(hidden)
+        return head(hidden)
+
+    return PostLayer(compute_logits, runner.model.hidden_size, runner.dtype, runner.vocab_size,
+                     runner.max_num_reqs, runner.device, runner.sampling_inputs.generator,
+                     min_rows=runner.logits_min_rows)
+
+
+def _generate(llm, post: PostLayer | None, prompts, params) -> list:
+    runner = _runner(llm)
+    runner.post_layer = post
+    runner.sampling_inputs.generator.manual_seed(7)
+    try:
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        runner.post_layer = None
+
+
+def test_engine_tokens_equal_the_eager_path(llm) -> None:
+    """Greedy, random, top-k, top-p and min-p rows give the eager path's tokens; a request
+    with logprobs sends its steps to the eager path. (Grammars: the unit test above; a
+    schema's first compile takes seconds.)"""
+    params = [
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=3),
+        # Short: top-k/top-p batches sort every row fully (about 20 ms a row on a CPU).
+        SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, top_k=4, seed=1),
+        SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, top_p=0.7, seed=4),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, min_p=0.3, seed=5),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0),
+    ]
+    prompts = [f"item {i}: " + "word " * i for i in range(len(params))]
+    post = _attach(llm)
+    used = []
+    sample = post.sample
+    post.sample = lambda *a, **k: used.append(sample(*a, **k)) or used[-1]
+    want = _generate(llm, None, prompts, params)
+    got = _generate(llm, post, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert any(u is not None for u in used)
+    logprobs = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2),
+                SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)]
+    used.clear()
+    got = _generate(llm, post, prompts[:2], logprobs)
+    assert used and all(u is None for u in used)
+    assert got[0].logprobs is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts CPU operations")
+def test_engine_operations_outside_the_model_do_not_grow_with_the_batch(llm) -> None:
+    """Decode steps at batch 1, 8 and 32 through the post-layer path: as many kernel
+    launches outside the model (forward and LM head), none that would wait."""
+    runner = _runner(llm)
+    audits: list[OpAudit] = []
+    post = _attach(llm, audits)
+    execute, sample, run_model = runner.execute_model, runner.sample_tokens, runner._run_model
+    steps: list[tuple[OpAudit, bool]] = []
+    unsampled: list[OpAudit] = []  # executed steps are sampled oldest first
+
+    def counted_execute(scheduler_output):
+        audit = OpAudit("cpu")
+        audits.append(audit)
+        unsampled.append(audit)
+        decode = (not scheduler_output.scheduled_new_reqs and
+                  scheduler_output.total_num_scheduled_tokens
+                  == len(scheduler_output.num_scheduled_tokens))
+        steps.append((audit, decode))
+        with audit:
+            return execute(scheduler_output)
+
+    def counted_sample(grammar_output):
+        audit = unsampled.pop(0)
+        audits.append(audit)  # the LM head pauses the newest audit
+        with audit:
+            return sample(grammar_output)
+
+    def paused_model(*args, **kwargs):
+        with audits[-1].paused():
+            return run_model(*args, **kwargs)
+
+    runner.execute_model, runner.sample_tokens = counted_execute, counted_sample
+    runner._run_model = paused_model
+    counts = {}
+    try:
+        for n in (1, 8, 32):
+            steps.clear()
+            params = [SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8,
+                                     seed=i if i % 2 else None) for i in range(n)]
+            _generate(llm, post, [f"w {i}" for i in range(n)], params)
+            decode = [audit for audit, is_decode in steps if is_decode]
+            assert decode and all(a.syncs == [] for a in decode)
+            # The last step also drops the finished rows.
+            counts[n] = {len(a.launches) for a in decode[:-1]}
+    finally:
+        del runner.execute_model, runner.sample_tokens, runner._run_model
+    assert counts[1] == counts[8] == counts[32] and len(counts[1]) == 1, counts
+
+
+# ------------------------------------------------------------------------------ CUDA
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_graph_replays_equal_the_eager_function() -> None:
+    """Every captured (size, plan, grammar) graph gives run()'s tokens, and sample() makes
+    the host wait for nothing (torch's sync debug mode raises on a synchronisation)."""
+    head = torch.nn.Linear(16, VOCAB, bias=False, device="cuda").requires_grad_(False)
+    post = PostLayer(lambda h: head(h).float(), 16, torch.float32, VOCAB, 8,
+                     torch.device("cuda"), torch.Generator().manual_seed(0))
+    post.capture()
+    assert len(post.graphs) == len(post.sizes) * len(Plan) * 2
+    mask = np.full((8, post.buffers.words), -1, dtype=np.int32)
+    mask[1, :2] = 0
+    for (size, plan, grammar), graph in post.graphs.items():
+        post.buffers.stage(_params(size, plan.value), [1] if grammar and size > 1 else [],
+                           size, mask)
+        post.hidden.normal_()
+        graph.replay()
+        replayed = post.tokens[:size].clone()
+        post.run(size, plan, grammar and size > 1)
+        assert torch.equal(replayed, post.tokens[:size]), (size, plan, grammar)
+    states = [CachedRequestState(f"r{i}", [1], SamplingParams(temperature=t, seed=i), [], 1)
+              for i, t in enumerate((0.0, 0.8, 1.0))]
+    rows = post.gather(torch.randn(3, 16, device="cuda"), np.arange(1, 4),
+                       lambda a: torch.from_numpy(a).cuda())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        post.sample(rows, states, None, [s.req_id for s in states])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@cuda
+def test_cuda_engine_decode_steps_never_sync_and_match_the_eager_path() -> None:
+    """With decode graphs the runner samples decode steps from the post-layer graphs: the
+    tokens equal the eager path's (post-layer off), and no execute_model or sample_tokens
+    call of a decode step makes the host wait (sync debug mode 'error')."""
+    engine = LLM("demo-tiny", max_model_len=96, max_num_seqs=8, async_scheduling=True)
+    try:
+        runner = _runner(engine)
+        post = runner.post_layer
+        assert post is not None and post.graphs
+        params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, top_k=k,
+                                 seed=i) for i, (t, k) in enumerate(
+                                     [(0.0, 0), (0.8, 0), (1.0, 5), (0.7, 0)])]
+        prompts = [f"item {i}: " + "word " * i for i in range(len(params))]
+        want = _generate(engine, None, prompts, params)
+        execute, sample = runner.execute_model, runner.sample_tokens
+        decode: list[bool] = []  # executed steps not sampled yet, oldest first
+
+        def strict(call, is_decode: bool):
+            torch.cuda.set_sync_debug_mode("error" if is_decode else "default")
+            try:
+                return call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        def checked_execute(so):
+            decode.append(not so.scheduled_new_reqs
+                          and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens))
+            return strict(lambda: execute(so), decode[-1])
+
+        def checked_sample(grammar_output):
+            return strict(lambda: sample(grammar_output), decode.pop(0))
+
+        runner.execute_model, runner.sample_tokens = checked_execute, checked_sample
+        try:
+            got = _generate(engine, post, prompts, params)
+        finally:
+            del runner.execute_model, runner.sample_tokens
+            runner.post_layer = post
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    finally:
+        engine.shutdown()

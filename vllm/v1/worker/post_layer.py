@@ -1,0 +1,208 @@
+"""Everything after the layers of a decode step as one fixed sequence of operations.
+
+For a decode step (one new token per request, every request sampling, no drafts) the work
+after the layers is: the LM head over each request's last hidden state, the grammar bitmask,
+and sampling. Here that work reads only fixed device buffers (the hidden rows, the sampling
+parameters and bitmask of SamplingBuffers) and writes a fixed output buffer, with the
+operations of ops/dense_sampling.py, so it never waits for the device and a CUDA graph per
+(padded batch size, plan, grammar or not) replays it. Every combination is captured at
+startup: a request that arrives, leaves or changes mode only picks another graph.
+
+What it does not do (logprobs, penalties, logit_bias, allowed_token_ids, bad words, a
+min_tokens ban still active) sends the step back to the eager path: its logits are computed
+from the same hidden rows and the Sampler samples them. Both paths give the same tokens:
+the operations are the Sampler's own fixed-shape path, and the noise keys are drawn from
+the same generator in the same order.
+
+The runner uses this on CUDA with decode graphs (VLLM_SAMPLER_GRAPHS=0 turns it off); on a
+CPU it runs eagerly, for the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from vllm.v1.core.sched.output import GrammarOutput
+from vllm.v1.sample.ops.dense_sampling import (
+    Plan,
+    apply_dense_bitmask,
+    choose_plan,
+    host_noise_keys,
+    sample_dense,
+)
+from vllm.v1.sample.sampler import RACE_BLOCK, SamplerOutput
+from vllm.v1.worker.cuda_graph import capture_sizes
+from vllm.v1.worker.gpu_input_batch import CachedRequestState
+from vllm.v1.worker.grammar_bitmask import reorder_bitmask
+from vllm.v1.worker.sampling_buffers import SamplingBuffers
+
+logger = logging.getLogger(__name__)
+
+ENV = "VLLM_SAMPLER_GRAPHS"
+# Logits elements per sampling chunk: the temporaries of a full sort and of the race stay
+# about 44 bytes per element, whatever the batch.
+CHUNK_ELEMENTS = 1 << 23
+
+
+def sampler_graphs_enabled() -> bool:
+    """Whether VLLM_SAMPLER_GRAPHS leaves the post-layer graphs on (anything but 0/false/no)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no")
+
+
+def dense_ok(state: CachedRequestState, position: int) -> bool:
+    """Whether a request's next token (output index `position`) needs nothing the fixed
+    sequence lacks (module docstring)."""
+    p = state.sampling_params
+    return (
+        p.logprobs is None
+        and not p.has_penalties
+        and not p.logit_bias
+        and not p.allowed_token_ids
+        and not p.bad_words_token_ids
+        and not (position < p.min_tokens and p.all_stop_token_ids)
+    )
+
+
+class PostLayer:
+    """The post-layer function over fixed buffers, and its graphs (see module docstring)."""
+
+    def __init__(
+        self,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        hidden_size: int,
+        dtype: torch.dtype,
+        vocab_size: int,
+        max_rows: int,
+        device: torch.device,
+        generator: torch.Generator,
+        min_rows: int = 1,
+    ) -> None:
+        """`min_rows`: the fewest rows the LM head runs on (the runner's padding for batch
+        invariance on a CPU); `generator` draws the unseeded rows' noise keys (CPU)."""
+        self.compute_logits = compute_logits
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generator = generator
+        self.sizes = sorted({max(s, min_rows) for s in capture_sizes(max_rows)})
+        rows = self.sizes[-1]
+        self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.buffers = SamplingBuffers(rows, vocab_size, device)
+        self.chunk_rows = max(1, CHUNK_ELEMENTS // vocab_size)
+        self.graphs: dict[tuple[int, Plan, bool], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    def padded_size(self, num_rows: int) -> int:
+        """The smallest size of the ladder holding num_rows rows."""
+        for size in self.sizes:
+            if size >= num_rows:
+                return size
+        raise ValueError(f"num_rows: {num_rows} exceeds the largest size {self.sizes[-1]}")
+
+    def gather(self, hidden: torch.Tensor, ends: np.ndarray, to_device) -> torch.Tensor:
+        """[padded, hidden] rows of `hidden` at the flat indices ends - 1 (each request's
+        last token), padded with row 0 up to the padded size."""
+        idx = np.zeros(self.padded_size(len(ends)), dtype=np.int64)
+        idx[: len(ends)] = ends - 1
+        return hidden[to_device(idx)]
+
+    def run(self, size: int, plan: Plan, grammar: bool) -> None:
+        """The post-layer function over the first `size` rows of the buffers: LM head,
+        bitmask (when `grammar`), sampling into self.tokens. Capturable: no host read of a
+        device value, shapes fixed by (size, plan, grammar)."""
+        logits = self.compute_logits(self.hidden[:size]).float()
+        if grammar:
+            apply_dense_bitmask(logits, self.buffers.bitmask(size))
+        rows = self.buffers.rows(size)
+        for lo in range(0, size, self.chunk_rows):
+            hi = min(size, lo + self.chunk_rows)
+            self.tokens[lo:hi] = sample_dense(logits[lo:hi], rows.rows(lo, hi), plan, RACE_BLOCK)
+
+    def sample(
+        self,
+        hidden_rows: torch.Tensor,
+        states: list[CachedRequestState],
+        grammar_output: GrammarOutput | None,
+        req_ids: list[str],
+    ) -> SamplerOutput | None:
+        """Samples one token per state (batch order) from `hidden_rows` (from gather): [n]
+        int64 on the device (no logprobs), or None (nothing staged, nothing drawn) when a request needs
+        the eager path. Raises ValueError on a bitmask that does not fit the vocabulary or
+        the batch."""
+        positions = [s.num_output_tokens for s in states]
+        if not all(dense_ok(s, pos) for s, pos in zip(states, positions)):
+            return None
+        n, size = len(states), hidden_rows.shape[0]
+        params = [s.sampling_params for s in states]
+        all_greedy = all(p.greedy for p in params)
+        plan = choose_plan(all_greedy, any(p.top_k != 0 or p.top_p != 1.0 for p in params))
+        bitmask, mask_rows = self._bitmask(grammar_output, req_ids)
+        # Drawn exactly when the Sampler would draw them: the generator stays in step.
+        keys = (np.zeros((n, 2), dtype=np.int64) if all_greedy else
+                host_noise_keys([p.seed for p in params], positions, self.generator).numpy())
+        self.buffers.stage({
+            "keys": keys,
+            "top_k": np.asarray([p.top_k for p in params], dtype=np.int64),
+            "temperature": np.asarray([p.temperature for p in params], dtype=np.float32),
+            "top_p": np.asarray([p.top_p for p in params], dtype=np.float32),
+            "min_p": np.asarray([p.min_p for p in params], dtype=np.float32),
+        }, mask_rows, size, bitmask)
+        self.buffers.wait_uploaded()
+        self.hidden[:size].copy_(hidden_rows)
+        graph = self.graphs.get((size, plan, bool(mask_rows)))
+        if graph is not None:
+            graph.replay()
+        else:
+            self.run(size, plan, bool(mask_rows))
+        self.buffers.mark_read()
+        # A copy: the next step's replay rewrites the output buffer.
+        return SamplerOutput(self.tokens[:n].clone(), None)
+
+    def _bitmask(
+        self, grammar_output: GrammarOutput | None, req_ids: list[str]
+    ) -> tuple[np.ndarray | None, list[int]]:
+        if grammar_output is None or not grammar_output.structured_output_request_ids:
+            return None, []
+        words = grammar_output.grammar_bitmask.shape[-1]
+        if words != self.buffers.words:
+            raise ValueError(f"grammar_bitmask: {words} words per row cannot mask a "
+                             f"vocabulary of {self.vocab_size}")
+        return reorder_bitmask(grammar_output, {r: i for i, r in enumerate(req_ids)})
+
+    def capture(self) -> None:
+        """Captures run() for every (size, plan, grammar), largest size first (smaller
+        graphs share its memory pool); CUDA only. A failed capture logs a warning and stops:
+        what has no graph runs eagerly."""
+        torch.cuda.synchronize()  # the buffers' first upload ran on their own stream
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in sorted(self.sizes, reverse=True):
+                for plan in Plan:
+                    for grammar in (False, True):
+                        if not self._capture_one(stream, size, plan, grammar):
+                            torch.cuda.current_stream().wait_stream(stream)
+                            return
+        torch.cuda.current_stream().wait_stream(stream)
+        logger.info("captured %d post-layer (LM head + sampling) CUDA graphs", len(self.graphs))
+
+    def _capture_one(self, stream, size: int, plan: Plan, grammar: bool) -> bool:
+        try:
+            for _ in range(2):  # warm up kernels and the allocator
+                self.run(size, plan, grammar)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                self.run(size, plan, grammar)
+            self._pool = graph.pool()
+            self.graphs[(size, plan, grammar)] = graph
+            return True
+        except Exception as e:  # noqa: BLE001 - any capture failure means eager
+            logger.warning("post-layer CUDA graph capture (batch %d, %s, grammar %s) failed; "
+                           "what has no graph runs eagerly: %s", size, plan.value, grammar, e)
+            torch.cuda.synchronize()
+            return False
