@@ -19,7 +19,8 @@ Requests are greedy with ignore_eos, so every run generates the same number of t
 `stories` are bench_offline's prompts; `repetitive` prompts repeat a record several times,
 the text where prompt lookup pays. Prints median tokens/s with the min-max range, the ratio
 of medians, the draft acceptance rate, the mean accepted length (1 + kept drafts per
-verification) and the forward passes of the first run without and with drafts (greedy:
+verification), the acceptance per position (the share of verifications that kept draft j,
+and so every draft before it) and the forward passes of the first run without and with drafts (greedy:
 the same in every run; on a CPU a verified row costs what a decoded one does, on a GPU a
 forward costs about the same whatever its rows, so the forwards say what drafts save there).
 """
@@ -57,6 +58,7 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
     switch_head(llm, drafts)
     spec = scheduler.drafter.stats
     before = (spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens)
+    per_pos_before = list(spec.num_accepted_tokens_per_pos)
     # Forward passes, counted as the steps scheduled with tokens: a noise-free measure of
     # what drafts save where a forward costs the same whatever its rows (a GPU).
     forwards = 0
@@ -80,8 +82,11 @@ def timed(llm: LLM, prompts: list[str], params: SamplingParams, drafts: bool,
             (spec.num_steps, spec.num_draft_tokens, spec.num_accepted_tokens), before)
     )
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    # Verifications that kept draft j (and every one before it), by position j.
+    per_pos = [now - (per_pos_before[j] if j < len(per_pos_before) else 0)
+               for j, now in enumerate(spec.num_accepted_tokens_per_pos)]
     return {"tok_per_s": tokens / elapsed, "steps": steps, "drafted": drafted,
-            "accepted": accepted, "forwards": forwards}
+            "accepted": accepted, "accepted_per_pos": per_pos, "forwards": forwards}
 
 
 # The runner's EAGLE-3 drafter and the target's auxiliary-layer slots, by engine, while off.
@@ -131,7 +136,8 @@ def main() -> None:
                 "num_speculative_tokens": args.num_speculative_tokens}
     results: dict[str, dict] = {}
     print(f"{'cell':26s} {'none tok/s (range)':>22s} {'drafts tok/s (range)':>22s} "
-          f"{'ratio':>6s} {'accept':>7s} {'mean len':>8s} {'forwards':>11s}", flush=True)
+          f"{'ratio':>6s} {'accept':>7s} {'mean len':>8s} {'forwards':>11s}  per position",
+          flush=True)
     for mode in ("sync", "async"):
         llm = LLM(args.model, async_scheduling=mode == "async",
                   max_num_seqs=max(args.num_prompts, 1), speculative_config=spec)
@@ -156,6 +162,9 @@ def main() -> None:
                     steps = sum(r["steps"] for r in runs[True])
                     drafted = sum(r["drafted"] for r in runs[True])
                     accepted = sum(r["accepted"] for r in runs[True])
+                    width = max(len(r["accepted_per_pos"]) for r in runs[True])
+                    per_pos = [sum(r["accepted_per_pos"][j] for r in runs[True]
+                                   if j < len(r["accepted_per_pos"])) for j in range(width)]
                     cell = results[key] = {
                         "none_tok_per_s": none,
                         "drafts_tok_per_s": with_drafts,
@@ -163,13 +172,16 @@ def main() -> None:
                         / statistics.median(none),
                         "acceptance_rate": accepted / drafted if drafted else 0.0,
                         "mean_accepted_length": 1 + accepted / steps if steps else 1.0,
+                        "acceptance_per_position": [n / steps for n in per_pos] if steps else [],
                         "forwards_none": runs[False][0]["forwards"],
                         "forwards_drafts": runs[True][0]["forwards"],
                     }
                     forwards = f"{cell['forwards_none']}/{cell['forwards_drafts']}"
                     print(f"{key:26s} {_cell(none):>22s} {_cell(with_drafts):>22s} "
                           f"{cell['ratio_of_medians']:6.2f} {cell['acceptance_rate']:7.2f} "
-                          f"{cell['mean_accepted_length']:8.2f} {forwards:>11s}", flush=True)
+                          f"{cell['mean_accepted_length']:8.2f} {forwards:>11s}  "
+                          + "/".join(f"{a:.2f}" for a in cell["acceptance_per_position"]),
+                          flush=True)
         finally:
             llm.shutdown()
     if args.json:

@@ -33,6 +33,10 @@ def test_forwards_count_the_steps_that_ran(llm) -> None:
     assert plain["steps"] == plain["drafted"] == 0
     drafted = bench_spec_decode.timed(llm, prompts, params, True, proposer)
     assert drafted["accepted"] > 0
+    # A verification that kept j drafts counts once at each of positions 0 .. j-1.
+    per_pos = drafted["accepted_per_pos"]
+    assert 0 < len(per_pos) <= 3 and sum(per_pos) == drafted["accepted"]
+    assert per_pos == sorted(per_pos, reverse=True)
     assert drafted["forwards"] < OUTPUT_LEN
     assert "schedule" not in vars(scheduler)  # the counting wrapper is gone
 
