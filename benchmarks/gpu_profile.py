@@ -19,7 +19,7 @@ decode steps, started and stopped on the worker thread that runs them. One more 
 and per run the 15 host functions with the most own time (Python frames with --no-stack
 unset, else operators). Each run's Chrome trace goes to --out-dir as <run>.json (open it in
 chrome://tracing or https://ui.perfetto.dev); profile.json holds every number printed.
---triton adds the host cost per launch of the engine's Triton kernels
+--triton first measures the host cost per launch of the engine's Triton kernels
 (bench_triton_launch.py).
 
 --cpu runs all of it on the CPU with the tiny demo model (batches 1 and 4, 3 steps): the
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -86,6 +87,12 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def _clip(merged: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
     return [(max(a, lo), min(b, hi)) for a, b in merged if b > lo and a < hi]
+
+
+def _api_name(name: str) -> str:
+    """A CUDA API call's name without the version suffix some CUPTI releases add
+    (cudaLaunchKernel_v7000 -> cudaLaunchKernel)."""
+    return re.sub(r"_v\d+$", "", name)
 
 
 def _short(name: str) -> str:
@@ -147,7 +154,8 @@ def analyze(trace: dict, cuda: bool, gap_us: float,
     busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in device])
     python = [e for e in events if e.get("cat") == "python_function"]
     frames = python or [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
-    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    runtime = [dict(e, name=_api_name(e["name"])) for e in events
+               if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     graph_ids = {e.get("args", {}).get("correlation") for e in runtime if e["name"] in GRAPH_CALLS}
     kernels = [e for e in events if e.get("cat") == "kernel"]
     run = RunProfile("", 0)
@@ -291,10 +299,12 @@ def _report(run: RunProfile, cuda: bool) -> None:
 
 
 def _runs(args) -> list[tuple[str, int, bool]]:
+    """(name, batch, JSON or not) of each run; the largest batch (the largest trace) last."""
     runs = [(f"decode-b{b}", b, False) for b in args.batch_sizes]
     if args.json_batch:
         runs.append((f"json-b{args.json_batch}", args.json_batch, True))
-    return runs
+    largest = max(runs, key=lambda r: (r[1], not r[2]))
+    return [r for r in runs if r is not largest] + [largest]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,20 +336,21 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
                "model": args.model, "async": not args.sync, "runs": []}
 
-    def save(run: RunProfile) -> None:  # after every run: a run cut by a time cap keeps them
-        summary["runs"].append(asdict(run))
+    def save(run: RunProfile | None) -> None:  # after every part: a time cap keeps the rest
+        if run is not None:
+            summary["runs"].append(asdict(run))
         (args.out_dir / "profile.json").write_text(json.dumps(summary, indent=1))
 
-    with tempfile.TemporaryDirectory(prefix="gpu-profile-") as workdir:
-        runs = profile_runs(args, cuda, Path(workdir), save)
-    if args.triton:
+    if args.triton:  # first: short, and nothing else has loaded the GPU yet
         from bench_triton_launch import measure  # the sibling script
 
         summary["triton_launch"] = measure(iters=200 if cuda else 2)
-        print("\nTriton launches (host us per call; us per call with the device):")
+        print("Triton launches (host us per call; us per call with the device):")
         for row in summary["triton_launch"]:
             print(f"  {row['kernel']:28s} {row['host_us']:10.1f} {row['wall_us']:10.1f}")
-    (args.out_dir / "profile.json").write_text(json.dumps(summary, indent=1))
+        save(None)
+    with tempfile.TemporaryDirectory(prefix="gpu-profile-") as workdir:
+        runs = profile_runs(args, cuda, Path(workdir), save)
     return 0 if all(r.steps for r in runs) else 1
 
 

@@ -38,7 +38,7 @@ def test_analysis_of_a_cuda_trace_counts_each_steps_work() -> None:
         _x("python_function", "vllm/v1/core/sched/scheduler.py(90): _pick", 600, 200,
            **{"Python id": 2, "Python parent id": 1}),
         _x("kernel", "late", 900, 80, tid=9, correlation=9),
-        _x("cuda_runtime", "cudaLaunchKernel", 1010, 5, correlation=10),
+        _x("cuda_runtime", "cudaLaunchKernel_v7000", 1010, 5, correlation=10),  # versioned
         _x("kernel", "argmax", 1020, 30, tid=9, correlation=10),
     ]
     run = gpu_profile.analyze({"traceEvents": events}, cuda=True, gap_us=50)

@@ -58,7 +58,10 @@ class InputBuffers:
             return {name: torch.from_numpy(a) for name, a in arrays.items()}
         turn = self._turn
         self._turn ^= 1
-        self.events[turn].synchronize()  # the copies that last read this pinned set are done
+        # The copies that last read this pinned set must be done (queried first: they
+        # almost always are, and then the host makes no synchronising call at all).
+        if not self.events[turn].query():
+            self.events[turn].synchronize()
         out = {}
         for name, array in arrays.items():
             n = array.shape[0]

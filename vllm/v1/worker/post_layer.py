@@ -179,16 +179,16 @@ class PostLayer:
         graphs share its memory pool); CUDA only. A failed capture logs a warning and stops:
         what has no graph runs eagerly."""
         torch.cuda.synchronize()  # the buffers' first upload ran on their own stream
+        main = torch.cuda.current_stream()
         stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in sorted(self.sizes, reverse=True):
-                for plan in Plan:
-                    for grammar in (False, True):
-                        if not self._capture_one(stream, size, plan, grammar):
-                            torch.cuda.current_stream().wait_stream(stream)
-                            return
-        torch.cuda.current_stream().wait_stream(stream)
+        stream.wait_stream(main)
+        keys = [(size, plan, grammar) for size in sorted(self.sizes, reverse=True)
+                for plan in Plan for grammar in (False, True)]
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for size, plan, grammar in keys:
+                if not self._capture_one(stream, size, plan, grammar):
+                    break
+        main.wait_stream(stream)
         logger.info("captured %d post-layer (LM head + sampling) CUDA graphs", len(self.graphs))
 
     def _capture_one(self, stream, size: int, plan: Plan, grammar: bool) -> bool:

@@ -106,7 +106,7 @@ class SamplingBuffers:
             raise ValueError(f"mask_rows: row {max(mask_rows)} is outside {padded} rows")
         turn = self._turn
         self._turn ^= 1
-        if self._copied is not None:
+        if self._copied is not None and not self._copied[turn].query():
             self._copied[turn].synchronize()  # the copy that last read this host set is done
         host = self._host[turn].numpy()
         n = 0 if params is None else len(params["temperature"])
