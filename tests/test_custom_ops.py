@@ -646,7 +646,7 @@ def _dense_oracle(x: np.ndarray, w: np.ndarray, chunk: int) -> np.ndarray:
 @pytest.mark.skipif(not ops.HAS_NATIVE, reason="native only; HAS_NATIVE's test covers the build")
 @pytest.mark.parametrize("rows,k,n,chunk", [
     (1, 40, 300, 16), (2, 33, 50, 5), (3, 64, 1000, 64), (5, 37, 77, 128), (17, 20, 2050, 7),
-    (3, 64, 9000, 16),  # a weight past the in-cache size: the streaming path
+    (3, 64, 9000, 16),  # wide: the columns split into several tiles
 ])
 def test_dense_rows_sums_in_chunks_of_fused_multiply_adds(rows: int, k: int, n: int,
                                                           chunk: int) -> None:

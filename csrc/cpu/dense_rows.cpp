@@ -13,15 +13,17 @@
 //
 // w is [k, n] row-major (w_stride floats between rows): the transpose of a column-major
 // [n, k] layer weight, as layers/column_major.py stores it. Columns are split into tiles
-// shared out over OpenMP threads. A weight too large to stay in cache streams through once
-// in long runs while a tile's partial sums stay in L1/L2 (`tile`); a small one is read in
-// short runs by a register-blocked kernel (`tile_in_registers`). Which one runs, and how many
-// threads, changes the time only: every element is summed in the order above.
+// shared out over OpenMP threads. A tile is computed in passes: each pass takes kUnroll
+// consecutive terms of a chunk and two rows at a time, reading those kUnroll weight rows side by
+// side (as many memory streams, which a weight too large for the caches needs to be read at the
+// memory's speed) and carrying every element's chain through all of them in a register, so the
+// partial sums kept between passes (`acc`, per tile) are read and written once per kUnroll
+// terms instead of once per term. The chunk's last pass adds its sums into y. Which pass shapes
+// run, and how many threads, changes the time only: every element is summed in the order above.
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <vector>
+#include <memory>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -38,14 +40,11 @@
 namespace {
 constexpr int32_t VLLM_OK = 0;
 constexpr int32_t VLLM_BAD_DENSE = 9;
-// Floats of partial sums a thread keeps per tile (256 KiB, within any recent core's L2): the
-// wider a tile, the longer the runs of a weight row the prefetcher streams, so a tile is as
-// wide as this allows for the call's rows.
-constexpr int64_t kAccFloats = 64 * 1024;
-// A weight up to this size stays in the cores' caches from one call to the next (a layer of a
-// small model); its products keep their partial sums in registers. A larger one (the LM head)
-// streams from memory, which is then the cost, and is read in long runs instead (`tile`).
-constexpr int64_t kCachedWeightBytes = 2 << 20;
+// Floats of partial sums a thread keeps per tile (64 KiB, within any recent core's L2): a
+// tile is as wide as this allows for the call's rows, so weight rows are read in long runs.
+constexpr int64_t kAccFloats = 16 * 1024;
+// Consecutive terms of a chunk per pass (weight rows read side by side).
+constexpr int kUnroll = 4;
 // Multiply-adds worth waking another thread for (tens of microseconds of work): a small
 // layer's product at a few rows is done before a sleeping team would be up.
 constexpr int64_t kGrain = 1 << 18;
@@ -57,141 +56,150 @@ struct Dense {
   int64_t k, n, w_stride, chunk;
   float* y;
   int64_t y_stride;
-  int64_t tile;  // columns per tile
+  int64_t tile;  // columns per tile (also the row stride of acc)
 };
 
-// acc[j] = fma(a, w[j], acc[j]) for j < len; `first` starts the chain (acc = a * w[j], which
-// is what fma(a, w, 0) rounds to).
-inline void fma_row_scalar(float a, const float* w, float* acc, int64_t len, bool first) {
-  if (first) {
-    for (int64_t j = 0; j < len; ++j) acc[j] = a * w[j];
+// Where a pass's sums go: kept for the chunk's next pass, or (its last pass) into y, where
+// the first chunk's sums are stored and a later chunk's added.
+enum class Sink { kAcc, kFirstChunk, kLaterChunk };
+
+// One sum of a pass, stored where kSink says. a: its slot in acc; out: its element of y.
+template <Sink kSink>
+inline void sink(float* a, float* out, float s) {
+  if constexpr (kSink == Sink::kAcc) {
+    *a = s;
+  } else if constexpr (kSink == Sink::kFirstChunk) {
+    *out = s;
   } else {
-    for (int64_t j = 0; j < len; ++j) acc[j] = std::fma(a, w[j], acc[j]);
+    *out = *out + s;
+  }
+}
+
+// Rows [r0, r0 + R) by columns [j0, j0 + len) of the U terms kk .. kk + U - 1 of a chunk, one
+// element at a time. kStart: kk is the chunk's first term, so each chain starts as x * w;
+// otherwise it continues from acc (offset to column j0 of the tile; row stride p.tile).
+template <int R, int U, bool kStart, Sink kSink>
+void pass_scalar(const Dense& p, float* acc, int64_t r0, int64_t j0, int64_t len, int64_t kk) {
+  const float* w = p.w + kk * p.w_stride + j0;
+  for (int64_t j = 0; j < len; ++j) {
+    for (int r = 0; r < R; ++r) {
+      const float* x = p.x + (r0 + r) * p.x_stride + kk;
+      float* a = acc + (r0 + r) * p.tile + j;
+      float s = kStart ? x[0] * w[j] : *a;
+      for (int u = kStart ? 1 : 0; u < U; ++u) s = std::fma(x[u], w[u * p.w_stride + j], s);
+      sink<kSink>(a, p.y + (r0 + r) * p.y_stride + j0 + j, s);
+    }
   }
 }
 
 #if defined(VLLM_X86_FMA)
-__attribute__((target("avx2,fma"))) void fma_row_avx2(float a, const float* w, float* acc,
-                                                      int64_t len, bool first) {
-  const __m256 av = _mm256_set1_ps(a);
+// The same, eight columns at a time (the columns past the last eight as pass_scalar does
+// them): the x terms are broadcast once per pass, each weight vector loaded once for the R
+// rows.
+template <int R, int U, bool kStart, Sink kSink>
+__attribute__((target("avx2,fma"))) void pass_avx2(const Dense& p, float* acc, int64_t r0,
+                                                   int64_t j0, int64_t len, int64_t kk) {
+  __m256 xv[R][U];
+  for (int r = 0; r < R; ++r) {
+    for (int u = 0; u < U; ++u) xv[r][u] = _mm256_set1_ps(p.x[(r0 + r) * p.x_stride + kk + u]);
+  }
+  // Locals, not reads of p in the loop: the compiler reloads a struct's fields after every
+  // store through a float pointer.
+  const int64_t w_stride = p.w_stride;
+  const float* w = p.w + kk * w_stride + j0;
+  float* a_rows[R];
+  float* y_rows[R];
+  for (int r = 0; r < R; ++r) {
+    a_rows[r] = acc + (r0 + r) * p.tile;
+    y_rows[r] = p.y + (r0 + r) * p.y_stride + j0;
+  }
   int64_t j = 0;
-  if (first) {
-    for (; j + 8 <= len; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(av, _mm256_loadu_ps(w + j)));
-  } else {
-    for (; j + 8 <= len; j += 8) {
-      _mm256_storeu_ps(acc + j,
-                       _mm256_fmadd_ps(av, _mm256_loadu_ps(w + j), _mm256_loadu_ps(acc + j)));
+  for (; j + 8 <= len; j += 8) {
+    __m256 wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = _mm256_loadu_ps(w + u * w_stride + j);
+    for (int r = 0; r < R; ++r) {
+      float* a = a_rows[r] + j;
+      __m256 s = kStart ? _mm256_mul_ps(xv[r][0], wv[0]) : _mm256_loadu_ps(a);
+      for (int u = kStart ? 1 : 0; u < U; ++u) s = _mm256_fmadd_ps(xv[r][u], wv[u], s);
+      float* out = y_rows[r] + j;
+      if constexpr (kSink == Sink::kAcc) {
+        _mm256_storeu_ps(a, s);
+      } else if constexpr (kSink == Sink::kFirstChunk) {
+        _mm256_storeu_ps(out, s);
+      } else {
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), s));
+      }
     }
   }
-  fma_row_scalar(a, w + j, acc + j, len - j, first);
+  if (j < len) pass_scalar<R, U, kStart, kSink>(p, acc + j, r0, j0 + j, len - j, kk);
 }
 #endif
 
-inline void fma_row(float a, const float* w, float* acc, int64_t len, bool first) {
+template <int R, int U, bool kStart, Sink kSink>
+void pass(const Dense& p, float* acc, int64_t r0, int64_t j0, int64_t len, int64_t kk) {
 #if defined(VLLM_X86_FMA)
   if (vllm_cpu::has_avx2_fma()) {
-    fma_row_avx2(a, w, acc, len, first);
+    pass_avx2<R, U, kStart, kSink>(p, acc, r0, j0, len, kk);
     return;
   }
 #endif
-  fma_row_scalar(a, w, acc, len, first);
+  pass_scalar<R, U, kStart, kSink>(p, acc, r0, j0, len, kk);
 }
 
-// Columns [j0, j0 + len) of every row. acc holds rows * p.tile floats of one chunk's sums.
+// A pass over every row, two at a time.
+template <int U, bool kStart, Sink kSink>
+void pass_rows(const Dense& p, float* acc, int64_t j0, int64_t len, int64_t kk) {
+  int64_t r = 0;
+  for (; r + 2 <= p.rows; r += 2) pass<2, U, kStart, kSink>(p, acc, r, j0, len, kk);
+  if (r < p.rows) pass<1, U, kStart, kSink>(p, acc, r, j0, len, kk);
+}
+
+// The same, its instantiation picked by `start` (kk is the chunk's first term) and `where`.
+template <int U>
+void pass_rows(const Dense& p, float* acc, int64_t j0, int64_t len, int64_t kk, bool start,
+               Sink where) {
+  switch (where) {
+    case Sink::kAcc:
+      if (start) {
+        pass_rows<U, true, Sink::kAcc>(p, acc, j0, len, kk);
+      } else {
+        pass_rows<U, false, Sink::kAcc>(p, acc, j0, len, kk);
+      }
+      break;
+    case Sink::kFirstChunk:
+      if (start) {
+        pass_rows<U, true, Sink::kFirstChunk>(p, acc, j0, len, kk);
+      } else {
+        pass_rows<U, false, Sink::kFirstChunk>(p, acc, j0, len, kk);
+      }
+      break;
+    case Sink::kLaterChunk:
+      if (start) {
+        pass_rows<U, true, Sink::kLaterChunk>(p, acc, j0, len, kk);
+      } else {
+        pass_rows<U, false, Sink::kLaterChunk>(p, acc, j0, len, kk);
+      }
+      break;
+  }
+}
+
+// Columns [j0, j0 + len) of every row; acc holds rows * p.tile floats.
 void tile(const Dense& p, int64_t j0, int64_t len, float* acc) {
   for (int64_t c0 = 0; c0 < p.k; c0 += p.chunk) {
     const int64_t c1 = c0 + p.chunk < p.k ? c0 + p.chunk : p.k;
-    for (int64_t kk = c0; kk < c1; ++kk) {
-      const float* wrow = p.w + kk * p.w_stride + j0;
-      for (int64_t r = 0; r < p.rows; ++r) {
-        fma_row(p.x[r * p.x_stride + kk], wrow, acc + r * p.tile, len, kk == c0);
-      }
-    }
-    for (int64_t r = 0; r < p.rows; ++r) {
-      float* out = p.y + r * p.y_stride + j0;
-      const float* part = acc + r * p.tile;
-      if (c0 == 0) {
-        std::memcpy(out, part, static_cast<size_t>(len) * sizeof(float));
+    for (int64_t kk = c0; kk < c1;) {
+      const int64_t u = c1 - kk >= kUnroll ? kUnroll : 1;
+      const Sink where = kk + u < c1 ? Sink::kAcc
+                                     : (c0 == 0 ? Sink::kFirstChunk : Sink::kLaterChunk);
+      if (u == kUnroll) {
+        pass_rows<kUnroll>(p, acc, j0, len, kk, kk == c0, where);
       } else {
-        for (int64_t j = 0; j < len; ++j) out[j] = out[j] + part[j];
+        pass_rows<1>(p, acc, j0, len, kk, kk == c0, where);
       }
+      kk += u;
     }
   }
 }
-
-// One output element, in the same order as everything else here.
-inline float element(const Dense& p, int64_t r, int64_t j) {
-  const float* x = p.x + r * p.x_stride;
-  float total = 0.0f;
-  for (int64_t c0 = 0; c0 < p.k; c0 += p.chunk) {
-    const int64_t c1 = c0 + p.chunk < p.k ? c0 + p.chunk : p.k;
-    float part = x[c0] * p.w[c0 * p.w_stride + j];
-    for (int64_t kk = c0 + 1; kk < c1; ++kk) part = std::fma(x[kk], p.w[kk * p.w_stride + j], part);
-    total = c0 == 0 ? part : total + part;
-  }
-  return total;
-}
-
-#if defined(VLLM_X86_FMA)
-// Rows [r0, r0 + R) times columns [j, j + 8 C): the R x C partial sums stay in registers over
-// a whole chunk, enough of them (8 or more) to cover the latency of a multiply-add chain.
-// For a weight that stays in cache, where `tile`'s partial sums in memory cost more than the
-// arithmetic.
-template <int R, int C>
-__attribute__((target("avx2,fma"))) void block(const Dense& p, int64_t r0, int64_t j) {
-  __m256 acc[R][C], total[R][C] = {};
-  for (int64_t c0 = 0; c0 < p.k; c0 += p.chunk) {
-    const int64_t c1 = c0 + p.chunk < p.k ? c0 + p.chunk : p.k;
-    {
-      const float* wk = p.w + c0 * p.w_stride + j;
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(p.x + (r0 + r) * p.x_stride + c0);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_mul_ps(a, _mm256_loadu_ps(wk + 8 * c));
-      }
-    }
-    for (int64_t kk = c0 + 1; kk < c1; ++kk) {
-      const float* wk = p.w + kk * p.w_stride + j;
-      __m256 wv[C];
-      for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(wk + 8 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m256 a = _mm256_broadcast_ss(p.x + (r0 + r) * p.x_stride + kk);
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(a, wv[c], acc[r][c]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < C; ++c) {
-        total[r][c] = c0 == 0 ? acc[r][c] : _mm256_add_ps(total[r][c], acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(p.y + (r0 + r) * p.y_stride + j + 8 * c, total[r][c]);
-  }
-}
-
-// Rows [r0, r0 + R) of columns [j0, j1): wide blocks, then 8-column ones, then single columns.
-template <int R, int C>
-void rows_in_registers(const Dense& p, int64_t r0, int64_t j0, int64_t j1) {
-  int64_t j = j0;
-  for (; j + 8 * C <= j1; j += 8 * C) block<R, C>(p, r0, j);
-  for (; j + 8 <= j1; j += 8) block<R, 1>(p, r0, j);
-  for (; j < j1; ++j) {
-    for (int r = 0; r < R; ++r) p.y[(r0 + r) * p.y_stride + j] = element(p, r0 + r, j);
-  }
-}
-
-// Columns [j0, j0 + len) of every row, four rows at a time.
-void tile_in_registers(const Dense& p, int64_t j0, int64_t len) {
-  int64_t r = 0;
-  for (; r + 4 <= p.rows; r += 4) rows_in_registers<4, 2>(p, r, j0, j0 + len);
-  switch (p.rows - r) {
-    case 3: rows_in_registers<3, 3>(p, r, j0, j0 + len); break;
-    case 2: rows_in_registers<2, 4>(p, r, j0, j0 + len); break;
-    case 1: rows_in_registers<1, 8>(p, r, j0, j0 + len); break;
-    default: break;
-  }
-}
-#endif
 }  // namespace
 
 // y[r, j] = sum over i < k of x[r, i] * w[i, j] for r < rows, j < n, in the order described
@@ -221,31 +229,19 @@ VLLM_EXPORT int32_t vllm_dense_rows(const float* x, int64_t rows, int64_t x_stri
   int64_t width = ((n + tiles - 1) / tiles + 15) / 16 * 16;
   tiles = (n + width - 1) / width;
   const Dense p{x, rows, x_stride, w, k, n, w_stride, chunk, y, y_stride, width};
-#if defined(VLLM_X86_FMA)
-  const bool in_registers =
-      vllm_cpu::has_avx2_fma() && k * n * sizeof(float) <= kCachedWeightBytes;
-#else
-  const bool in_registers = false;
-#endif
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(threads) if (tiles > 1)
 #endif
   {
-    std::vector<float> acc(in_registers ? 0 : static_cast<size_t>(rows * width));
+    // Uninitialised: every slot is written before it is read.
+    std::unique_ptr<float[]> acc(new float[static_cast<size_t>(rows * width)]);
 #if defined(_OPENMP)
     // Static: every tile costs the same, and neighbouring tiles stay on one thread.
 #pragma omp for schedule(static)
 #endif
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t j0 = t * width;
-      const int64_t len = n - j0 < width ? n - j0 : width;
-#if defined(VLLM_X86_FMA)
-      if (in_registers) {
-        tile_in_registers(p, j0, len);
-        continue;
-      }
-#endif
-      tile(p, j0, len, acc.data());
+      tile(p, j0, n - j0 < width ? n - j0 : width, acc.get());
     }
   }
   return VLLM_OK;
