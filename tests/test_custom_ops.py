@@ -526,7 +526,8 @@ def _paged_oracle(p: dict) -> "object":
 @pytest.mark.parametrize("num_heads,kv_heads,head_size", [
     (4, 2, 64), (6, 3, 20), (2, 2, 3),
     (8, 2, 40), (8, 1, 16),  # 4 and 8 query heads per KV head: one pass over the values
-    (6, 2, 24),  # 3 per KV head: a pass per query head
+    (6, 2, 24), (9, 3, 64),  # 3 per KV head (SmolLM2's heads): one pass too
+    (12, 1, 16),  # 12 per KV head: a pass per query head
 ])
 def test_paged_decode_attention_matches_oracle_for_any_thread_count(
     num_heads: int, kv_heads: int, head_size: int
