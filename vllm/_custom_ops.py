@@ -10,7 +10,9 @@ once, then runs one implementation. The choice is made once per process, for eve
 Two ops have no numpy twin: paged_decode_attention (csrc/cpu/paged_attention.cpp), the CPU
 decode attention, whose fallback is the torch backend's own tiled decode, and dense_rows
 (csrc/cpu/dense_rows.cpp), the LM head's few-row product, whose fallback is the BLAS with
-padded rows (model_executor/layers/batch_invariant_linear.py).
+padded rows (model_executor/layers/batch_invariant_linear.py). The per-layer ops of
+csrc/cpu/layer_ops.cpp are declared here and called by model_executor/layers/layer_ops.py,
+whose fallback is the layers' own torch code.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
 # Must equal kAbiVersion in csrc/cpu/prepare_inputs.cpp; a library with another version is stale.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _STATUS_MESSAGES = {
     1: "req_indices: a request index is outside the block table's rows",
@@ -45,10 +47,22 @@ _STATUS_MESSAGES = {
     8: "kv_cache/query: a size is not positive or the query heads are not a multiple of the "
        "KV heads",
     9: "x/w/out: a size or the chunk is not positive",
+    10: "layer op: a size is not positive (or the head size is odd)",
+    11: "positions: a position is outside the RoPE tables",
+    12: "slot_mapping: a slot is outside the KV cache",
 }
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
+_F32 = ctypes.c_float
+_I32 = ctypes.c_int32
+_LAYER_OPS = {
+    "vllm_rms_norm": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64, _F32, _P, _I64, _I32],
+    "vllm_rotary_neox": [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64,
+                         _P, _I64],
+    "vllm_silu_and_mul": [_P, _I64, _I64, _I64, _P, _I64, _I32],
+    "vllm_write_kv": [_P, _I64, _P, _I64, _P, _I64, _P, _I64, _I64],
+}
 
 
 def find_library(package_dir: Path | None = None) -> Path | None:
@@ -91,6 +105,10 @@ def load_library(path: Path) -> ctypes.CDLL | None:
         lib.vllm_dense_rows.argtypes = [
             _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _P, _I64, ctypes.c_int32,
         ]
+        # The per-layer ops of layers/layer_ops.py (csrc/cpu/layer_ops.cpp).
+        for name, argtypes in _LAYER_OPS.items():
+            getattr(lib, name).restype = ctypes.c_int32
+            getattr(lib, name).argtypes = argtypes
     except (OSError, AttributeError) as exc:
         warnings.warn(f"ignoring native library {path}: {exc}", RuntimeWarning, stacklevel=2)
         return None
@@ -454,32 +472,35 @@ def paged_decode_attention(
     import torch
 
     lib = _require_library()
-
-    def tensor(name: str, t: object, dtype: torch.dtype, ndim: int) -> torch.Tensor:
+    # Checked with the cheapest attribute reads there are: every layer of a decode step
+    # calls this (is_cpu and `dtype is` cost a fifth of device.type and `dtype ==`).
+    for name, t, dtype, ndim in (("query", query, torch.float32, 3),
+                                 ("out", out, torch.float32, 3),
+                                 ("kv_cache", kv_cache, torch.float32, 5),
+                                 ("block_table", block_table, torch.int32, 2),
+                                 ("rows", rows, torch.int64, 1),
+                                 ("table_rows", table_rows, torch.int64, 1),
+                                 ("seq_lens", seq_lens, torch.int64, 1)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch tensor, got {type(t).__name__}")
-        if t.dtype != dtype or t.device.type != "cpu" or t.dim() != ndim:
+        if t.dtype is not dtype or not t.is_cpu or t.dim() != ndim:
             raise ValueError(f"{name}: expected a {dtype} CPU tensor with {ndim} dimensions, "
                              f"got {t.dtype} on {t.device} with shape {tuple(t.shape)}")
-        return t
-
-    tensor("query", query, torch.float32, 3)
-    tensor("out", out, torch.float32, 3)
-    tensor("kv_cache", kv_cache, torch.float32, 5)
-    tensor("block_table", block_table, torch.int32, 2)
-    for name, t in (("rows", rows), ("table_rows", table_rows), ("seq_lens", seq_lens)):
-        if not tensor(name, t, torch.int64, 1).is_contiguous():
-            raise ValueError(f"{name}: must be contiguous")
-        if t.shape[0] != rows.shape[0]:
-            raise ValueError(f"{name}: length {t.shape[0]} != len(rows) {rows.shape[0]}")
+        if ndim == 1:
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: must be contiguous")
+            if t.shape[0] != rows.shape[0]:
+                raise ValueError(f"{name}: length {t.shape[0]} != len(rows) {rows.shape[0]}")
     if not kv_cache.is_contiguous() or kv_cache.shape[0] != 2:
         raise ValueError("kv_cache: must be contiguous with a first dimension of 2 (keys, values)")
     _, num_blocks, block_size, kv_heads, head_size = kv_cache.shape
     num_heads = query.shape[1]
     for name, t in (("query", query), ("out", out)):
-        if t.shape[1:] != (num_heads, head_size) or t.stride(2) != 1 or t.stride(1) != head_size:
+        stride = t.stride()
+        if (t.shape[1] != num_heads or t.shape[2] != head_size or stride[2] != 1
+                or stride[1] != head_size):
             raise ValueError(f"{name}: expected rows of [{num_heads}, {head_size}] contiguous "
-                             f"values, got shape {tuple(t.shape)} strides {t.stride()}")
+                             f"values, got shape {tuple(t.shape)} strides {stride}")
     if out.shape[0] != query.shape[0]:
         raise ValueError(f"out: {out.shape[0]} rows != query rows {query.shape[0]}")
     if block_table.stride(1) != 1:
@@ -507,15 +528,18 @@ def dense_rows(x: torch.Tensor, w: torch.Tensor, chunk: int, out: torch.Tensor,
     import torch
 
     lib = _require_library()
+    # The cheapest attribute reads (see paged_decode_attention): every dense layer of a
+    # decode step of up to 16 rows calls this.
     for name, t in (("x", x), ("w", w), ("out", out)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}: expected a torch tensor, got {type(t).__name__}")
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
+        if t.dtype is not torch.float32 or not t.is_cpu or t.dim() != 2:
             raise ValueError(f"{name}: expected a float32 CPU matrix, got {t.dtype} on "
                              f"{t.device} with shape {tuple(t.shape)}")
-        if t.stride(1) != 1 or t.stride(0) < t.shape[1]:
-            raise ValueError(f"{name}: rows must be contiguous, got strides {t.stride()}")
-    if x.shape[1] != w.shape[0] or tuple(out.shape) != (x.shape[0], w.shape[1]):
+        stride = t.stride()
+        if stride[1] != 1 or stride[0] < t.shape[1]:
+            raise ValueError(f"{name}: rows must be contiguous, got strides {stride}")
+    if x.shape[1] != w.shape[0] or out.shape[0] != x.shape[0] or out.shape[1] != w.shape[1]:
         raise ValueError(f"x/w/out: shapes {tuple(x.shape)} @ {tuple(w.shape)} -> "
                          f"{tuple(out.shape)} do not match")
     if chunk <= 0:

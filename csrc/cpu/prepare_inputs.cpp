@@ -12,7 +12,7 @@
 namespace {
 
 // Bumped whenever a signature or status code changes, so a stale library is refused at load time.
-constexpr int32_t kAbiVersion = 5;
+constexpr int32_t kAbiVersion = 6;
 
 constexpr int32_t VLLM_OK = 0;
 constexpr int32_t VLLM_BAD_REQ_INDEX = 1;

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from vllm import _custom_ops
 from vllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
 from vllm.attention.kv_cache_dtype import is_fp8, quantize_fp8
+from vllm.model_executor.layers import layer_ops
 
 
 def write_kv(
@@ -139,6 +140,9 @@ class _Plan:
     native: _NativeDecodes | None
     # The planning layer's workspace, which every layer of the pass uses (one per model).
     workspace: _Workspace
+    # Query rows the native kernel writes: all of them when the pass is decodes only and
+    # unpadded (attend then needs no zeroed output).
+    native_rows: int = 0
 
 
 def _tiling(num_blocks: int, block_size: int, token_bytes: int) -> tuple[int, int]:
@@ -205,7 +209,9 @@ def _plan(metadata: AttentionMetadata, block_size: int, token_bytes: int, kv_hea
             table_rows=torch.tensor(native_reqs, dtype=torch.long),
             seq_lens=torch.tensor([seq_lens[i] for i in native_reqs], dtype=torch.long),
         )
-    return _Plan(prefills, decodes, natives, workspace)
+    only_native = natives is not None and not prefills and not decodes
+    native_rows = len(native_reqs) if only_native else -1
+    return _Plan(prefills, decodes, natives, workspace, native_rows)
 
 
 def _gather_chunk(
@@ -248,14 +254,15 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         """See AttentionBackend.cache_kv."""
         n = metadata.num_actual_tokens
-        write_kv(key[:n], value[:n], kv_cache, metadata.slot_mapping[:n], self.k_scale,
-                 self.v_scale)
+        key, value, slots = key[:n], value[:n], metadata.slot_mapping[:n]
+        # One native copy for a float32 CPU cache (layers/layer_ops.py).
+        if not layer_ops.write_kv(key, value, kv_cache, slots):
+            write_kv(key, value, kv_cache, slots, self.k_scale, self.v_scale)
 
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """See AttentionBackend.attend. Rows past metadata.num_actual_tokens are zeros."""
-        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         # Every layer of the pass sees the same metadata: the first one plans for all.
         plan = metadata.backend_plans.get(TorchAttentionBackend)
         if plan is None:
@@ -267,6 +274,10 @@ class TorchAttentionBackend(AttentionBackend):
                 * query.element_size(), self.num_kv_heads, self._workspace,
                 self._native_decode(query, kv_cache),
             )
+        if plan.native_rows == query.shape[0]:
+            out = torch.empty_like(query)  # every row is a native decode's: all written
+        else:
+            out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         for req, start, query_len, seq_len in plan.prefills:
             self._prefill(query, kv_cache, metadata, out, req, start, query_len, seq_len)
         if plan.native is not None:

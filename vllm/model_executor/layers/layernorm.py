@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.model_executor.layers import layer_ops
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm over the last dimension, computed in float32."""
@@ -25,6 +27,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Returns norm(x), or, given a residual, (norm(x + residual), x + residual)."""
+        # One native call on the CPU in float32 (layer_ops.py); its own summation order.
+        native = layer_ops.rms_norm(x, self.weight, self.eps, residual)
+        if native is not None:
+            return native
         if residual is None:
             return self._norm(x)
         summed = x + residual

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.model_executor.layers import layer_ops
+
 
 def rope_parameters(config: Any) -> dict[str, Any]:
     """Reads RoPE settings from a Hugging Face config, old or new layout.
@@ -87,6 +89,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates query [T, H * D] and key [T, Hkv * D] by positions [T]; returns new tensors."""
+        # One native call on the CPU in float32 (layer_ops.py), the same numbers.
+        native = layer_ops.rotary_neox(positions, query, key, self.cos_cache, self.sin_cache,
+                                       self.head_size)
+        if native is not None:
+            return native
         cos = self.cos_cache[positions].to(query.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(query.dtype).unsqueeze(1)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
