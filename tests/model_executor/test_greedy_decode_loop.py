@@ -50,7 +50,7 @@ def test_cpu_weights_are_column_major_like_the_engines(tmp_path) -> None:
     build_checkpoint("llama", tmp_path, seed=1)
     bare = BareDecoder(tmp_path)
     matrices = {name: w for name, w in bare.w.items() if w.dim() == 2}
-    assert matrices and "model.layers.0.self_attn.q_proj.weight" in matrices
+    assert matrices and "model.layers.0.self_attn.qkv_proj.weight" in matrices
     for name, w in matrices.items():
         assert w.t().is_contiguous(), f"{name} is not column-major"
     assert bare.head.t().is_contiguous()

@@ -15,6 +15,7 @@ without RoPE scaling.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from vllm import _custom_ops as ops
-from vllm.model_executor.layers import batch_invariant_linear
+from vllm.model_executor.layers import batch_invariant_linear, layer_ops
 from vllm.model_executor.layers.column_major import column_major
 from vllm.model_executor.model_loader.gguf_loader import iterate_gguf
 from vllm.transformers_utils.gguf_dir import find_gguf
@@ -63,6 +64,8 @@ class BareDecoder:
         for path in sorted(root.glob("*.safetensors")):
             weights.update(load_file(str(path)))
         self.w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+        # Fused q/k/v and gate/up products, as the engine keeps them: one product each.
+        _fuse(self.w, self.num_layers)
         if torch.device(device).type == "cpu":
             # The engine's layout on the CPU (layers/column_major.py), whose products are
             # faster at one row (GEMV) and at large batches; a tied head stays shared.
@@ -84,9 +87,19 @@ class BareDecoder:
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
         self.inv_freq = 1.0 / (theta ** (half / self.head_dim))
         self.dtype, self.device = dtype, torch.device(device)
+        # The engine's RoPE tables (layers/rotary_embedding.py), for its native rotation on
+        # the CPU in float32 (layers/layer_ops.py).
+        self.rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.device.type == "cpu" and dtype == torch.float32:
+            length = int(config.get("max_position_embeddings") or 2048)
+            freqs = torch.arange(length, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            self.rope_tables = (freqs.cos(), freqs.sin())
         self._kv_heads = torch.arange(self.num_kv_heads, device=device)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        native = layer_ops.rms_norm(x, weight, self.eps)  # the engine's, on the CPU
+        if native is not None:
+            return native
         x32 = x.float()
         scale = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * (x32 * scale).to(x.dtype)
@@ -101,13 +114,13 @@ class BareDecoder:
         return y if bias is None else y.add_(bias)
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, 1, T, D/2] of the RoPE angles at positions [B, T]."""
-        angles = positions.float()[:, None, :, None] * self.inv_freq
+        """cos and sin [B, T, 1, D/2] of the RoPE angles at positions [B, T]."""
+        angles = positions.float()[:, :, None, None] * self.inv_freq
         return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
 
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, H, T, D] rotated by the angles of _angles (halves rotated, as in Qwen and
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, D] rotated by the angles of _angles (halves rotated, as in Qwen and
         Llama)."""
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -131,43 +144,113 @@ class BareDecoder:
         tokens attend causally to each other only (a prefill from position 0); else mask
         [B, 1, T, L] selects cache slots. Side effect: the tokens' keys and values are written
         to the cache at their positions."""
-        b, t = tokens.shape
+        b = tokens.shape[0]
         first_rows = rows is None
         if first_rows:
             rows = torch.arange(b, device=self.device)
         x = F.embedding(tokens, self.w["model.embed_tokens.weight"])
-        cos, sin = self._angles(positions)  # once per pass, not per layer
+        tables = self.rope_tables
+        if tables is not None and int(positions.max()) < tables[0].shape[0]:
+            step = _Step(positions, positions.reshape(-1).long(), None, None, cache, rows, mask,
+                         first_rows)
+        else:
+            cos, sin = self._angles(positions)  # once per pass, not per layer
+            step = _Step(positions, None, cos, sin, cache, rows, mask, first_rows)
+        delta: torch.Tensor | None = None
         for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            h = self._norm(x, self.w[p + "input_layernorm.weight"])
-            q = self._linear(h, p + "self_attn.q_proj").view(b, t, -1, self.head_dim)
-            k = self._linear(h, p + "self_attn.k_proj").view(b, t, -1, self.head_dim)
-            v = self._linear(h, p + "self_attn.v_proj").view(b, t, -1, self.head_dim)
-            if self.qk_norm:
-                q = self._norm(q, self.w[p + "self_attn.q_norm.weight"])
-                k = self._norm(k, self.w[p + "self_attn.k_norm.weight"])
-            q, k, v = (y.transpose(1, 2) for y in (q, k, v))  # [B, H, T, D]
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            k_cache, v_cache = cache[2 * i], cache[2 * i + 1]  # [N, Hkv, L, D]
-            where = (rows[:, None, None], self._kv_heads[None, :, None], positions[:, None, :])
-            k_cache[where] = k
-            v_cache[where] = v
-            if mask is None:
-                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            else:
-                length = mask.shape[-1]
-                if first_rows:
-                    keys, values = k_cache[:b, :, :length], v_cache[:b, :, :length]
-                else:
-                    keys, values = k_cache[rows, :, :length], v_cache[rows, :, :length]
-                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                      enable_gqa=True)
-            x = x + self._linear(attn.transpose(1, 2).reshape(b, t, -1), p + "self_attn.o_proj")
-            h = self._norm(x, self.w[p + "post_attention_layernorm.weight"])
-            gate = self._linear(h, p + "mlp.gate_proj")
-            x = x + self._linear(F.silu(gate) * self._linear(h, p + "mlp.up_proj"),
-                                 p + "mlp.down_proj")
-        last = self._norm(x[:, -1], self.w["model.norm.weight"])
+            x, delta = self._layer(i, x, delta, step)
+        assert delta is not None
+        return self._head((x + delta)[:, -1], out)
+
+    def _layer(self, i: int, x: torch.Tensor, delta: torch.Tensor | None, step: _Step
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer i: takes the residual stream x [B, T, hidden] and the previous
+        layer's output not yet added to it (None before the first layer); returns both for
+        the next layer, as the engine's layers carry them."""
+        p = f"model.layers.{i}."
+        x, h = self._add_norm(x, delta, p + "input_layernorm.weight")
+        q, k, v = self._qkv(h, p)
+        q, k = self._rope(q, k, step)
+        attn = self._attend(i, q, k, v, step)
+        b, t = h.shape[:2]
+        o = self._linear(attn.transpose(1, 2).reshape(b, t, -1), p + "self_attn.o_proj")
+        x, h = self._add_norm(x, o, p + "post_attention_layernorm.weight")
+        gate_up = self._linear(h, p + "mlp.gate_up_proj")
+        return x, self._linear(self._act(gate_up), p + "mlp.down_proj")
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its RMS norm by weight `weight`); (x, norm(x)) when delta is None."""
+        if delta is not None:
+            # The engine's fused add and norm, on the CPU.
+            native = layer_ops.rms_norm(delta, self.w[weight], self.eps, x)
+            if native is not None:
+                return native[1], native[0]
+            x = x + delta
+        return x, self._norm(x, self.w[weight])
+
+    def _qkv(self, h: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [B, T, H, D] of the normed h [B, T, hidden] (per-head
+        norms applied for Qwen3)."""
+        b, t = h.shape[:2]
+        qkv = self._linear(h, p + "self_attn.qkv_proj")
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = (y.reshape(b, t, -1, self.head_dim)
+                   for y in qkv.split([q_size, kv_size, kv_size], dim=-1))
+        if self.qk_norm:
+            q = self._norm(q, self.w[p + "self_attn.q_norm.weight"])
+            k = self._norm(k, self.w[p + "self_attn.k_norm.weight"])
+        return q, k, v
+
+    def _rope(self, q: torch.Tensor, k: torch.Tensor, step: _Step
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [B, T, H, D] rotated at the step's positions: natively from the tables
+        when the step has flat positions, else by _angles."""
+        b, t, _, d = q.shape
+        if step.flat_positions is not None:
+            assert self.rope_tables is not None
+            native = layer_ops.rotary_neox(step.flat_positions, q.reshape(b * t, -1),
+                                           k.reshape(b * t, -1), *self.rope_tables, d)
+            if native is not None:
+                return native[0].view(q.shape), native[1].view(k.shape)
+        cos, sin = (step.cos, step.sin) if step.cos is not None else self._angles(step.positions)
+        assert sin is not None
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: _Step
+                ) -> torch.Tensor:
+        """Writes layer i's keys and values [B, T, Hkv, D] to its cache at the step's
+        positions, then returns the attention of q [B, T, H, D] as [B, H, T, D] (see
+        forward's mask)."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        k_cache, v_cache = step.cache[2 * i], step.cache[2 * i + 1]  # [N, Hkv, L, D]
+        where = (step.rows[:, None, None], self._kv_heads[None, :, None],
+                 step.positions[:, None, :])
+        k_cache[where] = k
+        v_cache[where] = v
+        if step.mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        length = step.mask.shape[-1]
+        if step.first_rows:
+            keys, values = k_cache[: q.shape[0], :, :length], v_cache[: q.shape[0], :, :length]
+        else:
+            keys, values = k_cache[step.rows, :, :length], v_cache[step.rows, :, :length]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask,
+                                              enable_gqa=True)
+
+    @staticmethod
+    def _act(gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused [..., 2 * I] gate/up output."""
+        native = layer_ops.silu_and_mul(gate_up)  # the engine's, on the CPU
+        if native is not None:
+            return native
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _head(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Logits [B, vocab] of the last positions' residual stream x [B, hidden] (final norm,
+        then the LM head), written into `out` when given."""
+        last = self._norm(x, self.w["model.norm.weight"])
         head_plan = self.plans.get("lm_head.weight", self.plans.get("model.embed_tokens.weight"))
         if head_plan is not None:
             return batch_invariant_linear.multiply(last, self.head.t(), head_plan, out)
@@ -227,3 +310,32 @@ def _prefill_groups(prompts: list[list[int]]) -> list[list[int]]:
         per_group = max(1, _PREFILL_TOKENS // max(length, 1))
         groups += [rows[i : i + per_group] for i in range(0, len(rows), per_group)]
     return groups
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward pass shares."""
+
+    positions: torch.Tensor  # [B, T]
+    # [B * T] int64 for the native RoPE from the tables; else None and the angles are given.
+    flat_positions: torch.Tensor | None
+    cos: torch.Tensor | None  # RoPE angles, [B, T, 1, D/2]
+    sin: torch.Tensor | None
+    cache: list[torch.Tensor]
+    rows: torch.Tensor  # cache rows of the batch
+    mask: torch.Tensor | None
+    first_rows: bool  # rows are 0..B-1 (the cache is read through views)
+
+
+def _fuse(w: dict[str, torch.Tensor], num_layers: int) -> None:
+    """Replaces each layer's q/k/v (weights and biases) by one qkv_proj tensor and its
+    gate/up by one gate_up_proj, stacked by output rows in the engine's order."""
+    parts = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+             ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        for fused, names in parts:
+            for kind in ("weight", "bias"):
+                keys = [f"{p}{name}.{kind}" for name in names]
+                if all(key in w for key in keys):
+                    w[f"{p}{fused}.{kind}"] = torch.cat([w.pop(key) for key in keys])

@@ -1,0 +1,24 @@
+"""Tests for benchmarks/bench_layers.py: the bare loop's per-op instrumentation (the
+benchmark itself loads the real model and takes minutes)."""
+
+from __future__ import annotations
+
+from tests.benchmarks.scripts import load_script
+from tests.utils_models import build_checkpoint
+from vllm.model_executor.greedy_decode_loop import BareDecoder
+
+bench = load_script("bench_layers")
+
+
+def test_the_bare_loop_reports_every_op_type_of_its_decode_steps(tmp_path) -> None:
+    build_checkpoint("llama", tmp_path, seed=0)
+    decoder = BareDecoder(tmp_path)
+    timer, clock = bench.OpTimer(), bench.StepClock()
+    bench.instrument_bare(decoder, timer, clock)
+    row = bench.run_bare(decoder, [[5, 6, 7], [8, 9, 10]], 4, timer, clock)
+    assert len(clock.starts) == 4  # the decode steps only, not the prefill
+    for op in bench.LAYER_OPS:
+        assert row[op] > 0, op
+    # The ops run inside the layer's timer: what is left is the layer's own glue.
+    assert row["rest of layer"] >= 0
+    assert row["forward (ms/step)"] > row["layers (ms/step)"] > 0  # layers run inside it
