@@ -4,8 +4,10 @@
         --backends xgrammar,guidance,outlines,lm-format-enforcer --out findings.json
 
 For each backend: how many schemas it accepted, how many instances were compared, and the
-disagreements by kind (see tests/v1/structured_output/differential.py); every finding is
-written to --out. The exit status is 1 when any backend accepted a value jsonschema refuses.
+disagreements by kind (see tests/v1/structured_output/differential.py): accepted but invalid
+("unsound"), valid but refused by a declared narrowing ("refused", by narrowing), refused by
+none ("unexplained"), dead ends; every finding is written to --out. The exit status is 1
+when any backend accepted a value jsonschema refuses or refused one unexplained.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.v1.structured_output.differential import Checker, Tally, schemas  # noqa: E402
+from tests.v1.structured_output.differential import Checker, Tally  # noqa: E402
+from tests.v1.structured_output.schema_gen import schemas  # noqa: E402
 from tests.v1.structured_output.walker import WalkVocab, token_bytes  # noqa: E402
 
 MODEL = "demo-small-vocab"
@@ -63,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         report[checker.name] = {
             "schemas": tally.schemas, "accepted": tally.accepted,
             "instances": tally.instances, "unsound": tally.count("unsound"),
-            "refused": tally.count("refused"), "dead_ends": tally.count("dead end"),
+            "refused": tally.count("refused"), "unexplained": tally.count("unexplained"),
+            "dead_ends": tally.count("dead end"),
+            "refused_by": dict(Counter(f.detail for f in tally.findings
+                                       if f.kind == "refused").most_common()),
             "seconds": round(time.monotonic() - start, 1),
         }
-        unsound += tally.count("unsound")
+        unsound += tally.count("unsound") + tally.count("unexplained")
         findings += [f.to_json() for f in tally.findings]
         print(checker.name, json.dumps(report[checker.name]), flush=True)
     args.out.write_text(json.dumps({"report": report, "findings": findings}, indent=1))

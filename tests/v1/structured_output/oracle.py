@@ -46,9 +46,15 @@ def validate_json(value: Any, schema: dict[str, Any], format_checker: Any = None
     """Raises jsonschema.ValidationError unless `value` satisfies `schema` under the rules
     of the schema's own `$schema` draft (with an exact `multipleOf`; formats asserted only
     with a `format_checker`)."""
-    draft = jsonschema.validators.validator_for(schema)
-    exact = jsonschema.validators.extend(draft, {"multipleOf": _exact_multiple_of})
+    exact = _exact(jsonschema.validators.validator_for(schema))
     exact(schema, format_checker=format_checker).validate(value)
+
+
+@functools.lru_cache(maxsize=None)
+def _exact(draft: Any) -> Any:
+    """`draft`'s validator class with the exact `multipleOf` (built once: building a class
+    costs a millisecond, more than most validations)."""
+    return jsonschema.validators.extend(draft, {"multipleOf": _exact_multiple_of})
 
 
 def check_structured_output(

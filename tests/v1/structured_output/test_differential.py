@@ -9,16 +9,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 
-from tests.v1.structured_output.differential import (
-    DRAFTS,
-    Checker,
-    SchemaGen,
-    Tally,
-    is_valid,
-    schemas,
-)
+from tests.v1.structured_output.differential import Checker, Tally, is_valid
+from tests.v1.structured_output.schema_gen import DRAFTS, SchemaGen, schemas
 from tests.v1.structured_output.walker import WalkVocab, token_bytes
 from vllm.config import StructuredOutputsConfig
 from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
@@ -27,6 +22,7 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.structured_output.backends.auto import create_backend
 from vllm.v1.structured_output.schema.patterns import anchor
+from vllm.v1.structured_output.schema.regex_tree import finite_language
 
 SEED = 20261207
 # Per backend; outlines compiles an index per schema, so it gets fewer.
@@ -73,6 +69,9 @@ def test_no_backend_accepts_what_jsonschema_refuses(name: str, small_vocab) -> N
         checker.check(schema, rng, tally)
     unsound = [(f.schema, f.text) for f in tally.findings if f.kind == "unsound"]
     assert unsound == []
+    # Every valid value refused is refused by a declared narrowing (narrowings.py).
+    unexplained = [(f.schema, f.text) for f in tally.findings if f.kind == "unexplained"]
+    assert unexplained == []
     assert tally.accepted >= COUNTS[name] // 5 and tally.instances >= 20 * tally.accepted
 
 
@@ -210,3 +209,88 @@ def test_what_the_check_found_at_scale(small_vocab) -> None:
         _compile(guidance, {"type": "number", "exclusiveMinimum": 0, "maximum": 0.5})
     grammar = _compile(guidance, {"type": "number", "exclusiveMinimum": 0, "maximum": 500})
     assert not guidance.accepts(grammar, "0") and guidance.accepts(grammar, "0.5")
+
+
+def test_what_the_narrowing_check_found(small_vocab) -> None:
+    """Each an unexplained refusal (or, for llguidance's bounds, an unsound value) of the
+    check that tells declared narrowings from the rest (narrowings.py)."""
+    guidance = _checker("guidance", small_vocab)
+    # Mirrored open bound: -2 passed `minimum: -2.9, exclusiveMaximum: -2`.
+    with pytest.raises(UnsupportedConstraintError, match="admits -2"):
+        _compile(guidance, {"type": "number", "minimum": -2.9, "exclusiveMaximum": -2})
+    # A fractional multipleOf beside bounds: each bound becomes an inclusive multiple.
+    grammar = _compile(guidance, {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.01})
+    assert guidance.accepts(grammar, "0.10") and not guidance.accepts(grammar, "0")
+    grammar = _compile(guidance, {"type": "number", "maximum": 2.69, "multipleOf": 0.1})
+    assert guidance.accepts(grammar, "2.6") and not guidance.accepts(grammar, "2.7")
+    # ... and a divisor it gets wrong beside a bound is refused (-0.50 failed minimum -2.5).
+    with pytest.raises(UnsupportedConstraintError, match="'multipleOf' 0.25 beside a bound"):
+        _compile(guidance, {"type": "number", "minimum": -2.5, "multipleOf": 0.25})
+    # propertyNames of a few names, all listed: llguidance allowed a comma after the last one
+    # and then no key (a dead end); the names are now the listed properties.
+    assert finite_language("^[a-c]$") == ["a", "b", "c"] and finite_language("^[a-c]+$") is None
+    grammar = _compile(guidance, {"type": "object", "properties": {
+        "a": {"type": "null"}, "b": {"type": "null"}, "c": {"type": "null"}},
+        "propertyNames": {"pattern": "^[a-c]$"}})
+    tokens = guidance.tokenizer.encode('{"a":null,"b":null,"c":null', add_special_tokens=False)
+    assert grammar.validate_tokens(tokens + guidance.tokenizer.encode(",")) == tokens
+    # draft-04 has no propertyNames: jsonschema ignores it, so the engine does.
+    grammar = _compile(guidance, {"$schema": DRAFTS["draft-04"], "type": "object",
+                                  "propertyNames": {"maxLength": 1}})
+    assert guidance.accepts(grammar, '{"xq":"a"}')
+
+
+def test_lm_format_enforcer_reads_every_character_of_a_string(small_vocab) -> None:
+    """Dead ends and refusals of lm-format-enforcer 0.11.3 the check found: it read a string
+    as closed at a character no token starts with (" ©"), then allowed nothing."""
+    checker = _checker("lm-format-enforcer", small_vocab)
+    grammar = _compile(checker, {"type": "string"})
+    assert grammar.accept_tokens("t", checker.tokenizer.encode('"a ©', add_special_tokens=False))
+    row = np.zeros((1, (checker.vocab.vocab_size + 31) // 32), dtype=np.int32)
+    grammar.fill_bitmask(row, 0)
+    assert row.any()
+    assert checker.accepts(_compile(checker, {"type": "string"}), '"a ©"')
+    # It allowed `}` right after a comma (`{"b":null,}`), then nothing.
+    schema = {"type": "object", "properties": {"b": {"type": "null"}, "a": {"type": "boolean"}}}
+    grammar = _compile(checker, schema)
+    tokens = checker.tokenizer.encode('{"b":null,', add_special_tokens=False)
+    closer = checker.tokenizer.encode("}", add_special_tokens=False)
+    assert grammar.validate_tokens(tokens + closer) == tokens
+    assert checker.accepts(_compile(checker, schema), '{"b":null,"a":true}')
+    # It counted null, boolean and array items about twice: `maxItems: 3` took two.
+    with pytest.raises(UnsupportedConstraintError, match="counts them about twice"):
+        _compile(checker, {"type": "array", "items": {"type": "null"}, "maxItems": 3})
+    grammar = _compile(checker, {"type": "array", "items": {"type": "string"}, "maxItems": 3})
+    assert checker.accepts(grammar, '["a","b","c"]')
+
+
+def test_what_the_check_found_on_outlines_and_formats(small_vocab) -> None:
+    """outlines-core 0.2.14 drops the steps from a final state of its index ("2" never became
+    "2.5" as the whole output), writes every listed tuple item (`[]` was refused) and only
+    the listed properties; a `const` beside a `format` was written alone (`""` for `format:
+    email`)."""
+    outlines = _checker("outlines", small_vocab)
+    with pytest.raises(UnsupportedConstraintError, match="fraction as the whole output"):
+        _compile(outlines, {"type": "number"})
+    grammar = _compile(outlines, {"type": "array", "items": {"type": "number"}})
+    assert outlines.accepts(grammar, "[2.5]")
+    grammar = _compile(outlines, {"type": "array", "prefixItems": [{"type": "string"},
+                                                                   {"type": "boolean"}]})
+    assert all(outlines.accepts(grammar, t) for t in ('[]', '["a"]', '["a",true]'))
+    assert not outlines.accepts(grammar, '[true]')
+    with pytest.raises(UnsupportedConstraintError, match="'items' after 'prefixItems'"):
+        _compile(outlines, {"type": "array", "prefixItems": [{"type": "string"}],
+                            "items": {"type": "boolean"}})
+    # Its `uri` regex let a raw quote into the string; only uuid is taken.
+    with pytest.raises(UnsupportedConstraintError, match="string format 'uri'"):
+        _compile(outlines, {"type": "string", "format": "uri"})
+    # Both compatibility libraries write the listed properties only.
+    for name in ("outlines", "lm-format-enforcer"):
+        with pytest.raises(UnsupportedConstraintError, match="'additionalProperties' beside"):
+            _compile(_checker(name, small_vocab), {
+                "type": "object", "properties": {"a": {"type": "string"}},
+                "additionalProperties": {"type": "string"}})
+    with pytest.raises(GrammarCompileError, match="no value satisfies"):
+        _compile(outlines, {"allOf": [{"const": ""}, {"type": "string", "format": "email"}]})
+    with pytest.raises(UnsupportedConstraintError, match="beside 'format' 'date-time'"):
+        _compile(outlines, {"enum": ["x", "2024-01-02T03:04:05Z"], "format": "date-time"})

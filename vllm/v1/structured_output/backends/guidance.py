@@ -452,6 +452,7 @@ class GuidanceBackend(StructuredOutputBackend):
         spell_out_min_properties(schema)
         spell_formats(schema, _MISSING_FORMATS)
         refuse_fractions(schema, "structured_outputs.structural_tag")
+        refuse_open_bound(schema, "structured_outputs.structural_tag")
         if schema is True:
             schema = {}
         if not isinstance(schema, dict):

@@ -4,7 +4,10 @@ errors read: llguidance's messages mapped to the error the client gets, naming t
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 from vllm.exceptions import GrammarCompileError, UnsupportedConstraintError
@@ -160,17 +163,87 @@ def check_lark(text: str) -> None:
 
 
 def refuse_open_bound(schema: Any, param: str, path: str = "#") -> None:
-    """Raises UnsupportedConstraintError at a number whose `exclusiveMinimum` is a whole k
-    with an upper bound below k + 1: llguidance 1.9.1 then admits k (`0` passed
-    `exclusiveMinimum: 0, maximum: 0.5`, `2` passed `exclusiveMinimum: 2, maximum: 2.9`;
-    found by the differential check; with a wider range it refuses k, as it should)."""
+    """Rewrites, in place, the bounds beside a fractional `multipleOf` onto its multiples,
+    then raises UnsupportedConstraintError at a number whose bounds llguidance 1.9.1 gets
+    wrong (each found by the differential check):
+
+    - an `exclusiveMinimum` that is a whole k with an upper bound below k + 1 admits k (`0`
+      passed `exclusiveMinimum: 0, maximum: 0.5`); mirrored, an `exclusiveMaximum` that is
+      a whole k with a lower bound above k - 1 (`-2` passed `minimum: -2.9,
+      exclusiveMaximum: -2`). With a wider range it refuses k, as it should;
+    - a fractional `multipleOf` beside a bound refuses valid values unless the divisor has
+      one decimal or is a power of ten (0.01) and the bounds are inclusive multiples of it
+      (`-0.50` failed `multipleOf: 0.25, minimum: -2.5`; `0.10` failed `multipleOf: 0.05,
+      exclusiveMinimum: 0`; `2.6` failed `multipleOf: 0.1, maximum: 2.69`). The rewrite
+      makes every bound an inclusive multiple (exact: `maximum: 2.69` is `maximum: 2.6`
+      for multiples of 0.1, `exclusiveMinimum: 0` is `minimum: 0.01` for multiples of
+      0.01), so only other divisors are refused.
+    """
     if isinstance(schema, dict):
-        low = schema.get("exclusiveMinimum")
-        highs = [schema[k] for k in ("maximum", "exclusiveMaximum") if is_number(schema.get(k))]
-        if (is_number(low) and float(low).is_integer() and schema.get("type") != "integer"
-                and any(high < low + 1 for high in highs)):
-            raise UnsupportedConstraintError(
-                param, f"at {path}: 'exclusiveMinimum' {low} with a maximum below {low + 1} "
-                f"admits {low} (unsupported by llguidance)")
+        _align_bounds(schema)
+        _check_bounds(schema, param, path)
         for sub, sub_path in subschemas(schema, path):
             refuse_open_bound(sub, param, sub_path)
+
+
+def _exact(x: Any) -> Fraction:
+    return Fraction(Decimal(repr(x)))
+
+
+def _align_bounds(node: dict[str, Any]) -> None:
+    """Each bound beside a fractional `multipleOf` m becomes the inclusive bound on the
+    nearest multiple of m inside it (the same numbers are multiples of m either way)."""
+    step = node.get("multipleOf")
+    if not is_number(step) or float(step).is_integer() or step <= 0:
+        return
+    unit = _exact(step)
+    for key, floor, shift in (("minimum", False, 0), ("exclusiveMinimum", False, 1),
+                              ("maximum", True, 0), ("exclusiveMaximum", True, -1)):
+        bound = node.get(key)
+        if not is_number(bound) or not math.isfinite(bound):
+            continue
+        ratio = _exact(bound) / unit
+        if ratio.denominator == 1:
+            k = int(ratio) + shift
+        else:  # not a multiple: the same whether or not it is exclusive
+            k = math.floor(ratio) + (0 if floor else 1)
+        del node[key]
+        inclusive = "minimum" if "inim" in key else "maximum"
+        value = float(Decimal(k) * Decimal(repr(step)))
+        old = node.get(inclusive)
+        if old is None or (value > old if inclusive == "minimum" else value < old):
+            node[inclusive] = value
+
+
+def _decimals(x: Any) -> int:
+    """How many digits `x` has after its decimal point, written shortest."""
+    text = repr(float(x))
+    if "e" in text:
+        return 99  # far from the range these checks are about: counted as too many
+    return len(text.split(".")[1].rstrip("0"))
+
+
+def _check_bounds(node: dict[str, Any], param: str, path: str) -> None:
+    if node.get("type") == "integer":
+        return
+    low, high = node.get("exclusiveMinimum"), node.get("exclusiveMaximum")
+    lows = [node[k] for k in ("minimum", "exclusiveMinimum") if is_number(node.get(k))]
+    highs = [node[k] for k in ("maximum", "exclusiveMaximum") if is_number(node.get(k))]
+    if is_number(low) and float(low).is_integer() and any(h < low + 1 for h in highs):
+        raise UnsupportedConstraintError(
+            param, f"at {path}: 'exclusiveMinimum' {low} with a maximum below {low + 1} "
+            f"admits {low} (unsupported by llguidance)")
+    if is_number(high) and float(high).is_integer() and any(b > high - 1 for b in lows):
+        raise UnsupportedConstraintError(
+            param, f"at {path}: 'exclusiveMaximum' {high} with a minimum above {high - 1} "
+            f"admits {high} (unsupported by llguidance)")
+    step = node.get("multipleOf")
+    if not is_number(step) or float(step).is_integer() or not (lows or highs):
+        return
+    digits = _decimals(step)
+    power_of_ten = _exact(step) == Fraction(1, 10**digits)
+    if (digits >= 2 and not power_of_ten) or any(_decimals(b) > digits for b in lows + highs):
+        raise UnsupportedConstraintError(
+            param, f"at {path}: 'multipleOf' {step} beside a bound refuses valid values "
+            "(unsupported by llguidance; a divisor of one decimal or a power of ten, "
+            "like 0.5 or 0.01, is)")

@@ -13,7 +13,8 @@ Supported constraints (`StructuredOutputsParams`):
   wrong (the differential check found `maxLength` one character short of enforced, numbers
   written as `76.E02`). Numbers, and values that may be numbers, are refused for that
   reason. Objects get
-  only their listed properties; arrays without `maxItems` hold at most 20 items (the
+  only their listed properties (an `additionalProperties` other than false beside them is
+  refused); arrays without `maxItems` hold at most 20 items (the
   library's cap). Whitespace: none with `disable_any_whitespace`, else runs of at most
   `max_whitespace` (12, the library's cap, when unbounded); unlike the other backends the
   library also allows a run before and after the value (still valid JSON). A request's
@@ -93,6 +94,7 @@ LMFE_SUBSET = SchemaSubset(
     bare_type_lists=True,
     exact_numbers=False,
     empty_limits=False,
+    counts_literal_items=False,
 )
 
 
@@ -123,6 +125,12 @@ class _Vocab:
         self.data = TokenEnforcerTokenizerData(
             regular, self._decode, list(pieces.stop_ids), False, pieces.vocab_size
         )
+        # The library's alphabet is the characters that start a token; a string's parser
+        # reads any other character as its end (`"` then " ©" left it closed, with no
+        # allowed token after: a dead end found by the differential check). Every
+        # character of every token is in it.
+        self.data.tokenizer_alphabet = "".join(sorted(
+            set(self.data.tokenizer_alphabet).union(*texts.values())))
         self._texts = texts
         # Tokens that may not sit inside a JSON string as they are (a control character or
         # a backslash): the library's free-text shortcut allows them there (measured: a raw
@@ -130,6 +138,11 @@ class _Vocab:
         self.string_unsafe = np.zeros(self.words_for(pieces.vocab_size) * 32, dtype=bool)
         for idx, text in texts.items():
             self.string_unsafe[idx] = "\\" in text or any(ord(c) < 0x20 for c in text)
+        # Tokens that close an object or array first: never right after a comma (the library
+        # allowed `{"b":null,}`, then nothing: a dead end found by the differential check).
+        self.closes_first = np.zeros(self.words_for(pieces.vocab_size) * 32, dtype=bool)
+        for idx, text in texts.items():
+            self.closes_first[idx] = text.lstrip()[:1] in ("}", "]")
         self.vocab_size = pieces.vocab_size
         self.words = (pieces.vocab_size + 31) // 32
         self.stop_ids = frozenset(pieces.stop_ids)
@@ -143,6 +156,13 @@ class _Vocab:
 
     def _decode(self, tokens: list[int]) -> str:
         return "".join(self._texts.get(t, "") for t in tokens)
+
+
+def _after_comma(text: str) -> bool:
+    """Whether JSON text `text` ends with a comma outside any string (whitespace aside)."""
+    if not text.rstrip().endswith(","):
+        return False
+    return re.sub(r'\\.', "", text).count('"') % 2 == 0
 
 
 class LMFormatEnforcerGrammar(StructuredOutputGrammar):
@@ -193,6 +213,8 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
             return row
         if isinstance(shortcut, tuple) and shortcut[:1] == ("json_freetext",):
             row &= ~self._vocab.string_unsafe
+        elif self._json_output and _after_comma(self._vocab._decode(tokens)):
+            row &= ~self._vocab.closes_first
         if mine:
             self._rows[size] = row
             # Keep the rows around the current position only (drafts look ahead of it).

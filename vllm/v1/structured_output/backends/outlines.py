@@ -13,10 +13,14 @@ Supported constraints (`StructuredOutputsParams`):
   enforces are taken (`OUTLINES_SUBSET`): types, `properties`/`required`, `enum`/`const`,
   `anyOf` (and a `oneOf` normalization proved disjoint), one-schema `allOf`, local `$ref`
   (recursion is unrolled a few levels), `items`/`prefixItems`/`minItems`/`maxItems`,
-  `minLength`/`maxLength`, JSON-safe `pattern`s and the formats date, time, date-time, uuid,
-  email, uri. Anything else (`minimum`, `multipleOf`, `patternProperties`, ...) is refused
+  `minLength`/`maxLength`, JSON-safe `pattern`s and the format uuid. Anything else (`minimum`, `multipleOf`, `patternProperties`, ...) is refused
   with UnsupportedConstraintError naming the keyword: outlines would ignore it. Objects get
-  only their listed properties, in schema order. Whitespace follows the engine's rules (none
+  only their listed properties, in schema order (an `additionalProperties` other than false
+  beside them is refused), and arrays with `prefixItems` only their
+  listed items (an `items` schema after them is refused; shorter tuples are spelled out as
+  tuples of their own, `spell_out_tuples`). A number that may have a fraction cannot be
+  the whole output (outlines-core 0.2.14 drops the steps from a final state of its index to
+  a state that is not, so "2" never continues to "2.5"). Whitespace follows the engine's rules (none
   with `disable_any_whitespace`, runs of at most `max_whitespace`, a request's
   `whitespace_pattern`), never before or after the value.
 - `grammar` and `structural_tag` are refused at admission: outlines has no grammars.
@@ -65,7 +69,12 @@ from vllm.v1.structured_output.schema.regex_dialect import (
     find_backreference,
     strip_anchors,
 )
-from vllm.v1.structured_output.schema.subset import SchemaSubset, check_subset
+from vllm.v1.structured_output.schema.facts import kinds, values
+from vllm.v1.structured_output.schema.subset import (
+    SchemaSubset,
+    check_subset,
+    spell_out_tuples,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +87,11 @@ OUTLINES_SUBSET = SchemaSubset(
         "oneOf", "allOf", "$ref", "items", "prefixItems", "minItems", "maxItems",
         "minLength", "maxLength", "pattern", "format", "uniqueItems",
     }),
-    formats=frozenset({"date", "time", "date-time", "uuid", "email", "uri"}),
+    # outlines-core 0.2.14's other formats write invalid JSON or values outside the format:
+    # `uri` and `email` a raw quote or control character inside the string, `time` a
+    # backslash before any character, `date` and `date-time` February 30, `date-time` no
+    # offset and five-digit years (found by the differential check and its regexes).
+    formats=frozenset({"uuid"}),
     raw_patterns=True,
 )
 
@@ -96,6 +109,16 @@ def _unsupported(kind: str, what: str) -> UnsupportedConstraintError:
     return UnsupportedConstraintError(
         f"structured_outputs.{kind}", f"{what} (unsupported by {NAME})"
     )
+
+
+def _may_continue_a_whole_output(schema: dict[str, Any]) -> bool:
+    """Whether a whole output of `schema` may go on past a point where it could also end
+    through text that could not end it: a number with a fraction (`2` to `2.5`), or listed
+    values one of which starts another (`1` and `1.5`)."""
+    listed = values(schema, schema)
+    if listed is None:
+        return "fraction" in kinds(schema, schema)
+    return any(a != b and b.startswith(a) for a in listed for b in listed)
 
 
 class _Vocab:
@@ -287,6 +310,12 @@ class OutlinesBackend(VocabBackend):
 
     def _json_regex(self, params: StructuredOutputsParams, kind: str) -> str:
         schema = request_schema(params, kind, self.options)
+        if _may_continue_a_whole_output(schema):
+            # outlines-core 0.2.14 drops an index's steps from a final state to one that is
+            # not ("2" to "2."), so a number as the whole output never gets its fraction or
+            # exponent (found by the differential check); inside a container it does.
+            raise _unsupported(kind, "a number that may have a fraction as the whole output")
+        spell_out_tuples(schema)
         check_subset(schema, OUTLINES_SUBSET)
         whitespace = self._whitespace(params)  # its InvalidRequestError names its own field
         try:

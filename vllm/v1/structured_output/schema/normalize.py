@@ -3,7 +3,9 @@
 
 - `normalize_json_schema` (every backend): returns a copy in the form the backends read, with
   the semantics of the schema's `$schema` draft made explicit (default 2020-12): before
-  2019-09 the keywords beside a `$ref` are ignored, so they are dropped; draft-04's boolean
+  2019-09 the keywords beside a `$ref` are ignored, so they are dropped, and so are the
+  assertions of drafts later than the schema's own (draft-04's `const`, `contains`,
+  `propertyNames`; draft-06's `if`; draft-07's `prefixItems`...); draft-04's boolean
   `exclusiveMinimum`/`exclusiveMaximum` become numbers; an array-form `items` becomes
   `prefixItems`. Definitions the root never references are dropped (schema_refs.py). Then,
   node by node, exact rewrites:
@@ -93,6 +95,17 @@ DRAFT_2020_12 = "https://json-schema.org/draft/2020-12/schema"
 
 # `$schema` values of the drafts in which keywords beside `$ref` are ignored.
 _LEGACY_REF_DRAFTS = re.compile(r"draft-0[3-7]")
+# The assertions later drafts added, by the draft that lacks them: an older draft's
+# validators ignore them (unknown words), so they are dropped too (draft-04's
+# `propertyNames` was enforced here, jsonschema ignores it; found by the differential check).
+_LATER_KEYWORDS = {
+    "draft-07": ("dependentRequired", "dependentSchemas", "minContains", "maxContains",
+                 "unevaluatedProperties", "unevaluatedItems", "prefixItems"),
+}
+_LATER_KEYWORDS["draft-06"] = ("if", "then", "else", *_LATER_KEYWORDS["draft-07"])
+_LATER_KEYWORDS["draft-04"] = ("const", "contains", "propertyNames",
+                               *_LATER_KEYWORDS["draft-06"])
+_DRAFT_NAME = re.compile(r"draft-0[4-7]")
 
 
 def normalize_json_schema(
@@ -118,7 +131,9 @@ def normalize_json_schema(
         )
     out = copy.deepcopy(schema)
     draft = out.get("$schema") if isinstance(out.get("$schema"), str) else ""
-    _apply_draft(out, bool(_LEGACY_REF_DRAFTS.search(draft)))
+    named = _DRAFT_NAME.search(draft)
+    _apply_draft(out, bool(_LEGACY_REF_DRAFTS.search(draft)),
+                 _LATER_KEYWORDS.get(named[0] if named else "", ()))
     drop_unreferenced_definitions(out)
     _normalize_node(out, out, "#", disable_additional_properties, one_of_as_any_of)
     fold_enums(out, out)
@@ -131,11 +146,14 @@ def normalize_json_schema(
     return out
 
 
-def _apply_draft(node: Any, legacy: bool) -> None:
+def _apply_draft(node: Any, legacy: bool, later: tuple[str, ...]) -> None:
     """Rewrites, in place and in every subschema, the draft-specific forms into 2020-12's
-    (before any rewrite moves subschemas between nodes)."""
+    (before any rewrite moves subschemas between nodes), dropping the keywords `later`
+    (assertions of later drafts, unknown to the schema's own)."""
     if not isinstance(node, dict):
         return
+    for key in later:
+        node.pop(key, None)
     if legacy and "$ref" in node:
         # Before 2019-09 a `$ref` replaces its whole schema object; definitions stay only
         # because refs elsewhere may point into them.
@@ -152,7 +170,7 @@ def _apply_draft(node: Any, legacy: bool) -> None:
     if isinstance(node.get("format"), str) and node["format"] not in KNOWN_FORMATS:
         del node["format"]  # an annotation only (JSON Schema 2020-12, section 7.2.1)
     for sub, _ in subschemas(node, "#"):
-        _apply_draft(sub, legacy)
+        _apply_draft(sub, legacy, later)
 
 
 def _normalize_node(

@@ -13,8 +13,10 @@ import json
 import re
 from typing import Any
 
+from vllm.exceptions import UnsupportedConstraintError
 from vllm.v1.structured_output.schema.facts import (
     ANNOTATIONS,
+    FIELD,
     decide,
     is_negated,
     is_number,
@@ -25,12 +27,14 @@ from vllm.v1.structured_output.schema.facts import (
 )
 from vllm.v1.structured_output.schema.merge import intersect
 from vllm.v1.structured_output.schema.negate import negate
+from vllm.v1.structured_output.schema.regex_tree import finite_language
 
 
 def rewrite_property_names(node: dict[str, Any]) -> None:
     """`propertyNames` that is a pattern or a length range becomes the equivalent
-    `patternProperties` plus `additionalProperties: false`, and one listing names becomes
-    those names listed in `properties`; the backends enforce both.
+    `patternProperties` plus `additionalProperties: false`, and one listing names (or a
+    pattern of a few names, `finite_language`) becomes those names listed in `properties`;
+    the backends enforce both.
 
     Exact when the keys the node lists all match, and when the node has no
     `additionalProperties` schema that would now also apply to its listed keys.
@@ -52,6 +56,12 @@ def rewrite_property_names(node: dict[str, Any]) -> None:
         if low is not None or high is not None or not isinstance(names["pattern"], str):
             return  # a pattern and a length cannot be one regex without lookarounds
         regex = names["pattern"]
+        # A pattern of a few names (`^[a-c]$`) is those names: with all of them listed,
+        # llguidance still allowed a comma for a further key, where none fits (a dead end
+        # found by the differential check).
+        finite = finite_language(regex)
+        if finite is not None and _names_listed(node, {"enum": finite}):
+            return
     elif (low is None or isinstance(low, int)) and (high is None or isinstance(high, int)):
         regex = f"^[\\s\\S]{{{low or 0},{'' if high is None else high}}}$"
     else:
@@ -316,29 +326,36 @@ def _negate_condition(
     return {"type": "object", "anyOf": ways}
 
 
-def fold_enums(node: Any, root: dict[str, Any]) -> None:
+def fold_enums(node: Any, root: dict[str, Any], path: str = "#") -> None:
     """Keeps, in place, of each `enum` (or `const`) only the values its sibling keywords
     accept, and drops the siblings: xgrammar 0.2.9 and outlines enforce the listed values
     alone (`{"enum": [2.5, null], "type": "number"}` accepted null; found by the differential
-    check). Exact where jsonschema decides every value; a node with an undecided value keeps
-    its siblings, for the backends' checks to refuse. A node left with no value is
-    `{"enum": []}`, which an `anyOf`/`oneOf` drops as a branch (the backends refuse it
-    elsewhere)."""
+    check). Exact where jsonschema decides every value (a `format` by jsonschema's own check
+    of it); a node with an undecided value keeps its siblings, for the backends' checks to
+    refuse, except beside a `format` jsonschema cannot check, which is refused here
+    (UnsupportedConstraintError): the backends would write the values alone (`""` passed
+    `format: email` on outlines). A node left with no value is `{"enum": []}`, which an
+    `anyOf`/`oneOf` drops as a branch (the backends refuse it elsewhere)."""
     if not isinstance(node, dict):
         return
     listed = [node["const"]] if "const" in node else node.get("enum")
     rest = {k: v for k, v in node.items() if k not in ("enum", "const") and k not in ANNOTATIONS}
-    # jsonschema reads `format` as an annotation: no verdict on it here.
-    if isinstance(listed, list) and rest and "format" not in rest:
-        verdicts = [decide(value, rest, root) for value in listed]
+    if isinstance(listed, list) and rest:
+        fmt = rest.pop("format", None)
+        verdicts = [_and(decide(value, rest, root) if rest else True, _conforms(value, fmt))
+                    for value in listed]
         if None not in verdicts:
             kept = [value for value, ok in zip(listed, verdicts) if ok]
             for key in [k for k in node if k not in ANNOTATIONS]:
                 del node[key]
             node["enum"] = kept
             return
-    for sub, _ in subschemas(node, "#"):
-        fold_enums(sub, root)
+        if fmt is not None:
+            raise UnsupportedConstraintError(
+                FIELD, f"at {path}: 'enum' or 'const' beside 'format' {fmt!r}, which cannot be "
+                "checked on the listed values here")
+    for sub, sub_path in subschemas(node, path):
+        fold_enums(sub, root, sub_path)
     for key in ("anyOf", "oneOf"):
         branches = node.get(key)
         if isinstance(branches, list) and branches:
@@ -349,6 +366,30 @@ def fold_enums(node: Any, root: dict[str, Any]) -> None:
                 node.clear()
                 node.update(_NOTHING)
                 return
+
+
+def _and(a: bool | None, b: bool | None) -> bool | None:
+    """Three-valued "and": False wins, then None (undecided)."""
+    if a is False or b is False:
+        return False
+    return None if a is None or b is None else True
+
+
+def _conforms(value: Any, fmt: Any) -> bool | None:
+    """Whether `value` satisfies `format` `fmt` by jsonschema's check of it (True for no
+    format or a value that is no string), None when jsonschema has no check of it here."""
+    if fmt is None or not isinstance(value, str):
+        return True
+    if fmt not in _CHECKED_FORMATS:
+        return None
+    import jsonschema  # deferred, as in `decide`
+
+    return jsonschema.FormatChecker(formats=[fmt]).conforms(value, fmt)
+
+
+# The formats jsonschema checks by itself; the others need optional packages (without them
+# its `time` check refuses every time).
+_CHECKED_FORMATS = frozenset({"date", "email", "ipv4", "ipv6", "uuid"})
 
 
 # The schema no value matches, as fold_enums writes it.

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.exceptions import UnsupportedConstraintError
+from vllm.v1.structured_output.schema.facts import kinds
 from vllm.v1.structured_output.schema.regex_dialect import strip_anchors
 from vllm.v1.structured_output.schema.regex_tree import plain_children
 
@@ -63,6 +64,10 @@ class SchemaSubset:
     # The backend enforces `additionalProperties: false` on an object that lists no property,
     # and `maxItems: 0` (lm-format-enforcer reads both as absent).
     empty_limits: bool = True
+    # The backend counts items that are `null`, booleans or arrays right against `maxItems`
+    # (lm-format-enforcer 0.11 counts them about twice: `maxItems: 3` took two `null`s, and
+    # its cap of 20 items about 11; found by the differential check).
+    counts_literal_items: bool = True
 
 
 def _subschemas(node: dict[str, Any]) -> Iterator[Any]:
@@ -96,7 +101,17 @@ def check_subset(schema: Any, subset: SchemaSubset) -> None:
             if key not in subset.keywords and key not in ANNOTATIONS:
                 raise _refuse(subset, f"schema keyword {key!r} cannot be enforced")
         _check_node(node, subset)
+        _check_item_count(node, subset, schema)
         stack.extend(_subschemas(node))
+
+
+def _check_item_count(node: dict[str, Any], subset: SchemaSubset, root: Any) -> None:
+    if subset.counts_literal_items or "items" not in node:
+        return
+    high = node.get("maxItems")
+    if (high is None or high > 2) and kinds(node["items"], root) & {"null", "boolean", "array"}:
+        raise _refuse(subset, "array items that may be null, booleans or arrays beside a "
+                      "'maxItems' above 2 or none (the library counts them about twice)")
 
 
 def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
@@ -111,6 +126,13 @@ def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
         raise _refuse(subset, "'allOf' with several schemas cannot be enforced")
     required = node.get("required") or []
     listed = node.get("properties") or {}
+    extra = node.get("additionalProperties")
+    if listed and extra is not None and extra is not False:
+        # Both libraries write the listed properties only (outlines and lm-format-enforcer
+        # refused {"a": "x", "b": "y"} for `additionalProperties: {type: string}`; found by
+        # the differential check): left unset, that is the closed-world narrowing.
+        raise _refuse(subset, "'additionalProperties' beside 'properties' (only the listed "
+                      "properties are written)")
     missing = [name for name in required if name not in listed]
     if missing:
         raise _refuse(subset, f"required property {missing[0]!r} that 'properties' does not list")
@@ -118,9 +140,12 @@ def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
         raise _refuse(subset, "'uniqueItems' cannot be enforced")
     prefix = node.get("prefixItems")
     if isinstance(prefix, list):
-        # The libraries write exactly the prefix items.
+        # The libraries write exactly the prefix items (`spell_out_tuples` writes the shorter
+        # ones as tuples of their own), and none after them.
         if node.get("minItems", 0) > len(prefix) or node.get("maxItems", len(prefix)) < len(prefix):
             raise _refuse(subset, "'minItems'/'maxItems' beside 'prefixItems'")
+        if node.get("items", False) is not False:
+            raise _refuse(subset, "'items' after 'prefixItems' (only the listed items are written)")
     if subset.bare_type_lists and isinstance(node.get("type"), list):
         others = sorted(k for k in node if k != "type" and k not in ANNOTATIONS)
         if others:
@@ -161,6 +186,42 @@ def _check_node(node: dict[str, Any], subset: SchemaSubset) -> None:
             f"pattern {pattern!r} (it could write a quote, a backslash, a control character "
             "or any character; use literal characters and classes)",
         )
+
+
+def spell_out_tuples(schema: Any) -> None:
+    """Rewrites, in place, each array (`type: array`) whose `prefixItems` may stop before its
+    last listed item into an `anyOf` of whole tuples, one per allowed length: outlines writes
+    every listed item (it refused `[]` for one optional item; found by the differential
+    check). Exact: the shorter tuples have no item after the listed ones."""
+    if isinstance(schema, list):
+        for sub in schema:
+            spell_out_tuples(sub)
+        return
+    if not isinstance(schema, dict):
+        return
+    for value in schema.values():
+        if isinstance(value, (dict, list)):
+            spell_out_tuples(value)
+    prefix = schema.get("prefixItems")
+    low, high = schema.get("minItems", 0), schema.get("maxItems")
+    if (schema.get("type") != "array" or not isinstance(prefix, list) or not _count(low)
+            or not (high is None or _count(high)) or low >= len(prefix)):
+        return
+    top = len(prefix) if high is None else min(high, len(prefix))
+    branches: list[Any] = [
+        {"type": "array", "prefixItems": prefix[:k], "items": False} if k else
+        {"type": "array", "maxItems": 0}
+        for k in range(low, min(top + 1, len(prefix)))
+    ]
+    if top == len(prefix):
+        branches.append({k: v for k, v in schema.items() if k not in ("minItems", "maxItems")})
+    for key in [k for k in schema if k not in ANNOTATIONS]:
+        del schema[key]
+    schema["anyOf"] = branches
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def is_narrow(regex: str, max_class: int = 512) -> bool:
