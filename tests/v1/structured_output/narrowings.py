@@ -34,8 +34,8 @@ finding of the differential check). A refused value is explained when
     `uri-reference` and `uri-template` beside a length bound are one DNS label, or
     characters that need no structure: `BOUNDED_FORMATS`); or
 - **oneOf made exclusive**: the same backend accepts it with every `oneOf` read as `anyOf`
-  (`one_of_as_any_of`), or with the root `oneOf` replaced by the one branch the value
-  matches (`root_branch`): the refusal comes from how overlapping branches were made
+  (`one_of_as_any_of`), or with each `oneOf` over the whole value replaced by the one branch
+  the value matches (`matched_branches`): the refusal comes from how overlapping branches were made
   exclusive, where a branch keeps only part of what the others refuse (schema/one_of.py:
   "does not match a pattern or a format" has no schema).
 
@@ -343,19 +343,45 @@ def _needs_fraction_branch(value: Any, schema: dict[str, Any]) -> bool:
         return False
 
 
-def root_branch(schema: dict[str, Any], value: Any,
-                is_valid: Callable[[Any, Any], bool]) -> dict[str, Any] | None:
-    """`schema` with its root `oneOf` replaced by the one branch `value` matches (its other
-    keywords kept), or None (no root `oneOf`, or not exactly one branch matches)."""
-    branches = schema.get("oneOf")
-    if not isinstance(branches, list):
-        return None
-    rest = {k: v for k, v in schema.items() if k != "oneOf"}
-    matching = [b for b in branches
-                if is_valid(value, {**rest, "allOf": [*rest.get("allOf", []), b]})]
-    if len(matching) != 1:
-        return None
-    return {**rest, "allOf": [*rest.get("allOf", []), matching[0]]}
+def matched_branches(schema: dict[str, Any], value: Any,
+                     is_valid: Callable[[Any, Any], bool]) -> dict[str, Any] | None:
+    """`schema` with each `oneOf` that applies to the whole value (reached through `allOf`,
+    `anyOf` and `oneOf` from the root) replaced by the one branch that makes `value` valid
+    (its other keywords kept), where exactly one does; None when none was replaced."""
+    out, changed, skipped = copy.deepcopy(schema), False, set()
+    for _ in range(16):
+        path = next((p for p in _in_place_one_ofs(out, ()) if p not in skipped), None)
+        if path is None:
+            break
+        candidates = []
+        for i in range(len(_at(out, path)["oneOf"])):
+            candidate = copy.deepcopy(out)
+            node = _at(candidate, path)
+            node.setdefault("allOf", []).append(node.pop("oneOf")[i])
+            if is_valid(value, candidate):
+                candidates.append(candidate)
+        if len(candidates) == 1:
+            out, changed = candidates[0], True
+        else:
+            skipped.add(path)
+    return out if changed else None
+
+
+def _in_place_one_ofs(node: Any, path: tuple) -> Iterator[tuple]:
+    if not isinstance(node, dict):
+        return
+    if isinstance(node.get("oneOf"), list):
+        yield path
+    for key in ("allOf", "anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield from _in_place_one_ofs(sub, path + (key, i))
+
+
+def _at(node: Any, path: tuple) -> Any:
+    for step in path:
+        node = node[step]
+    return node
 
 
 def integral(value: Any) -> Any:
@@ -430,7 +456,7 @@ class Explainer:
         if accepts_schema is not None and '"oneOf"' in json.dumps(schema):
             # Valid, so one `oneOf` branch alone matches: the refusal comes from how the
             # branches were made exclusive when the same value passes without that.
-            loose = [one_of_as_any_of(schema), root_branch(schema, value, is_valid)]
+            loose = [one_of_as_any_of(schema), matched_branches(schema, value, is_valid)]
             if any(other is not None and accepts_schema(other, t)
                    for other in loose for t in texts):
                 return ONE_OF_EXCLUSIVE

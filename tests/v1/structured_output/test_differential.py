@@ -257,6 +257,14 @@ def test_lm_format_enforcer_reads_every_character_of_a_string(small_vocab) -> No
     closer = checker.tokenizer.encode("}", add_special_tokens=False)
     assert grammar.validate_tokens(tokens + closer) == tokens
     assert checker.accepts(_compile(checker, schema), '{"b":null,"a":true}')
+    # It failed on a boolean property schema once it started the name (`false` is the
+    # oneOf rewrite's "absent"): a dead end; `false` goes, `true` reads as `{}`.
+    schema = {"type": "object", "properties": {"d": False, "a": {"type": "string"}}}
+    grammar = _compile(checker, schema)
+    opener = checker.tokenizer.encode('{"', add_special_tokens=False)
+    assert grammar.validate_tokens(checker.tokenizer.encode('{"d', add_special_tokens=False)) \
+        == opener
+    assert checker.accepts(_compile(checker, schema), '{"a":"x"}')
     # It counted null, boolean and array items about twice: `maxItems: 3` took two.
     with pytest.raises(UnsupportedConstraintError, match="counts them about twice"):
         _compile(checker, {"type": "array", "items": {"type": "null"}, "maxItems": 3})

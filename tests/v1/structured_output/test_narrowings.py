@@ -91,6 +91,9 @@ def test_spellings_formats_and_one_of() -> None:
     assert _explain("xgrammar", "x", schema, other=other) == ONE_OF_EXCLUSIVE
     assert {"anyOf": schema["oneOf"]} in readings
     assert _explain("xgrammar", "x", schema, other=lambda s, t: False) == ""
+    # Also a `oneOf` inside an `anyOf` over the whole value.
+    nested = {"anyOf": [schema, {"type": "boolean"}]}
+    assert _explain("xgrammar", "x", nested, other=other) == ONE_OF_EXCLUSIVE
 
 
 def test_drafts_are_read_in_2020_12() -> None:

@@ -75,7 +75,12 @@ from vllm.v1.structured_output.schema.regex_dialect import (
     find_backreference,
     strip_anchors,
 )
-from vllm.v1.structured_output.schema.subset import SchemaSubset, check_subset, is_narrow
+from vllm.v1.structured_output.schema.subset import (
+    SchemaSubset,
+    check_subset,
+    drop_absent_properties,
+    is_narrow,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -361,6 +366,7 @@ class LMFormatEnforcerBackend(VocabBackend):
         param = f"structured_outputs.{kind}"
         if kind in ("json", "json_object"):
             schema = request_schema(params, kind, self.options)
+            drop_absent_properties(schema)
             check_subset(schema, LMFE_SUBSET)
             try:
                 return JsonSchemaParser(schema, config=config)

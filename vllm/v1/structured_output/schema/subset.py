@@ -220,6 +220,31 @@ def spell_out_tuples(schema: Any) -> None:
     schema["anyOf"] = branches
 
 
+def drop_absent_properties(schema: Any) -> None:
+    """Removes, in place, listed properties whose schema is `false` (the name may not
+    appear) from objects of a backend that writes only listed properties, and writes `true`
+    as `{}`: lm-format-enforcer fails on a boolean schema once it starts the name (a dead
+    end the differential check found). An object left listing nothing gets
+    `additionalProperties: false`, as it was (no other name is written either)."""
+    if isinstance(schema, list):
+        for sub in schema:
+            drop_absent_properties(sub)
+        return
+    if not isinstance(schema, dict):
+        return
+    listed = schema.get("properties")
+    if isinstance(listed, dict) and any(isinstance(sub, bool) for sub in listed.values()):
+        # `true` is `{}` (which the checks then read), `false` goes.
+        schema["properties"] = {n: {} if sub is True else sub
+                                for n, sub in listed.items() if sub is not False}
+        if not schema["properties"] and "additionalProperties" not in schema and (
+                "patternProperties" not in schema):
+            schema["additionalProperties"] = False
+    for value in schema.values():
+        if isinstance(value, (dict, list)):
+            drop_absent_properties(value)
+
+
 def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
