@@ -146,6 +146,36 @@ def test_multiply_sends_many_rows_to_the_blas_and_writes_out() -> None:
     assert torch.equal(out, _custom_ops.dense_rows(few, weight_t, 32, torch.empty(2, 1000)))
 
 
+@pytest.mark.skipif(not _custom_ops.HAS_NATIVE,
+                    reason="native only; test_custom_ops covers whether it must exist")
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+def test_the_native_kernel_takes_the_wide_rows_only_on_an_avx2_cpu(
+    monkeypatch: pytest.MonkeyPatch, capability: str
+) -> None:
+    """Whichever kernel a plan picks for 17-32 rows, every row equals the BLAS's many-row
+    result; the native kernel gets those rows only where the BLAS is no wider (AVX2)."""
+    bil = batch_invariant_linear
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    wide = capability == "AVX2"
+    weight_t = _head(1000, 64).weight.t()
+    plan = bil.plan(weight_t)
+    assert plan.chunk is not None
+    assert plan.native_rows == (bil.NATIVE_WIDE_ROWS if wide else bil.NATIVE_MAX_ROWS)
+    native_rows: list[int] = []
+    dense_rows = _custom_ops.dense_rows
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        native_rows.append(x.shape[0])
+        return dense_rows(x, *args)
+
+    monkeypatch.setattr(_custom_ops, "dense_rows", spy)
+    x = torch.randn(bil.NATIVE_WIDE_ROWS + 8, 64, generator=torch.Generator().manual_seed(5))
+    full = torch.mm(x, weight_t)
+    for rows in (1, 16, 17, 32, 33):
+        assert torch.equal(bil.multiply(x[:rows], weight_t, plan), full[:rows]), rows
+    assert native_rows == ([1, 16, 17, 32] if wide else [1, 16])
+
+
 def test_plan_model_plans_dense_float32_matrices_only_and_probes_a_shape_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
