@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from vllm import _custom_ops as ops
 from vllm.model_executor.layers import batch_invariant_linear, layer_ops
 from vllm.model_executor.layers.column_major import column_major
+from vllm.model_executor.layers.huge_pages import WeightArena
 from vllm.model_executor.model_loader.gguf_loader import iterate_gguf
 from vllm.transformers_utils.gguf_dir import find_gguf
 
@@ -69,7 +70,8 @@ class BareDecoder:
         if torch.device(device).type == "cpu":
             # The engine's layout on the CPU (layers/column_major.py), whose products are
             # faster at one row (GEMV) and at large batches; a tied head stays shared.
-            self.w = {name: column_major(t) if t.dim() == 2 else t
+            arena = WeightArena.create()  # the engine's huge pages, where Linux has them
+            self.w = {name: column_major(t, arena) if t.dim() == 2 else t
                       for name, t in self.w.items()}
         self.head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
         # The engine's few-row products too (layers/batch_invariant_linear.py): faster than the BLAS at

@@ -14,13 +14,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.huge_pages import WeightArena
 from vllm.model_executor.layers.linear import _QuantizableLinear
 from vllm.model_executor.layers.vocab_embedding import VocabShard
 
 
-def column_major(matrix: torch.Tensor) -> torch.Tensor:
-    """`matrix` (2-D) with the same shape and values, stored column-major: a copy, unless it
-    already is."""
+def column_major(matrix: torch.Tensor, arena: WeightArena | None = None) -> torch.Tensor:
+    """`matrix` (2-D) with the same shape and values, stored column-major: a copy (a float32
+    CPU one in `arena`'s huge pages when given), unless it already is."""
+    if matrix.t().is_contiguous():
+        return matrix
+    if arena is not None and matrix.dtype == torch.float32 and matrix.device.type == "cpu":
+        stored = arena.empty(matrix.shape[1], matrix.shape[0])
+        stored.copy_(matrix.t())
+        return stored.t()
     return matrix.t().contiguous().t()
 
 
@@ -33,15 +40,17 @@ def make_column_major(model: nn.Module) -> bool:
     ``multiplies_step_rows = False`` never see a step's rows and do not count.
 
     Side effect: replaces those modules' ``weight`` parameters; a weight shared by two
-    modules (tied embeddings) stays shared.
+    modules (tied embeddings) stays shared. Float32 copies go to transparent huge pages where
+    Linux offers them (layers/huge_pages.py): every step streams them at small batches.
     """
     relaid: dict[int, nn.Parameter] = {}
+    arena = WeightArena.create()
     for module in model.modules():
         if not _is_dense(module):
             continue
         weight = module.weight
         if id(weight) not in relaid:
-            relaid[id(weight)] = nn.Parameter(column_major(weight.data),
+            relaid[id(weight)] = nn.Parameter(column_major(weight.data, arena),
                                               requires_grad=False)
         module.weight = relaid[id(weight)]
     covered = {id(p) for p in relaid.values()}
