@@ -127,9 +127,10 @@ def multiply(x: torch.Tensor, weight_t: torch.Tensor, row_plan: RowPlan,
     float32 [M, N]) and returned; with the plan's chunk, up to row_plan.native_rows rows go
     to the native kernel, whose rows equal the BLAS's many-row rows. Does not pad: callers
     pad to row_plan.min_rows."""
-    if row_plan.chunk is not None and 0 < x.shape[0] <= row_plan.native_rows:
+    rows = x.shape[0]
+    if row_plan.chunk is not None and 0 < rows <= row_plan.native_rows:
         if out is None:
-            out = torch.empty(x.shape[0], weight_t.shape[1])
+            out = torch.empty(rows, weight_t.shape[1], dtype=torch.float32)
         # The worker thread's OpenMP default is not torch's setting: pass torch's.
         return _custom_ops.dense_rows(x.contiguous(), weight_t, row_plan.chunk, out,
                                       torch.get_num_threads())
