@@ -38,7 +38,7 @@ from typing import Any
 import jsonschema
 import numpy as np
 
-from tests.v1.structured_output.narrowings import Explainer
+from tests.v1.structured_output.narrowings import TOKEN_SPELLING, Explainer
 from tests.v1.structured_output.oracle import validate_json
 from tests.v1.structured_output.schema_gen import FORMATS, PATTERNS, SCALARS
 from tests.v1.structured_output.walker import WalkVocab, random_walk
@@ -354,6 +354,7 @@ class Checker:
             return
         tally.accepted += 1
         texts: dict[str, Any] = {}
+        walked: dict[str, list[int]] = {}  # a walk's text: its tokens, stop included
         walk_rng = np.random.default_rng(rng.randrange(1 << 30))
         for _ in range(num_walks):
             # A fresh grammar per walk: the engine never rolls a grammar back past its stop.
@@ -366,6 +367,7 @@ class Checker:
                 return
             if stopped:
                 text = self.tokenizer.decode(tokens[:-1])
+                walked[text] = tokens
                 try:
                     texts[text] = json.loads(text)
                 except json.JSONDecodeError:
@@ -394,8 +396,12 @@ class Checker:
             if accepted and not valid_value:
                 tally.findings.append(Finding(self.name, "unsound", schema, text))
             elif valid_value and not accepted:
-                why = self.explainer.explain(
-                    value, text, schema, lambda t: self.accepts(grammar, t), is_valid,
-                    lambda other, t: self.accepts_schema(params, other, t))
+                tokens = walked.get(text)
+                if tokens is not None and len(grammar.validate_tokens(tokens)) == len(tokens):
+                    why = TOKEN_SPELLING  # the grammar wrote it, in other tokens
+                else:
+                    why = self.explainer.explain(
+                        value, text, schema, lambda t: self.accepts(grammar, t), is_valid,
+                        lambda other, t: self.accepts_schema(params, other, t))
                 tally.findings.append(Finding(self.name, "refused" if why else "unexplained",
                                               schema, text, why))

@@ -5,6 +5,9 @@ The engine's structured outputs are closed-world by design: a backend may refuse
 names the narrowing that refuses such a value, or returns "" (an unexplained refusal: a
 finding of the differential check). A refused value is explained when
 
+- **token spelling**: the grammar wrote it itself (a random walk), in tokens other than the
+  tokenizer's own encoding of its text, which holds a token the backend never allows (on
+  lm-format-enforcer, a piece of a character); or
 - **number spelling**: the grammar accepts the same JSON value written another way (an
   integral float without its `.0`, a fraction with trailing zeros); or
 - `jsonschema` refuses it (its integral floats written as integers) under the schema with one
@@ -65,6 +68,7 @@ LISTED_PROPERTY = "minProperties as a listed property"
 FRACTION_BRANCH = "non-integer branch dropped"
 ITEM_CAP = "at most 20 items"
 NUMBER_SPELLING = "number spelling"
+TOKEN_SPELLING = "token spelling"
 ONE_OF_EXCLUSIVE = "oneOf made exclusive"
 
 NARROWINGS: dict[str, tuple[str, ...]] = {

@@ -265,6 +265,12 @@ def test_lm_format_enforcer_reads_every_character_of_a_string(small_vocab) -> No
     assert grammar.validate_tokens(checker.tokenizer.encode('{"d', add_special_tokens=False)) \
         == opener
     assert checker.accepts(_compile(checker, schema), '{"a":"x"}')
+    # Outside its free-text shortcut (a string in an anyOf) it let a raw NUL into a string.
+    grammar = _compile(checker, {"anyOf": [{"type": "string"}, {"type": "null"}]})
+    nul = next(i for i in range(checker.vocab.vocab_size)
+               if checker.tokenizer.decode([i]) == "\x00")
+    quote = checker.tokenizer.encode('"a', add_special_tokens=False)
+    assert grammar.validate_tokens(quote + [nul]) == quote
     # It counted null, boolean and array items about twice: `maxItems: 3` took two.
     with pytest.raises(UnsupportedConstraintError, match="counts them about twice"):
         _compile(checker, {"type": "array", "items": {"type": "null"}, "maxItems": 3})

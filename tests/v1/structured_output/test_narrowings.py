@@ -18,6 +18,7 @@ from tests.v1.structured_output.narrowings import (
     LISTED_PROPERTY,
     NUMBER_SPELLING,
     ONE_OF_EXCLUSIVE,
+    TOKEN_SPELLING,
     UNIQUE_ITEMS,
     Explainer,
     as_2020_12,
@@ -106,3 +107,39 @@ def test_drafts_are_read_in_2020_12() -> None:
     assert converted["properties"]["n"] == {"type": "number", "exclusiveMinimum": 2}
     assert converted["properties"]["t"] == {"prefixItems": [{"type": "string"}], "items": False}
     assert converted["dependentRequired"] == {"n": ["t"]}
+
+
+def test_a_walk_refused_in_other_tokens_is_token_spelling() -> None:
+    """The checker labels a walk's own text that the grammar refuses once re-encoded."""
+    from tests.v1.structured_output.differential import Checker, Tally
+
+    class Grammar:
+        def validate_tokens(self, tokens: list[int]) -> list[int]:
+            return tokens if tokens[:1] == [7] else []  # only the walk's own tokens
+
+    class Backend:
+        def compile_grammar(self, params: Any) -> Grammar:
+            return Grammar()
+
+    class Tokenizer:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [1]
+
+        def decode(self, tokens: list[int]) -> str:
+            return '"a"'
+
+    import random
+
+    from tests.v1.structured_output import differential
+
+    walks = iter([([7, 9], True)] * 4)
+    original = differential.random_walk
+    differential.random_walk = lambda *args, **kwargs: next(walks)
+    try:
+        tally = Tally()
+        checker = Checker("xgrammar", Backend(), Tokenizer(), None, eos_id=9)
+        checker.check({"type": "string"}, random.Random(0), tally, num_instances=1)
+    finally:
+        differential.random_walk = original
+    found = [(f.kind, f.text, f.detail) for f in tally.findings if f.text == '"a"']
+    assert found == [("refused", '"a"', TOKEN_SPELLING)]

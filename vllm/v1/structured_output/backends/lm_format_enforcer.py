@@ -163,11 +163,14 @@ class _Vocab:
         return "".join(self._texts.get(t, "") for t in tokens)
 
 
+def _in_string(text: str) -> bool:
+    """Whether JSON text `text` ends inside a string (an odd number of unescaped quotes)."""
+    return re.sub(r'\\.', "", text).count('"') % 2 == 1
+
+
 def _after_comma(text: str) -> bool:
     """Whether JSON text `text` ends with a comma outside any string (whitespace aside)."""
-    if not text.rstrip().endswith(","):
-        return False
-    return re.sub(r'\\.', "", text).count('"') % 2 == 0
+    return text.rstrip().endswith(",") and not _in_string(text)
 
 
 class LMFormatEnforcerGrammar(StructuredOutputGrammar):
@@ -216,9 +219,13 @@ class LMFormatEnforcerGrammar(StructuredOutputGrammar):
             logger.exception("lm-format-enforcer failed after %d tokens", len(tokens))
             row[:] = False
             return row
-        if isinstance(shortcut, tuple) and shortcut[:1] == ("json_freetext",):
+        text = self._vocab._decode(tokens) if self._json_output else ""
+        if (isinstance(shortcut, tuple) and shortcut[:1] == ("json_freetext",)) or (
+                self._json_output and _in_string(text)):
+            # Also outside its free-text shortcut the library let a raw NUL into a string
+            # (then no stop: a dead end found by the differential check).
             row &= ~self._vocab.string_unsafe
-        elif self._json_output and _after_comma(self._vocab._decode(tokens)):
+        elif self._json_output and _after_comma(text):
             row &= ~self._vocab.closes_first
         if mine:
             self._rows[size] = row
