@@ -69,16 +69,23 @@ class OpTimer:
 
 
 class StepClock:
-    """Start times of the decode forward passes of one run."""
+    """Start times of the forward passes of one run: a time for a decode pass, None for any
+    other (a prefill), which ends a run of decode steps."""
 
     def __init__(self) -> None:
-        self.starts: list[float] = []
+        self.starts: list[float | None] = []
+
+    @property
+    def decode_steps(self) -> int:
+        """The decode passes recorded."""
+        return sum(1 for t in self.starts if t is not None)
 
     def step_seconds(self) -> float:
-        """The mean interval between consecutive decode forward passes."""
-        if len(self.starts) < 2:
-            return float("nan")
-        return (self.starts[-1] - self.starts[0]) / (len(self.starts) - 1)
+        """The mean interval between a decode pass and the next when that one is a decode
+        pass too (an interval with a prefill in it would count the prefill)."""
+        gaps = [b - a for a, b in zip(self.starts, self.starts[1:])
+                if a is not None and b is not None]
+        return sum(gaps) / len(gaps) if gaps else float("nan")
 
 
 def instrument_engine(llm: LLM, timer: OpTimer, clock: StepClock) -> Any:
@@ -108,6 +115,7 @@ def instrument_engine(llm: LLM, timer: OpTimer, clock: StepClock) -> Any:
     def timed_forward(input_ids, positions, kv_caches, attn_metadata, *rest, **kwargs):
         timer.on = attn_metadata.max_query_len == 1
         if not timer.on:
+            clock.starts.append(None)
             return forward(input_ids, positions, kv_caches, attn_metadata, *rest, **kwargs)
         start = _CLOCK()
         clock.starts.append(start)
@@ -138,6 +146,7 @@ def instrument_bare(decoder: Any, timer: OpTimer, clock: StepClock) -> None:
     def timed_forward(tokens, positions, cache, rows, mask, out=None):
         timer.on = mask is not None and tokens.shape[1] == 1
         if not timer.on:
+            clock.starts.append(None)
             return forward(tokens, positions, cache, rows, mask, out)
         start = _CLOCK()
         clock.starts.append(start)
@@ -152,7 +161,7 @@ def instrument_bare(decoder: Any, timer: OpTimer, clock: StepClock) -> None:
 def summarize(timer: OpTimer, clock: StepClock, num_layers: int) -> dict[str, float]:
     """Microseconds per layer of each op type and milliseconds per step of the rest."""
     s = timer.seconds
-    steps = max(len(clock.starts), 1)
+    steps = max(clock.decode_steps, 1)
     per_layer = 1e6 / (steps * num_layers)
     row = {op: s.get(op, 0.0) * per_layer for op in LAYER_OPS}
     # The engine's q/k/v/o products are named by their module ("o" for o_proj).
@@ -243,8 +252,11 @@ def main() -> None:
     if args.steps < 3 or args.repeats < 1 or args.context < 1:
         parser.error("--steps must be at least 3, --repeats and --context at least 1")
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    # Every prompt of a batch is prefilled in one step, so decode steps never share a step
+    # with prefill chunks.
     llm = LLM(args.model, async_scheduling=False, max_num_seqs=max(batches),
-              max_model_len=args.context + args.steps + 16)
+              max_model_len=args.context + args.steps + 16,
+              max_num_batched_tokens=max(8192, args.context * max(batches)))
     # Imported once the engine is built (its thread policy applies before torch starts).
     from vllm.model_executor.greedy_decode_loop import BareDecoder
     from vllm.transformers_utils.hub import resolve_model_path
