@@ -190,7 +190,7 @@ def test_responses_input_image_with_json_schema(server, media) -> None:
      "input[1].content[1].detail", "only 'auto'"),
     ({"type": "input_image", "image_url": "x", "size": 3}, "input[1].content[1].size",
      "not a field"),
-    ({"type": "input_file", "file_data": "x"}, "input[1].content[1]", "input_image"),
+    ({"type": "input_file", "file_data": "x"}, "input[1].content[1].type", "input_image"),
 ])
 def test_responses_bad_image_parts_are_400s_naming_the_part(http, part, param,
                                                             message) -> None:

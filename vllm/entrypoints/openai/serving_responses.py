@@ -105,13 +105,15 @@ def _message_content(content: list[Any], where: str) -> str | list[dict[str, Any
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "input_image":
             parts.append(_image_part(part, f"{where}.content[{j}]"))
-        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": part["text"]})
-        else:
+        elif kind not in _TEXT_PARTS:
             raise InvalidRequestError(
-                f"{where}.content[{j}]",
+                f"{where}.content[{j}].type",
                 "only text parts (input_text, output_text) and input_image parts are supported",
             )
+        elif not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}.content[{j}].text", "must be a string")
+        else:
+            parts.append({"type": "text", "text": part["text"]})
     if any(p["type"] == "image_url" for p in parts):
         return parts
     return "".join(p["text"] for p in parts)
