@@ -308,3 +308,26 @@ def test_what_the_check_found_on_outlines_and_formats(small_vocab) -> None:
         _compile(outlines, {"allOf": [{"const": ""}, {"type": "string", "format": "email"}]})
     with pytest.raises(UnsupportedConstraintError, match="beside 'format' 'date-time'"):
         _compile(outlines, {"enum": ["x", "2024-01-02T03:04:05Z"], "format": "date-time"})
+
+
+def test_outlines_any_value_and_shorter_tuples_keep_their_meaning(small_vocab) -> None:
+    """Found at 10,000 schemas: outlines-core 0.2.14 writes a property whose schema is `{}`
+    (any value; the propertyNames rewrite lists names that way) as an alternation it does
+    not group, so `"a":null` let text follow the value (`{"b":3,"c":null641.5}`, not JSON)
+    and refused valid objects; and the shorter tuples spelled out for it dropped the array's
+    other keywords (`[]` passed a `contains`)."""
+    outlines = _checker("outlines", small_vocab)
+    schema = {"type": "object", "properties": {"a": {}, "b": {"type": "null"}},
+              "additionalProperties": False}
+    grammar = _compile(outlines, schema)
+    assert outlines.accepts(grammar, '{"a":[1,{"x":"y"}],"b":null}')
+    assert outlines.accepts(_compile(outlines, schema), '{"b":null}')
+    assert not outlines.accepts(_compile(outlines, schema), '{"a":1null}')
+    grammar = _compile(outlines, {"type": "object", "propertyNames": {"pattern": "^[a-c]$"}})
+    assert outlines.accepts(grammar, '{"a":1,"c":"x"}')
+    assert not outlines.accepts(_compile(outlines, {
+        "type": "object", "propertyNames": {"pattern": "^[a-c]$"}}), '{"a":1null}')
+    with pytest.raises(UnsupportedConstraintError, match="'contains'"):
+        _compile(outlines, {"type": "array", "prefixItems": [{"type": "string"},
+                                                             {"type": "boolean"}],
+                            "contains": {"type": "string"}, "maxItems": 1})

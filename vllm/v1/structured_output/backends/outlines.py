@@ -18,7 +18,8 @@ Supported constraints (`StructuredOutputsParams`):
   only their listed properties, in schema order (an `additionalProperties` other than false
   beside them is refused), and arrays with `prefixItems` only their
   listed items (an `items` schema after them is refused; shorter tuples are spelled out as
-  tuples of their own, `spell_out_tuples`). A number that may have a fraction cannot be
+  tuples of their own, `spell_out_tuples`); a value that may be anything is written as the
+  list of every type (`type_open_values`). A number that may have a fraction cannot be
   the whole output (outlines-core 0.2.14 drops the steps from a final state of its index to
   a state that is not, so "2" never continues to "2.5"). Whitespace follows the engine's rules (none
   with `disable_any_whitespace`, runs of at most `max_whitespace`, a request's
@@ -74,6 +75,7 @@ from vllm.v1.structured_output.schema.subset import (
     SchemaSubset,
     check_subset,
     spell_out_tuples,
+    type_open_values,
 )
 
 logger = logging.getLogger(__name__)
@@ -316,6 +318,7 @@ class OutlinesBackend(VocabBackend):
             # exponent (found by the differential check); inside a container it does.
             raise _unsupported(kind, "a number that may have a fraction as the whole output")
         spell_out_tuples(schema)
+        type_open_values(schema)
         check_subset(schema, OUTLINES_SUBSET)
         whitespace = self._whitespace(params)  # its InvalidRequestError names its own field
         try:

@@ -208,9 +208,13 @@ def spell_out_tuples(schema: Any) -> None:
             or not (high is None or _count(high)) or low >= len(prefix)):
         return
     top = len(prefix) if high is None else min(high, len(prefix))
+    # Each shorter tuple keeps the array's other keywords (`contains`, `uniqueItems`), so the
+    # subset check still sees them: dropping them let `[]` pass a `contains` (found by the
+    # differential check).
+    rest = {k: v for k, v in schema.items()
+            if k not in ("minItems", "maxItems", "prefixItems", "items") and k not in ANNOTATIONS}
     branches: list[Any] = [
-        {"type": "array", "prefixItems": prefix[:k], "items": False} if k else
-        {"type": "array", "maxItems": 0}
+        {**rest, "prefixItems": prefix[:k], "items": False} if k else {**rest, "maxItems": 0}
         for k in range(low, min(top + 1, len(prefix)))
     ]
     if top == len(prefix):
@@ -218,6 +222,39 @@ def spell_out_tuples(schema: Any) -> None:
     for key in [k for k in schema if k not in ANNOTATIONS]:
         del schema[key]
     schema["anyOf"] = branches
+
+
+_EVERY_TYPE = ("null", "boolean", "number", "string", "array", "object")
+
+
+def type_open_values(schema: Any) -> None:
+    """Writes, in place, each subschema that constrains nothing (`true`, `{}` or annotations
+    only) as the list of every JSON type. outlines-core 0.2.14 writes an unconstrained value
+    as an alternation it does not group: text could follow a `null` (`{"c":null641.5}`, not
+    JSON) and `{"a":1,"b":null}` was refused (found by the differential check). Exact: the
+    list admits every JSON value."""
+    if isinstance(schema, list):
+        for sub in schema:
+            type_open_values(sub)
+        return
+    if not isinstance(schema, dict):
+        return
+
+    def typed(sub: Any) -> Any:
+        if sub is True or (isinstance(sub, dict) and all(k in ANNOTATIONS for k in sub)):
+            return {**(sub if isinstance(sub, dict) else {}), "type": list(_EVERY_TYPE)}
+        type_open_values(sub)
+        return sub
+
+    for key in _MAPS:
+        if isinstance(schema.get(key), dict):
+            schema[key] = {name: typed(sub) for name, sub in schema[key].items()}
+    for key in _LISTS:
+        if isinstance(schema.get(key), list):
+            schema[key] = [typed(sub) for sub in schema[key]]
+    for key in _SINGLES:
+        if isinstance(schema.get(key), dict) or schema.get(key) is True:
+            schema[key] = typed(schema[key])
 
 
 def drop_absent_properties(schema: Any) -> None:
