@@ -331,3 +331,12 @@ def test_outlines_any_value_and_shorter_tuples_keep_their_meaning(small_vocab) -
         _compile(outlines, {"type": "array", "prefixItems": [{"type": "string"},
                                                              {"type": "boolean"}],
                             "contains": {"type": "string"}, "maxItems": 1})
+
+
+def test_schema_rewrites_leave_literal_values_alone(small_vocab) -> None:
+    """The rewrites for outlines walk schema positions only: a `const` object that looks like
+    a tuple schema is a value to write as it is, not an array to spell out."""
+    outlines = _checker("outlines", small_vocab)
+    value = {"type": "array", "prefixItems": [{"type": "string"}]}
+    grammar = _compile(outlines, {"const": value})
+    assert outlines.accepts(grammar, '{"type":"array","prefixItems":[{"type":"string"}]}')

@@ -85,6 +85,19 @@ def _subschemas(node: dict[str, Any]) -> Iterator[Any]:
             yield value
 
 
+def _schema_nodes(schema: Any) -> list[dict[str, Any]]:
+    """Every subschema object of `schema` (itself included) reached through schema positions,
+    never through values (`enum`, `const`, `default`): the in-place rewrites below must not
+    change a literal that happens to look like a schema."""
+    nodes, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            nodes.append(node)
+            stack.extend(_subschemas(node))
+    return nodes
+
+
 def _refuse(subset: SchemaSubset, what: str) -> UnsupportedConstraintError:
     return UnsupportedConstraintError(_FIELD, f"{what} (unsupported by {subset.backend})")
 
@@ -92,17 +105,12 @@ def _refuse(subset: SchemaSubset, what: str) -> UnsupportedConstraintError:
 def check_subset(schema: Any, subset: SchemaSubset) -> None:
     """Raises UnsupportedConstraintError at the first keyword (or keyword combination) of the
     normalized `schema` that `subset.backend` does not enforce exactly."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
+    for node in _schema_nodes(schema):
         for key in node:
             if key not in subset.keywords and key not in ANNOTATIONS:
                 raise _refuse(subset, f"schema keyword {key!r} cannot be enforced")
         _check_node(node, subset)
         _check_item_count(node, subset, schema)
-        stack.extend(_subschemas(node))
 
 
 def _check_item_count(node: dict[str, Any], subset: SchemaSubset, root: Any) -> None:
@@ -193,15 +201,11 @@ def spell_out_tuples(schema: Any) -> None:
     last listed item into an `anyOf` of whole tuples, one per allowed length: outlines writes
     every listed item (it refused `[]` for one optional item; found by the differential
     check). Exact: the shorter tuples have no item after the listed ones."""
-    if isinstance(schema, list):
-        for sub in schema:
-            spell_out_tuples(sub)
-        return
-    if not isinstance(schema, dict):
-        return
-    for value in schema.values():
-        if isinstance(value, (dict, list)):
-            spell_out_tuples(value)
+    for node in _schema_nodes(schema):
+        _spell_out_tuple(node)
+
+
+def _spell_out_tuple(schema: dict[str, Any]) -> None:
     prefix = schema.get("prefixItems")
     low, high = schema.get("minItems", 0), schema.get("maxItems")
     if (schema.get("type") != "array" or not isinstance(prefix, list) or not _count(low)
@@ -263,23 +267,15 @@ def drop_absent_properties(schema: Any) -> None:
     as `{}`: lm-format-enforcer fails on a boolean schema once it starts the name (a dead
     end the differential check found). An object left listing nothing gets
     `additionalProperties: false`, as it was (no other name is written either)."""
-    if isinstance(schema, list):
-        for sub in schema:
-            drop_absent_properties(sub)
-        return
-    if not isinstance(schema, dict):
-        return
-    listed = schema.get("properties")
-    if isinstance(listed, dict) and any(isinstance(sub, bool) for sub in listed.values()):
-        # `true` is `{}` (which the checks then read), `false` goes.
-        schema["properties"] = {n: {} if sub is True else sub
-                                for n, sub in listed.items() if sub is not False}
-        if not schema["properties"] and "additionalProperties" not in schema and (
-                "patternProperties" not in schema):
-            schema["additionalProperties"] = False
-    for value in schema.values():
-        if isinstance(value, (dict, list)):
-            drop_absent_properties(value)
+    for node in _schema_nodes(schema):
+        listed = node.get("properties")
+        if isinstance(listed, dict) and any(isinstance(sub, bool) for sub in listed.values()):
+            # `true` is `{}` (which the checks then read), `false` goes.
+            node["properties"] = {n: {} if sub is True else sub
+                                  for n, sub in listed.items() if sub is not False}
+            if not node["properties"] and "additionalProperties" not in node and (
+                    "patternProperties" not in node):
+                node["additionalProperties"] = False
 
 
 def _count(value: Any) -> bool:
