@@ -1,13 +1,14 @@
 """The tree stays the shape docs/architecture.md describes: every file the document names
 exists, no import circle spans more than three modules, the bottom layer reaches nothing
-above it, and no module grows past 600 lines (the point where a file stops being readable in
-one sitting)."""
+above it, no module grows past 600 lines (the point where a file stops being readable in
+one sitting), and every Python file compiles without a warning."""
 
 from __future__ import annotations
 
 import ast
 import re
 import subprocess
+import warnings
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,3 +128,16 @@ def test_no_module_is_over_600_lines() -> None:
     long = {rel: n for rel in _tracked("vllm/*.py")
             if (n := len((REPO / rel).read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_every_python_file_compiles_without_warnings() -> None:
+    """No invalid escape sequences and the like: Python warns of them at compile time
+    (shown once, when no .pyc exists yet) and will make them errors."""
+    warned = {}
+    for rel in _tracked("*.py"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compile((REPO / rel).read_text(), rel, "exec")
+        if caught:
+            warned[rel] = [str(w.message) for w in caught]
+    assert warned == {}

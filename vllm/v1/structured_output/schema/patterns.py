@@ -1,4 +1,4 @@
-"""JSON-schema `pattern`s in the forms every backend reads alike (docs/architecture.md section 5).
+r"""JSON-schema `pattern`s in the forms every backend reads alike (docs/architecture.md section 5).
 
 A pattern matches anywhere in the string (`"^a"` holds for "ax"), while xgrammar, outlines and
 lm-format-enforcer match a pattern against the whole string. `anchor` writes a pattern so that
