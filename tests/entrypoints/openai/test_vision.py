@@ -1,16 +1,17 @@
 """`vllm serve` of a tiny random Qwen2.5-VL written by the test: the official openai client
 sends images (data URL, a file under --allowed-local-media-path, an http URL of
---allowed-media-domains served on loopback) with a JSON schema and gets valid objects;
-/tokenize counts an image's placeholders; bad images, too many images, URLs the flags do
-not allow and unknown part types are 400s naming messages[i].content[j], and the server
-keeps serving. /v1/responses takes input_image parts under the same rules, its errors
-naming input[i].content[j]."""
+--allowed-media-domains served on loopback) with a JSON schema and gets valid objects, as
+do regex, choice and forced tool calls on an image prompt; /tokenize counts an image's
+placeholders; bad images, too many images, URLs the flags do not allow and unknown part
+types are 400s naming messages[i].content[j], and the server keeps serving. /v1/responses
+takes input_image parts under the same rules, its errors naming input[i].content[j]."""
 
 from __future__ import annotations
 
 import base64
 import io
 import json
+import re
 import threading
 from http import server as http_server
 
@@ -76,7 +77,7 @@ def server(start_server, media):
         "--kv-cache-memory", "64MiB", "--limit-mm-per-prompt", '{"image": 2}',
         "--allowed-local-media-path", str(media[0]), "--allowed-media-domains", "127.0.0.1",
         "--structured-outputs-config.disable_any_whitespace", "true",
-        "--disable-log-requests",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-requests",
     )
 
 
@@ -105,6 +106,33 @@ def test_openai_client_image_with_json_schema(server, media) -> None:
     two = client.chat.completions.create(model="tiny-vl", messages=_message(urls[0], urls[1]),
                                          max_tokens=4, temperature=0)
     assert two.usage.prompt_tokens > answers[0]
+
+
+REGEX = r"[a-z]{2,6} [0-9]"
+CHOICES = ["red", "green", "blue"]
+TOOL = {"type": "function", "function": {"name": "report", "parameters": SCHEMA}}
+
+
+def test_regex_choice_and_tool_calls_with_an_image(server) -> None:
+    """Under the server's async scheduling, every other kind of constraint holds on an
+    image prompt: a regex, a choice, and tool calls forced by tool_choice (required and
+    named) whose arguments validate against the tool's schema."""
+    client = server.client()
+    messages = _message(_data_url(_png(image(48, 64, 6))))
+    kwargs = {"model": "tiny-vl", "messages": messages, "temperature": 0}
+    regex = client.chat.completions.create(
+        max_tokens=12, extra_body={"structured_outputs": {"regex": REGEX}}, **kwargs)
+    assert re.fullmatch(REGEX, regex.choices[0].message.content), regex
+    choice = client.chat.completions.create(
+        max_tokens=4, extra_body={"structured_outputs": {"choice": CHOICES}}, **kwargs)
+    assert choice.choices[0].message.content in CHOICES
+    for tool_choice in ("required", {"type": "function", "function": {"name": "report"}}):
+        reply = client.chat.completions.create(max_tokens=60, tools=[TOOL],
+                                               tool_choice=tool_choice, **kwargs)
+        calls = reply.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "report" for c in calls), reply
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
 
 
 def test_tokenize_counts_image_placeholders(http) -> None:
