@@ -40,6 +40,14 @@ PREPROCESSOR = {
     "do_normalize": True, "do_convert_rgb": True,
 }
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+# What the image tests ask for under a JSON schema.
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]},
+                   "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["color", "count"],
+    "additionalProperties": False,
+}
 # <|image_pad|> in the demo tokenizer (Qwen's id).
 IMAGE_TOKEN_ID = 151655
 

@@ -21,15 +21,8 @@ import pytest
 from PIL import Image
 
 from tests.entrypoints.openai.test_errors import assert_error
-from tests.utils_vl import image, shared_vl_checkpoint
+from tests.utils_vl import SCHEMA, image, shared_vl_checkpoint
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green", "blue"]},
-                   "count": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["color", "count"],
-    "additionalProperties": False,
-}
 CHAT = "/v1/chat/completions"
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from tests.utils_vl import (
     QWEN3_PREPROCESSOR,
+    SCHEMA,
     chat_prompt,
     greedy_agreement_with_transformers,
     hf_image_inputs,
@@ -94,15 +95,6 @@ def test_pipeline_parallel_equals_one_stage(checkpoint, llm) -> None:
     finally:
         engine.shutdown()
     assert got == want
-
-
-SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green", "blue"]},
-                   "count": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["color", "count"],
-    "additionalProperties": False,
-}
 
 
 def test_sync_tensor_parallel_preempted_equals_async(checkpoint, llm) -> None:

@@ -12,18 +12,11 @@ import jsonschema
 import pytest
 
 from tests.utils_models import capture_logits
-from tests.utils_vl import PLACEHOLDER, image, shared_vl_checkpoint
+from tests.utils_vl import PLACEHOLDER, SCHEMA, image, shared_vl_checkpoint
 from vllm import LLM, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "green", "blue"]},
-                   "count": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["color", "count"],
-    "additionalProperties": False,
-}
 BLOCK = 16
 
 
