@@ -1,15 +1,17 @@
 """Images in: requests/s and vision-encoder milliseconds per image, by images per batch.
 
-    .venv/bin/python benchmarks/bench_images.py [--model QWEN2_5_VL_DIR] \
-        [--batches 1,4,16] [--size 224] [--output-len 16] [--json-schema]
+    .venv/bin/python benchmarks/bench_images.py [--model QWEN_VL_DIR] \
+        [--family qwen2_5_vl|qwen3_vl] [--batches 1,4,16] [--size 224] [--output-len 16] \
+        [--json-schema]
 
-Without `--model` it builds the tiny random Qwen2.5-VL the tests use (from the repository's
-tests/utils_vl.py: run it from the repository root). Each batch is one `LLM.generate` call
-of N requests, each with its own image (`--size` square, random pixels: no two alike, so
-every image is encoded), greedy, `--output-len` tokens (with `--json-schema`, under a JSON
-schema). Encoder time is the wall time inside the runner's per-image encode (uni executor,
-same process); a warm-up batch runs first. Prints one row per batch: requests/s, tokens/s,
-encoder ms per image and the encoder's share of the wall time.
+Without `--model` it builds the tiny random Qwen2.5-VL (or, with `--family qwen3_vl`,
+Qwen3-VL) the tests use (from the repository's tests/utils_vl.py: run it from the
+repository root). Each batch is one `LLM.generate` call of N requests, each with its own
+image (`--size` square, random pixels: no two alike, so every image is encoded), greedy,
+`--output-len` tokens (with `--json-schema`, under a JSON schema). Encoder time is the wall
+time inside the runner's per-image encode (uni executor, same process); a warm-up batch
+runs first. Prints one row per batch: requests/s, tokens/s, encoder ms per image and the
+encoder's share of the wall time.
 """
 
 from __future__ import annotations
@@ -33,13 +35,13 @@ SCHEMA = {"type": "object", "properties": {"animal": {"type": "string", "maxLeng
           "required": ["animal", "count"]}
 
 
-def tiny_checkpoint() -> str:
-    """The tests' tiny random Qwen2.5-VL, written to a temporary directory."""
+def tiny_checkpoint(family: str) -> str:
+    """The tests' tiny random Qwen2.5-VL or Qwen3-VL, written to a temporary directory."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.utils_vl import build_vl_checkpoint
 
     path = Path(tempfile.mkdtemp(prefix="bench-images-"))
-    build_vl_checkpoint(path)
+    build_vl_checkpoint(path, family=family)
     return str(path)
 
 
@@ -76,7 +78,9 @@ def requests(n: int, size: int, seed: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="default: the tests' tiny Qwen2.5-VL")
+    parser.add_argument("--model", default=None, help="default: the tests' tiny model")
+    parser.add_argument("--family", choices=["qwen2_5_vl", "qwen3_vl"], default="qwen2_5_vl",
+                        help="which tiny model, without --model")
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--output-len", type=int, default=16)
@@ -84,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     timer = EncoderTimer()
-    llm = LLM(args.model or tiny_checkpoint(), max_num_seqs=max(batches),
+    llm = LLM(args.model or tiny_checkpoint(args.family), max_num_seqs=max(batches),
               distributed_executor_backend="uni")
     params = SamplingParams(
         temperature=0.0, max_tokens=args.output_len, ignore_eos=not args.json_schema,
