@@ -28,6 +28,15 @@ VISION_ACTIVATIONS = {
 }
 
 
+def vision_activation(name: str):
+    """The activation `vision_config.hidden_act` names; ValueError naming the field when
+    it is not one of VISION_ACTIVATIONS."""
+    if name not in VISION_ACTIVATIONS:
+        raise ValueError(f"vision_config.hidden_act: {name!r} is not supported (one of "
+                         f"{', '.join(VISION_ACTIVATIONS)})")
+    return VISION_ACTIVATIONS[name]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -38,10 +47,7 @@ class VisionMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        if act not in VISION_ACTIVATIONS:
-            raise ValueError(f"vision_config.hidden_act: {act!r} is not supported (one of "
-                             f"{', '.join(VISION_ACTIVATIONS)})")
-        self.act = VISION_ACTIVATIONS[act]
+        self.act = vision_activation(act)
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
@@ -119,20 +125,53 @@ class PatchMerger(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    """A 3-D convolution whose kernel equals its stride: one linear map per patch."""
+    """A 3-D convolution whose kernel equals its stride: one linear (or, with `bias`,
+    affine) map per patch."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, bias: bool = False) -> None:
         super().__init__()
         p, tp = config.patch_size, config.temporal_patch_size
         self.proj = nn.Module()
         self.proj.weight = nn.Parameter(
             torch.empty(config.hidden_size, config.in_channels, tp, p, p), requires_grad=False
         )
+        self.proj.bias = (nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
+                          if bias else None)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """Maps [S, C * tp * p * p] to [S, hidden]."""
         w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.view(w.shape[0], -1))
+        return F.linear(pixels.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
+
+
+class VisionRotary(nn.Module):
+    """The towers' 2-D rotary positions: half of each head's rotary frequencies follow the
+    patch's row, half its column (`vision_config.rope_parameters.rope_theta`, default
+    10000)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
+        half = config.hidden_size // config.num_heads // 2
+        inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, rows: torch.Tensor, cols: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, [S, head_dim] float32, of the patches at (rows, cols)."""
+        inv = self.inv_freq.float()
+        freqs = torch.cat([rows.float()[:, None] * inv, cols.float()[:, None] * inv], dim=-1)
+        freqs = torch.cat([freqs, freqs], dim=-1)
+        return freqs.cos(), freqs.sin()
+
+
+def check_grid(pixels: torch.Tensor, grid_thw: tuple[int, int, int], merge: int) -> None:
+    """ValueError when an image's grid (t, h, w) does not divide into merge squares or
+    does not match its rows of patches."""
+    t, h, w = grid_thw
+    if h % merge or w % merge or pixels.shape[0] != t * h * w:
+        raise ValueError(f"image grid {grid_thw} does not match its {pixels.shape[0]} "
+                         f"patches in squares of {merge}")
 
 
 def patch_coordinates(h: int, w: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,33 +214,21 @@ class Qwen2_5_VisionTransformer(nn.Module):
         self.patch_size = config.patch_size
         self.window_size = config.window_size
         self.full_attention = set(config.fullatt_block_indexes or ())
-        self.head_dim = config.hidden_size // config.num_heads
         self.patch_embed = PatchEmbed(config)
+        self.rotary = VisionRotary(config)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config.out_hidden_size, config.hidden_size, self.merge)
-        theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
-        half = self.head_dim // 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def _rotary(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inv = self.inv_freq.float()
-        freqs = torch.cat([rows.float()[:, None] * inv, cols.float()[:, None] * inv], dim=-1)
-        freqs = torch.cat([freqs, freqs], dim=-1)
-        return freqs.cos(), freqs.sin()
 
     def forward(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """Embeds one image: pixels [t * h * w, patch_dim] with grid (t, h, w) in patches.
         Raises ValueError when the grid does not divide into merge squares."""
         t, h, w = grid_thw
         m = self.merge
-        if h % m or w % m or pixels.shape[0] != t * h * w:
-            raise ValueError(f"image grid {grid_thw} does not match its {pixels.shape[0]} "
-                             f"patches in squares of {m}")
+        check_grid(pixels, grid_thw, m)
         unit = m * m
-        device = self.inv_freq.device
+        device = self.rotary.inv_freq.device
         rows, cols = patch_coordinates(h, w, m)
-        cos, sin = self._rotary(rows.repeat(t).to(device), cols.repeat(t).to(device))
+        cos, sin = self.rotary(rows.repeat(t).to(device), cols.repeat(t).to(device))
         squares, sizes = window_order(t, h // m, w // m,
                                       self.window_size // m // self.patch_size)
         # Patch order grouped by window: every square's patches stay together.

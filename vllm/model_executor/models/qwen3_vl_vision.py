@@ -17,9 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.model_executor.models.qwen2_5_vl_vision import (
-    VISION_ACTIVATIONS,
+    PatchEmbed,
     VisionAttention,
+    VisionBlock,
+    VisionRotary,
+    check_grid,
     patch_coordinates,
+    vision_activation,
 )
 
 
@@ -28,10 +32,7 @@ class Qwen3VisionMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
-        if act not in VISION_ACTIVATIONS:
-            raise ValueError(f"vision_config.hidden_act: {act!r} is not supported (one of "
-                             f"{', '.join(VISION_ACTIVATIONS)})")
-        self.act = VISION_ACTIVATIONS[act]
+        self.act = vision_activation(act)
         self.linear_fc1 = nn.Linear(dim, hidden)
         self.linear_fc2 = nn.Linear(hidden, dim)
 
@@ -40,23 +41,17 @@ class Qwen3VisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class Qwen3VisionBlock(nn.Module):
-    """Pre-norm transformer block (LayerNorm with bias) of the vision tower."""
+class Qwen3VisionBlock(VisionBlock):
+    """Qwen2.5-VL's pre-norm block (its forward) with LayerNorms that have a bias and the
+    two-layer MLP."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = Qwen3VisionMLP(config.hidden_size, config.intermediate_size,
                                   config.hidden_act)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]
-    ) -> torch.Tensor:
-        """Maps [S, dim] to [S, dim]; tokens attend within their segment of `bounds`."""
-        x = x + self.attn(self.norm1(x), cos, sin, bounds)
-        return x + self.mlp(self.norm2(x))
 
 
 class Qwen3PatchMerger(nn.Module):
@@ -79,25 +74,6 @@ class Qwen3PatchMerger(nn.Module):
         else:
             x = self.norm(x).reshape(-1, self.in_dim)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
-
-
-class Qwen3PatchEmbed(nn.Module):
-    """A 3-D convolution with bias whose kernel equals its stride: one affine map per
-    patch."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        p, tp = config.patch_size, config.temporal_patch_size
-        self.proj = nn.Module()
-        self.proj.weight = nn.Parameter(
-            torch.empty(config.hidden_size, config.in_channels, tp, p, p), requires_grad=False
-        )
-        self.proj.bias = nn.Parameter(torch.empty(config.hidden_size), requires_grad=False)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Maps [S, C * tp * p * p] to [S, hidden]."""
-        w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.view(w.shape[0], -1), self.proj.bias)
 
 
 def _axis_taps(index: torch.Tensor, size: int, side: int
@@ -124,8 +100,8 @@ class Qwen3VisionTransformer(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.merge = config.spatial_merge_size
-        self.head_dim = config.hidden_size // config.num_heads
-        self.patch_embed = Qwen3PatchEmbed(config)
+        self.patch_embed = PatchEmbed(config, bias=True)
+        self.rotary = VisionRotary(config)
         self.num_position_embeddings = config.num_position_embeddings
         self.side = int(config.num_position_embeddings ** 0.5)
         if self.side * self.side != config.num_position_embeddings:
@@ -144,10 +120,6 @@ class Qwen3VisionTransformer(nn.Module):
             Qwen3PatchMerger(config.hidden_size, config.out_hidden_size, self.merge,
                              after_concat=True)
             for _ in self.deepstack_indexes)
-        theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
-        half = self.head_dim // 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _positions(self, rows: torch.Tensor, cols: torch.Tensor, h: int, w: int
                    ) -> torch.Tensor:
@@ -167,19 +139,13 @@ class Qwen3VisionTransformer(nn.Module):
         """Embeds one image: pixels [t * h * w, patch_dim] with grid (t, h, w) in patches.
         Raises ValueError when the grid does not divide into merge squares."""
         t, h, w = grid_thw
-        m = self.merge
-        if h % m or w % m or pixels.shape[0] != t * h * w:
-            raise ValueError(f"image grid {grid_thw} does not match its {pixels.shape[0]} "
-                             f"patches in squares of {m}")
-        device = self.inv_freq.device
-        rows, cols = patch_coordinates(h, w, m)
+        check_grid(pixels, grid_thw, self.merge)
+        device = self.rotary.inv_freq.device
+        rows, cols = patch_coordinates(h, w, self.merge)
         rows, cols = rows.repeat(t).to(device), cols.repeat(t).to(device)
         x = self.patch_embed(pixels)
         x = x + self._positions(rows, cols, h, w).to(x.dtype)
-        inv = self.inv_freq.float()
-        freqs = torch.cat([rows.float()[:, None] * inv, cols.float()[:, None] * inv], dim=-1)
-        freqs = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = self.rotary(rows, cols)
         # Each frame attends within itself (a still image is one frame).
         bounds = list(range(0, t * h * w + 1, h * w))
         deepstack: list[torch.Tensor] = []
