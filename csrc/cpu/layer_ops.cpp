@@ -32,18 +32,10 @@ constexpr int32_t VLLM_BAD_SLOT = 12;
 // thread (a sleeping OpenMP thread takes tens of microseconds to wake), a prefill's shared out.
 constexpr int64_t kGrainElements = 1 << 18;
 
-// Eight float lanes (GCC and Clang lower them to the target's vectors). The kernels are
-// compiled plain and for AVX2 with fused multiply-adds; ISO C++ does not contract a * b + c
-// into one rounding, so both builds compute the same numbers.
-typedef float v8 __attribute__((vector_size(32)));
+using vllm_cpu::load8;
+using vllm_cpu::store8;
+using vllm_cpu::v8;
 typedef double v4d __attribute__((vector_size(32)));
-#pragma GCC diagnostic ignored "-Wpsabi"
-__attribute__((always_inline)) inline v8 load8(const float* p) {
-  v8 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-__attribute__((always_inline)) inline void store8(float* p, v8 x) { std::memcpy(p, &x, sizeof(x)); }
 
 
 int threads_for_rows(int64_t rows, int64_t width, int32_t num_threads) {

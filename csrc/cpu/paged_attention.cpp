@@ -39,19 +39,9 @@ constexpr int64_t kAhead = 4;
 // is faster on the calling thread alone.
 constexpr int64_t kGrainBytes = 1 << 20;
 
-// Eight float lanes; GCC and Clang lower it to whatever vector width the target has. The
-// helpers are always inlined, so no v8 crosses a call (GCC warns about that ABI otherwise).
-typedef float v8 __attribute__((vector_size(32)));
-#pragma GCC diagnostic ignored "-Wpsabi"
-__attribute__((always_inline)) inline v8 load8(const float* p) {
-  v8 x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-__attribute__((always_inline)) inline void store8(float* p, v8 x) {
-  std::memcpy(p, &x, sizeof(x));
-}
+using vllm_cpu::load8;
+using vllm_cpu::store8;
+using vllm_cpu::v8;
 
 // Shapes and pointers shared by every (request, KV head) pair of one call.
 struct Problem {
