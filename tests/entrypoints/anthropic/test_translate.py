@@ -96,10 +96,56 @@ def test_choices_prefill_and_thinking_switch() -> None:
     assert counted.max_completion_tokens is None and not counted.stream
 
 
+def test_image_blocks_become_image_url_parts_named_by_their_block() -> None:
+    """A user turn with images becomes parts in block order (text blocks still joined by
+    newlines, a base64 source a data URL, a url source as sent); a text-only turn stays a
+    string. Each part's chat name maps back to its block, after a tool_result split the
+    turn and behind a system message."""
+    request = chat(system="Look closely.", messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                           "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "done"},
+            {"type": "text", "text": "Compare"},
+            {"type": "text", "text": "these:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0K"}},
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/b.jpg"},
+             "cache_control": {"type": "ephemeral"}},
+        ]},
+    ])
+    got = messages(request)
+    assert got[1] == {"role": "user", "content": "Hi"}
+    assert got[3]["role"] == "tool"
+    assert got[4] == {"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "text", "text": "\nthese:"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/b.jpg"}}]}
+    places = request._places
+    assert anthropic_param("messages[4].content[2]", places) == "messages[2].content[3]"
+    assert anthropic_param("messages[4].content[3].image_url", places) == \
+        "messages[2].content[4].image_url"
+    assert anthropic_param("messages[1].content", places) == "messages"
+    assert anthropic_param("messages[4].content[2]") == "messages"
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "messages[0].content[0]"),
+     "messages[0].content[0].source.type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/svg+xml", "data": "AA=="}}]}]},
+     "messages[0].content[0].source.media_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png"}}]}]},
+     "messages[0].content[0].source.data"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "file", "file_id": "file_1"}}]}]},
+     "messages[0].content[0].source.type"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image", "source": {
+        "type": "url", "url": "https://example.com/a.png"}}]}]},
+     "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                                  "content": [{"type": "image"}]}]}]},
      "messages[0].content[0].content[0]"),

@@ -15,6 +15,7 @@ import re
 import threading
 from http import server as http_server
 
+import anthropic
 import httpx
 import jsonschema
 import pytest
@@ -249,3 +250,45 @@ def test_mm_processor_kwargs_per_request(http) -> None:
     error = assert_error(http.post(CHAT, json={**body, "mm_processor_kwargs": {"fps": 2}}),
                          400, "mm_processor_kwargs.fps")
     assert "not supported" in error["message"]
+
+
+def test_anthropic_messages_take_image_blocks(server, media) -> None:
+    """Anthropic's Messages API through the official SDK: base64 and url image blocks
+    count as the chat path's image parts, and a tool forced by tool_choice gives a tool_use
+    whose input validates; a corrupt image is a 400 naming its block, and a url the flags
+    do not allow names its block too."""
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="none", max_retries=0,
+                                 timeout=60)
+    png = _png(image(64, 48, 1))
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png).decode()}}
+    question = {"type": "text", "text": "What color, and how many?"}
+    counted = client.messages.count_tokens(
+        model="tiny-vl", messages=[{"role": "user", "content": [question, block]}])
+    chat = server.client().chat.completions.create(
+        model="tiny-vl", messages=_message(_data_url(png)), max_tokens=1)
+    assert counted.input_tokens == chat.usage.prompt_tokens
+    by_url = {"type": "image", "source": {"type": "url", "url": f"{media[1]}/cat.png"}}
+    reply = client.messages.create(
+        model="tiny-vl", max_tokens=60, extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": [question, block, by_url]}],
+        tools=[{"name": "report", "input_schema": SCHEMA}],
+        tool_choice={"type": "tool", "name": "report"})
+    uses = [b for b in reply.content if b.type == "tool_use"]
+    assert uses and all(u.name == "report" for u in uses), reply
+    for use in uses:
+        jsonschema.validate(use.input, SCHEMA)
+    for bad, message in (
+        ({**block, "source": {**block["source"], "data": base64.b64encode(png[:100]).decode()}},
+         "cannot decode"),
+        ({"type": "image", "source": {"type": "url", "url": "http://localhost:9/a.png"}},
+         "not allowed"),
+    ):
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            # The system prompt is chat message 0: the image is chat's messages[1].content[1].
+            client.messages.create(model="tiny-vl", max_tokens=2, system="Be brief.",
+                                   messages=[{"role": "user", "content": [question, bad]}])
+        error = refused.value.body["error"]
+        assert "messages[0].content[1]" in error["message"] and message in error["message"], \
+            error
+        assert "messages[1]" not in error["message"]

@@ -2,7 +2,7 @@
 /v1/messages/count_tokens and the message a non-streaming request answers with.
 
 Content blocks stay plain dicts here: `translate.py` checks each one, so that an unsupported
-block (an image, a document) is refused with a message naming it and saying why, rather than
+block (a document, a search result) is refused with a message naming it and saying why, rather than
 with a union's validation error."""
 
 from __future__ import annotations

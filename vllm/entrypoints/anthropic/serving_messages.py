@@ -27,6 +27,7 @@ from vllm.entrypoints.anthropic.protocol import (
 )
 from vllm.entrypoints.anthropic.streaming import MessageEvents, anthropic_events
 from vllm.entrypoints.anthropic.translate import (
+    ChatForMessages,
     anthropic_param,
     stop_reason,
     to_chat_request,
@@ -48,9 +49,12 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.engine.async_llm import RequestStream
 
 
-def _renamed(e: InvalidRequestError) -> InvalidRequestError:
-    """The same error naming the Anthropic field instead of the chat field."""
-    return type(e)(anthropic_param(e.param), e.message)
+def _renamed(e: InvalidRequestError,
+             chat_request: ChatForMessages | None = None) -> InvalidRequestError:
+    """The same error naming the Anthropic field instead of the chat field (a content part
+    by the block it came from in `chat_request`)."""
+    places = chat_request._places if chat_request is not None else None
+    return type(e)(anthropic_param(e.param, places), e.message)
 
 
 def content_blocks(reasoning: str | None, text: str | None,
@@ -88,30 +92,36 @@ class AnthropicServingMessages(OpenAIServingChat):
             try:
                 return self.prepare_chat(chat_request)
             except InvalidRequestError as e:
-                raise _renamed(e) from None
+                raise _renamed(e, chat_request) from None
 
         return await self.serve(chat_request, raw_request, prepare)
 
     async def count_tokens(self, request: CountTokensRequest, raw_request: Request) -> Response:
-        """`{"input_tokens": N}`: the tokens of the prompt the request renders to (what
-        /tokenize gives for the same chat messages); 404 for an unknown model, 400 naming
-        the field for input that cannot be rendered or is too long to tokenize."""
+        """`{"input_tokens": N}`: the tokens of the prompt the request renders to, an
+        image's placeholder tokens included (what /tokenize gives for the same chat
+        messages); 404 for an unknown model, 400 naming the field for input that cannot be
+        rendered or is too long to tokenize."""
         if self.models.resolve(request.model) is None:
             return error_response(f"The model `{request.model}` does not exist.", 404,
                                   param="model")
         limit = self.max_model_len * TOKENIZE_CHARS_PER_TOKEN
 
         def run() -> int:
+            chat_request = to_chat_request(request)
             try:
-                text = self.render(to_chat_request(request))
+                text, chat = self.render_prompt(chat_request)
+                if len(text) > limit:
+                    raise InvalidRequestError(
+                        "messages", f"the rendered conversation is {len(text)} characters; "
+                        f"at most {limit} ({TOKENIZE_CHARS_PER_TOKEN} per token of "
+                        f"max_model_len {self.max_model_len})")
+                tokens = self.tokenizer.encode(text, add_special_tokens=False)
+                if chat.images:
+                    # Each image counts its placeholder tokens, as the engine will see them.
+                    tokens, _ = self.engine.processor.process_images(chat.prompt(text), tokens)
             except InvalidRequestError as e:
-                raise _renamed(e) from None
-            if len(text) > limit:
-                raise InvalidRequestError(
-                    "messages", f"the rendered conversation is {len(text)} characters; at "
-                    f"most {limit} ({TOKENIZE_CHARS_PER_TOKEN} per token of max_model_len "
-                    f"{self.max_model_len})")
-            return len(self.tokenizer.encode(text, add_special_tokens=False))
+                raise _renamed(e, chat_request) from None
+            return len(tokens)
 
         try:
             # Rendering and encoding are linear in the input: off the event loop.

@@ -1,22 +1,24 @@
 """From Anthropic's Messages API to the chat-completions path and back.
 
 A Messages request becomes a ChatCompletionRequest (`to_chat_request`): `system` a system
-message, content blocks chat messages (text joined, `tool_use` blocks an assistant's
-`tool_calls`, `tool_result` blocks `tool` messages), `tools` functions, `tool_choice` the chat
-tool_choice, `stop_sequences` stop strings, `max_tokens` max_completion_tokens,
-`thinking.budget_tokens` thinking_token_budget. A final assistant turn is continued, as
-Anthropic continues a prefilled answer. Errors the chat path raises name chat fields;
-`anthropic_param` gives the Anthropic field instead. On the way back, `stop_reason` maps a
-finish reason and `tool_input` a call's arguments.
+message, content blocks chat messages (text joined, `image` blocks `image_url` parts,
+`tool_use` blocks an assistant's `tool_calls`, `tool_result` blocks `tool` messages),
+`tools` functions, `tool_choice` the chat tool_choice, `stop_sequences` stop strings,
+`max_tokens` max_completion_tokens, `thinking.budget_tokens` thinking_token_budget. A final
+assistant turn is continued, as Anthropic continues a prefilled answer. Errors the chat path
+raises name chat fields; `anthropic_param` gives the Anthropic field instead. On the way
+back, `stop_reason` maps a finish reason and `tool_input` a call's arguments.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
 import pydantic
+from pydantic import PrivateAttr
 
 from vllm.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
@@ -24,13 +26,24 @@ from vllm.exceptions import InvalidRequestError
 
 # What each refused content block would need.
 _UNSUPPORTED_BLOCKS = {
-    "image": "image blocks are not supported on /v1/messages (a vision-language model takes "
-             "images as image_url parts on /v1/chat/completions)",
     "document": "document blocks are not supported: no document model is loaded",
     "search_result": "search_result blocks are not supported",
     "container_upload": "container_upload blocks are not supported",
 }
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# The turn each role-bound block belongs in.
+_TURN_OF = {"tool_use": "assistant", "thinking": "assistant", "redacted_thinking": "assistant",
+            "tool_result": "user", "image": "user"}
+# The media types Anthropic takes for a base64 image.
+_IMAGE_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
+class ChatForMessages(ChatCompletionRequest):
+    """The chat request a Messages request becomes, with the Anthropic name of each chat
+    content part that came from a block (`messages[k].content[j]` -> `messages[i].content[b]`),
+    so that an image the chat path refuses is named as the client sent it."""
+
+    _places: dict[str, str] = PrivateAttr(default_factory=dict)
 
 
 def new_message_id() -> str:
@@ -59,6 +72,34 @@ def _refuse_unsupported(kind: Any, where: str) -> None:
     raise InvalidRequestError(f"{where}.type", f"{kind!r} blocks are not supported here")
 
 
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """The chat image_url part of an image block (a base64 source as a data URL, a url
+    source as it is; the chat path loads it under the server's media rules). Raises
+    InvalidRequestError naming the source field that cannot be one."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise InvalidRequestError(f"{where}.source", "must be an object")
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in _IMAGE_MEDIA_TYPES:
+            raise InvalidRequestError(f"{where}.source.media_type",
+                                      f"must be one of {', '.join(_IMAGE_MEDIA_TYPES)}")
+        if not isinstance(data, str) or not data:
+            raise InvalidRequestError(f"{where}.source.data", "must be a non-empty string")
+        url = f"data:{media_type};base64,{data}"
+    elif kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise InvalidRequestError(f"{where}.source.url", "must be a non-empty string")
+    elif kind == "file":
+        raise InvalidRequestError(f"{where}.source.type", "'file' sources are not supported "
+                                  "(no files are stored here): send base64 or url")
+    else:
+        raise InvalidRequestError(f"{where}.source.type", "must be 'base64' or 'url'")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
 def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
     """The chat `tool` message of a tool_result block (an error result says so first)."""
     call_id = block.get("tool_use_id")
@@ -71,6 +112,9 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
             at = f"{where}.content[{k}]"
             if not isinstance(part, dict):
                 raise InvalidRequestError(at, "must be a content block object")
+            if part.get("type") == "image":
+                raise InvalidRequestError(at, "images inside a tool_result are not supported "
+                                          "(send them as image blocks of a user turn)")
             if part.get("type") != "text":
                 _refuse_unsupported(part.get("type"), at)
             texts.append(_text(part, at))
@@ -95,21 +139,29 @@ def _tool_call(block: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _turn_messages(role: str, content: str | list[dict[str, Any]],
-                   where: str) -> list[dict[str, Any]]:
-    """The chat messages of one Anthropic turn, in the order its blocks come."""
+                   where: str) -> list[tuple[dict[str, Any], list[str]]]:
+    """The chat messages of one Anthropic turn, in the order its blocks come, each with
+    the Anthropic name of every content part when its content is a list of parts (a
+    message with images; one without is plain text, its text blocks joined by newlines)."""
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
-    out: list[dict[str, Any]] = []
-    texts: list[str] = []
+        return [({"role": role, "content": content}, [])]
+    out: list[tuple[dict[str, Any], list[str]]] = []
+    parts: list[dict[str, Any]] = []
+    names: list[str] = []
     calls: list[dict[str, Any]] = []
 
     def flush() -> None:
-        if texts or calls:
-            message: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if parts or calls:
+            texts = [p["text"] for p in parts if p["type"] == "text"]
+            if len(texts) == len(parts):  # each text after the first starts with "\n"
+                message: dict[str, Any] = {"role": role, "content": "".join(texts)}
+            else:
+                message = {"role": role, "content": list(parts)}
             if calls:
                 message["tool_calls"] = list(calls)
-            out.append(message)
-            texts.clear()
+            out.append((message, list(names) if len(texts) < len(parts) else []))
+            parts.clear()
+            names.clear()
             calls.clear()
 
     for j, block in enumerate(content):
@@ -120,37 +172,49 @@ def _turn_messages(role: str, content: str | list[dict[str, Any]],
         if kind == "text":
             if calls:  # text after a call starts the next message, keeping the order
                 flush()
-            texts.append(_text(block, at))
+            # Newlines between text blocks, as a text-only message joins them.
+            joined = "\n" if parts and parts[-1]["type"] == "text" else ""
+            parts.append({"type": "text", "text": joined + _text(block, at)})
+            names.append(at)
+        elif kind == "image" and role == "user":
+            parts.append(_image_part(block, at))
+            names.append(at)
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, at))
         elif kind == "tool_result" and role == "user":
             flush()
-            out.append(_tool_result(block, at))
+            out.append((_tool_result(block, at), []))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier thinking is not shown to the model again, as chat templates do
-        elif kind in ("tool_use", "tool_result", "thinking", "redacted_thinking"):
-            raise InvalidRequestError(f"{at}.type", f"{kind!r} blocks belong in "
-                                      f"{'user' if kind == 'tool_result' else 'assistant'} turns")
+        elif kind in _TURN_OF:
+            raise InvalidRequestError(f"{at}.type",
+                                      f"{kind!r} blocks belong in {_TURN_OF[kind]} turns")
         else:
             _refuse_unsupported(kind, at)
     flush()
     return out
 
 
-def chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
-    """The chat messages of `system` and `messages`. Raises InvalidRequestError naming the
-    message or block that cannot be one."""
+def chat_messages(request: CountTokensRequest) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The chat messages of `system` and `messages`, and the Anthropic name of each chat
+    content part that came from a block. Raises InvalidRequestError naming the message or
+    block that cannot be one."""
     if not request.messages:
         raise InvalidRequestError("messages", "must hold at least one message")
     out: list[dict[str, Any]] = []
+    places: dict[str, str] = {}
     system = request.system
     if isinstance(system, list):
         system = "\n".join(block.text for block in system)
     if system:
         out.append({"role": "system", "content": system})
     for i, message in enumerate(request.messages):
-        out += _turn_messages(message.role, message.content, f"messages[{i}]")
-    return out
+        for chat_message, names in _turn_messages(message.role, message.content,
+                                                  f"messages[{i}]"):
+            for j, name in enumerate(names):
+                places[f"messages[{len(out)}].content[{j}]"] = name
+            out.append(chat_message)
+    return out, places
 
 
 def _tools(request: CountTokensRequest) -> list[dict[str, Any]] | None:
@@ -211,10 +275,10 @@ def _thinking(request: CountTokensRequest) -> tuple[dict[str, Any] | None, int |
     return {"enable_thinking": True}, thinking.budget_tokens
 
 
-def to_chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
+def to_chat_request(request: CountTokensRequest) -> ChatForMessages:
     """The chat request that serves `request` (a count_tokens request renders the same
     prompt). Raises InvalidRequestError naming the Anthropic field that cannot be served."""
-    messages = chat_messages(request)
+    messages, places = chat_messages(request)
     choice, parallel = _tool_choice(request)
     template_kwargs, budget = _thinking(request)
     chat: dict[str, Any] = {
@@ -242,20 +306,26 @@ def to_chat_request(request: CountTokensRequest) -> ChatCompletionRequest:
             "thinking_token_budget": budget,
         })
     try:
-        return ChatCompletionRequest.model_validate(
+        converted = ChatForMessages.model_validate(
             {k: v for k, v in chat.items() if v is not None})
     except pydantic.ValidationError as e:
         first = e.errors(include_input=False, include_url=False)[0]
         loc = ".".join(map(str, first.get("loc", ())))
         raise InvalidRequestError(anthropic_param(loc) or "messages", first["msg"]) from None
+    converted._places = places
+    return converted
 
 
-def anthropic_param(param: str | None) -> str | None:
+def anthropic_param(param: str | None, places: dict[str, str] | None = None) -> str | None:
     """The Anthropic name of a chat request's field (`max_completion_tokens` ->
-    `max_tokens`, `tools[0].function.parameters` -> `tools[0].input_schema`); chat message
-    indexes do not match Anthropic's, so a message error names `messages`."""
+    `max_tokens`, `tools[0].function.parameters` -> `tools[0].input_schema`). A content
+    part is named by `places` (ChatForMessages._places); other chat message indexes do not
+    match Anthropic's, so another message error names `messages`."""
     if param is None:
         return None
+    part = re.match(r"messages\[\d+\]\.content\[\d+\]", param)
+    if part and places and part.group() in places:
+        return places[part.group()] + param[part.end():]
     if param.startswith("messages"):
         return "messages"
     if param in ("max_tokens", "max_completion_tokens"):
