@@ -100,17 +100,19 @@ class MultiModalConfig:
 
     def verify(self, vllm_config: Any) -> None:
         """Refuses, naming the flag, what a vision-language model does not run with yet:
-        speculative decoding (its M-RoPE positions are built on the host per token, and
-        drafts move positions on the device), and --mm-processor-kwargs on a text-only
-        model."""
+        drafts from a model (a draft model or an EAGLE-3 head reads only text, and would
+        need the images' embeddings and M-RoPE positions); and --mm-processor-kwargs on a
+        text-only model."""
         if not is_vl_config_flat(vllm_config.model_config.hf_config):
             if self.mm_processor_kwargs:
                 raise ValueError("--mm-processor-kwargs: the model is not a vision-language "
                                  "model (it has no image processor)")
             return
-        if vllm_config.speculative_config is not None:
-            raise ValueError("--speculative-config: speculative decoding (fast-forward "
-                             "included) is not supported with vision-language models yet")
+        spec = vllm_config.speculative_config
+        if spec is not None and spec.method not in ("ngram", "grammar"):
+            raise ValueError(f"--speculative-config.method: {spec.method!r} drafts with a "
+                             "text-only model, which a vision-language model does not run "
+                             "with yet; 'ngram' and 'grammar' (fast-forward) do")
 
     def limit(self, modality: str) -> int:
         """Most items of `modality` one prompt may carry."""

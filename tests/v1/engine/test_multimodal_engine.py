@@ -1,8 +1,9 @@
 """The engine with images (tiny random Qwen2.5-VL): the vision tower runs once per image
 across a prefill split into chunks that cut image runs; preemption and recomputation keep
 the image; prefix-cache blocks are keyed by image content; async scheduling equals sync on
-JSON-schema requests with images (and so do chunked, preempted, -tp 2 and -pp 2 runs);
-speculative decoding fails at startup naming the flag."""
+JSON-schema requests with images (and so do chunked, preempted, -tp 2 and -pp 2 runs, and
+n-gram drafts and grammar fast-forward); drafts from a model fail at startup naming the
+method."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from vllm import LLM, SamplingParams, StructuredOutputsParams
 pytestmark = pytest.mark.usefixtures("one_thread_per_rank")
 
 BLOCK = 16
+# Text the demo vocabulary spells one token per character with no other token fitting:
+# each of its positions allows a single token, which fast-forward appends.
+FORCED_RUN = StructuredOutputsParams(regex=r"[a-z]{1,3}=\^`\^`\^`")
 
 
 def _prompt(question: str, n: int = 1) -> str:
@@ -143,6 +147,33 @@ def test_parallel_mp_executor_equals_uni(checkpoint, sync_outputs, kwargs) -> No
         engine.shutdown()
 
 
-def test_speculative_decoding_refused_at_startup(checkpoint) -> None:
-    with pytest.raises(ValueError, match="^--speculative-config: .*vision-language"):
-        _engine(checkpoint, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+@pytest.mark.parametrize("spec, kwargs", [
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+     {"max_num_batched_tokens": 24}),
+    ({"method": "grammar", "num_speculative_tokens": 8},
+     {"distributed_executor_backend": "mp"}),
+], ids=["ngram-chunked", "fast-forward-mp"])
+def test_drafts_change_no_output(checkpoint, sync_llm, spec, kwargs) -> None:
+    """Async scheduling with drafts: n-gram lookups (prefills cut into 24-token chunks) and
+    grammar fast-forward (mp executor) give sync's tokens without drafts, on the workload
+    with one request under a regex that forces runs of single tokens. A request verified
+    while its previous step was in flight starts after the tokens it kept, placed on the
+    device, and its M-RoPE positions (its index plus the images' delta) follow."""
+    prompts, params = _requests()
+    params[5] = SamplingParams(temperature=0, max_tokens=24, structured_outputs=FORCED_RUN)
+    want = [o.outputs[0].token_ids for o in sync_llm.generate(prompts, params, use_tqdm=False)]
+    engine = _engine(checkpoint, speculative_config=spec, **kwargs)
+    try:
+        outs = engine.generate(prompts, params, use_tqdm=False)
+        stats = engine.llm_engine.engine_core.scheduler.drafter.stats
+    finally:
+        engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_drafts_from_a_model_are_refused_at_startup(checkpoint, method) -> None:
+    with pytest.raises(ValueError, match=f"^--speculative-config.method: '{method}' drafts "):
+        _engine(checkpoint, speculative_config={"method": method, "model": checkpoint,
+                                                "num_speculative_tokens": 2})

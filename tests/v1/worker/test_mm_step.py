@@ -1,15 +1,18 @@
 """The encoder cache: one encoder run per image while it is cached, pinned entries kept
-over the budget, unpinned ones evicted least recently used first; and the keyed token view
-prefix-cache hashes read."""
+over the budget, unpinned ones evicted least recently used first; the keyed token view
+prefix-cache hashes read; and a step's M-RoPE positions."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import numpy as np
 import torch
 
 from vllm.multimodal.inputs import ImageFeature
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.core.mm_block_keys import KeyedTokens, image_key
-from vllm.v1.worker.mm_step import EncoderCache
+from vllm.v1.worker.mm_step import EncoderCache, MultiModalInputs
 
 
 def _feature(key: str, length: int, offset: int = 0) -> ImageFeature:
@@ -51,3 +54,41 @@ def test_keyed_tokens_read_images_as_their_keys() -> None:
     other = KeyedTokens(list(tokens), [_feature("e", 3, offset=2)])
     assert hash_block_tokens(None, keyed[0:4]) != hash_block_tokens(None, other[0:4])
     assert hash_block_tokens(None, keyed[0:2]) == hash_block_tokens(None, other[0:2])
+
+
+def test_mrope_follows_the_device_positions_of_tokens_after_the_prompt() -> None:
+    """A step's M-RoPE positions: prompt tokens from their request's table (image runs on
+    a grid), later tokens at their staged device position plus the request's delta. The
+    device position, not the host's: a request verified with drafts while its previous step
+    was in flight is placed after the tokens it kept on the device only."""
+    model = torch.nn.Linear(1, 1)
+    model.config = SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2))
+    model.visual = None  # a stage without the tower: positions only
+    mm = MultiModalInputs(model, budget=0, to_device=torch.from_numpy)
+    # A 10-token prompt with a 2 x 2 image (a grid of 4 x 4 patches) at tokens 2..5: text
+    # at 0 and 1, the image at (2, 2 + row, 2 + column), the text after it from 4, so
+    # later tokens sit at their index - 2.
+    image = ImageFeature(offset=2, length=4, grid_thw=(1, 4, 4), pixel_bytes=b"",
+                         patch_dim=1, content_hash="i" * 32)
+    prompt = list(range(10))
+    states = {
+        0: SimpleNamespace(mm_features=[image], mrope=None, prompt_token_ids=prompt,
+                           req_id="decode"),
+        1: SimpleNamespace(mm_features=[image], mrope=None, prompt_token_ids=prompt,
+                           req_id="prefill"),
+        2: SimpleNamespace(mm_features=None, mrope=None, prompt_token_ids=prompt,
+                           req_id="text"),
+    }
+    # Host positions: the decode request assumed both drafts kept (12..14); on the device
+    # it was placed after one (11..13). The prefill computes prompt tokens 1..6.
+    host = np.array([12, 13, 14, 1, 2, 3, 4, 5, 6, 7, 8, 0])
+    device = torch.tensor([11, 12, 13, 1, 2, 3, 4, 5, 6, 7, 8, 0])
+    inputs = SimpleNamespace(rows=[0, 1, 2], cu=np.array([0, 3, 9, 11]),
+                             starts=np.array([12, 1, 7]), positions=host, padded_tokens=12)
+    got = mm.build(SimpleNamespace(states=states), inputs, device)["mm"].mrope_positions
+    want = torch.tensor([
+        [9, 10, 11, 1, 2, 2, 2, 2, 4, 7, 8, 0],
+        [9, 10, 11, 1, 2, 2, 3, 3, 4, 7, 8, 0],
+        [9, 10, 11, 1, 2, 3, 2, 3, 4, 7, 8, 0],
+    ])
+    assert got.equal(want)

@@ -426,7 +426,8 @@ class GPUModelRunner:
             query_start_loc_cpu=torch.from_numpy(inputs.cu),
             seq_lens_cpu=torch.from_numpy(inputs.seq_lens),
         )
-        mm = self.mm.build(self.input_batch, inputs) if self.mm is not None else {}
+        mm = ({} if self.mm is None
+              else self.mm.build(self.input_batch, inputs, dev["positions"]))
         return self.model(
             dev["input_ids"], dev["positions"], self.kv_caches, metadata, intermediate, **mm
         )

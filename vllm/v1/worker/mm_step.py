@@ -104,13 +104,22 @@ class MultiModalInputs:
         pixels = torch.from_numpy(feature.pixels().copy()).to(self.device)
         return self.model.embed_image(pixels, feature.grid_thw)
 
-    def build(self, batch: InputBatch, inputs: StepInputs) -> dict[str, MultiModalStep]:
+    def build(self, batch: InputBatch, inputs: StepInputs,
+              positions: torch.Tensor) -> dict[str, MultiModalStep]:
         """{"mm": the step's MultiModalStep}, or {} when no scheduled request has images
-        (then the model runs on plain positions, which M-RoPE reads as text)."""
+        (then the model runs on plain positions, which M-RoPE reads as text). `positions`
+        are the step's staged device positions: a request verified with drafts may have
+        been placed after the tokens it kept there (DeviceFeedback), which its host
+        positions do not know."""
         states = [batch.states[r] for r in inputs.rows]
         if not any(s.mm_features for s in states):
             return {}
-        mrope = np.broadcast_to(inputs.positions, (3, inputs.padded_tokens)).copy()
+        # A prompt token takes its table's position (prompts are never placed on the
+        # device); a later token its device position plus its request's delta.
+        prompt_at: list[np.ndarray] = []
+        prompt_pos: list[np.ndarray] = []
+        later_at: list[np.ndarray] = []
+        later_delta: list[np.ndarray] = []
         rows: list[np.ndarray] = []
         embeds: list[torch.Tensor] = []
         for i, state in enumerate(states):
@@ -118,7 +127,14 @@ class MultiModalInputs:
                 continue
             lo, hi = int(inputs.cu[i]), int(inputs.cu[i + 1])
             start = int(inputs.starts[i])
-            mrope[:, lo:hi] = step_positions(inputs.positions[lo:hi], *self._table(state))
+            table, delta = self._table(state)
+            index = inputs.positions[lo:hi]
+            in_prompt = index < table.shape[1]
+            flat = np.arange(lo, hi)
+            prompt_at.append(flat[in_prompt])
+            prompt_pos.append(step_positions(index[in_prompt], table, delta))
+            later_at.append(flat[~in_prompt])
+            later_delta.append(np.full(int((~in_prompt).sum()), delta, dtype=np.int64))
             if not self.encodes:
                 continue
             for feature in state.mm_features:
@@ -136,7 +152,12 @@ class MultiModalInputs:
         else:
             embed_rows = self.to_device(np.zeros(0, dtype=np.int64))
             step_embeds = torch.zeros(0, device=self.device)
-        return {"mm": MultiModalStep(self.to_device(mrope), embed_rows, step_embeds)}
+        mrope = positions[:inputs.padded_tokens].expand(3, -1).clone()
+        at = self.to_device(np.concatenate(prompt_at).astype(np.int64))
+        mrope[:, at] = self.to_device(np.concatenate(prompt_pos, axis=1))
+        at = self.to_device(np.concatenate(later_at).astype(np.int64))
+        mrope[:, at] += self.to_device(np.concatenate(later_delta))
+        return {"mm": MultiModalStep(mrope, embed_rows, step_embeds)}
 
     def _table(self, state: CachedRequestState) -> tuple[np.ndarray, int]:
         if state.mrope is None:
