@@ -114,13 +114,14 @@ def make_request(
     grammar: str | None = None,
     priority: int = 0,
     cache_salt: str | None = None,
+    mm_features: list | None = None,
     **params: object,
 ) -> Request:
     """A Request whose stop ids are set the way the engine sets them.
 
     `prompt` may be a length (tokens 1..n, distinct per request) or a token list; `grammar`
-    is a FakeBackend spec (space-separated token ids the output must follow); `priority`
-    and `cache_salt` are the Request's own.
+    is a FakeBackend spec (space-separated token ids the output must follow); `priority`,
+    `cache_salt` and `mm_features` (its images) are the Request's own.
     """
     if isinstance(prompt, int):
         # Distinct per request id, so that prompts share no prefix-cache blocks by accident.
@@ -130,7 +131,8 @@ def make_request(
         params["structured_outputs"] = StructuredOutputsParams(regex=grammar)
     sp = SamplingParams(temperature=0.0, **params)  # type: ignore[arg-type]
     sp.update_from_model(EOS_IDS if eos_ids is None else eos_ids)
-    return Request(req_id, prompt, sp, priority=priority, cache_salt=cache_salt)
+    return Request(req_id, prompt, sp, priority=priority, cache_salt=cache_salt,
+                   mm_features=mm_features)
 
 
 def random_specs(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import msgspec
@@ -19,6 +20,7 @@ from tests.v1.core.sched_utils import (
     make_request,
 )
 from vllm.exceptions import ErrorKind, InvalidRequestError
+from vllm.multimodal.inputs import ImageFeature
 from vllm.v1.metrics.engine_stats import EngineCoreStats
 from vllm.v1.request import RequestStatus
 
@@ -571,3 +573,36 @@ def test_first_output_after_the_first_schedule_carries_its_time(make: MakeHarnes
     assert [out.first_scheduled_time for out in h.outputs["doomed"]].count(None) == (
         len(h.outputs["doomed"]) - 1)
     assert errored and errored[-1].error_kind == ErrorKind.INTERNAL
+
+
+def _image(offset: int, length: int) -> ImageFeature:
+    return ImageFeature(offset=offset, length=length, grid_thw=(1, 2, 2 * length),
+                        pixel_bytes=b"", patch_dim=1,
+                        content_hash=hashlib.sha256(f"{offset}-{length}".encode()).hexdigest())
+
+
+def test_a_step_encodes_at_most_its_token_budget_of_images(make: MakeHarness) -> None:
+    """A step encodes images of at most max_num_batched_tokens placeholder tokens: a
+    request's tokens stop before an image that does not fit, a running request inside an
+    image it began costs nothing, a request that cannot start stops admission, and one
+    image larger than the budget still gets a step without other images."""
+    h = make(max_num_batched_tokens=32)
+    h.add(make_request("a", 24, max_tokens=2, mm_features=[_image(2, 20)]),
+          make_request("b", 24, max_tokens=2, mm_features=[_image(2, 20)]),
+          make_request("c", 4, max_tokens=2))
+    # a encodes its 20; b's image would make 40: b computes only the 2 tokens before it.
+    assert h.schedule().num_scheduled_tokens == {"a": 24, "b": 2, "c": 4}
+    h.update()
+    assert h.schedule().num_scheduled_tokens == {"a": 1, "b": 22, "c": 1}
+    h.update()
+    h.run()
+    h.add(make_request("d", 44, max_tokens=1, mm_features=[_image(0, 40)]),
+          make_request("e", 8, max_tokens=1, mm_features=[_image(1, 4)]),
+          make_request("f", 3, max_tokens=1))
+    # d's 40 exceed the budget but go alone; e cannot start, and f waits behind it.
+    assert h.schedule().num_scheduled_tokens == {"d": 32}
+    h.update()
+    # d is inside the image it began: e's image fits beside it.
+    assert h.schedule().num_scheduled_tokens == {"d": 12, "e": 8, "f": 3}
+    h.update()
+    h.run()

@@ -57,6 +57,11 @@ class Scheduler:
     3. Drafts (speculative decoding), for running requests scheduled for exactly their next
        token, from the budget and blocks the first two steps left.
 
+    Images: a step encodes at most `max_num_batched_tokens` placeholder tokens' worth of
+    images (one larger image alone), as upstream budgets encoder work; a request's tokens
+    stop before an image that does not fit (StepBuilder.fit_images), and one that cannot
+    start yet stops admission like blocks that do not fit.
+
     With pipeline stages a step holds only its share of the requests (_max_batch_requests).
     """
 
@@ -212,7 +217,8 @@ class Scheduler:
         """Builds the next step: running requests, then admissions, then drafts (see the
         class). Side effects: allocates KV blocks, may preempt requests, admits waiting
         requests, and advances num_computed_tokens of every scheduled request."""
-        step = StepBuilder(self.max_num_batched_tokens, self._max_batch_requests())
+        step = StepBuilder(self.max_num_batched_tokens, self._max_batch_requests(),
+                           encoder_budget=self.max_num_batched_tokens)
         self._schedule_running(step)
         if not step.preempted:
             # Blocks ran short: a new request would take what the running ones need.
@@ -233,7 +239,7 @@ class Scheduler:
         while i < len(self.running) and not step.is_full():
             request = self.running[i]
             i += 1
-            num_new = self._num_runnable(request, step.budget)
+            num_new = self._num_runnable(request, step)
             if num_new <= 0:
                 continue
             new_blocks = self._allocate_or_preempt(request, num_new, step)
@@ -243,9 +249,11 @@ class Scheduler:
             # samples (the first stage never sees a sample).
             step.add_running(request, num_new, new_blocks, self.pipeline_stages > 1)
 
-    def _num_runnable(self, request: Request, budget: int) -> int:
-        """Tokens a running request computes this step within `budget` (0: skip it)."""
-        num_new = min(num_new_tokens(request), budget)
+    def _num_runnable(self, request: Request, step: StepBuilder) -> int:
+        """Tokens a running request computes this step within the step's budgets (0: skip
+        it)."""
+        num_new = step.fit_images(request, request.num_computed_tokens,
+                                  min(num_new_tokens(request), step.budget), admitted=False)
         samples = num_new == num_new_tokens(request)
         if (
             num_new <= 0
@@ -303,10 +311,14 @@ class Scheduler:
         self.waiting.restore(skipped)
 
     def _admit(self, request: Request, step: StepBuilder) -> bool:
-        """Moves the head of the queue to the running list with the tokens the budget leaves
-        it past its prefix-cache hit; False (nothing changed) when its blocks do not fit."""
+        """Moves the head of the queue to the running list with the tokens the budgets leave
+        it past its prefix-cache hit; False (nothing changed) when its blocks do not fit or
+        the step can encode none of its images yet."""
         hit_blocks, num_hit = find_cache_hit(self.kv_cache_manager, request)
         num_new = min(request.num_tokens - num_hit, step.budget)
+        num_new = step.fit_images(request, num_hit, num_new, admitted=True)
+        if num_new <= 0:
+            return False
         new_blocks = self.kv_cache_manager.allocate_slots(
             request.request_id, num_hit, num_new, request.block_hash_tokens, hit_blocks,
             cache_salt=request.block_hash_salt,

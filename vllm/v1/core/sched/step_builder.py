@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.multimodal.inputs import ImageFeature
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -17,6 +18,10 @@ class StepBuilder:
     budget: int
     # Most requests the step may hold.
     max_requests: int
+    # Image placeholder tokens whose images the step may still encode (see fit_images).
+    encoder_budget: int = 0
+    # Whether the step encodes any image yet: one image always fits an empty step.
+    encodes: bool = False
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached: CachedRequestData = field(default_factory=CachedRequestData)
@@ -38,11 +43,46 @@ class StepBuilder:
         """True when no budget or request slot is left."""
         return self.budget <= 0 or len(self.scheduled) >= self.max_requests
 
+    def fit_images(self, request: Request, start: int, num_new: int, admitted: bool) -> int:
+        """How many of `num_new` tokens of `request` from position `start` the encoder
+        budget lets the step compute: all, or those before the first image it cannot
+        encode now (0: the request waits a step). The runner encodes an image whole when a
+        step first computes one of its positions: a step reaching its run, or, for a
+        request being `admitted` (or resumed), starting inside it. Capping that work per
+        step spreads a batch of images over steps rather than holding every running
+        request's next token behind one long step; an image larger than the whole budget
+        still gets an otherwise image-free step."""
+        cost = 0
+        for image in self._images_reached(request, start, num_new, admitted):
+            if cost + image.length > self.encoder_budget and (self.encodes or cost):
+                return max(image.offset - start, 0)
+            cost += image.length
+        return num_new
+
+    @staticmethod
+    def _images_reached(request: Request, start: int, num_new: int,
+                        admitted: bool) -> list[ImageFeature]:
+        """The images the runner encodes for `num_new` tokens of `request` from `start`."""
+        if not request.mm_features:
+            return []
+        end = start + num_new
+        return sorted((image for image in request.mm_features
+                       if image.offset < end and image.end > start
+                       and (image.offset >= start or admitted)),
+                      key=lambda image: image.offset)
+
+    def _charge_images(self, request: Request, num_new: int, admitted: bool) -> None:
+        images = self._images_reached(request, request.num_computed_tokens, num_new, admitted)
+        if images:
+            self.encodes = True
+            self.encoder_budget -= sum(image.length for image in images)
+
     def add_running(self, request: Request, num_new: int, new_blocks: list[int],
                     send_tokens: bool) -> None:
         """Schedules `num_new` tokens of a running request that got `new_blocks`.
         `send_tokens` (pipeline stages): the workers learn its new tokens from this step,
-        which marks them sent."""
+        which marks them sent. Charges the encoder budget for the images they reach."""
+        self._charge_images(request, num_new, admitted=False)
         self._take(request, num_new)
         self.cached.add(request.request_id, new_blocks, request.num_computed_tokens)
         self._running_blocks[request.request_id] = new_blocks
@@ -56,7 +96,8 @@ class StepBuilder:
         """Schedules `num_new` tokens of a request leaving the waiting queue, which owns
         `block_ids` and has its prefix-cache hit in num_computed_tokens: a new request, or a
         preempted one (status still PREEMPTED) whose state the runner rebuilds. Marks all its
-        tokens sent."""
+        tokens sent and charges the encoder budget for the images they reach."""
+        self._charge_images(request, num_new, admitted=True)
         req_id = request.request_id
         num_hit = request.num_computed_tokens
         if request.status == RequestStatus.PREEMPTED:
