@@ -237,28 +237,23 @@ def type_open_values(schema: Any) -> None:
     as an alternation it does not group: text could follow a `null` (`{"c":null641.5}`, not
     JSON) and `{"a":1,"b":null}` was refused (found by the differential check). Exact: the
     list admits every JSON value."""
-    if isinstance(schema, list):
-        for sub in schema:
-            type_open_values(sub)
-        return
-    if not isinstance(schema, dict):
-        return
+    for node in _schema_nodes(schema):
+        for key in _MAPS:
+            if isinstance(node.get(key), dict):
+                node[key] = {name: _typed(sub) for name, sub in node[key].items()}
+        for key in _LISTS:
+            if isinstance(node.get(key), list):
+                node[key] = [_typed(sub) for sub in node[key]]
+        for key in _SINGLES:
+            if key in node:
+                node[key] = _typed(node[key])
 
-    def typed(sub: Any) -> Any:
-        if sub is True or (isinstance(sub, dict) and all(k in ANNOTATIONS for k in sub)):
-            return {**(sub if isinstance(sub, dict) else {}), "type": list(_EVERY_TYPE)}
-        type_open_values(sub)
-        return sub
 
-    for key in _MAPS:
-        if isinstance(schema.get(key), dict):
-            schema[key] = {name: typed(sub) for name, sub in schema[key].items()}
-    for key in _LISTS:
-        if isinstance(schema.get(key), list):
-            schema[key] = [typed(sub) for sub in schema[key]]
-    for key in _SINGLES:
-        if isinstance(schema.get(key), dict) or schema.get(key) is True:
-            schema[key] = typed(schema[key])
+def _typed(sub: Any) -> Any:
+    """`sub` written as the list of every type when it constrains nothing, else itself."""
+    if sub is True or (isinstance(sub, dict) and all(k in ANNOTATIONS for k in sub)):
+        return {**(sub if isinstance(sub, dict) else {}), "type": list(_EVERY_TYPE)}
+    return sub
 
 
 def drop_absent_properties(schema: Any) -> None:
