@@ -47,14 +47,3 @@ def mrope_positions(
     position += num_prompt_tokens - index
     return table, position - num_prompt_tokens
 
-
-def step_positions(
-    token_index: np.ndarray, table: np.ndarray, delta: int
-) -> np.ndarray:
-    """[3, n] M-RoPE positions of one request's tokens at indices `token_index` (prompt
-    tokens from its table, later ones at index + delta)."""
-    out = np.empty((3, len(token_index)), dtype=np.int64)
-    in_prompt = token_index < table.shape[1]
-    out[:, in_prompt] = table[:, token_index[in_prompt]]
-    out[:, ~in_prompt] = token_index[~in_prompt] + delta
-    return out

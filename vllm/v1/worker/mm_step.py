@@ -22,7 +22,7 @@ import torch
 
 from vllm.model_executor.models.qwen2_5_vl import MultiModalStep
 from vllm.multimodal.inputs import ImageFeature
-from vllm.multimodal.mrope import mrope_positions, step_positions
+from vllm.multimodal.mrope import mrope_positions
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.input_prep import StepInputs
@@ -132,7 +132,7 @@ class MultiModalInputs:
             in_prompt = index < table.shape[1]
             flat = np.arange(lo, hi)
             prompt_at.append(flat[in_prompt])
-            prompt_pos.append(step_positions(index[in_prompt], table, delta))
+            prompt_pos.append(table[:, index[in_prompt]])
             later_at.append(flat[~in_prompt])
             later_delta.append(np.full(int((~in_prompt).sum()), delta, dtype=np.int64))
             if not self.encodes:
