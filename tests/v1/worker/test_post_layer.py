@@ -1,8 +1,9 @@
-"""The post-layer function (LM head + bitmask + sampling from fixed buffers) and its buffers:
-one upload per step, one operation sequence per (size, plan, grammar) whatever each row's
-mode, nothing that would make a CUDA host wait (counted with OpAudit, never timed); and in
-the engine (CPU, run eagerly) the same tokens as the eager path, with the operations outside
-the model not growing with the batch."""
+"""The post-layer function (LM head + bitmask + bias + sampling from fixed buffers) and its
+buffers: one upload per step, one operation sequence per (size, plan, masked, biased)
+whatever each row's mode, nothing that would make a CUDA host wait (counted with OpAudit,
+never timed); the token edits it folds in give the eager path's tokens; and in the engine
+(CPU, run eagerly) the same tokens as the eager path, with the operations outside the model
+not growing with the batch."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from vllm.v1.worker.sampling_inputs import SamplingInputs
 VOCAB = 100
 
 
-def _params(n: int, mode: str) -> dict[str, np.ndarray]:
+def _params(n: int, mode: str, biases: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     greedy = mode == "greedy"
     return {
@@ -33,16 +34,19 @@ def _params(n: int, mode: str) -> dict[str, np.ndarray]:
         "temperature": np.full(n, 0.0 if greedy else 0.8, dtype=np.float32),
         "top_p": np.full(n, 0.7 if mode == "filtered" else 1.0, dtype=np.float32),
         "min_p": np.full(n, 0.1 if mode == "min_p" else 0.0, dtype=np.float32),
+        "bias_rows": rng.integers(0, n, biases, dtype=np.int64),
+        "bias_ids": rng.integers(0, VOCAB, biases, dtype=np.int64),
+        "bias_values": rng.uniform(-100, 100, biases).astype(np.float32),
     }
 
 
 def test_buffers_take_one_copy_per_step_and_pad_with_off_rows() -> None:
-    buffers = SamplingBuffers(8, VOCAB, torch.device("cpu"))
+    buffers = SamplingBuffers(8, VOCAB, torch.device("cpu"), max_bias=4)
     mask = np.zeros((3, buffers.words), dtype=np.int32)
     mask[2, 0] = 0b1010
     audit = OpAudit("cpu")
     with audit:
-        buffers.stage(_params(3, "filtered"), [2], 4, mask)
+        buffers.stage(_params(3, "filtered", biases=2), [2], 4, mask)
     assert audit.counts()["aten.copy_"] == 1 and audit.syncs == []
     rows = buffers.rows(4)
     assert rows.top_k.tolist() == [5, 5, 5, 0]
@@ -50,37 +54,48 @@ def test_buffers_take_one_copy_per_step_and_pad_with_off_rows() -> None:
     assert rows.keys[3].tolist() == [0, 0]
     bits = buffers.bitmask(4)
     assert bits[2, 0] == 0b1010 and (bits[[0, 1, 3]] == -1).all()
+    staged = _params(3, "filtered", biases=2)
+    bias_rows, bias_ids, bias_values = buffers.bias()
+    assert bias_ids.tolist() == staged["bias_ids"].tolist() + [0, 0]
+    assert bias_rows.tolist()[2:] == [0, 0] and bias_values.tolist()[2:] == [0.0, 0.0]
+    buffers.stage(_params(3, "random"), [], 4)  # a step without biases pads every entry
+    assert bias_values.tolist() == [0.0] * 4 and bias_ids.tolist() == [0] * 4
     with pytest.raises(ValueError, match="mask_rows"):
         buffers.stage(None, [4], 4, np.zeros((5, buffers.words), dtype=np.int32))
+    with pytest.raises(ValueError, match="bias_ids"):
+        buffers.stage(_params(3, "random", biases=5), [], 4)
 
 
-def _post_layer(max_rows: int = 8) -> PostLayer:
+def _post_layer(max_rows: int = 8, max_bias: int = 16) -> PostLayer:
     head = torch.nn.Linear(16, VOCAB, bias=False).requires_grad_(False)
     torch.nn.init.normal_(head.weight, std=2.0, generator=torch.Generator().manual_seed(0))
     return PostLayer(lambda h: head(h).float(), 16, torch.float32, VOCAB, max_rows,
-                     torch.device("cpu"), torch.Generator().manual_seed(0))
+                     torch.device("cpu"), torch.Generator().manual_seed(0), max_bias=max_bias)
 
 
 @pytest.mark.parametrize("plan", list(Plan))
 def test_one_operation_sequence_per_size_plan_and_grammar(plan: Plan) -> None:
-    """Rows of every mode staged in turn (and new hidden states): the same operations, none
-    that would wait, so one captured graph replays every step of that size and plan."""
+    """Rows of every mode, and any number of bias entries, staged in turn (and new hidden
+    states): the same operations, none that would wait, so one captured graph replays every
+    step of that size, plan, mask and bias."""
     post = _post_layer()
     mask = np.full((4, post.buffers.words), -1, dtype=np.int32)
     mask[1, :2] = 0
-    for grammar in (False, True):
-        sequences = []
-        for mode in ("greedy", "random", "min_p", "filtered"):
-            post.buffers.stage(_params(4, mode), [1] if grammar else [], 4, mask)
-            post.hidden.normal_()
-            audit = OpAudit("cpu")
-            with audit:
-                post.run(4, plan, grammar)
-            assert audit.syncs == [] and audit.downloads == []
-            sequences.append(audit.ops)
-        assert all(s == sequences[0] for s in sequences), grammar
-        if grammar and plan is Plan.GREEDY:
-            assert int(post.tokens[1]) >= 64  # the mask forbids the row's first 64 tokens
+    for masked in (False, True):
+        for biased in (False, True):
+            sequences = []
+            for biases, mode in enumerate(("greedy", "random", "min_p", "filtered")):
+                post.buffers.stage(_params(4, mode, biases * 5 if biased else 0),
+                                   [1] if masked else [], 4, mask)
+                post.hidden.normal_()
+                audit = OpAudit("cpu")
+                with audit:
+                    post.run(4, plan, masked, biased)
+                assert audit.syncs == [] and audit.downloads == []
+                sequences.append(audit.ops)
+            assert all(s == sequences[0] for s in sequences), (masked, biased)
+            if masked and plan is Plan.GREEDY:
+                assert int(post.tokens[1]) >= 64  # the mask forbids the row's first 64 tokens
 
 
 def test_sample_gives_the_samplers_tokens_with_a_grammar() -> None:
@@ -113,6 +128,67 @@ def test_sample_gives_the_samplers_tokens_with_a_grammar() -> None:
                                      [], 1))
     rows = post.gather(hidden, np.arange(1, 7), torch.from_numpy)
     assert post.sample(rows, states, None, req_ids + ["r5"]) is None
+    assert torch.equal(post.generator.get_state(), before)
+
+
+def _eager_tokens(post, rows, states, grammar, generator) -> torch.Tensor:
+    """The runner's eager path: LM head, native bitmask, SamplingInputs and the Sampler."""
+    req_ids = [s.req_id for s in states]
+    logits = post.compute_logits(rows)[: len(states)].contiguous()
+    if grammar is not None:
+        apply_grammar_bitmask(logits, grammar, {r: i for i, r in enumerate(req_ids)})
+    metadata = SamplingInputs(torch.from_numpy, generator, VOCAB, torch.device("cpu"),
+                              list).build(states)
+    return Sampler(fixed_shape=False)(logits, metadata).sampled_token_ids
+
+
+def test_token_edits_give_the_samplers_tokens() -> None:
+    """allowed_token_ids, one-token bad words, logit_bias and a min_tokens ban (active and
+    run out), alone and beside a grammar, are served by the post-layer function with the
+    eager path's tokens; each edit shows in the tokens. A bad word of two tokens, or more
+    bias entries than the buffers hold, sends the step to the eager path, drawing nothing."""
+    post = _post_layer(max_bias=6)
+    hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(4))
+    rows = post.gather(hidden, np.array([2, 4, 6, 8, 10, 12]), torch.from_numpy)
+    greedy = post.compute_logits(rows)[:6].argmax(dim=1).tolist()
+    stop = greedy[3]  # row 3's favourite is its stop token while min_tokens holds
+    specs = [
+        {"temperature": 0.0, "allowed_token_ids": [3, 7, 41]},
+        {"temperature": 0.0, "logit_bias": {11: 100.0, 12: -5.5}},
+        {"temperature": 0.0, "bad_words_token_ids": [[greedy[2]], [greedy[2] ^ 1]]},
+        {"temperature": 0.0, "min_tokens": 4, "stop_token_ids": [stop]},
+        {"temperature": 0.9, "seed": 5, "logit_bias": {2: 3.0}, "allowed_token_ids": [2, 9]},
+        {"temperature": 1.0, "top_k": 3, "min_tokens": 2, "stop_token_ids": [1, 2]},
+    ]
+    params = [SamplingParams(**spec) for spec in specs]
+    for p in params:
+        p.update_from_model([])
+    states = [CachedRequestState(f"r{i}", [1, 2], p, [], 2, num_output_tokens=1)
+              for i, p in enumerate(params)]
+    rng = np.random.default_rng(3)
+    grammar = GrammarOutput(["r0", "r4", "r5"],
+                            rng.integers(-(2**31), 2**31, (3, 4), dtype=np.int32))
+    reference = torch.Generator().manual_seed(0)
+    for g in (None, grammar, None):
+        got = post.sample(rows, states, g, [s.req_id for s in states])
+        assert got is not None
+        got = got.sampled_token_ids
+        assert torch.equal(got, _eager_tokens(post, rows, states, g, reference)), g
+        if g is None:
+            assert got[0] in (3, 7, 41) and got[1] == 11 and got[2] != greedy[2]
+            assert got[4] in (2, 9)
+        # Output index 1: row 3's ban holds (min_tokens 4) and row 5's (2).
+        assert got[3] != stop and got[5] not in (1, 2)
+    states[3].num_output_tokens = 4  # min_tokens reached: the stop token is allowed again
+    got = post.sample(rows, states, None, [s.req_id for s in states]).sampled_token_ids
+    assert got[3] == stop
+    assert torch.equal(got, _eager_tokens(post, rows, states, None, reference))
+    before = post.generator.get_state()
+    for edit in ({"bad_words_token_ids": [[5, 6]]}, {"logit_bias": dict.fromkeys(range(6), 1.0)}):
+        extra = SamplingParams(temperature=1.0, **edit)
+        more = [*states, CachedRequestState("r6", [1], extra, [], 1)]
+        six = post.gather(hidden, np.arange(1, 8), torch.from_numpy)
+        assert post.sample(six, more, None, [s.req_id for s in more]) is None, edit
     assert torch.equal(post.generator.get_state(), before)
 
 
@@ -159,9 +235,10 @@ def _generate(llm, post: PostLayer | None, prompts, params) -> list:
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="CPU wiring; on CUDA the LM head's row count changes its kernels")
 def test_engine_tokens_equal_the_eager_path(llm) -> None:
-    """Greedy, random, top-k, top-p and min-p rows give the eager path's tokens; a request
-    with logprobs sends its steps to the eager path. (Grammars: the unit test above; a
-    schema's first compile takes seconds.)"""
+    """Greedy, random, top-k, top-p and min-p rows, with logit_bias, allowed_token_ids and
+    min_tokens, give the eager path's tokens; a request with logprobs sends its steps to the
+    eager path. (Grammars and bad words: the unit tests above; a schema's first compile takes
+    seconds.)"""
     params = [
         SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
         SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.9, seed=3),
@@ -170,6 +247,9 @@ def test_engine_tokens_equal_the_eager_path(llm) -> None:
         SamplingParams(max_tokens=3, ignore_eos=True, temperature=1.0, top_p=0.7, seed=4),
         SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, min_p=0.3, seed=5),
         SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=6,
+                       logit_bias={5: 4.0, 9: -100.0}, allowed_token_ids=[5, 9, 17, 33]),
+        SamplingParams(max_tokens=8, temperature=0.0, min_tokens=6),
     ]
     prompts = [f"item {i}: " + "word " * i for i in range(len(params))]
     post = _attach(llm)
@@ -180,6 +260,7 @@ def test_engine_tokens_equal_the_eager_path(llm) -> None:
     got = _generate(llm, post, prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert any(u is not None for u in used)
+    assert set(got[6].token_ids) <= {5, 17, 33} and len(got[7].token_ids) >= 6
     logprobs = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2),
                 SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)]
     used.clear()
@@ -245,25 +326,26 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 def test_cuda_graph_replays_equal_the_eager_function() -> None:
-    """Every captured (size, plan, grammar) graph gives run()'s tokens, and sample() makes
-    the host wait for nothing (torch's sync debug mode raises on a synchronisation)."""
+    """Every captured (size, plan, masked, biased) graph gives run()'s tokens, and sample()
+    makes the host wait for nothing (torch's sync debug mode raises on a synchronisation)."""
     head = torch.nn.Linear(16, VOCAB, bias=False, device="cuda").requires_grad_(False)
     post = PostLayer(lambda h: head(h).float(), 16, torch.float32, VOCAB, 8,
                      torch.device("cuda"), torch.Generator().manual_seed(0))
     post.capture()
-    assert len(post.graphs) == len(post.sizes) * len(Plan) * 2
+    assert len(post.graphs) == len(post.sizes) * len(Plan) * 4
     mask = np.zeros((8, post.buffers.words), dtype=np.int32)
     mask[:, 2:] = -1  # the first 64 tokens forbidden
-    for (size, plan, grammar), graph in post.graphs.items():
-        post.buffers.stage(_params(size, plan.value), [size - 1] if grammar else [], size, mask)
+    for (size, plan, masked, biased), graph in post.graphs.items():
+        post.buffers.stage(_params(size, plan.value, 3 if biased else 0),
+                           [size - 1] if masked else [], size, mask)
         post.buffers.wait_uploaded()  # the upload runs on the buffers' own stream
         post.hidden.normal_()
         graph.replay()
         replayed = post.tokens[:size].clone()
-        post.run(size, plan, grammar)
+        post.run(size, plan, masked, biased)
         post.buffers.mark_read()
-        assert torch.equal(replayed, post.tokens[:size]), (size, plan, grammar)
-        if grammar:
+        assert torch.equal(replayed, post.tokens[:size]), (size, plan, masked, biased)
+        if masked:
             assert int(replayed[size - 1]) >= 64
     states = [CachedRequestState(f"r{i}", [1], SamplingParams(temperature=t, seed=i), [], 1)
               for i, t in enumerate((0.0, 0.8, 1.0))]

@@ -1,18 +1,20 @@
 """Everything after the layers of a decode step as one fixed sequence of operations.
 
 For a decode step (one new token per request, every request sampling, no drafts) the work
-after the layers is: the LM head over each request's last hidden state, the grammar bitmask,
-and sampling. Here that work reads only fixed device buffers (the hidden rows, the sampling
-parameters and bitmask of SamplingBuffers) and writes a fixed output buffer, with the
-operations of ops/dense_sampling.py, so it never waits for the device and a CUDA graph per
-(padded batch size, plan, grammar or not) replays it. Every combination is captured at
-startup: a request that arrives, leaves or changes mode only picks another graph.
+after the layers is: the LM head over each request's last hidden state, the bitmask (the
+grammar's, with the token bans of allowed_token_ids, one-token bad words and min_tokens
+folded in), logit_bias, and sampling. Here that work reads only fixed device buffers (the
+hidden rows, the sampling parameters, bias entries and bitmask of SamplingBuffers; the
+edits' fixed form is token_rules.py) and writes a fixed output buffer, with the operations
+of ops/dense_sampling.py, so it never waits for the device and a CUDA graph per (padded
+batch size, plan, masked or not, biased or not) replays it. Every combination is captured
+at startup: a request that arrives, leaves or changes mode only picks another graph.
 
-What it does not do (logprobs, penalties, logit_bias, allowed_token_ids, bad words, a
-min_tokens ban still active) sends the step back to the eager path: its logits are computed
-from the same hidden rows and the Sampler samples them. Both paths give the same tokens:
-the operations are the Sampler's own fixed-shape path, and the noise keys are drawn from
-the same generator in the same order.
+What it does not do (logprobs, penalties, bad words of several tokens, more logit_bias
+entries in one step than the buffers hold) sends the step back to the eager path: its
+logits are computed from the same hidden rows and the Sampler samples them. Both paths give
+the same tokens: the operations are the Sampler's own fixed-shape path, and the noise keys
+are drawn from the same generator in the same order.
 
 The runner uses this on CUDA with decode graphs (VLLM_SAMPLER_GRAPHS=0 turns it off); on a
 CPU it runs eagerly, for the tests.
@@ -27,6 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from vllm.sampling_params import MAX_LOGIT_BIAS
 from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.sample.ops.dense_sampling import (
     Plan,
@@ -40,6 +43,7 @@ from vllm.v1.worker.cuda_graph import capture_sizes
 from vllm.v1.worker.gpu_input_batch import CachedRequestState
 from vllm.v1.worker.grammar_bitmask import reorder_bitmask
 from vllm.v1.worker.sampling_buffers import SamplingBuffers
+from vllm.v1.worker.token_rules import bias_entries, masked_rows
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +58,11 @@ def sampler_graphs_enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no")
 
 
-def dense_ok(state: CachedRequestState, position: int) -> bool:
-    """Whether a request's next token (output index `position`) needs nothing the fixed
-    sequence lacks (module docstring)."""
+def dense_ok(state: CachedRequestState) -> bool:
+    """Whether a request's next token needs nothing the fixed sequence lacks (module
+    docstring): no logprobs, no penalties, no bad word of several tokens."""
     p = state.sampling_params
-    return (
-        p.logprobs is None
-        and not p.has_penalties
-        and not p.logit_bias
-        and not p.allowed_token_ids
-        and not p.bad_words_token_ids
-        and not (position < p.min_tokens and p.all_stop_token_ids)
-    )
+    return p.logprobs is None and not p.has_penalties and not p.has_history_bans
 
 
 class PostLayer:
@@ -81,9 +78,12 @@ class PostLayer:
         device: torch.device,
         generator: torch.Generator,
         min_rows: int = 1,
+        max_bias: int = MAX_LOGIT_BIAS,
     ) -> None:
         """`min_rows`: the fewest rows the LM head runs on (the runner's padding for batch
-        invariance on a CPU); `generator` draws the unseeded rows' noise keys (CPU)."""
+        invariance on a CPU); `generator` draws the unseeded rows' noise keys (CPU);
+        `max_bias`: the logit_bias entries one step may hold in all (default: one request's
+        maximum)."""
         self.compute_logits = compute_logits
         self.vocab_size = vocab_size
         self.device = device
@@ -92,9 +92,10 @@ class PostLayer:
         rows = self.sizes[-1]
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.buffers = SamplingBuffers(rows, vocab_size, device)
+        self.buffers = SamplingBuffers(rows, vocab_size, device, max_bias)
         self.chunk_rows = max(1, CHUNK_ELEMENTS // vocab_size)
-        self.graphs: dict[tuple[int, Plan, bool], torch.cuda.CUDAGraph] = {}
+        # (padded size, plan, masked, biased) -> graph
+        self.graphs: dict[tuple[int, Plan, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     def padded_size(self, num_rows: int) -> int:
@@ -111,13 +112,17 @@ class PostLayer:
         idx[: len(ends)] = ends - 1
         return hidden[to_device(idx)]
 
-    def run(self, size: int, plan: Plan, grammar: bool) -> None:
+    def run(self, size: int, plan: Plan, masked: bool, biased: bool = False) -> None:
         """The post-layer function over the first `size` rows of the buffers: LM head,
-        bitmask (when `grammar`), sampling into self.tokens. Capturable: no host read of a
-        device value, shapes fixed by (size, plan, grammar)."""
+        bitmask (when `masked`), bias entries (when `biased`), sampling into self.tokens.
+        Capturable: no host read of a device value, shapes fixed by the arguments."""
         logits = self.compute_logits(self.hidden[:size]).float()
-        if grammar:
+        if masked:
             apply_dense_bitmask(logits, self.buffers.bitmask(size))
+        if biased:
+            # Padding entries add 0 to row 0's token 0: no logit changes, in any order.
+            rows, ids, values = self.buffers.bias()
+            logits.index_put_((rows, ids), values, accumulate=True)
         rows = self.buffers.rows(size)
         for lo in range(0, size, self.chunk_rows):
             hi = min(size, lo + self.chunk_rows)
@@ -131,17 +136,21 @@ class PostLayer:
         req_ids: list[str],
     ) -> SamplerOutput | None:
         """Samples one token per state (batch order) from `hidden_rows` (from gather): [n]
-        int64 on the device (no logprobs), or None (nothing staged, nothing drawn) when a request needs
-        the eager path. Raises ValueError on a bitmask that does not fit the vocabulary or
-        the batch."""
-        positions = [s.num_output_tokens for s in states]
-        if not all(dense_ok(s, pos) for s, pos in zip(states, positions)):
+        int64 on the device (no logprobs), or None (nothing staged, nothing drawn) when a
+        request needs the eager path. Raises ValueError on a bitmask that does not fit the
+        vocabulary or the batch."""
+        if not all(dense_ok(s) for s in states):
             return None
-        n, size = len(states), hidden_rows.shape[0]
         params = [s.sampling_params for s in states]
+        bias = bias_entries(params)
+        if bias is not None and len(bias["bias_ids"]) > self.buffers.max_bias:
+            return None
+        positions = [s.num_output_tokens for s in states]
+        n, size = len(states), hidden_rows.shape[0]
         all_greedy = all(p.greedy for p in params)
         plan = choose_plan(all_greedy, any(p.top_k != 0 or p.top_p != 1.0 for p in params))
-        bitmask, mask_rows = self._bitmask(grammar_output, req_ids)
+        bitmask, mask_rows = masked_rows(params, positions, self.vocab_size, self.buffers.words,
+                                         *self._bitmask(grammar_output, req_ids))
         # Drawn exactly when the Sampler would draw them: the generator stays in step.
         keys = (np.zeros((n, 2), dtype=np.int64) if all_greedy else
                 host_noise_keys([p.seed for p in params], positions, self.generator).numpy())
@@ -151,14 +160,16 @@ class PostLayer:
             "temperature": np.asarray([p.temperature for p in params], dtype=np.float32),
             "top_p": np.asarray([p.top_p for p in params], dtype=np.float32),
             "min_p": np.asarray([p.min_p for p in params], dtype=np.float32),
+            **(bias or {}),
         }, mask_rows, size, bitmask)
         self.buffers.wait_uploaded()
         self.hidden[:size].copy_(hidden_rows)
-        graph = self.graphs.get((size, plan, bool(mask_rows)))
+        key = (size, plan, bool(mask_rows), bias is not None)
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
         else:
-            self.run(size, plan, bool(mask_rows))
+            self.run(*key)
         self.buffers.mark_read()
         # A copy: the next step's replay rewrites the output buffer.
         return SamplerOutput(self.tokens[:n].clone(), None)
@@ -175,34 +186,36 @@ class PostLayer:
         return reorder_bitmask(grammar_output, {r: i for i, r in enumerate(req_ids)})
 
     def capture(self) -> None:
-        """Captures run() for every (size, plan, grammar), largest size first (smaller
+        """Captures run() for every (size, plan, masked, biased), largest size first (smaller
         graphs share its memory pool); CUDA only. A failed capture logs a warning and stops:
         what has no graph runs eagerly."""
         torch.cuda.synchronize()  # the buffers' first upload ran on their own stream
         main = torch.cuda.current_stream()
         stream = torch.cuda.Stream()
         stream.wait_stream(main)
-        keys = [(size, plan, grammar) for size in sorted(self.sizes, reverse=True)
-                for plan in Plan for grammar in (False, True)]
+        keys = [(size, plan, masked, biased) for size in sorted(self.sizes, reverse=True)
+                for plan in Plan for masked in (False, True) for biased in (False, True)]
         with torch.inference_mode(), torch.cuda.stream(stream):
-            for size, plan, grammar in keys:
-                if not self._capture_one(stream, size, plan, grammar):
+            for key in keys:
+                if not self._capture_one(stream, key):
                     break
         main.wait_stream(stream)
         logger.info("captured %d post-layer (LM head + sampling) CUDA graphs", len(self.graphs))
 
-    def _capture_one(self, stream, size: int, plan: Plan, grammar: bool) -> bool:
+    def _capture_one(self, stream, key: tuple[int, Plan, bool, bool]) -> bool:
         try:
             for _ in range(2):  # warm up kernels and the allocator
-                self.run(size, plan, grammar)
+                self.run(*key)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                self.run(size, plan, grammar)
+                self.run(*key)
             self._pool = graph.pool()
-            self.graphs[(size, plan, grammar)] = graph
+            self.graphs[key] = graph
             return True
         except Exception as e:  # noqa: BLE001 - any capture failure means eager
-            logger.warning("post-layer CUDA graph capture (batch %d, %s, grammar %s) failed; "
-                           "what has no graph runs eagerly: %s", size, plan.value, grammar, e)
+            size, plan, masked, biased = key
+            logger.warning("post-layer CUDA graph capture (batch %d, %s, masked %s, biased %s) "
+                           "failed; what has no graph runs eagerly: %s", size, plan.value,
+                           masked, biased, e)
             torch.cuda.synchronize()
             return False
