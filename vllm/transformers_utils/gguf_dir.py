@@ -5,8 +5,10 @@ a file is served, transformers' GGUF support turns that metadata into `config.js
 tokenizer files (as upstream vLLM does); they are cached under
 `<cache root>/gguf/<stem>-<key>/` beside a link `model.gguf` to the file itself, so the rest
 of the engine (config, tokenizer, loader) reads one ordinary directory. An index of the
-tensors (`gguf_tensors.json`) lets a load skip the metadata. The conversion costs
-about 15 s for SmolLM2-135M (config 8 s, tokenizer 6 s); later starts read the cache.
+tensors (`gguf_tensors.json`) lets a load skip the metadata. The file's metadata is parsed
+once: transformers' config and tokenizer loaders are handed the reader this module already
+opened (each would otherwise parse the file again, ~4 s apiece for SmolLM2's 49k-token
+vocabulary). The conversion costs about 6 s for SmolLM2-135M; later starts read the cache.
 The weights stay in the GGUF file: model_loader/gguf_loader.py dequantizes them at load.
 """
 
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +138,14 @@ def _convert(path: Path, out: Path, sampling: dict[str, float]) -> None:
 
     reader = open_gguf(path)
     arch = architecture_of(reader, path)
-    try:
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as exc:
-        raise ValueError(f"model: cannot read the config of {str(path)!r}: "
-                         f"{type(exc).__name__}: {exc}") from None
+    with _parsed_once(reader, path):
+        try:
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as exc:
+            raise ValueError(f"model: cannot read the config of {str(path)!r}: "
+                             f"{type(exc).__name__}: {exc}") from None
+        if field_value(reader, "tokenizer.ggml.model") is not None:
+            _write_tokenizer(path, out)
     config.architectures = [ARCHITECTURES[arch]]
     # transformers leaves a Qwen3 file's head size at the class default (128).
     head_dim = field_value(reader, f"{arch}.attention.key_length")
@@ -155,10 +163,42 @@ def _convert(path: Path, out: Path, sampling: dict[str, float]) -> None:
     generation.update(sampling)
     (out / "generation_config.json").write_text(
         json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2) + "\n")
-    if field_value(reader, "tokenizer.ggml.model") is not None:
-        _write_tokenizer(path, out)
     (out / TENSOR_INDEX).write_text(json.dumps(tensor_index(reader, arch)) + "\n")
     (out / GGUF_LINK).symlink_to(path)
+
+
+# One conversion at a time swaps gguf.GGUFReader (see _parsed_once).
+_PARSE_LOCK = threading.Lock()
+
+
+@contextmanager
+def _parsed_once(reader: Any, path: Path) -> Iterator[None]:
+    """While open, `gguf.GGUFReader(path)` returns `reader`, already parsed, instead of
+    parsing the file again; a reader of any other file, or one asked for with other
+    arguments, is constructed as usual.
+
+    transformers' GGUF config loader builds its own reader of the file, and so does its
+    tokenizer loader (to pick the tokenizer class from a config); both read the fields and
+    tensor names only, so they compute exactly what they would from a fresh parse. They
+    look `gguf.GGUFReader` up when called, which is why swapping the module attribute (and
+    restoring it, even on error) reaches them; a transformers that stopped doing so would
+    just parse the file again (tests/transformers_utils/test_gguf_dir.py counts parses).
+    """
+    import gguf
+
+    parse = gguf.GGUFReader
+
+    def reuse(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(file).resolve() == path:
+            return reader
+        return parse(file, *args, **kwargs)
+
+    with _PARSE_LOCK:
+        gguf.GGUFReader = reuse
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = parse
 
 
 def tensor_index(reader: Any, arch: str) -> dict[str, Any]:
