@@ -7,6 +7,8 @@ not growing with the batch."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -66,11 +68,12 @@ def test_buffers_take_one_copy_per_step_and_pad_with_off_rows() -> None:
         buffers.stage(_params(3, "random", biases=5), [], 4)
 
 
-def _post_layer(max_rows: int = 8, max_bias: int = 16) -> PostLayer:
+def _post_layer(max_rows: int = 8, max_bias: int = 16, history=None) -> PostLayer:
     head = torch.nn.Linear(16, VOCAB, bias=False).requires_grad_(False)
     torch.nn.init.normal_(head.weight, std=2.0, generator=torch.Generator().manual_seed(0))
     return PostLayer(lambda h: head(h).float(), 16, torch.float32, VOCAB, max_rows,
-                     torch.device("cpu"), torch.Generator().manual_seed(0), max_bias=max_bias)
+                     torch.device("cpu"), torch.Generator().manual_seed(0), max_bias=max_bias,
+                     history=history)
 
 
 @pytest.mark.parametrize("plan", list(Plan))
@@ -131,14 +134,14 @@ def test_sample_gives_the_samplers_tokens_with_a_grammar() -> None:
     assert torch.equal(post.generator.get_state(), before)
 
 
-def _eager_tokens(post, rows, states, grammar, generator) -> torch.Tensor:
+def _eager_tokens(post, rows, states, grammar, generator, unsettled=list) -> torch.Tensor:
     """The runner's eager path: LM head, native bitmask, SamplingInputs and the Sampler."""
     req_ids = [s.req_id for s in states]
     logits = post.compute_logits(rows)[: len(states)].contiguous()
     if grammar is not None:
         apply_grammar_bitmask(logits, grammar, {r: i for i, r in enumerate(req_ids)})
     metadata = SamplingInputs(torch.from_numpy, generator, VOCAB, torch.device("cpu"),
-                              list).build(states)
+                              unsettled).build(states)
     return Sampler(fixed_shape=False)(logits, metadata).sampled_token_ids
 
 
@@ -192,6 +195,59 @@ def test_token_edits_give_the_samplers_tokens() -> None:
     assert torch.equal(post.generator.get_state(), before)
 
 
+def test_penalties_give_the_samplers_tokens_step_after_step() -> None:
+    """Presence, frequency and repetition penalties over prompt and output tokens: step after
+    step (the function keeps each slot's counts itself), after a token sampled elsewhere
+    whose host copy has not landed (the slot is rebuilt, that token read on the device), and
+    as requests leave and join (slots are reused), the post-layer tokens equal the eager
+    path's, and the penalties show in them."""
+    inflight: list[SimpleNamespace] = []
+    history = SamplingInputs(torch.from_numpy, torch.Generator(), VOCAB, torch.device("cpu"),
+                             lambda: inflight).penalty_history
+    post = _post_layer(max_rows=4, history=history)
+    hidden = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
+    rows = post.gather(hidden, np.arange(1, 5), torch.from_numpy)
+    favourite = post.compute_logits(rows)[:4].argmax(dim=1).tolist()
+    specs = [
+        {"temperature": 0.0, "frequency_penalty": 2.0},
+        {"temperature": 0.0, "repetition_penalty": 1.8},
+        {"temperature": 0.9, "seed": 1, "presence_penalty": 1.5, "frequency_penalty": -0.5},
+        {"temperature": 0.0, "presence_penalty": 0.5},  # every slot taken: r4 reuses this
+    ]
+    prompts = [[1, 2], [favourite[1], 3, favourite[1]], [4], [5, 6, 7]]
+    states = [CachedRequestState(f"r{i}", prompt, SamplingParams(**spec), [], len(prompt))
+              for i, (prompt, spec) in enumerate(zip(prompts, specs))]
+    reference = torch.Generator().manual_seed(0)
+    for step in range(10):
+        if step == 4:  # a token sampled elsewhere, still on the device: the count lags
+            inflight.append(SimpleNamespace(
+                states=[states[0]], positions=[states[0].num_output_tokens],
+                device_token_ids=torch.tensor([favourite[0]])))
+            states[0].num_output_tokens += 1
+        if step == 5:  # its host copy lands
+            states[0].output_token_ids.append(favourite[0])
+            inflight.clear()
+        if step == 6:  # a request leaves, a penalized one joins in its row
+            states[3] = CachedRequestState("r4", [9, 9], SamplingParams(
+                temperature=0.0, repetition_penalty=0.5, presence_penalty=-1.0), [], 2)
+        if step == 8:  # the same request id with a new state (another prompt): rebuilt
+            old = states[1]
+            states[1] = CachedRequestState("r1", [0], old.sampling_params, [], 1,
+                                           output_token_ids=list(old.output_token_ids),
+                                           num_output_tokens=old.num_output_tokens)
+        got = post.sample(rows, states, None, [s.req_id for s in states])
+        assert got is not None
+        got = got.sampled_token_ids
+        want = _eager_tokens(post, rows, states, None, reference, lambda: inflight)
+        assert torch.equal(got, want), step
+        for state, token in zip(states, got.tolist()):
+            state.output_token_ids.append(token)
+            state.num_output_tokens += 1
+    # The same hidden state each step: unpenalized, the same token; penalized, not.
+    assert set(states[0].output_token_ids) != {favourite[0]}
+    assert states[1].output_token_ids[0] != favourite[1]  # already in its prompt
+
+
 # ---------------------------------------------------------------------------- engine
 
 
@@ -219,7 +275,9 @@ def _attach(llm, audits: list | None = None) -> PostLayer:
 
     return PostLayer(compute_logits, runner.model.hidden_size, runner.dtype, runner.vocab_size,
                      runner.max_num_reqs, runner.device, runner.sampling_inputs.generator,
-                     min_rows=runner.logits_min_rows)
+                     min_rows=runner.logits_min_rows,
+                     history=runner.sampling_inputs.penalty_history,
+                     to_device=runner.buffers.to_device)
 
 
 def _generate(llm, post: PostLayer | None, prompts, params) -> list:
@@ -235,8 +293,9 @@ def _generate(llm, post: PostLayer | None, prompts, params) -> list:
 @pytest.mark.skipif(torch.cuda.is_available(),
                     reason="CPU wiring; on CUDA the LM head's row count changes its kernels")
 def test_engine_tokens_equal_the_eager_path(llm) -> None:
-    """Greedy, random, top-k, top-p and min-p rows, with logit_bias, allowed_token_ids and
-    min_tokens, give the eager path's tokens; a request with logprobs sends its steps to the
+    """Greedy, random, top-k, top-p and min-p rows, with logit_bias, allowed_token_ids,
+    min_tokens and penalties (counts rebuilt from tokens still on the device under async
+    scheduling), give the eager path's tokens; a request with logprobs sends its steps to the
     eager path. (Grammars and bad words: the unit tests above; a schema's first compile takes
     seconds.)"""
     params = [
@@ -250,6 +309,10 @@ def test_engine_tokens_equal_the_eager_path(llm) -> None:
         SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=6,
                        logit_bias={5: 4.0, 9: -100.0}, allowed_token_ids=[5, 9, 17, 33]),
         SamplingParams(max_tokens=8, temperature=0.0, min_tokens=6),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, frequency_penalty=1.5,
+                       presence_penalty=0.5),
+        SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.8, seed=9,
+                       repetition_penalty=1.3),
     ]
     prompts = [f"item {i}: " + "word " * i for i in range(len(params))]
     post = _attach(llm)
@@ -335,7 +398,7 @@ def test_cuda_graph_replays_equal_the_eager_function() -> None:
     assert len(post.graphs) == len(post.sizes) * len(Plan) * 4
     mask = np.zeros((8, post.buffers.words), dtype=np.int32)
     mask[:, 2:] = -1  # the first 64 tokens forbidden
-    for (size, plan, masked, biased), graph in post.graphs.items():
+    for (size, plan, masked, biased, _), graph in post.graphs.items():
         post.buffers.stage(_params(size, plan.value, 3 if biased else 0),
                            [size - 1] if masked else [], size, mask)
         post.buffers.wait_uploaded()  # the upload runs on the buffers' own stream

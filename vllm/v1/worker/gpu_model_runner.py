@@ -248,6 +248,7 @@ class GPUModelRunner:
             self.post_layer = PostLayer(
                 self.model.compute_logits, self.model.hidden_size, self.dtype, self.vocab_size,
                 self.max_num_reqs, self.device, self.sampling_inputs.generator,
+                history=self.sampling_inputs.penalty_history, to_device=self.buffers.to_device,
             )
             self.post_layer.capture()
 

@@ -3,15 +3,17 @@
 For a decode step (one new token per request, every request sampling, no drafts) the work
 after the layers is: the LM head over each request's last hidden state, the bitmask (the
 grammar's, with the token bans of allowed_token_ids, one-token bad words and min_tokens
-folded in), logit_bias, and sampling. Here that work reads only fixed device buffers (the
-hidden rows, the sampling parameters, bias entries and bitmask of SamplingBuffers; the
-edits' fixed form is token_rules.py) and writes a fixed output buffer, with the operations
-of ops/dense_sampling.py, so it never waits for the device and a CUDA graph per (padded
-batch size, plan, masked or not, biased or not) replays it. Every combination is captured
-at startup: a request that arrives, leaves or changes mode only picks another graph.
+folded in), logit_bias, penalties, and sampling. Here that work reads only fixed device
+buffers (the hidden rows, the sampling parameters, bias entries and bitmask of
+SamplingBuffers; the edits' fixed form is token_rules.py; each penalized request's token
+counts live in a slot of penalty_table.py, which the function itself keeps current) and
+writes a fixed output buffer, with the operations of ops/dense_sampling.py, so it never
+waits for the device and a CUDA graph per (padded batch size, plan, masked or not, biased
+or not, penalized or not) replays it. Every combination is captured at startup: a request
+that arrives, leaves or changes mode only picks another graph.
 
-What it does not do (logprobs, penalties, bad words of several tokens, more logit_bias
-entries in one step than the buffers hold) sends the step back to the eager path: its
+What it does not do (logprobs, bad words of several tokens, more logit_bias entries in one
+step than the buffers hold) sends the step back to the eager path: its
 logits are computed from the same hidden rows and the Sampler samples them. Both paths give
 the same tokens: the operations are the Sampler's own fixed-shape path, and the noise keys
 are drawn from the same generator in the same order.
@@ -42,6 +44,7 @@ from vllm.v1.sample.sampler import RACE_BLOCK, SamplerOutput
 from vllm.v1.worker.cuda_graph import capture_sizes
 from vllm.v1.worker.gpu_input_batch import CachedRequestState
 from vllm.v1.worker.grammar_bitmask import reorder_bitmask
+from vllm.v1.worker.penalty_table import History, PenaltyTable
 from vllm.v1.worker.sampling_buffers import SamplingBuffers
 from vllm.v1.worker.token_rules import bias_entries, masked_rows
 
@@ -60,9 +63,9 @@ def sampler_graphs_enabled() -> bool:
 
 def dense_ok(state: CachedRequestState) -> bool:
     """Whether a request's next token needs nothing the fixed sequence lacks (module
-    docstring): no logprobs, no penalties, no bad word of several tokens."""
+    docstring): no logprobs, no bad word of several tokens."""
     p = state.sampling_params
-    return p.logprobs is None and not p.has_penalties and not p.has_history_bans
+    return p.logprobs is None and not p.has_history_bans
 
 
 class PostLayer:
@@ -79,11 +82,15 @@ class PostLayer:
         generator: torch.Generator,
         min_rows: int = 1,
         max_bias: int = MAX_LOGIT_BIAS,
+        history: History | None = None,
+        to_device: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> None:
         """`min_rows`: the fewest rows the LM head runs on (the runner's padding for batch
         invariance on a CPU); `generator` draws the unseeded rows' noise keys (CPU);
         `max_bias`: the logit_bias entries one step may hold in all (default: one request's
-        maximum)."""
+        maximum); `history`: the requests' tokens (SamplingInputs.penalty_history), from
+        which penalty slots are rebuilt (None: penalized steps go eager); `to_device`: the
+        host-to-device copy of index arrays (default: torch's)."""
         self.compute_logits = compute_logits
         self.vocab_size = vocab_size
         self.device = device
@@ -94,8 +101,11 @@ class PostLayer:
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
         self.buffers = SamplingBuffers(rows, vocab_size, device, max_bias)
         self.chunk_rows = max(1, CHUNK_ELEMENTS // vocab_size)
-        # (padded size, plan, masked, biased) -> graph
-        self.graphs: dict[tuple[int, Plan, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.history = history
+        self.to_device = to_device or (lambda a: torch.from_numpy(a).to(device))
+        self.penalties = None if history is None else PenaltyTable(rows, vocab_size, device)
+        # (padded size, plan, masked, biased, penalized) -> graph
+        self.graphs: dict[tuple[int, Plan, bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     def padded_size(self, num_rows: int) -> int:
@@ -112,10 +122,12 @@ class PostLayer:
         idx[: len(ends)] = ends - 1
         return hidden[to_device(idx)]
 
-    def run(self, size: int, plan: Plan, masked: bool, biased: bool = False) -> None:
+    def run(self, size: int, plan: Plan, masked: bool, biased: bool = False,
+            penalized: bool = False) -> None:
         """The post-layer function over the first `size` rows of the buffers: LM head,
-        bitmask (when `masked`), bias entries (when `biased`), sampling into self.tokens.
-        Capturable: no host read of a device value, shapes fixed by the arguments."""
+        bitmask (when `masked`), bias entries (when `biased`), penalties and the count of
+        the sampled tokens (when `penalized`), sampling into self.tokens. Capturable: no
+        host read of a device value, shapes fixed by the arguments."""
         logits = self.compute_logits(self.hidden[:size]).float()
         if masked:
             apply_dense_bitmask(logits, self.buffers.bitmask(size))
@@ -124,9 +136,15 @@ class PostLayer:
             rows, ids, values = self.buffers.bias()
             logits.index_put_((rows, ids), values, accumulate=True)
         rows = self.buffers.rows(size)
+        slots, *penalties = self.buffers.penalties(size)
         for lo in range(0, size, self.chunk_rows):
             hi = min(size, lo + self.chunk_rows)
-            self.tokens[lo:hi] = sample_dense(logits[lo:hi], rows.rows(lo, hi), plan, RACE_BLOCK)
+            x = logits[lo:hi]
+            if penalized:
+                x = self.penalties.apply(x, slots[lo:hi], *(p[lo:hi] for p in penalties))
+            self.tokens[lo:hi] = sample_dense(x, rows.rows(lo, hi), plan, RACE_BLOCK)
+        if penalized:
+            self.penalties.record(slots, self.tokens[:size])
 
     def sample(
         self,
@@ -142,6 +160,9 @@ class PostLayer:
         if not all(dense_ok(s) for s in states):
             return None
         params = [s.sampling_params for s in states]
+        penalized = any(p.has_penalties for p in params)
+        if penalized and self.penalties is None:
+            return None
         bias = bias_entries(params)
         if bias is not None and len(bias["bias_ids"]) > self.buffers.max_bias:
             return None
@@ -154,22 +175,33 @@ class PostLayer:
         # Drawn exactly when the Sampler would draw them: the generator stays in step.
         keys = (np.zeros((n, 2), dtype=np.int64) if all_greedy else
                 host_noise_keys([p.seed for p in params], positions, self.generator).numpy())
+        extra = dict(bias or {})
+        if penalized:
+            slots = self.penalties.slots(states, self.history, self.to_device)
+            extra.update(
+                slots=slots,
+                repetition=np.asarray([p.repetition_penalty for p in params], dtype=np.float32),
+                frequency=np.asarray([p.frequency_penalty for p in params], dtype=np.float32),
+                presence=np.asarray([p.presence_penalty for p in params], dtype=np.float32),
+            )
         self.buffers.stage({
             "keys": keys,
             "top_k": np.asarray([p.top_k for p in params], dtype=np.int64),
             "temperature": np.asarray([p.temperature for p in params], dtype=np.float32),
             "top_p": np.asarray([p.top_p for p in params], dtype=np.float32),
             "min_p": np.asarray([p.min_p for p in params], dtype=np.float32),
-            **(bias or {}),
+            **extra,
         }, mask_rows, size, bitmask)
         self.buffers.wait_uploaded()
         self.hidden[:size].copy_(hidden_rows)
-        key = (size, plan, bool(mask_rows), bias is not None)
+        key = (size, plan, bool(mask_rows), bias is not None, penalized)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
         else:
             self.run(*key)
+        if penalized:
+            self.penalties.advance(slots)
         self.buffers.mark_read()
         # A copy: the next step's replay rewrites the output buffer.
         return SamplerOutput(self.tokens[:n].clone(), None)
@@ -186,15 +218,19 @@ class PostLayer:
         return reorder_bitmask(grammar_output, {r: i for i, r in enumerate(req_ids)})
 
     def capture(self) -> None:
-        """Captures run() for every (size, plan, masked, biased), largest size first (smaller
+        """Captures run() for every (size, plan, masked, biased, penalized; penalized only
+        with a penalty table), largest size first (smaller
         graphs share its memory pool); CUDA only. A failed capture logs a warning and stops:
         what has no graph runs eagerly."""
         torch.cuda.synchronize()  # the buffers' first upload ran on their own stream
         main = torch.cuda.current_stream()
         stream = torch.cuda.Stream()
         stream.wait_stream(main)
-        keys = [(size, plan, masked, biased) for size in sorted(self.sizes, reverse=True)
-                for plan in Plan for masked in (False, True) for biased in (False, True)]
+        flags = (False, True)
+        keys = [(size, plan, masked, biased, penalized)
+                for size in sorted(self.sizes, reverse=True) for plan in Plan
+                for masked in flags for biased in flags
+                for penalized in (flags if self.penalties is not None else (False,))]
         with torch.inference_mode(), torch.cuda.stream(stream):
             for key in keys:
                 if not self._capture_one(stream, key):
@@ -202,7 +238,7 @@ class PostLayer:
         main.wait_stream(stream)
         logger.info("captured %d post-layer (LM head + sampling) CUDA graphs", len(self.graphs))
 
-    def _capture_one(self, stream, key: tuple[int, Plan, bool, bool]) -> bool:
+    def _capture_one(self, stream, key: tuple[int, Plan, bool, bool, bool]) -> bool:
         try:
             for _ in range(2):  # warm up kernels and the allocator
                 self.run(*key)
@@ -213,9 +249,9 @@ class PostLayer:
             self.graphs[key] = graph
             return True
         except Exception as e:  # noqa: BLE001 - any capture failure means eager
-            size, plan, masked, biased = key
-            logger.warning("post-layer CUDA graph capture (batch %d, %s, masked %s, biased %s) "
-                           "failed; what has no graph runs eagerly: %s", size, plan.value,
-                           masked, biased, e)
+            size, plan, masked, biased, penalized = key
+            logger.warning("post-layer CUDA graph capture (batch %d, %s, masked %s, biased %s, "
+                           "penalized %s) failed; what has no graph runs eagerly: %s", size,
+                           plan.value, masked, biased, penalized, e)
             torch.cuda.synchronize()
             return False

@@ -25,16 +25,22 @@ from vllm.v1.sample.ops.dense_sampling import DenseRows
 _PARAMS = {
     "keys": (np.int64, (2,), "row"),
     "top_k": (np.int64, (), "row"),
+    "slots": (np.int64, (), "row"),
     "bias_rows": (np.int64, (), "bias"),
     "bias_ids": (np.int64, (), "bias"),
     "temperature": (np.float32, (), "row"),
     "top_p": (np.float32, (), "row"),
     "min_p": (np.float32, (), "row"),
+    "repetition": (np.float32, (), "row"),
+    "frequency": (np.float32, (), "row"),
+    "presence": (np.float32, (), "row"),
     "bias_values": (np.float32, (), "bias"),
 }
 # What each section holds where no request puts a value (padding): a greedy row, no filters,
-# and bias entries that add 0 to row 0's token 0 (which leaves every logit as it was).
+# no penalty (and the penalty table's spare slot, max_rows), and bias entries that add 0 to
+# row 0's token 0 (which leaves every logit as it was).
 _OFF = {"keys": 0, "top_k": 0, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0,
+        "repetition": 1.0, "frequency": 0.0, "presence": 0.0,
         "bias_rows": 0, "bias_ids": 0, "bias_values": 0.0}
 
 
@@ -50,6 +56,7 @@ class SamplingBuffers:
                              f"{max_rows}, {vocab_size}, {max_bias}")
         self.max_rows = max_rows
         self.max_bias = max_bias
+        self._off = dict(_OFF, slots=max_rows)
         self.words = (vocab_size + 31) // 32
         self.device = device
         self._sections: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
@@ -91,6 +98,13 @@ class SamplingBuffers:
             keys=self._view(b, "keys")[:n],
         )
 
+    def penalties(self, n: int) -> tuple[torch.Tensor, ...]:
+        """Device views of the first n rows' penalty slot (int64) and repetition, frequency
+        and presence penalties (float32)."""
+        b = self.device_bytes
+        return tuple(self._view(b, name)[:n]
+                     for name in ("slots", "repetition", "frequency", "presence"))
+
     def bias(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Device views of every bias entry's (row, token id, value), [max_bias] each."""
         b = self.device_bytes
@@ -109,7 +123,8 @@ class SamplingBuffers:
     ) -> None:
         """Fills the buffers for a step of `padded` rows in one copy. `params` maps each of
         keys ([n, 2] int64), top_k, temperature, top_p and min_p ([n]) to the values of the
-        first n rows (None: no row), and optionally bias_rows, bias_ids (int64) and
+        first n rows (None: no row), optionally slots, repetition, frequency and presence
+        ([n]) for the penalties, and bias_rows, bias_ids (int64) and
         bias_values (float32) to the step's logit_bias entries; rows and entries past those
         given get the 'off' values. `bitmask[r]` is the mask of row r for each r in
         `mask_rows` (other rows allow every token); with no mask row the bitmask section is
@@ -135,7 +150,7 @@ class SamplingBuffers:
             n = 0 if values is None else len(values)
             if n:
                 view[:n] = values
-            view[n:] = _OFF[name]
+            view[n:] = self._off[name]
         size = self.params_bytes
         if mask_rows:
             words = self._view(host, "bitmask")

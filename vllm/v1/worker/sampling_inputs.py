@@ -64,7 +64,7 @@ class SamplingInputs:
         no_penalties = not any(p.has_penalties for p in params)
         prompt_ids, output_ids, pending_ids = None, [], None
         if not no_penalties:
-            prompt_ids, output_ids, pending_ids = self._penalty_history(states)
+            prompt_ids, output_ids, pending_ids = self.penalty_history(states)
         output_positions = [s.num_output_tokens + off for s, off in zip(states, offsets)]
         min_tokens = {
             i: (p.min_tokens, set(p.all_stop_token_ids))
@@ -110,7 +110,7 @@ class SamplingInputs:
             recent_output_token_ids=recent,
         )
 
-    def _penalty_history(
+    def penalty_history(
         self, states: list[CachedRequestState]
     ) -> tuple[torch.Tensor, list[list[int]], torch.Tensor | None]:
         """What penalties count: the prompts ([len(states), longest] on the device, padded
