@@ -78,25 +78,34 @@ def _post_layer(max_rows: int = 8, max_bias: int = 16, history=None) -> PostLaye
 
 @pytest.mark.parametrize("plan", list(Plan))
 def test_one_operation_sequence_per_size_plan_and_grammar(plan: Plan) -> None:
-    """Rows of every mode, and any number of bias entries, staged in turn (and new hidden
-    states): the same operations, none that would wait, so one captured graph replays every
-    step of that size, plan, mask and bias."""
-    post = _post_layer()
+    """Rows of every mode, any number of bias entries, and any penalty slots and values,
+    staged in turn (and new hidden states): the same operations, none that would wait, so
+    one captured graph replays every step of that size, plan, mask, bias and penalties."""
+    post = _post_layer(history=lambda states: None)  # no slot is ever rebuilt here
     mask = np.full((4, post.buffers.words), -1, dtype=np.int32)
     mask[1, :2] = 0
-    for masked in (False, True):
-        for biased in (False, True):
-            sequences = []
-            for biases, mode in enumerate(("greedy", "random", "min_p", "filtered")):
-                post.buffers.stage(_params(4, mode, biases * 5 if biased else 0),
-                                   [1] if masked else [], 4, mask)
-                post.hidden.normal_()
-                audit = OpAudit("cpu")
-                with audit:
-                    post.run(4, plan, masked, biased)
-                assert audit.syncs == [] and audit.downloads == []
-                sequences.append(audit.ops)
-            assert all(s == sequences[0] for s in sequences), (masked, biased)
+    flags = [(m, b, p) for m in (False, True) for b in (False, True) for p in (False, True)]
+    first = {}
+    for masked, biased, penalized in flags:
+        sequences = []
+        for step, mode in enumerate(("greedy", "random", "min_p", "filtered")):
+            params = _params(4, mode, step * 5 if biased else 0)
+            if penalized:  # slot 8 is the spare: rows without a penalty
+                params.update(slots=np.array([8, step, 8, 3 - step]),
+                              repetition=np.full(4, 1.0 + step / 4, dtype=np.float32),
+                              frequency=np.full(4, step / 2, dtype=np.float32),
+                              presence=np.full(4, -step / 3, dtype=np.float32))
+            post.buffers.stage(params, [1] if masked else [], 4, mask)
+            post.hidden.normal_()
+            audit = OpAudit("cpu")
+            with audit:
+                post.run(4, plan, masked, biased, penalized)
+            assert audit.syncs == [] and audit.downloads == []
+            sequences.append(audit.ops)
+        assert all(s == sequences[0] for s in sequences), (masked, biased, penalized)
+        first[masked, biased, penalized] = sequences[0]
+    # Each flag adds its operations (the graphs differ).
+    assert len({tuple(ops) for ops in first.values()}) == len(flags)
             if masked and plan is Plan.GREEDY:
                 assert int(post.tokens[1]) >= 64  # the mask forbids the row's first 64 tokens
 
@@ -389,31 +398,49 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 def test_cuda_graph_replays_equal_the_eager_function() -> None:
-    """Every captured (size, plan, masked, biased) graph gives run()'s tokens, and sample()
-    makes the host wait for nothing (torch's sync debug mode raises on a synchronisation)."""
+    """Every captured (size, plan, masked, biased, penalized) graph gives run()'s tokens,
+    and sample() makes the host wait for nothing (torch's sync debug mode raises on a
+    synchronisation), a penalty slot's rebuild included."""
+    to_cuda = lambda a: torch.from_numpy(a).cuda()
     head = torch.nn.Linear(16, VOCAB, bias=False, device="cuda").requires_grad_(False)
+    history = SamplingInputs(to_cuda, torch.Generator(), VOCAB, torch.device("cuda"),
+                             list).penalty_history
     post = PostLayer(lambda h: head(h).float(), 16, torch.float32, VOCAB, 8,
-                     torch.device("cuda"), torch.Generator().manual_seed(0))
+                     torch.device("cuda"), torch.Generator().manual_seed(0), history=history)
     post.capture()
-    assert len(post.graphs) == len(post.sizes) * len(Plan) * 4
+    assert len(post.graphs) == len(post.sizes) * len(Plan) * 8
+    table = post.penalties
+    table.counts.random_(0, 3)
+    table.prompt.copy_(torch.rand(table.prompt.shape, device="cuda") < 0.1)
     mask = np.zeros((8, post.buffers.words), dtype=np.int32)
     mask[:, 2:] = -1  # the first 64 tokens forbidden
-    for (size, plan, masked, biased, _), graph in post.graphs.items():
-        post.buffers.stage(_params(size, plan.value, 3 if biased else 0),
-                           [size - 1] if masked else [], size, mask)
+    for key, graph in post.graphs.items():
+        size, plan, masked, biased, penalized = key
+        params = _params(size, plan.value, 3 if biased else 0)
+        if penalized:
+            params.update(slots=np.arange(size, dtype=np.int64),
+                          repetition=np.full(size, 1.3, dtype=np.float32),
+                          frequency=np.full(size, 0.5, dtype=np.float32),
+                          presence=np.full(size, 0.2, dtype=np.float32))
+        post.buffers.stage(params, [size - 1] if masked else [], size, mask)
         post.buffers.wait_uploaded()  # the upload runs on the buffers' own stream
         post.hidden.normal_()
+        counts = table.counts.clone()
         graph.replay()
         replayed = post.tokens[:size].clone()
-        post.run(size, plan, masked, biased)
+        recorded = table.counts.clone()
+        table.counts.copy_(counts)  # the eager run counts the same tokens again
+        post.run(*key)
         post.buffers.mark_read()
-        assert torch.equal(replayed, post.tokens[:size]), (size, plan, masked, biased)
+        assert torch.equal(replayed, post.tokens[:size]), key
+        assert torch.equal(recorded, table.counts), key
         if masked:
             assert int(replayed[size - 1]) >= 64
     states = [CachedRequestState(f"r{i}", [1], SamplingParams(temperature=t, seed=i), [], 1)
               for i, t in enumerate((0.0, 0.8, 1.0))]
-    rows = post.gather(torch.randn(3, 16, device="cuda"), np.arange(1, 4),
-                       lambda a: torch.from_numpy(a).cuda())
+    states.append(CachedRequestState("r3", [1, 2], SamplingParams(frequency_penalty=1.0),
+                                     [], 2, output_token_ids=[5], num_output_tokens=1))
+    rows = post.gather(torch.randn(4, 16, device="cuda"), np.arange(1, 5), to_cuda)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
