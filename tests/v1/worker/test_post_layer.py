@@ -463,6 +463,11 @@ def test_cuda_engine_decode_steps_never_sync_and_match_the_eager_path() -> None:
         params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, top_k=k,
                                  seed=i) for i, (t, k) in enumerate(
                                      [(0.0, 0), (0.8, 0), (1.0, 5), (0.7, 0)])]
+        # Penalty slots (rebuilt in a decode step, which must not wait) and bias entries.
+        params += [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0,
+                                  frequency_penalty=1.0, repetition_penalty=1.2),
+                   SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=7,
+                                  logit_bias={3: 5.0}, presence_penalty=0.5)]
         prompts = [f"item {i}: " + "word " * i for i in range(len(params))]
         graphs, post.graphs = post.graphs, {}
         want = _generate(engine, post, prompts, params)
