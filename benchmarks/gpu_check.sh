@@ -6,7 +6,7 @@
 #
 # --quick (the default) is sized to finish in about 7 minutes on one H200, installs included:
 # every step has a time cap and the caps add up to 7 minutes (tests 140 s, decode 75 s,
-# step profile 70 s, sweep 140 s; a capped step keeps what it measured so far). --full runs the long versions
+# step profile 85 s, sweep 140 s; a capped step keeps what it measured so far). --full runs the long versions
 # (upstream's sweep load shape: an hour or more).
 #
 # 1. installs the wheels in ./.whl (or $WHEEL_DIR) into /tmp/site (make them beforehand on a machine with network
@@ -19,9 +19,9 @@
 #    benchmarks/bench_attention.py (--full) and benchmarks/bench_decode.py (decode tok/s at
 #    batch 1, 64, 256 with and without CUDA graphs; --quick decodes 64 tokens, --full 128)
 #    and benchmarks/gpu_profile.py --triton (torch.profiler over decode steps at batch 1, 64,
-#    256 and a 100% JSON batch: wall / device-busy ms, idle gaps and what the host ran in
-#    them, graph and eager launches, syncs; Chrome traces in RESULT_DIR/profile; the host
-#    cost of each Triton kernel launch);
+#    256, a 100% JSON batch and a batch with penalties and logit_bias: wall / device-busy
+#    ms, idle gaps and what the host ran in them, graph and eager launches, syncs; Chrome
+#    traces in RESULT_DIR/profile; the host cost of each Triton kernel launch);
 # 4. runs the GPU preset of benchmarks/structured_sweep.py (Qwen3-1.7B config, dummy weights,
 #    rate 200, output length 128): ratios 0/0.2/0.8/1.0 JSON, sync and async, uni and mp;
 #    --quick 400 prompts once, --full 4000 prompts, 3 repeats;
@@ -65,7 +65,7 @@ TEST_PATHS=(tests/attention tests/entrypoints/test_llm_hf_equivalence.py
             tests/v1/engine/test_async_sync_equivalence.py)
 if [ "$MODE" = quick ]; then
   : "${SKIP_NATIVE:=1}" "${SKIP_BENCH_ATTENTION:=1}" "${TEST_TIMEOUT:=140}"
-  : "${DECODE_TIMEOUT:=75}" "${DECODE_OUTPUT_LEN:=64}" "${PROFILE_TIMEOUT:=70}"
+  : "${DECODE_TIMEOUT:=75}" "${DECODE_OUTPUT_LEN:=64}" "${PROFILE_TIMEOUT:=85}"
   : "${PROFILE_STEPS:=4}"
   : "${SWEEP_NUM_PROMPTS:=400}" "${SWEEP_RATIOS:=0,0.2,0.8,1.0}" "${SWEEP_REPEATS:=1}"
   : "${SWEEP_TIMEOUT:=140}"

@@ -1,13 +1,16 @@
 """Where a decode step's time goes, between the host and the device (torch.profiler).
 
     python benchmarks/gpu_profile.py [--model qwen3-1.7b] [--batch-sizes 1,64,256] \
-        [--json-batch 64] [--steps 6] [--sync] [--no-stack] [--triton] [--out-dir DIR]
+        [--json-batch 64] [--edits-batch 64] [--steps 6] [--sync] [--no-stack] [--triton] \
+        [--out-dir DIR]
     python benchmarks/gpu_profile.py --cpu       (the mechanics on the CPU, for CI)
 
 One engine (async scheduling unless --sync; CUDA graphs as configured by default) decodes
 each batch of 8-token prompts; after two warm-up decode steps the profiler records --steps
 decode steps, started and stopped on the worker thread that runs them. One more run decodes
---json-batch requests that all follow a JSON schema. Per step it prints:
+--json-batch requests that all follow a JSON schema, and one --edits-batch requests with
+presence, frequency and repetition penalties and a logit_bias (which CUDA samples in the
+post-layer graphs too). Per step it prints:
   wall ms      from one step's execute_model to the next one's;
   busy ms      the union of the device's kernels, copies and memsets in that window;
   gaps         the device's idle intervals longer than --gap-us, and for the largest three
@@ -22,7 +25,8 @@ chrome://tracing or https://ui.perfetto.dev); profile.json holds every number pr
 --triton first measures the host cost per launch of the engine's Triton kernels
 (bench_triton_launch.py).
 
---cpu runs all of it on the CPU with the tiny demo model (batches 1 and 4, 3 steps): the
+--cpu runs all of it on the CPU with the tiny demo model (batches 1 and 4, 2 for JSON and
+edits, 3 steps): the
 "device" intervals are then the operators themselves, no graph replays exist, and the syncs
 column counts the operations that would make a CUDA host wait (OpAudit) instead.
 """
@@ -298,12 +302,14 @@ def _report(run: RunProfile, cuda: bool) -> None:
         print(f"  {ms:9.3f}  {name}")
 
 
-def _runs(args) -> list[tuple[str, int, bool]]:
-    """(name, batch, JSON or not) of each run; the largest batch (the largest trace) last."""
-    runs = [(f"decode-b{b}", b, False) for b in args.batch_sizes]
-    if args.json_batch:
-        runs.append((f"json-b{args.json_batch}", args.json_batch, True))
-    largest = max(runs, key=lambda r: (r[1], not r[2]))
+def _runs(args) -> list[tuple[str, int, str]]:
+    """(name, batch, kind: decode, json or edits) of each run; the largest batch (the
+    largest trace) last."""
+    runs = [(f"decode-b{b}", b, "decode") for b in args.batch_sizes]
+    for kind, batch in (("json", args.json_batch), ("edits", args.edits_batch)):
+        if batch:
+            runs.append((f"{kind}-b{batch}", batch, kind))
+    largest = max(runs, key=lambda r: (r[1], r[2] == "decode"))
     return [r for r in runs if r is not largest] + [largest]
 
 
@@ -313,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default: qwen3-1.7b, demo-tiny (--cpu)")
     parser.add_argument("--batch-sizes", default=None, help="default: 1,64,256; 1,4 (--cpu)")
     parser.add_argument("--json-batch", type=int, default=None, help="0: no JSON run")
+    parser.add_argument("--edits-batch", type=int, default=None,
+                        help="penalties and logit_bias; 0: no such run")
     parser.add_argument("--steps", type=int, default=None, help="profiled decode steps")
     parser.add_argument("--gap-us", type=float, default=20.0)
     parser.add_argument("--sync", action="store_true", help="synchronous scheduling")
@@ -331,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,64,256" if cuda else "1,4"))
                         .split(",")]
     args.json_batch = (64 if cuda else 2) if args.json_batch is None else args.json_batch
+    args.edits_batch = (64 if cuda else 2) if args.edits_batch is None else args.edits_batch
     args.steps = args.steps or (6 if cuda else 3)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     summary = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -364,7 +373,7 @@ def profile_runs(args, cuda: bool, workdir: Path, save) -> list[RunProfile]:
 
     preset = next((p for p in PRESETS.values() if p.model == args.model), None)
     model = prepare_model(preset, workdir).serve_arg if preset else args.model
-    batches = args.batch_sizes + ([args.json_batch] if args.json_batch else [])
+    batches = args.batch_sizes + [args.json_batch, args.edits_batch]
     kwargs = {"load_format": "dummy"} if cuda else {}
     llm = LLM(model, max_num_seqs=max(batches), max_model_len=512 if cuda else 256,
               async_scheduling=not args.sync, **kwargs)
@@ -379,15 +388,19 @@ def profile_runs(args, cuda: bool, workdir: Path, save) -> list[RunProfile]:
     hooks = StepHooks(runner, make_profiler, audit=not cuda)
     out = []
     try:
-        for name, batch, structured in _runs(args):
+        for name, batch, kind in _runs(args):
             tokens = WARMUP_STEPS + args.steps + 4
             extra = {}
-            if structured:
+            if kind == "json":
                 from bench_offline import structured_schema  # the sibling script
 
                 extra = {"structured_outputs": StructuredOutputsParams(
                     json=structured_schema(tokens))}
-            params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, **extra)
+            if kind == "edits":
+                extra = {"temperature": 0.8, "presence_penalty": 0.2, "frequency_penalty": 0.5,
+                         "repetition_penalty": 1.1, "logit_bias": {100: 2.0, 200: -2.0}}
+            params = SamplingParams(**{"temperature": 0.0, "max_tokens": tokens,
+                                       "ignore_eos": True, **extra})
             prompts = [[100 + i, 200, 300, 400, 500, 600, 700, 800] for i in range(batch)]
             llm.generate(prompts, params, use_tqdm=False)  # warm up (graphs, grammars)
             hooks.arm(args.steps)

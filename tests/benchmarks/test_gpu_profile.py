@@ -57,9 +57,9 @@ def test_analysis_of_a_cuda_trace_counts_each_steps_work() -> None:
 
 def test_cpu_mode_profiles_every_run(tmp_path: Path, capsys) -> None:
     assert gpu_profile.main(["--cpu", "--batch-sizes", "3", "--steps", "2", "--json-batch",
-                             "0", "--out-dir", str(tmp_path)]) == 0
+                             "0", "--edits-batch", "2", "--out-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "profile.json").read_text())
-    assert [r["name"] for r in summary["runs"]] == ["decode-b3"]
+    assert [r["name"] for r in summary["runs"]] == ["edits-b2", "decode-b3"]
     for run in summary["runs"]:
         assert [s["step"] for s in run["steps"]] == [3, 4]
         assert all(0 < s["busy_ms"] <= s["wall_ms"] for s in run["steps"])
