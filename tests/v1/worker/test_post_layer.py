@@ -401,7 +401,7 @@ def test_cuda_graph_replays_equal_the_eager_function() -> None:
     """Every captured (size, plan, masked, biased, penalized) graph gives run()'s tokens,
     and sample() makes the host wait for nothing (torch's sync debug mode raises on a
     synchronisation), a penalty slot's rebuild included."""
-    to_cuda = lambda a: torch.from_numpy(a).cuda()
+    to_cuda = lambda a: torch.from_numpy(a).pin_memory().cuda(non_blocking=True)
     head = torch.nn.Linear(16, VOCAB, bias=False, device="cuda").requires_grad_(False)
     history = SamplingInputs(to_cuda, torch.Generator(), VOCAB, torch.device("cuda"),
                              list).penalty_history

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -54,6 +55,14 @@ ENV = "VLLM_SAMPLER_GRAPHS"
 # Logits elements per sampling chunk: the temporaries of a full sort and of the race stay
 # about 44 bytes per element, whatever the batch.
 CHUNK_ELEMENTS = 1 << 23
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A copy of a host array on `device` that does not make the host wait (pinned)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def sampler_graphs_enabled() -> bool:
@@ -90,7 +99,7 @@ class PostLayer:
         `max_bias`: the logit_bias entries one step may hold in all (default: one request's
         maximum); `history`: the requests' tokens (SamplingInputs.penalty_history), from
         which penalty slots are rebuilt (None: penalized steps go eager); `to_device`: the
-        host-to-device copy of index arrays (default: torch's)."""
+        host-to-device copy of index arrays (default: a pinned, non-blocking one)."""
         self.compute_logits = compute_logits
         self.vocab_size = vocab_size
         self.device = device
@@ -102,7 +111,7 @@ class PostLayer:
         self.buffers = SamplingBuffers(rows, vocab_size, device, max_bias)
         self.chunk_rows = max(1, CHUNK_ELEMENTS // vocab_size)
         self.history = history
-        self.to_device = to_device or (lambda a: torch.from_numpy(a).to(device))
+        self.to_device = to_device or partial(_to_device, device=device)
         self.penalties = None if history is None else PenaltyTable(rows, vocab_size, device)
         # (padded size, plan, masked, biased, penalized) -> graph
         self.graphs: dict[tuple[int, Plan, bool, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -219,22 +228,23 @@ class PostLayer:
 
     def capture(self) -> None:
         """Captures run() for every (size, plan, masked, biased, penalized; penalized only
-        with a penalty table), largest size first (smaller
-        graphs share its memory pool); CUDA only. A failed capture logs a warning and stops:
+        with a penalty table), each variant largest size first (smaller graphs share its
+        memory pool) and the plain variants first; CUDA only. A failed capture logs a
+        warning and ends its variant (its smaller sizes would fail alike), not the others:
         what has no graph runs eagerly."""
         torch.cuda.synchronize()  # the buffers' first upload ran on their own stream
         main = torch.cuda.current_stream()
         stream = torch.cuda.Stream()
         stream.wait_stream(main)
         flags = (False, True)
-        keys = [(size, plan, masked, biased, penalized)
-                for size in sorted(self.sizes, reverse=True) for plan in Plan
-                for masked in flags for biased in flags
-                for penalized in (flags if self.penalties is not None else (False,))]
+        variants = [(plan, masked, biased, penalized) for masked in flags for biased in flags
+                    for penalized in (flags if self.penalties is not None else (False,))
+                    for plan in Plan]
         with torch.inference_mode(), torch.cuda.stream(stream):
-            for key in keys:
-                if not self._capture_one(stream, key):
-                    break
+            for variant in variants:
+                for size in sorted(self.sizes, reverse=True):
+                    if not self._capture_one(stream, (size, *variant)):
+                        break
         main.wait_stream(stream)
         logger.info("captured %d post-layer (LM head + sampling) CUDA graphs", len(self.graphs))
 
