@@ -1,9 +1,10 @@
-"""The post-layer function (LM head + bitmask + bias + sampling from fixed buffers) and its
-buffers: one upload per step, one operation sequence per (size, plan, masked, biased)
-whatever each row's mode, nothing that would make a CUDA host wait (counted with OpAudit,
-never timed); the token edits it folds in give the eager path's tokens; and in the engine
-(CPU, run eagerly) the same tokens as the eager path, with the operations outside the model
-not growing with the batch."""
+"""The post-layer function (LM head + bitmask + token edits + penalties + sampling from
+fixed buffers and per-request tables) and its buffers: one upload per step, one operation
+sequence per (size, plan, masked, edited, penalized) whatever each row's mode and table
+row, nothing that would make a CUDA host wait (counted with OpAudit, never timed); token
+edits and penalties give the eager path's tokens, step after step; and in the engine (CPU,
+run eagerly) the same tokens as the eager path, with the operations outside the model not
+growing with the batch."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from vllm.v1.worker.sampling_inputs import SamplingInputs
 VOCAB = 100
 
 
-def _params(n: int, mode: str, biases: int = 0) -> dict[str, np.ndarray]:
+def _params(n: int, mode: str, table_rows=None) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
     greedy = mode == "greedy"
     return {
@@ -36,19 +37,17 @@ def _params(n: int, mode: str, biases: int = 0) -> dict[str, np.ndarray]:
         "temperature": np.full(n, 0.0 if greedy else 0.8, dtype=np.float32),
         "top_p": np.full(n, 0.7 if mode == "filtered" else 1.0, dtype=np.float32),
         "min_p": np.full(n, 0.1 if mode == "min_p" else 0.0, dtype=np.float32),
-        "bias_rows": rng.integers(0, n, biases, dtype=np.int64),
-        "bias_ids": rng.integers(0, VOCAB, biases, dtype=np.int64),
-        "bias_values": rng.uniform(-100, 100, biases).astype(np.float32),
+        **({} if table_rows is None else {"table_rows": np.asarray(table_rows, dtype=np.int64)}),
     }
 
 
 def test_buffers_take_one_copy_per_step_and_pad_with_off_rows() -> None:
-    buffers = SamplingBuffers(8, VOCAB, torch.device("cpu"), max_bias=4)
+    buffers = SamplingBuffers(8, VOCAB, torch.device("cpu"))
     mask = np.zeros((3, buffers.words), dtype=np.int32)
     mask[2, 0] = 0b1010
     audit = OpAudit("cpu")
     with audit:
-        buffers.stage(_params(3, "filtered", biases=2), [2], 4, mask)
+        buffers.stage(_params(3, "filtered", table_rows=[3, 16, 5]), [2], 4, mask)
     assert audit.counts()["aten.copy_"] == 1 and audit.syncs == []
     rows = buffers.rows(4)
     assert rows.top_k.tolist() == [5, 5, 5, 0]
@@ -56,54 +55,51 @@ def test_buffers_take_one_copy_per_step_and_pad_with_off_rows() -> None:
     assert rows.keys[3].tolist() == [0, 0]
     bits = buffers.bitmask(4)
     assert bits[2, 0] == 0b1010 and (bits[[0, 1, 3]] == -1).all()
-    staged = _params(3, "filtered", biases=2)
-    bias_rows, bias_ids, bias_values = buffers.bias()
-    assert bias_ids.tolist() == staged["bias_ids"].tolist() + [0, 0]
-    assert bias_rows.tolist()[2:] == [0, 0] and bias_values.tolist()[2:] == [0.0, 0.0]
-    buffers.stage(_params(3, "random"), [], 4)  # a step without biases pads every entry
-    assert bias_values.tolist() == [0.0] * 4 and bias_ids.tolist() == [0] * 4
+    # Padding rows read the request tables' spare slot (row 2 x 8).
+    assert buffers.table_rows(4).tolist() == [3, 16, 5, 16]
+    buffers.stage(_params(3, "random"), [], 4)  # no table rows given: all spare
+    assert buffers.table_rows(8).tolist() == [16] * 8
     with pytest.raises(ValueError, match="mask_rows"):
         buffers.stage(None, [4], 4, np.zeros((5, buffers.words), dtype=np.int32))
-    with pytest.raises(ValueError, match="bias_ids"):
-        buffers.stage(_params(3, "random", biases=5), [], 4)
 
 
-def _post_layer(max_rows: int = 8, max_bias: int = 16, history=None) -> PostLayer:
+def _post_layer(max_rows: int = 8, history=None) -> PostLayer:
     head = torch.nn.Linear(16, VOCAB, bias=False).requires_grad_(False)
     torch.nn.init.normal_(head.weight, std=2.0, generator=torch.Generator().manual_seed(0))
     return PostLayer(lambda h: head(h).float(), 16, torch.float32, VOCAB, max_rows,
-                     torch.device("cpu"), torch.Generator().manual_seed(0), max_bias=max_bias,
-                     history=history)
+                     torch.device("cpu"), torch.Generator().manual_seed(0), history=history)
 
 
 @pytest.mark.parametrize("plan", list(Plan))
 def test_one_operation_sequence_per_size_plan_and_grammar(plan: Plan) -> None:
-    """Rows of every mode, any number of bias entries, and any penalty slots and values,
-    staged in turn (and new hidden states): the same operations, none that would wait, so
-    one captured graph replays every step of that size, plan, mask, bias and penalties."""
+    """Rows of every mode and any rows of the request tables (whatever they hold), staged in
+    turn (and new hidden states): the same operations, none that would wait, so one
+    captured graph replays every step of that size, plan, mask, edits and penalties."""
     post = _post_layer(history=lambda states: None)  # no slot is ever rebuilt here
+    tables, g = post.slots, torch.Generator().manual_seed(3)
+    tables.masks.copy_(torch.randint(-(2**31), 2**31, tables.masks.shape, generator=g))
+    tables.bias_ids.random_(0, VOCAB, generator=g)
+    tables.bias_values.uniform_(-100, 100, generator=g)
+    tables.penalty.uniform_(0.5, 2.0, generator=g)
+    tables.counts.random_(0, 3, generator=g)
+    tables.prompt.copy_(torch.rand(tables.prompt.shape, generator=g) < 0.2)
     mask = np.full((4, post.buffers.words), -1, dtype=np.int32)
     mask[1, :2] = 0
-    flags = [(m, b, p) for m in (False, True) for b in (False, True) for p in (False, True)]
+    flags = [(m, e, p) for m in (False, True) for e in (False, True) for p in (False, True)]
     first = {}
-    for masked, biased, penalized in flags:
+    for masked, edited, penalized in flags:
         sequences = []
         for step, mode in enumerate(("greedy", "random", "min_p", "filtered")):
-            params = _params(4, mode, step * 5 if biased else 0)
-            if penalized:  # slot 8 is the spare: rows without a penalty
-                params.update(slots=np.array([8, step, 8, 3 - step]),
-                              repetition=np.full(4, 1.0 + step / 4, dtype=np.float32),
-                              frequency=np.full(4, step / 2, dtype=np.float32),
-                              presence=np.full(4, -step / 3, dtype=np.float32))
-            post.buffers.stage(params, [1] if masked else [], 4, mask)
+            table_rows = [16, 2 * step, 16, 15 - step]  # 16: the spare slot's row
+            post.buffers.stage(_params(4, mode, table_rows), [1] if masked else [], 4, mask)
             post.hidden.normal_()
             audit = OpAudit("cpu")
             with audit:
-                post.run(4, plan, masked, biased, penalized)
+                post.run(4, plan, masked, edited, penalized)
             assert audit.syncs == [] and audit.downloads == []
             sequences.append(audit.ops)
-        assert all(s == sequences[0] for s in sequences), (masked, biased, penalized)
-        first[masked, biased, penalized] = sequences[0]
+        assert all(s == sequences[0] for s in sequences), (masked, edited, penalized)
+        first[masked, edited, penalized] = sequences[0]
         if masked and plan is Plan.GREEDY:
             assert int(post.tokens[1]) >= 64  # the mask forbids the row's first 64 tokens
     # Each flag adds its operations (the graphs differ).
@@ -157,9 +153,9 @@ def _eager_tokens(post, rows, states, grammar, generator, unsettled=list) -> tor
 def test_token_edits_give_the_samplers_tokens() -> None:
     """allowed_token_ids, one-token bad words, logit_bias and a min_tokens ban (active and
     run out), alone and beside a grammar, are served by the post-layer function with the
-    eager path's tokens; each edit shows in the tokens. A bad word of two tokens, or more
-    bias entries than the buffers hold, sends the step to the eager path, drawing nothing."""
-    post = _post_layer(max_bias=6)
+    eager path's tokens; each edit shows in the tokens; so is a bias on every token. A bad
+    word of two tokens sends the step to the eager path, drawing nothing."""
+    post = _post_layer()
     hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(4))
     rows = post.gather(hidden, np.array([2, 4, 6, 8, 10, 12]), torch.from_numpy)
     greedy = post.compute_logits(rows)[:6].argmax(dim=1).tolist()
@@ -195,13 +191,16 @@ def test_token_edits_give_the_samplers_tokens() -> None:
     got = post.sample(rows, states, None, [s.req_id for s in states]).sampled_token_ids
     assert got[3] == stop
     assert torch.equal(got, _eager_tokens(post, rows, states, None, reference))
+    seven = post.gather(hidden, np.arange(1, 8), torch.from_numpy)
     before = post.generator.get_state()
-    for edit in ({"bad_words_token_ids": [[5, 6]]}, {"logit_bias": dict.fromkeys(range(6), 1.0)}):
-        extra = SamplingParams(temperature=1.0, **edit)
-        more = [*states, CachedRequestState("r6", [1], extra, [], 1)]
-        six = post.gather(hidden, np.arange(1, 8), torch.from_numpy)
-        assert post.sample(six, more, None, [s.req_id for s in more]) is None, edit
+    two = SamplingParams(temperature=1.0, bad_words_token_ids=[[5, 6]])
+    more = [*states, CachedRequestState("r6", [1], two, [], 1)]
+    assert post.sample(seven, more, None, [s.req_id for s in more]) is None
     assert torch.equal(post.generator.get_state(), before)
+    every = SamplingParams(temperature=0.0, logit_bias={t: (t % 7) - 3.0 for t in range(VOCAB)})
+    more[-1] = CachedRequestState("r7", [1], every, [], 1)
+    got = post.sample(seven, more, None, [s.req_id for s in more]).sampled_token_ids
+    assert torch.equal(got, _eager_tokens(post, seven, more, None, reference))
 
 
 def test_penalties_give_the_samplers_tokens_step_after_step() -> None:
@@ -398,9 +397,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 def test_cuda_graph_replays_equal_the_eager_function() -> None:
-    """Every captured (size, plan, masked, biased, penalized) graph gives run()'s tokens,
+    """Every captured (size, plan, masked, edited, penalized) graph gives run()'s tokens,
     and sample() makes the host wait for nothing (torch's sync debug mode raises on a
-    synchronisation), a penalty slot's rebuild included."""
+    synchronisation), a slot's tables and a penalty rebuild included."""
     to_cuda = lambda a: torch.from_numpy(a).pin_memory().cuda(non_blocking=True)
     head = torch.nn.Linear(16, VOCAB, bias=False, device="cuda").requires_grad_(False)
     history = SamplingInputs(to_cuda, torch.Generator(), VOCAB, torch.device("cuda"),
@@ -409,20 +408,21 @@ def test_cuda_graph_replays_equal_the_eager_function() -> None:
                      torch.device("cuda"), torch.Generator().manual_seed(0), history=history)
     post.capture()
     assert len(post.graphs) == len(post.sizes) * len(Plan) * 8
-    table = post.penalties
+    table = post.slots
+    table.masks.copy_(torch.randint(-(2**31), 2**31, table.masks.shape, device="cuda"))
+    table.bias_ids.random_(0, VOCAB)
+    table.bias_values.uniform_(-5, 5)
+    table.penalty.uniform_(0.5, 2.0)
     table.counts.random_(0, 3)
     table.prompt.copy_(torch.rand(table.prompt.shape, device="cuda") < 0.1)
     mask = np.zeros((8, post.buffers.words), dtype=np.int32)
     mask[:, 2:] = -1  # the first 64 tokens forbidden
     for key, graph in post.graphs.items():
-        size, plan, masked, biased, penalized = key
-        params = _params(size, plan.value, 3 if biased else 0)
-        if penalized:
-            params.update(slots=np.arange(size, dtype=np.int64),
-                          repetition=np.full(size, 1.3, dtype=np.float32),
-                          frequency=np.full(size, 0.5, dtype=np.float32),
-                          presence=np.full(size, 0.2, dtype=np.float32))
-        post.buffers.stage(params, [size - 1] if masked else [], size, mask)
+        size, plan, masked, _, _ = key
+        table_rows = np.arange(size) * 2 + np.arange(size) % 2
+        table_rows[-1] = 16  # the grammar's row reads the spare slot: tokens past 64 left
+        post.buffers.stage(_params(size, plan.value, table_rows), [size - 1] if masked else [],
+                           size, mask)
         post.buffers.wait_uploaded()  # the upload runs on the buffers' own stream
         post.hidden.normal_()
         counts = table.counts.clone()
@@ -440,7 +440,11 @@ def test_cuda_graph_replays_equal_the_eager_function() -> None:
               for i, t in enumerate((0.0, 0.8, 1.0))]
     states.append(CachedRequestState("r3", [1, 2], SamplingParams(frequency_penalty=1.0),
                                      [], 2, output_token_ids=[5], num_output_tokens=1))
-    rows = post.gather(torch.randn(4, 16, device="cuda"), np.arange(1, 5), to_cuda)
+    edits = SamplingParams(logit_bias={4: 2.0}, allowed_token_ids=[4, 9], min_tokens=3,
+                           stop_token_ids=[9])
+    edits.update_from_model([])
+    states.append(CachedRequestState("r4", [1], edits, [], 1, num_output_tokens=1))
+    rows = post.gather(torch.randn(5, 16, device="cuda"), np.arange(1, 6), to_cuda)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -1,19 +1,18 @@
 """Everything after the layers of a decode step as one fixed sequence of operations.
 
 For a decode step (one new token per request, every request sampling, no drafts) the work
-after the layers is: the LM head over each request's last hidden state, the bitmask (the
-grammar's, with the token bans of allowed_token_ids, one-token bad words and min_tokens
-folded in), logit_bias, penalties, and sampling. Here that work reads only fixed device
-buffers (the hidden rows, the sampling parameters, bias entries and bitmask of
-SamplingBuffers; the edits' fixed form is token_rules.py; each penalized request's token
-counts live in a slot of penalty_table.py, which the function itself keeps current) and
-writes a fixed output buffer, with the operations of ops/dense_sampling.py, so it never
-waits for the device and a CUDA graph per (padded batch size, plan, masked or not, biased
+after the layers is: the LM head over each request's last hidden state, the grammar
+bitmask, the token edits (allowed_token_ids, one-token bad words, the min_tokens ban,
+logit_bias), penalties, and sampling. Here that work reads only fixed device buffers (the
+hidden rows, the sampling parameters and bitmask of SamplingBuffers, and each edited
+request's slot of request_slots.py, whose token counts the function itself keeps current)
+and writes a fixed output buffer, with the operations of ops/dense_sampling.py, so it never
+waits for the device and a CUDA graph per (padded batch size, plan, masked or not, edited
 or not, penalized or not) replays it. Every combination is captured at startup: a request
 that arrives, leaves or changes mode only picks another graph.
 
-What it does not do (logprobs, bad words of several tokens, more logit_bias entries in one
-step than the buffers hold) sends the step back to the eager path: its
+What it does not do (logprobs, bad words of several tokens) sends the step back to the
+eager path: its
 logits are computed from the same hidden rows and the Sampler samples them. Both paths give
 the same tokens: the operations are the Sampler's own fixed-shape path, and the noise keys
 are drawn from the same generator in the same order.
@@ -32,7 +31,6 @@ from functools import partial
 import numpy as np
 import torch
 
-from vllm.sampling_params import MAX_LOGIT_BIAS
 from vllm.v1.core.sched.output import GrammarOutput
 from vllm.v1.sample.ops.dense_sampling import (
     Plan,
@@ -45,9 +43,8 @@ from vllm.v1.sample.sampler import RACE_BLOCK, SamplerOutput
 from vllm.v1.worker.cuda_graph import capture_sizes
 from vllm.v1.worker.gpu_input_batch import CachedRequestState
 from vllm.v1.worker.grammar_bitmask import reorder_bitmask
-from vllm.v1.worker.penalty_table import History, PenaltyTable
+from vllm.v1.worker.request_slots import History, RequestSlots
 from vllm.v1.worker.sampling_buffers import SamplingBuffers
-from vllm.v1.worker.token_rules import bias_entries, masked_rows
 
 logger = logging.getLogger(__name__)
 
@@ -90,16 +87,14 @@ class PostLayer:
         device: torch.device,
         generator: torch.Generator,
         min_rows: int = 1,
-        max_bias: int = MAX_LOGIT_BIAS,
         history: History | None = None,
         to_device: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> None:
         """`min_rows`: the fewest rows the LM head runs on (the runner's padding for batch
         invariance on a CPU); `generator` draws the unseeded rows' noise keys (CPU);
-        `max_bias`: the logit_bias entries one step may hold in all (default: one request's
-        maximum); `history`: the requests' tokens (SamplingInputs.penalty_history), from
-        which penalty slots are rebuilt (None: penalized steps go eager); `to_device`: the
-        host-to-device copy of index arrays (default: a pinned, non-blocking one)."""
+        `history`: the requests' tokens (SamplingInputs.penalty_history), from which
+        penalty counts are rebuilt (None: penalized steps go eager); `to_device`: the
+        host-to-device copy of small arrays (default: a pinned, non-blocking one)."""
         self.compute_logits = compute_logits
         self.vocab_size = vocab_size
         self.device = device
@@ -108,12 +103,11 @@ class PostLayer:
         rows = self.sizes[-1]
         self.hidden = torch.zeros((rows, hidden_size), dtype=dtype, device=device)
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.buffers = SamplingBuffers(rows, vocab_size, device, max_bias)
+        self.buffers = SamplingBuffers(rows, vocab_size, device)
         self.chunk_rows = max(1, CHUNK_ELEMENTS // vocab_size)
-        self.history = history
-        self.to_device = to_device or partial(_to_device, device=device)
-        self.penalties = None if history is None else PenaltyTable(rows, vocab_size, device)
-        # (padded size, plan, masked, biased, penalized) -> graph
+        self.slots = RequestSlots(rows, vocab_size, device,
+                                  to_device or partial(_to_device, device=device), history)
+        # (padded size, plan, masked, edited, penalized) -> graph
         self.graphs: dict[tuple[int, Plan, bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
@@ -131,29 +125,28 @@ class PostLayer:
         idx[: len(ends)] = ends - 1
         return hidden[to_device(idx)]
 
-    def run(self, size: int, plan: Plan, masked: bool, biased: bool = False,
+    def run(self, size: int, plan: Plan, masked: bool, edited: bool = False,
             penalized: bool = False) -> None:
         """The post-layer function over the first `size` rows of the buffers: LM head,
-        bitmask (when `masked`), bias entries (when `biased`), penalties and the count of
-        the sampled tokens (when `penalized`), sampling into self.tokens. Capturable: no
-        host read of a device value, shapes fixed by the arguments."""
+        grammar bitmask (when `masked`), the rows' masks and biases (when `edited`),
+        penalties and the count of the sampled tokens (when `penalized`), sampling into
+        self.tokens. Capturable: no host read of a device value, shapes fixed by the
+        arguments."""
         logits = self.compute_logits(self.hidden[:size]).float()
+        table_rows = self.buffers.table_rows(size)
         if masked:
             apply_dense_bitmask(logits, self.buffers.bitmask(size))
-        if biased:
-            # Padding entries add 0 to row 0's token 0: no logit changes, in any order.
-            rows, ids, values = self.buffers.bias()
-            logits.index_put_((rows, ids), values, accumulate=True)
+        if edited:
+            self.slots.edit(logits, table_rows)
         rows = self.buffers.rows(size)
-        slots, *penalties = self.buffers.penalties(size)
         for lo in range(0, size, self.chunk_rows):
             hi = min(size, lo + self.chunk_rows)
             x = logits[lo:hi]
             if penalized:
-                x = self.penalties.apply(x, slots[lo:hi], *(p[lo:hi] for p in penalties))
+                x = self.slots.penalize(x, table_rows[lo:hi])
             self.tokens[lo:hi] = sample_dense(x, rows.rows(lo, hi), plan, RACE_BLOCK)
         if penalized:
-            self.penalties.record(slots, self.tokens[:size])
+            self.slots.record(table_rows, self.tokens[:size])
 
     def sample(
         self,
@@ -168,49 +161,36 @@ class PostLayer:
         vocabulary or the batch."""
         if not all(dense_ok(s) for s in states):
             return None
+        bitmask, mask_rows = self._bitmask(grammar_output, req_ids)
+        step = self.slots.rows(states)
+        if step is None:
+            return None
         params = [s.sampling_params for s in states]
-        penalized = any(p.has_penalties for p in params)
-        if penalized and self.penalties is None:
-            return None
-        bias = bias_entries(params)
-        if bias is not None and len(bias["bias_ids"]) > self.buffers.max_bias:
-            return None
         positions = [s.num_output_tokens for s in states]
         n, size = len(states), hidden_rows.shape[0]
         all_greedy = all(p.greedy for p in params)
         plan = choose_plan(all_greedy, any(p.top_k != 0 or p.top_p != 1.0 for p in params))
-        bitmask, mask_rows = masked_rows(params, positions, self.vocab_size, self.buffers.words,
-                                         *self._bitmask(grammar_output, req_ids))
         # Drawn exactly when the Sampler would draw them: the generator stays in step.
         keys = (np.zeros((n, 2), dtype=np.int64) if all_greedy else
                 host_noise_keys([p.seed for p in params], positions, self.generator).numpy())
-        extra = dict(bias or {})
-        if penalized:
-            slots = self.penalties.slots(states, self.history, self.to_device)
-            extra.update(
-                slots=slots,
-                repetition=np.asarray([p.repetition_penalty for p in params], dtype=np.float32),
-                frequency=np.asarray([p.frequency_penalty for p in params], dtype=np.float32),
-                presence=np.asarray([p.presence_penalty for p in params], dtype=np.float32),
-            )
         self.buffers.stage({
             "keys": keys,
             "top_k": np.asarray([p.top_k for p in params], dtype=np.int64),
             "temperature": np.asarray([p.temperature for p in params], dtype=np.float32),
             "top_p": np.asarray([p.top_p for p in params], dtype=np.float32),
             "min_p": np.asarray([p.min_p for p in params], dtype=np.float32),
-            **extra,
+            "table_rows": step.table_rows,
         }, mask_rows, size, bitmask)
         self.buffers.wait_uploaded()
         self.hidden[:size].copy_(hidden_rows)
-        key = (size, plan, bool(mask_rows), bias is not None, penalized)
+        key = (size, plan, bool(mask_rows), step.edited, step.penalized)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
         else:
             self.run(*key)
-        if penalized:
-            self.penalties.advance(slots)
+        if step.penalized:
+            self.slots.advance(step)
         self.buffers.mark_read()
         # A copy: the next step's replay rewrites the output buffer.
         return SamplerOutput(self.tokens[:n].clone(), None)
@@ -227,8 +207,8 @@ class PostLayer:
         return reorder_bitmask(grammar_output, {r: i for i, r in enumerate(req_ids)})
 
     def capture(self) -> None:
-        """Captures run() for every (size, plan, masked, biased, penalized; penalized only
-        with a penalty table), each variant largest size first (smaller graphs share its
+        """Captures run() for every (size, plan, masked, edited, penalized; penalized only
+        when penalties are served), each variant largest size first (smaller graphs share its
         memory pool) and the plain variants first; CUDA only. A failed capture logs a
         warning and ends its variant (its smaller sizes would fail alike), not the others:
         what has no graph runs eagerly."""
@@ -237,9 +217,9 @@ class PostLayer:
         stream = torch.cuda.Stream()
         stream.wait_stream(main)
         flags = (False, True)
-        variants = [(plan, masked, biased, penalized) for masked in flags for biased in flags
-                    for penalized in (flags if self.penalties is not None else (False,))
-                    for plan in Plan]
+        penalties = flags if self.slots.counts is not None else (False,)
+        variants = [(plan, masked, edited, penalized) for masked in flags for edited in flags
+                    for penalized in penalties for plan in Plan]
         with torch.inference_mode(), torch.cuda.stream(stream):
             for variant in variants:
                 for size in sorted(self.sizes, reverse=True):
@@ -259,9 +239,9 @@ class PostLayer:
             self.graphs[key] = graph
             return True
         except Exception as e:  # noqa: BLE001 - any capture failure means eager
-            size, plan, masked, biased, penalized = key
-            logger.warning("post-layer CUDA graph capture (batch %d, %s, masked %s, biased %s, "
+            size, plan, masked, edited, penalized = key
+            logger.warning("post-layer CUDA graph capture (batch %d, %s, masked %s, edited %s, "
                            "penalized %s) failed; what has no graph runs eagerly: %s", size,
-                           plan.value, masked, biased, penalized, e)
+                           plan.value, masked, edited, penalized, e)
             torch.cuda.synchronize()
             return False

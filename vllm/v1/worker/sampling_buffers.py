@@ -1,11 +1,10 @@
-"""Persistent device buffers of a step's sampling parameters, logit biases and bitmask.
+"""Persistent device buffers of a step's sampling parameters and grammar bitmask.
 
 The post-layer function (post_layer.py) reads every row's temperature, top-k, top-p, min-p,
-noise key and bitmask, and the step's logit_bias entries, from fixed device addresses, so a
-CUDA graph can replay it. They live in one device byte buffer, and each step fills it with
-ONE host-to-device copy from pinned memory: the parameter sections whole (a few bytes per
-row, and the fixed list of bias entries) and, when a row is masked, the bitmask rows of the
-padded batch. Two pinned host sets alternate, and a set is only
+noise key, row of the request tables (request_slots.py) and bitmask from fixed device
+addresses, so a CUDA graph can replay it. They live in one device byte buffer, and each step
+fills it with ONE host-to-device copy from pinned memory: the parameter sections whole (a
+few bytes per row) and, when a row is constrained, the bitmask rows of the padded batch. Two pinned host sets alternate, and a set is only
 rewritten once the copy that read it has finished, so the host never waits for the device
 and never overwrites memory a copy still reads.
 
@@ -20,49 +19,36 @@ import torch
 
 from vllm.v1.sample.ops.dense_sampling import DenseRows
 
-# name -> (numpy dtype, trailing shape, per row or per bias entry). Widest first, so every
-# section stays aligned.
+# name -> (numpy dtype, trailing shape). Widest first, so every section stays aligned.
 _PARAMS = {
-    "keys": (np.int64, (2,), "row"),
-    "top_k": (np.int64, (), "row"),
-    "slots": (np.int64, (), "row"),
-    "bias_rows": (np.int64, (), "bias"),
-    "bias_ids": (np.int64, (), "bias"),
-    "temperature": (np.float32, (), "row"),
-    "top_p": (np.float32, (), "row"),
-    "min_p": (np.float32, (), "row"),
-    "repetition": (np.float32, (), "row"),
-    "frequency": (np.float32, (), "row"),
-    "presence": (np.float32, (), "row"),
-    "bias_values": (np.float32, (), "bias"),
+    "keys": (np.int64, (2,)),
+    "top_k": (np.int64, ()),
+    "table_rows": (np.int64, ()),
+    "temperature": (np.float32, ()),
+    "top_p": (np.float32, ()),
+    "min_p": (np.float32, ()),
 }
-# What each section holds where no request puts a value (padding): a greedy row, no filters,
-# no penalty (and the penalty table's spare slot, max_rows), and bias entries that add 0 to
-# row 0's token 0 (which leaves every logit as it was).
-_OFF = {"keys": 0, "top_k": 0, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0,
-        "repetition": 1.0, "frequency": 0.0, "presence": 0.0,
-        "bias_rows": 0, "bias_ids": 0, "bias_values": 0.0}
+# What each parameter holds on a row no request uses (padding): a greedy row, no filters, and
+# the request tables' spare slot (no edit), whose row is 2 max_rows.
+_OFF = {"keys": 0, "top_k": 0, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0}
 
 
 class SamplingBuffers:
     """The device buffers (see module docstring) for up to `max_rows` rows of a
-    `vocab_size` vocabulary and `max_bias` logit_bias entries per step."""
+    `vocab_size` vocabulary."""
 
-    def __init__(
-        self, max_rows: int, vocab_size: int, device: torch.device, max_bias: int = 1
-    ) -> None:
-        if max_rows < 1 or vocab_size < 1 or max_bias < 1:
-            raise ValueError(f"max_rows, vocab_size, max_bias: must be positive, got "
-                             f"{max_rows}, {vocab_size}, {max_bias}")
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        if max_rows < 1 or vocab_size < 1:
+            raise ValueError(f"max_rows, vocab_size: must be positive, got {max_rows}, "
+                             f"{vocab_size}")
         self.max_rows = max_rows
-        self.max_bias = max_bias
-        self._off = dict(_OFF, slots=max_rows)
+        self._off = dict(_OFF, table_rows=2 * max_rows)
         self.words = (vocab_size + 31) // 32
         self.device = device
         self._sections: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
         offset = 0
-        for name, (dtype, tail, per) in _PARAMS.items():
-            shape = (max_rows if per == "row" else max_bias, *tail)
+        for name, (dtype, tail) in _PARAMS.items():
+            shape = (max_rows, *tail)
             self._sections[name] = (offset, np.dtype(dtype), shape)
             offset += int(np.prod(shape)) * np.dtype(dtype).itemsize
         self.params_bytes = offset
@@ -98,17 +84,9 @@ class SamplingBuffers:
             keys=self._view(b, "keys")[:n],
         )
 
-    def penalties(self, n: int) -> tuple[torch.Tensor, ...]:
-        """Device views of the first n rows' penalty slot (int64) and repetition, frequency
-        and presence penalties (float32)."""
-        b = self.device_bytes
-        return tuple(self._view(b, name)[:n]
-                     for name in ("slots", "repetition", "frequency", "presence"))
-
-    def bias(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Device views of every bias entry's (row, token id, value), [max_bias] each."""
-        b = self.device_bytes
-        return self._view(b, "bias_rows"), self._view(b, "bias_ids"), self._view(b, "bias_values")
+    def table_rows(self, n: int) -> torch.Tensor:
+        """A device view of the first n rows' rows in the request tables (int64)."""
+        return self._view(self.device_bytes, "table_rows")[:n]
 
     def bitmask(self, n: int) -> torch.Tensor:
         """A device view of the first n rows' bitmasks ([n, words] int32)."""
@@ -122,21 +100,16 @@ class SamplingBuffers:
         bitmask: np.ndarray | None = None,
     ) -> None:
         """Fills the buffers for a step of `padded` rows in one copy. `params` maps each of
-        keys ([n, 2] int64), top_k, temperature, top_p and min_p ([n]) to the values of the
-        first n rows (None: no row), optionally slots, repetition, frequency and presence
-        ([n]) for the penalties, and bias_rows, bias_ids (int64) and
-        bias_values (float32) to the step's logit_bias entries; rows and entries past those
-        given get the 'off' values. `bitmask[r]` is the mask of row r for each r in
-        `mask_rows` (other rows allow every token); with no mask row the bitmask section is
-        left out of the copy.
+        keys ([n, 2] int64), top_k, temperature, top_p, min_p and optionally table_rows
+        (rows in the request tables; [n]) to the values of the first n rows (None: no row);
+        rows past those given get the 'off' values. `bitmask[r]` is the mask of row r for
+        each r in `mask_rows` (other rows allow every token); with no mask row the bitmask
+        section is left out of the copy.
 
-        Raises ValueError when more than max_rows rows or max_bias entries are staged, or a
-        mask row lies past `padded`."""
+        Raises ValueError when more than max_rows rows are staged or a mask row lies past
+        `padded`."""
         if padded > self.max_rows:
             raise ValueError(f"padded: {padded} rows exceed the buffers' {self.max_rows}")
-        entries = len(params["bias_ids"]) if params and "bias_ids" in params else 0
-        if entries > self.max_bias:
-            raise ValueError(f"bias_ids: {entries} entries exceed the buffers' {self.max_bias}")
         if mask_rows and max(mask_rows) >= padded:
             raise ValueError(f"mask_rows: row {max(mask_rows)} is outside {padded} rows")
         turn = self._turn
