@@ -22,7 +22,7 @@ from vllm.attention.kv_cache_dtype import (
     quantize_fp8,
 )
 from vllm.model_executor.model_loader.demo_model import build_demo_model
-from vllm.v1.worker.gpu_model_runner import kv_block_bytes
+from vllm.v1.worker.kv_cache_memory import kv_block_bytes
 
 PROMPTS = [[(7 * i + 3 * k) % 500 + 1 for k in range(4 + 3 * i)] for i in range(8)]
 MAX_TOKENS = 32

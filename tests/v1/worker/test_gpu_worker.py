@@ -32,6 +32,10 @@ def test_a_large_engine_takes_the_fraction_minus_what_others_hold() -> None:
     assert _blocks(free=H200 - held, total=H200, **big) == expected
     # What is already taken counts against --gpu-memory-utilization.
     assert _blocks(free=int(H200 * 0.05), total=H200, **big) == 0
+    # So does what the runner allocates after the cache (the post-layer request tables).
+    reserved = 3 * GiB
+    assert _blocks(free=H200 - held, total=H200, reserved=reserved, **big) == (
+        expected - reserved // BLOCK_BYTES)
 
 
 def test_kv_cache_memory_wins_on_every_device() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -53,8 +52,10 @@ from vllm.v1.worker.grammar_bitmask import apply_grammar_bitmask, grammar_mask
 from vllm.v1.worker.input_buffers import InputBuffers
 from vllm.v1.worker.input_prep import StepInputs, prepare
 from vllm.v1.worker.logits_buffers import LogitsBuffers
+from vllm.v1.worker.kv_cache_memory import kv_block_bytes, zeroed
 from vllm.v1.worker.post_layer import PostLayer, sampler_graphs_enabled
 from vllm.v1.worker.prompt_logprobs import compute_prompt_logprobs
+from vllm.v1.worker.request_slots import table_bytes
 from vllm.v1.worker.sampled_tokens import AsyncOutput, SampledTokens
 from vllm.v1.worker.sampling_inputs import SamplingInputs
 
@@ -69,24 +70,6 @@ logger = logging.getLogger(__name__)
 # of its batch, which async = sync equivalence relies on. Models whose every matrix has a
 # row plan pad to what the plans ask instead, often nothing (layers/batch_invariant_linear.py).
 _CPU_MIN_ROWS = 16
-
-
-def kv_block_bytes(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """Bytes of one KV block (keys and values of block_size tokens) across num_layers
-    layers when the cache stores `dtype`."""
-    return num_layers * block_size * 2 * num_kv_heads * head_dim * dtype.itemsize
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On the CPU its memory comes from calloc (numpy's zeros), whose pages
-    the kernel zeroes on first touch: writing 2 GiB of zeros up front took 3.9 s at
-    startup, and a cache is rarely filled whole."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 class GPUModelRunner:
@@ -220,6 +203,21 @@ class GPUModelRunner:
             self.model.head_dim, self.kv_cache_dtype,
         )
 
+    def _captures_graphs(self) -> bool:
+        """Whether decode steps will replay CUDA graphs."""
+        return (self.device.type == "cuda" and not self.config.model_config.enforce_eager
+                and self.parallel.layout.world_size == 1
+                and self.model.attn_backend_cls.supports_cuda_graphs
+                and getattr(self.model, "supports_cuda_graphs", True)
+                # Each step's adapter rows are host-built index lists a graph cannot replay.
+                and self.lora is None)
+
+    def reserved_bytes(self) -> int:
+        """Device bytes allocated after the KV cache (the post-layer function's request
+        tables), which the cache's sizing must leave free."""
+        post = self._captures_graphs() and self.eagle3 is None and sampler_graphs_enabled()
+        return table_bytes(self.max_num_reqs, self.vocab_size, penalties=True) if post else 0
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocates the paged KV cache (zeroed: padded attention reads must not see NaNs)."""
         assert self.model is not None
@@ -231,15 +229,7 @@ class GPUModelRunner:
         ]
         if self.eagle3 is not None:
             self.eagle3.init_cache(num_blocks, zeroed)
-        if (
-            self.device.type == "cuda"
-            and not self.config.model_config.enforce_eager
-            and self.parallel.layout.world_size == 1
-            and self.model.attn_backend_cls.supports_cuda_graphs
-            and getattr(self.model, "supports_cuda_graphs", True)
-            # Each step's adapter rows are host-built index lists a graph cannot replay.
-            and self.lora is None
-        ):
+        if self._captures_graphs():
             self.graphs = capture_decode_graphs(
                 self.model, self.buffers, self.kv_caches, self.max_num_reqs,
                 self.config.model_config.max_model_len,

@@ -30,6 +30,7 @@ def kv_cache_blocks(
     gpu_memory_utilization: float,
     free: int | None,
     total: int | None,
+    reserved: int = 0,
 ) -> int:
     """The number of KV blocks to allocate (possibly under one sequence; the caller checks).
 
@@ -37,7 +38,8 @@ def kv_cache_blocks(
     given, is the cache's size on every device. Otherwise the cache never grows past what
     max_num_seqs sequences of max_model_len tokens can fill: on a GPU it takes the smaller of
     that and the memory left under --gpu-memory-utilization (less a headroom for activations
-    and the sampler's vocabulary-sized temporaries); on CPU the smaller of that and 2 GiB.
+    and the sampler's vocabulary-sized temporaries, and `reserved` bytes the runner allocates
+    after the cache); on CPU the smaller of that and 2 GiB.
     """
     # Each sequence fills whole blocks: a partly used last block is still a block.
     wanted = max_num_seqs * -(-max_model_len // block_size) * block_bytes
@@ -48,7 +50,8 @@ def kv_cache_blocks(
     else:
         # What others hold (weights, other engines, other processes) counts against the
         # fraction: two engines that each take all they are allowed would not both start.
-        budget = min(wanted, int(total * gpu_memory_utilization) - (total - free) - _GiB)
+        budget = min(wanted, int(total * gpu_memory_utilization) - (total - free) - _GiB
+                     - reserved)
     return max(int(budget // block_bytes), 0)
 
 
@@ -104,6 +107,7 @@ class Worker:
                 block_bytes, cache.block_size, sched.max_num_seqs, sched.max_model_len,
                 kv_cache_memory=cache.kv_cache_memory,
                 gpu_memory_utilization=cache.gpu_memory_utilization, free=free, total=total,
+                reserved=self.model_runner.reserved_bytes(),
             )
         max_len = self.config.model_config.max_model_len
         if num_blocks * cache.block_size < max_len:

@@ -8,7 +8,7 @@ hidden rows, the sampling parameters and bitmask of SamplingBuffers, and each ed
 request's slot of request_slots.py, whose token counts the function itself keeps current)
 and writes a fixed output buffer, with the operations of ops/dense_sampling.py, so it never
 waits for the device and a CUDA graph per (padded batch size, plan, masked or not, edited
-or not, penalized or not) replays it. Every combination is captured at startup: a request
+or not) replays it. Every combination is captured at startup: a request
 that arrives, leaves or changes mode only picks another graph.
 
 What it does not do (logprobs, bad words of several tokens) sends the step back to the
@@ -107,8 +107,8 @@ class PostLayer:
         self.chunk_rows = max(1, CHUNK_ELEMENTS // vocab_size)
         self.slots = RequestSlots(rows, vocab_size, device,
                                   to_device or partial(_to_device, device=device), history)
-        # (padded size, plan, masked, edited, penalized) -> graph
-        self.graphs: dict[tuple[int, Plan, bool, bool, bool], torch.cuda.CUDAGraph] = {}
+        # (padded size, plan, masked, edited) -> graph
+        self.graphs: dict[tuple[int, Plan, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     def padded_size(self, num_rows: int) -> int:
@@ -125,11 +125,10 @@ class PostLayer:
         idx[: len(ends)] = ends - 1
         return hidden[to_device(idx)]
 
-    def run(self, size: int, plan: Plan, masked: bool, edited: bool = False,
-            penalized: bool = False) -> None:
+    def run(self, size: int, plan: Plan, masked: bool, edited: bool = False) -> None:
         """The post-layer function over the first `size` rows of the buffers: LM head,
-        grammar bitmask (when `masked`), the rows' masks and biases (when `edited`),
-        penalties and the count of the sampled tokens (when `penalized`), sampling into
+        grammar bitmask (when `masked`), the rows' masks, biases and penalties and the count
+        of the sampled tokens (when `edited`; penalties when they are served), sampling into
         self.tokens. Capturable: no host read of a device value, shapes fixed by the
         arguments."""
         logits = self.compute_logits(self.hidden[:size]).float()
@@ -138,6 +137,9 @@ class PostLayer:
             apply_dense_bitmask(logits, self.buffers.bitmask(size))
         if edited:
             self.slots.edit(logits, table_rows)
+        # One variant for every edit: rows without penalties read 1 / 0 / 0, which changes
+        # nothing, and halving the graphs matters more than the gathers a bias-only step pays.
+        penalized = edited and self.slots.counts is not None
         rows = self.buffers.rows(size)
         for lo in range(0, size, self.chunk_rows):
             hi = min(size, lo + self.chunk_rows)
@@ -183,14 +185,13 @@ class PostLayer:
         }, mask_rows, size, bitmask)
         self.buffers.wait_uploaded()
         self.hidden[:size].copy_(hidden_rows)
-        key = (size, plan, bool(mask_rows), step.edited, step.penalized)
+        key = (size, plan, bool(mask_rows), step.edited)
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
         else:
             self.run(*key)
-        if step.penalized:
-            self.slots.advance(step)
+        self.slots.advance(step)
         self.buffers.mark_read()
         # A copy: the next step's replay rewrites the output buffer.
         return SamplerOutput(self.tokens[:n].clone(), None)
@@ -207,19 +208,17 @@ class PostLayer:
         return reorder_bitmask(grammar_output, {r: i for i, r in enumerate(req_ids)})
 
     def capture(self) -> None:
-        """Captures run() for every (size, plan, masked, edited, penalized; penalized only
-        when penalties are served), each variant largest size first (smaller graphs share its
-        memory pool) and the plain variants first; CUDA only. A failed capture logs a
-        warning and ends its variant (its smaller sizes would fail alike), not the others:
-        what has no graph runs eagerly."""
+        """Captures run() for every (size, plan, masked, edited), each variant largest size
+        first (smaller graphs share its memory pool) and the plain variants first; CUDA
+        only. A failed capture logs a warning and ends its variant (its smaller sizes would
+        fail alike), not the others: what has no graph runs eagerly."""
         torch.cuda.synchronize()  # the buffers' first upload ran on their own stream
         main = torch.cuda.current_stream()
         stream = torch.cuda.Stream()
         stream.wait_stream(main)
         flags = (False, True)
-        penalties = flags if self.slots.counts is not None else (False,)
-        variants = [(plan, masked, edited, penalized) for masked in flags for edited in flags
-                    for penalized in penalties for plan in Plan]
+        variants = [(plan, masked, edited) for masked in flags for edited in flags
+                    for plan in Plan]
         with torch.inference_mode(), torch.cuda.stream(stream):
             for variant in variants:
                 for size in sorted(self.sizes, reverse=True):
@@ -228,7 +227,7 @@ class PostLayer:
         main.wait_stream(stream)
         logger.info("captured %d post-layer (LM head + sampling) CUDA graphs", len(self.graphs))
 
-    def _capture_one(self, stream, key: tuple[int, Plan, bool, bool, bool]) -> bool:
+    def _capture_one(self, stream, key: tuple[int, Plan, bool, bool]) -> bool:
         try:
             for _ in range(2):  # warm up kernels and the allocator
                 self.run(*key)
@@ -239,9 +238,9 @@ class PostLayer:
             self.graphs[key] = graph
             return True
         except Exception as e:  # noqa: BLE001 - any capture failure means eager
-            size, plan, masked, edited, penalized = key
-            logger.warning("post-layer CUDA graph capture (batch %d, %s, masked %s, edited %s, "
-                           "penalized %s) failed; what has no graph runs eagerly: %s", size,
-                           plan.value, masked, edited, penalized, e)
+            size, plan, masked, edited = key
+            logger.warning("post-layer CUDA graph capture (batch %d, %s, masked %s, edited %s) "
+                           "failed; what has no graph runs eagerly: %s", size, plan.value,
+                           masked, edited, e)
             torch.cuda.synchronize()
             return False

@@ -22,8 +22,8 @@ Each step the host sends one number per row, its table row: 2 s, or 2 s + 1 whil
 holds. A request without edits reads the spare slot (the last): every token allowed, no bias,
 no penalty, which leaves every logit as it was.
 
-Memory: 2 (slots + 1) words x 4 + (slots + 1) x MAX_LOGIT_BIAS x 12 bytes, and with
-penalties (slots + 1) x (V + 1) x 5 bytes.
+Memory (table_bytes): 2 (slots + 1) words x 4 + (slots + 1) x MAX_LOGIT_BIAS x 12 bytes,
+and with penalties (slots + 1) x (V + 1) x 5 bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import torch
 
 from vllm.sampling_params import MAX_LOGIT_BIAS
 from vllm.v1.sample.ops.dense_sampling import apply_dense_bitmask
-from vllm.v1.sample.ops.penalties import pad_token_lists
 from vllm.v1.worker.gpu_input_batch import CachedRequestState
 from vllm.v1.worker.token_rules import (
     allowed_rows,
@@ -60,7 +59,6 @@ class _Entry:
     state: CachedRequestState
     slot: int  # the spare for a request without edits
     min_tokens: int  # 0 when min_tokens bans no token
-    edited: bool  # a mask or a bias
     penalized: bool
 
 
@@ -69,9 +67,15 @@ class StepSlots:
     """A step's rows in the tables."""
 
     table_rows: np.ndarray  # [n] int64: 2 slot (+ 1 while min_tokens holds)
-    edited: bool  # some row has a mask or a bias
-    penalized: bool  # some row has penalties
+    edited: bool  # some row has a slot (a mask, a bias or penalties)
     counting: list[int] = field(default_factory=list)  # the penalized rows' slots
+
+
+def table_bytes(max_rows: int, vocab_size: int, penalties: bool) -> int:
+    """Device bytes of RequestSlots(max_rows, vocab_size, ...), with or without penalties."""
+    n = max_rows + 1
+    size = 2 * n * ((vocab_size + 31) // 32) * 4 + n * MAX_LOGIT_BIAS * 12 + n * 12
+    return size + (n * (vocab_size + 1) * 5 if penalties else 0)
 
 
 class RequestSlots:
@@ -114,7 +118,7 @@ class RequestSlots:
         none are served. Side effects: device operations (a slot's tables, rebuilds);
         slots of requests not in `states` are reused when no slot is free."""
         index = np.empty(len(states), dtype=np.int64)
-        step = StepSlots(index, False, False)
+        step = StepSlots(index, False)
         stale: list[int] = []
         in_step: set[int] | None = None
         for row, state in enumerate(states):
@@ -125,13 +129,12 @@ class RequestSlots:
                 entry = self._admit(state, in_step)
             slot = entry.slot
             index[row] = 2 * slot + (state.num_output_tokens < entry.min_tokens)
-            step.edited |= entry.edited
+            step.edited |= slot != self.spare
             if entry.penalized:
-                step.penalized = True
                 step.counting.append(slot)
                 if self._counted[slot] != state.num_output_tokens:
                     stale.append(row)
-        if step.penalized and self.counts is None:
+        if step.counting and self.counts is None:
             return None
         if stale:
             self._rebuild([states[r] for r in stale], index[stale] // 2)
@@ -147,7 +150,7 @@ class RequestSlots:
         stops = stop_bans(p, self.vocab_size)
         edited = bool(p.allowed_token_ids or p.logit_bias or stops
                       or one_token_bad_words(p, self.vocab_size))
-        entry = _Entry(state, self.spare, p.min_tokens if stops else 0, edited, p.has_penalties)
+        entry = _Entry(state, self.spare, p.min_tokens if stops else 0, p.has_penalties)
         if edited or entry.penalized:
             entry.slot = slot = self._take(in_step)
             self._owner[slot] = entry
@@ -182,7 +185,11 @@ class RequestSlots:
         self.counts[rows] = 0.0
         self.prompt[rows] = False
         self.prompt[rows[:, None], prompt_ids] = True
-        ids = pad_token_lists(output_ids, self.vocab_size, device)
+        width = max(1, max(len(ids) for ids in output_ids))
+        padded = np.full((len(output_ids), width), self.vocab_size, dtype=np.int64)
+        for i, ids in enumerate(output_ids):
+            padded[i, : len(ids)] = ids
+        ids = self.to_device(padded)  # pinned: a long output's copy never stalls the host
         if pending is not None:
             ids = torch.cat([ids, pending], dim=1)
         self.counts.index_put_((rows[:, None].expand_as(ids), ids),
