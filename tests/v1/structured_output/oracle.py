@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from decimal import Decimal
 from fractions import Fraction
-import re
 from typing import Any
 
 import jsonschema
@@ -32,6 +32,13 @@ def _backend(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]):
     return create_backend(StructuredOutputsConfig(), tokenizer, vocab_size, list(eos_ids))
 
 
+def oracle_backend(tokenizer: Any, vocab_size: int = _VOCAB_SIZE,
+                   eos_ids: tuple[int, ...] = _EOS_IDS):
+    """The backend the oracle compiles with (one per process and vocabulary, never the
+    engine's): a test that compiles the same constraints first shares its compiles."""
+    return _backend(tokenizer, vocab_size, tuple(eos_ids))
+
+
 def _exact_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
     """`multipleOf` on the numbers' decimal values, as JSON Schema defines it: jsonschema
     divides binary floats, so it calls 4937.49 no multiple of 0.01 (493748.99999999994)."""
@@ -50,7 +57,7 @@ def validate_json(value: Any, schema: dict[str, Any], format_checker: Any = None
     exact(schema, format_checker=format_checker).validate(value)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _exact(draft: Any) -> Any:
     """`draft`'s validator class with the exact `multipleOf` (built once: building a class
     costs a millisecond, more than most validations)."""
