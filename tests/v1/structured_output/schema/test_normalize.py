@@ -453,3 +453,32 @@ def test_keywords_of_the_wrong_json_type_are_named(schema: dict[str, Any], fragm
     with pytest.raises(GrammarCompileError) as info:
         normalize_json_schema(schema)
     assert fragment in info.value.message
+
+
+def test_a_schema_seen_again_is_not_normalized_again(monkeypatch) -> None:
+    """Remembered by text and options (the admission check and the backend both normalize a
+    request's schema): equal results, each a copy a caller may edit, key order kept; a
+    refusal is raised every time; a schema that is not plain JSON is normalized as it is."""
+    from vllm.v1.structured_output.schema import normalize as module
+
+    calls: list[Any] = []
+    real = module._normalize
+    monkeypatch.setattr(module, "_normalize", lambda *a: calls.append(a) or real(*a))
+    schema = {"type": "object", "properties": {"zeta": {"type": "string"},
+                                               "alpha": {"const": "remembered-7f3"}}}
+    first = normalize_json_schema(schema)
+    first["properties"]["zeta"]["type"] = "edited by a caller"
+    second = normalize_json_schema(schema)
+    assert len(calls) == 1 and second["properties"]["zeta"] == {"type": "string"}
+    assert list(second["properties"]) == ["zeta", "alpha"]
+    closed = normalize_json_schema(schema, disable_additional_properties=True)
+    assert len(calls) == 2 and closed["additionalProperties"] is False
+    refused = {"type": "integer", "minimum": 5, "maximum": 4, "title": "remembered-7f3"}
+    for _ in range(2):
+        with pytest.raises(GrammarCompileError):
+            normalize_json_schema(refused)
+    assert len(calls) == 4
+    odd = {"type": "number", "maximum": float("nan")}  # not JSON: never remembered
+    normalize_json_schema(odd)
+    normalize_json_schema(odd)
+    assert len(calls) == 6

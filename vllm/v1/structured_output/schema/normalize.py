@@ -51,6 +51,8 @@ Pure Python that imports neither xgrammar nor numpy.
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import re
 from typing import Any
 
@@ -120,7 +122,32 @@ def normalize_json_schema(
     unless they set it. Raises GrammarCompileError naming the location when no value can
     satisfy the schema, and UnsupportedConstraintError for a `oneOf` whose branches may
     overlap (unless `one_of_as_any_of`).
+
+    Normalized schemas are remembered by their JSON text (the most recent few hundred): a
+    request's schema is normalized by its admission check and again by its backend, and
+    clients send the same schemas again and again.
     """
+    if isinstance(schema, dict):
+        try:
+            text = json.dumps(schema, allow_nan=False)
+        except (TypeError, ValueError):  # not plain JSON: normalized as it is
+            return _normalize(schema, disable_additional_properties, one_of_as_any_of)
+        # A copy each time: callers may edit what they get.
+        return copy.deepcopy(_normalized(text, disable_additional_properties,
+                                         one_of_as_any_of))
+    return _normalize(schema, disable_additional_properties, one_of_as_any_of)
+
+
+@functools.lru_cache(maxsize=256)
+def _normalized(text: str, disable_additional_properties: bool,
+                one_of_as_any_of: bool) -> dict[str, Any] | bool:
+    """The normalized schema of a schema's JSON text (see normalize_json_schema; errors are
+    raised, never remembered). Shared: never handed out without a copy."""
+    return _normalize(json.loads(text), disable_additional_properties, one_of_as_any_of)
+
+
+def _normalize(schema: Any, disable_additional_properties: bool,
+               one_of_as_any_of: bool) -> dict[str, Any] | bool:
     if schema is False:
         raise GrammarCompileError(_FIELD, "the schema `false` accepts no value")
     if isinstance(schema, bool):
