@@ -22,6 +22,16 @@ _LAYOUT = {
 }
 
 
+def host_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A one-off copy of a small host array to `device` that does not block the host
+    (pinned, non_blocking; the caching host allocator keeps the pinned copy alive until the
+    transfer is done). Zero-copy on CPU."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class InputBuffers:
     """Stages named host arrays into device tensors (see module docstring)."""
 
@@ -81,10 +91,5 @@ class InputBuffers:
         return out
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A one-off copy of a small host array to the device that does not block the host
-        (pinned, non_blocking; the caching host allocator keeps the pinned copy alive until
-        the transfer is done). Zero-copy on CPU."""
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-        if self.on_cpu:
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        """host_to_device on this buffers' device."""
+        return host_to_device(array, self.device)

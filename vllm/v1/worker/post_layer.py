@@ -8,14 +8,13 @@ hidden rows, the sampling parameters and bitmask of SamplingBuffers, and each ed
 request's slot of request_slots.py, whose token counts the function itself keeps current)
 and writes a fixed output buffer, with the operations of ops/dense_sampling.py, so it never
 waits for the device and a CUDA graph per (padded batch size, plan, masked or not, edited
-or not) replays it. Every combination is captured at startup: a request
-that arrives, leaves or changes mode only picks another graph.
+or not) replays it. Every combination is captured at startup: a request that arrives,
+leaves or changes mode only picks another graph.
 
 What it does not do (logprobs, bad words of several tokens) sends the step back to the
-eager path: its
-logits are computed from the same hidden rows and the Sampler samples them. Both paths give
-the same tokens: the operations are the Sampler's own fixed-shape path, and the noise keys
-are drawn from the same generator in the same order.
+eager path: its logits are computed from the same hidden rows and the Sampler samples them.
+Both paths give the same tokens: the operations are the Sampler's own fixed-shape path, and
+the noise keys are drawn from the same generator in the same order.
 
 The runner uses this on CUDA with decode graphs (VLLM_SAMPLER_GRAPHS=0 turns it off); on a
 CPU it runs eagerly, for the tests.
@@ -43,6 +42,7 @@ from vllm.v1.sample.sampler import RACE_BLOCK, SamplerOutput
 from vllm.v1.worker.cuda_graph import capture_sizes
 from vllm.v1.worker.gpu_input_batch import CachedRequestState
 from vllm.v1.worker.grammar_bitmask import reorder_bitmask
+from vllm.v1.worker.input_buffers import host_to_device
 from vllm.v1.worker.request_slots import History, RequestSlots
 from vllm.v1.worker.sampling_buffers import SamplingBuffers
 
@@ -52,14 +52,6 @@ ENV = "VLLM_SAMPLER_GRAPHS"
 # Logits elements per sampling chunk: the temporaries of a full sort and of the race stay
 # about 44 bytes per element, whatever the batch.
 CHUNK_ELEMENTS = 1 << 23
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A copy of a host array on `device` that does not make the host wait (pinned)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def sampler_graphs_enabled() -> bool:
@@ -106,7 +98,7 @@ class PostLayer:
         self.buffers = SamplingBuffers(rows, vocab_size, device)
         self.chunk_rows = max(1, CHUNK_ELEMENTS // vocab_size)
         self.slots = RequestSlots(rows, vocab_size, device,
-                                  to_device or partial(_to_device, device=device), history)
+                                  to_device or partial(host_to_device, device=device), history)
         # (padded size, plan, masked, edited) -> graph
         self.graphs: dict[tuple[int, Plan, bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
@@ -132,11 +124,12 @@ class PostLayer:
         self.tokens. Capturable: no host read of a device value, shapes fixed by the
         arguments."""
         logits = self.compute_logits(self.hidden[:size]).float()
-        table_rows = self.buffers.table_rows(size)
         if masked:
             apply_dense_bitmask(logits, self.buffers.bitmask(size))
         if edited:
-            self.slots.edit(logits, table_rows)
+            table_rows = self.buffers.table_rows(size)
+            slots = self.slots.slots_of(table_rows)
+            self.slots.edit(logits, table_rows, slots)
         # One variant for every edit: rows without penalties read 1 / 0 / 0, which changes
         # nothing, and halving the graphs matters more than the gathers a bias-only step pays.
         penalized = edited and self.slots.counts is not None
@@ -145,10 +138,10 @@ class PostLayer:
             hi = min(size, lo + self.chunk_rows)
             x = logits[lo:hi]
             if penalized:
-                x = self.slots.penalize(x, table_rows[lo:hi])
+                x = self.slots.penalize(x, slots[lo:hi])
             self.tokens[lo:hi] = sample_dense(x, rows.rows(lo, hi), plan, RACE_BLOCK)
         if penalized:
-            self.slots.record(table_rows, self.tokens[:size])
+            self.slots.record(slots, self.tokens[:size])
 
     def sample(
         self,

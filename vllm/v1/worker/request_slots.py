@@ -36,6 +36,7 @@ import torch
 
 from vllm.sampling_params import MAX_LOGIT_BIAS
 from vllm.v1.sample.ops.dense_sampling import apply_dense_bitmask
+from vllm.v1.sample.ops.penalties import pad_token_array
 from vllm.v1.worker.gpu_input_batch import CachedRequestState
 from vllm.v1.worker.token_rules import (
     allowed_rows,
@@ -185,11 +186,8 @@ class RequestSlots:
         self.counts[rows] = 0.0
         self.prompt[rows] = False
         self.prompt[rows[:, None], prompt_ids] = True
-        width = max(1, max(len(ids) for ids in output_ids))
-        padded = np.full((len(output_ids), width), self.vocab_size, dtype=np.int64)
-        for i, ids in enumerate(output_ids):
-            padded[i, : len(ids)] = ids
-        ids = self.to_device(padded)  # pinned: a long output's copy never stalls the host
+        # Pinned: a long output's copy never stalls the host.
+        ids = self.to_device(pad_token_array(output_ids, self.vocab_size))
         if pending is not None:
             ids = torch.cat([ids, pending], dim=1)
         self.counts.index_put_((rows[:, None].expand_as(ids), ids),
@@ -200,23 +198,25 @@ class RequestSlots:
 
     # ---------------------------------------------------------------- device
 
-    def edit(self, logits: torch.Tensor, table_rows: torch.Tensor) -> None:
-        """Applies each row's mask and bias (`table_rows` [n] on the device: rows of masks,
-        halved: slots) to `logits`
-        [n, V] float32 in place. Fixed shapes, no host read."""
+    @staticmethod
+    def slots_of(table_rows: torch.Tensor) -> torch.Tensor:
+        """The slot of each table row (its half), on the device."""
+        return torch.div(table_rows, 2, rounding_mode="floor")
+
+    def edit(self, logits: torch.Tensor, table_rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Applies each row's mask (row `table_rows` of masks) and bias (of its slot) to
+        `logits` [n, V] float32 in place. Fixed shapes, no host read."""
         apply_dense_bitmask(logits, self.masks.index_select(0, table_rows))
-        slots = torch.div(table_rows, 2, rounding_mode="floor")
         ids = self.bias_ids.index_select(0, slots)
         rows = self._arange[: ids.shape[0], None].expand_as(ids)
         # Padding entries add 0 to token 0: no logit changes, in any order.
         logits.index_put_((rows, ids), self.bias_values.index_select(0, slots), accumulate=True)
 
-    def penalize(self, x: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
-        """x [n, V] float32 with each row's penalties applied, as ops/penalties.py applies
-        them (a new tensor): repetition over prompt and output tokens, frequency and
-        presence over output tokens. Fixed shapes, no host read."""
+    def penalize(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """x [n, V] float32 with the penalties of each row's slot applied, as
+        ops/penalties.py applies them (a new tensor): repetition over prompt and output
+        tokens, frequency and presence over output tokens. Fixed shapes, no host read."""
         vocab = x.shape[1]
-        slots = torch.div(table_rows, 2, rounding_mode="floor")
         counts = self.counts.index_select(0, slots)[:, :vocab]
         seen = self.prompt.index_select(0, slots)[:, :vocab] | (counts > 0)
         penalty = self.penalty.index_select(0, slots)
@@ -226,10 +226,9 @@ class RequestSlots:
         cut = x - penalty[:, 1:2] * counts - penalty[:, 2:3]
         return torch.where(counts > 0, cut, x)
 
-    def record(self, table_rows: torch.Tensor, tokens: torch.Tensor) -> None:
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Adds each row's sampled token to its slot's counts. Fixed shapes, no host read.
         (The spare's counts grow too and mean nothing: the rows that read them have no
         penalty, 1 / 0 / 0, which leaves every logit as it was.)"""
-        slots = torch.div(table_rows, 2, rounding_mode="floor")
         self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32),
                                accumulate=True)

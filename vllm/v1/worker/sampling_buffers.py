@@ -4,9 +4,10 @@ The post-layer function (post_layer.py) reads every row's temperature, top-k, to
 noise key, row of the request tables (request_slots.py) and bitmask from fixed device
 addresses, so a CUDA graph can replay it. They live in one device byte buffer, and each step
 fills it with ONE host-to-device copy from pinned memory: the parameter sections whole (a
-few bytes per row) and, when a row is constrained, the bitmask rows of the padded batch. Two pinned host sets alternate, and a set is only
-rewritten once the copy that read it has finished, so the host never waits for the device
-and never overwrites memory a copy still reads.
+few bytes per row) and, when a row is constrained, the bitmask rows of the padded batch.
+Two pinned host sets alternate, and a set is only rewritten once the copy that read it has
+finished, so the host never waits for the device and never overwrites memory a copy still
+reads.
 
 On CUDA the copy runs on a side stream: it may overlap the forward pass queued before it, but
 not the previous step's post-layer work, which still reads the buffer (it waits for that).

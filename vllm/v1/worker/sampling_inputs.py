@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.penalties import pad_token_array
 from vllm.v1.worker.gpu_input_batch import SAMPLING_FLOAT_DTYPE, TOP_K_DTYPE, CachedRequestState
 
 
@@ -117,12 +118,9 @@ class SamplingInputs:
         with vocab_size), the output tokens on the host, and those still on the device."""
         # Tokens whose host copy has not arrived come from the device (never a wait).
         pending_ids = self._pending_output_ids(states)
-        width = max(len(s.prompt_token_ids) for s in states)
-        padded = np.full((len(states), width), self.vocab_size, dtype=np.int64)
-        for i, s in enumerate(states):
-            padded[i, : len(s.prompt_token_ids)] = s.prompt_token_ids
+        prompts = pad_token_array([s.prompt_token_ids for s in states], self.vocab_size)
         output_ids = [list(s.output_token_ids) for s in states]
-        return self.to_device(padded), output_ids, pending_ids
+        return self.to_device(prompts), output_ids, pending_ids
 
     def _unsettled_tokens(
         self, states: list[CachedRequestState]

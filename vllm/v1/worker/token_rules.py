@@ -50,9 +50,8 @@ def allowed_rows(params: SamplingParams, vocab_size: int, words: int) -> np.ndar
         rows[:] = 0
         np.bitwise_or.at(rows[0], word, bit)
         rows[1] = rows[0]
-    for row, ids in ((rows[0], one_token_bad_words(params, vocab_size)),
-                     (rows[1], one_token_bad_words(params, vocab_size)
-                      + stop_bans(params, vocab_size))):
+    bad = one_token_bad_words(params, vocab_size)
+    for row, ids in ((rows[0], bad), (rows[1], bad + stop_bans(params, vocab_size))):
         if ids:
             word, bit = _bits(ids)
             np.bitwise_and.at(row, word, ~bit)

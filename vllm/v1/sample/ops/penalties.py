@@ -16,15 +16,21 @@ def ban_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> N
     logits.index_put_((r, t), torch.tensor(float("-inf"), device=dev))
 
 
-def pad_token_lists(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """Packs ragged token lists into a [len(lists), max_len] int64 tensor padded with `pad`."""
+def pad_token_array(lists: list[list[int]], pad: int) -> np.ndarray:
+    """Packs ragged token lists into a [len(lists), max(max_len, 1)] int64 array padded with
+    `pad`."""
     width = max((len(x) for x in lists), default=0)
     # Filled in numpy: no tensor operation per row (the host cost stays flat in the batch).
     out = np.full((len(lists), max(width, 1)), pad, dtype=np.int64)
     for i, x in enumerate(lists):
         if x:
             out[i, : len(x)] = x
-    return torch.from_numpy(out).to(device, non_blocking=True)
+    return out
+
+
+def pad_token_lists(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """pad_token_array on `device`."""
+    return torch.from_numpy(pad_token_array(lists, pad)).to(device, non_blocking=True)
 
 
 def apply_penalties(
