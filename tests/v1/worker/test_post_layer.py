@@ -69,19 +69,25 @@ def _post_layer(max_rows: int = 8, history=None) -> PostLayer:
                      torch.device("cpu"), torch.Generator().manual_seed(0), history=history)
 
 
+def _fill_tables(tables) -> None:
+    """Random contents in every request table (drawn on the CPU, copied to their device)."""
+    g = torch.Generator().manual_seed(3)
+    tables.masks.copy_(torch.randint(-(2**31), 2**31, tables.masks.shape, generator=g))
+    tables.bias_ids.copy_(torch.randint(0, VOCAB, tables.bias_ids.shape, generator=g))
+    tables.bias_values.copy_(torch.empty(tables.bias_values.shape).uniform_(-100, 100,
+                                                                            generator=g))
+    tables.penalty.copy_(torch.empty(tables.penalty.shape).uniform_(0.5, 2.0, generator=g))
+    tables.counts.copy_(torch.randint(0, 3, tables.counts.shape, generator=g))
+    tables.prompt.copy_(torch.rand(tables.prompt.shape, generator=g) < 0.2)
+
+
 @pytest.mark.parametrize("plan", list(Plan))
 def test_one_operation_sequence_per_size_plan_and_grammar(plan: Plan) -> None:
     """Rows of every mode and any rows of the request tables (whatever they hold), staged in
     turn (and new hidden states): the same operations, none that would wait, so one
     captured graph replays every step of that size, plan, mask and edits."""
     post = _post_layer(history=lambda states: None)  # no slot is ever rebuilt here
-    tables, g = post.slots, torch.Generator().manual_seed(3)
-    tables.masks.copy_(torch.randint(-(2**31), 2**31, tables.masks.shape, generator=g))
-    tables.bias_ids.random_(0, VOCAB, generator=g)
-    tables.bias_values.uniform_(-100, 100, generator=g)
-    tables.penalty.uniform_(0.5, 2.0, generator=g)
-    tables.counts.random_(0, 3, generator=g)
-    tables.prompt.copy_(torch.rand(tables.prompt.shape, generator=g) < 0.2)
+    _fill_tables(post.slots)
     mask = np.full((4, post.buffers.words), -1, dtype=np.int32)
     mask[1, :2] = 0
     flags = [(m, e) for m in (False, True) for e in (False, True)]
@@ -422,12 +428,7 @@ def test_cuda_graph_replays_equal_the_eager_function() -> None:
     post.capture()
     assert len(post.graphs) == len(post.sizes) * len(Plan) * 4
     table = post.slots
-    table.masks.copy_(torch.randint(-(2**31), 2**31, table.masks.shape, device="cuda"))
-    table.bias_ids.random_(0, VOCAB)
-    table.bias_values.uniform_(-5, 5)
-    table.penalty.uniform_(0.5, 2.0)
-    table.counts.random_(0, 3)
-    table.prompt.copy_(torch.rand(table.prompt.shape, device="cuda") < 0.1)
+    _fill_tables(table)
     mask = np.zeros((8, post.buffers.words), dtype=np.int32)
     mask[:, 2:] = -1  # the first 64 tokens forbidden
     for key, graph in post.graphs.items():
